@@ -1,0 +1,1 @@
+"""The systems the harness measures, one module each, each runnable alone (`python -m benchmarks.peers.X`)."""

@@ -1,0 +1,479 @@
+"""What every peer shares: the model as an nn.Module, the command line, timing, memory, result rows.
+
+Every peer trains the same math as SlideDP: `DecoderLM` calls slidedp.model.layers for each
+layer and slidedp.loss for the chunked head, so a difference in throughput is a difference in
+systems, never in models. A peer process measures one configuration and writes one row (a
+JSON object) with `write_row`; anything that goes wrong becomes a row with a status too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import socket
+import subprocess
+import statistics
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from slidedp.loss import chunked_cross_entropy_sum
+from slidedp.model import layers
+from slidedp.model.config import ModelConfig, named_shape
+from slidedp.model.init import INIT_STD, init_tensor_
+
+GIB = 2**30
+CHUNK_TOKENS = 4096  # chunked cross-entropy: tokens per logits chunk (as SlideDP)
+LR, BETAS, EPS, WEIGHT_DECAY = 1e-5, (0.9, 0.95), 1e-8, 0.0  # the same AdamW everywhere
+SHM = "/dev/shm"
+_INIT_BLOCK = 1 << 26  # elements drawn per block by the fast init (256 MiB of fp32)
+
+# ---- the model ---------------------------------------------------------------------------------
+
+
+def _attr(local_name: str) -> str:
+    return local_name.replace(".", "_")  # nn.Module attribute names cannot contain '.'
+
+
+class DecoderLayer(nn.Module):
+    """One decoder layer's parameters (under its local names, '.' -> '_') and its forward.
+
+    Checkpointing sits inside forward, so FSDP2's hooks wrap it from outside (the torchtitan
+    order): the recomputation in backward reads the parameters FSDP has already unsharded.
+    """
+
+    def __init__(self, cfg: ModelConfig, checkpointing: bool = True, device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self.cfg, self.checkpointing = cfg, checkpointing
+        self.local_names = [name for name, _ in cfg.layer_parameter_shapes()]
+        for name, shape in cfg.layer_parameter_shapes():
+            self.register_parameter(_attr(name), nn.Parameter(torch.empty(shape, device=device)))
+
+    def params(self) -> dict[str, torch.Tensor]:
+        return {name: getattr(self, _attr(name)) for name in self.local_names}
+
+    def _run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return layers.decoder_layer(self.cfg, self.params(), x, (cos, sin))
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if self.checkpointing and torch.is_grad_enabled():
+            return checkpoint(self._run, x, cos, sin, use_reentrant=False)
+        return self._run(x, cos, sin)
+
+
+class DecoderLM(nn.Module):
+    """The decoder with its loss: forward(ids [B,T], targets [B,T]) -> fp32 SUM of token losses.
+
+    loss="chunked": slidedp.loss.chunked_cross_entropy_sum (never the full logits);
+    loss="full": the [B*T, V] logits, upcast to fp32, F.cross_entropy (what most trainers do).
+    Under autocast the head runs in the autocast dtype with autocast off, so the custom
+    autograd function sees one dtype in forward and backward.
+    """
+
+    def __init__(self, cfg: ModelConfig, loss: str = "chunked", checkpointing: bool = True,
+                 chunk_tokens: int = CHUNK_TOKENS, device: torch.device | str | None = None) -> None:
+        super().__init__()
+        if loss not in ("chunked", "full"):
+            raise ValueError(f"loss must be 'chunked' or 'full', got {loss!r}")
+        self.cfg, self.loss, self.chunk_tokens = cfg, loss, chunk_tokens
+        h, v = cfg.hidden_size, cfg.vocab_size
+        self.embed_tokens = nn.Parameter(torch.empty(v, h, device=device))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, checkpointing, device) for _ in range(cfg.num_layers))
+        self.norm = nn.Parameter(torch.empty(h, device=device))
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Parameter(torch.empty(v, h, device=device))
+
+    def hf_named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """(Hugging Face name, parameter) for every tensor, in store order."""
+        yield "model.embed_tokens.weight", self.embed_tokens
+        for i, layer in enumerate(self.layers):
+            for name in layer.local_names:
+                yield f"model.layers.{i}.{name}", getattr(layer, _attr(name))
+        yield "model.norm.weight", self.norm
+        if self.lm_head is not None:
+            yield "lm_head.weight", self.lm_head
+
+    @torch.no_grad()
+    def init_weights(self, seed: int = 0, on: str = "") -> None:
+        """Random weights by SlideDP's rules: norms 1, biases 0, matrices N(0, INIT_STD).
+
+        on="" draws every matrix exactly as slidedp.model.init does (same values, same seed):
+        one CPU generator, about 0.1 G values/s, minutes for 4 B parameters. on="cuda" draws
+        the same distribution with a CUDA generator (seconds), in blocks so no big temporary
+        lands on the GPU; timings do not depend on which values the weights hold.
+        """
+        gen = torch.Generator(device=on).manual_seed(seed) if on else None
+        for name, p in self.hf_named_parameters():
+            if gen is None or p.dim() < 2:
+                init_tensor_(name, p, seed)
+            elif p.device.type == on:
+                p.normal_(0.0, INIT_STD, generator=gen)
+            else:
+                flat = p.view(-1)
+                for start in range(0, flat.numel(), _INIT_BLOCK):
+                    block = flat[start : start + _INIT_BLOCK]
+                    block.copy_(torch.empty(block.shape, device=on).normal_(0.0, INIT_STD, generator=gen))
+
+    def forward(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = layers.embed(self.embed_tokens, ids)
+        cos, sin = layers.rope_tables(self.cfg, ids.shape[-1], x.device, x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+        x = layers.final_norm(self.cfg, self.norm, x)
+        head = self.embed_tokens if self.lm_head is None else self.lm_head
+        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+        hidden, weight, tgt = x.reshape(-1, x.shape[-1]).to(dtype), head.to(dtype), targets.reshape(-1)
+        with torch.autocast(x.device.type, enabled=False):
+            if self.loss == "chunked":
+                return chunked_cross_entropy_sum(hidden, weight, tgt, self.chunk_tokens)
+            return F.cross_entropy(F.linear(hidden, weight).float(), tgt, reduction="sum")
+
+
+def random_batch(cfg: ModelConfig, batch: int, seq: int, device: str, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random token ids [B, T+1] cut into inputs and next-token targets (as slidedp.data does)."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, cfg.vocab_size, (batch, seq + 1), generator=g)
+    return tokens[:, :-1].contiguous().to(device), tokens[:, 1:].contiguous().to(device)
+
+
+def micro_batches(ids: torch.Tensor, targets: torch.Tensor, micro: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return list(zip(ids.split(micro), targets.split(micro)))
+
+
+# ---- command line ------------------------------------------------------------------------------
+
+
+def parser(description: str) -> argparse.ArgumentParser:
+    """The flags every peer takes (run.py passes the same ones to each)."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--shape", default="qwen3-4b", help="slidedp named shape (tiny, qwen3-1.7b, qwen3-4b, qwen3-8b, ...)")
+    p.add_argument("--batch", type=int, default=8, help="sequences per optimizer step")
+    p.add_argument("--micro-batch", type=int, default=0, help="sequences per forward/backward (0 = --batch)")
+    p.add_argument("--seq", type=int, default=2048, help="tokens per sequence")
+    p.add_argument("--steps", type=int, default=8, help="optimizer steps in all, warm-up included")
+    p.add_argument("--warmup", type=int, default=3, help="first steps left out of the median")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    p.add_argument("--budget-gib", type=float, default=0.0, help="cap GPU memory (set_per_process_memory_fraction); 0 = none")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--exact-init", action="store_true",
+                   help="draw weights with slidedp.model.init's CPU generator (slow) even on CUDA")
+    p.add_argument("--json", default="", help="write the result row here")
+    return p
+
+
+def check_args(args: argparse.Namespace) -> None:
+    args.micro_batch = args.micro_batch or args.batch
+    if min(args.batch, args.seq, args.steps) < 1 or args.warmup < 0:
+        raise SystemExit("--batch, --seq and --steps must be >= 1 and --warmup >= 0")
+    if args.steps <= args.warmup:
+        raise SystemExit(f"--steps ({args.steps}) must exceed --warmup ({args.warmup}): no step would be measured")
+    if args.batch % args.micro_batch:
+        raise SystemExit(f"--micro-batch ({args.micro_batch}) must divide --batch ({args.batch})")
+
+
+def shape_of(args: argparse.Namespace) -> ModelConfig:
+    return named_shape(args.shape)
+
+
+def init_on(args: argparse.Namespace) -> str:
+    """The `on` argument of DecoderLM.init_weights: a CUDA generator unless asked for the exact one."""
+    return "cuda" if args.device == "cuda" and not args.exact_init else ""
+
+
+# ---- measuring ---------------------------------------------------------------------------------
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+class Stopwatch:
+    """Wall time of CUDA-synchronized sections, accumulated per label within a step."""
+
+    def __init__(self, device: str) -> None:
+        self.device, self.totals = device, {}
+
+    def section(self, label: str) -> "_Section":
+        return _Section(self, label)
+
+
+class _Section:
+    def __init__(self, watch: Stopwatch, label: str) -> None:
+        self.watch, self.label = watch, label
+
+    def __enter__(self) -> None:
+        sync(self.watch.device)
+        self.t0 = time.perf_counter()
+
+    def __exit__(self, *exc: object) -> None:
+        sync(self.watch.device)
+        self.watch.totals[self.label] = self.watch.totals.get(self.label, 0.0) + time.perf_counter() - self.t0
+
+
+def timed_steps(step: Callable[[Stopwatch], float | None], steps: int, device: str,
+                log: Callable[[str], None] | None = None) -> tuple[list[float], list[dict[str, float]], list[float]]:
+    """Run `step` `steps` times: (wall s per step, per-step section totals, per-step losses).
+
+    `step(watch)` runs one optimizer step, may time parts of it with watch.section(label), and
+    returns the step's loss (a float) or None. Each step is timed between two synchronizations.
+    """
+    times, sections, losses = [], [], []
+    for i in range(steps):
+        watch = Stopwatch(device)
+        sync(device)
+        t0 = time.perf_counter()
+        loss = step(watch)
+        sync(device)
+        times.append(time.perf_counter() - t0)
+        sections.append(watch.totals)
+        losses.append(float("nan") if loss is None else float(loss))
+        if log:
+            extra = "".join(f" {k} {v:.3f} s" for k, v in watch.totals.items())
+            log(f"step {i}: {times[-1]:.3f} s loss {losses[-1]:.4f}{extra}")
+    return times, sections, losses
+
+
+def median_after_warmup(values: list[float], warmup: int) -> float:
+    return statistics.median(values[warmup:])
+
+
+class HostMemory:
+    """Peak host memory while a system runs, sampled in a background thread.
+
+    rss: private resident memory (RSS minus file-backed and shared pages) summed over this
+    process and its children (SlideDP's launcher, daemons and workers), so shared memory
+    mapped by several processes is not counted once per process; shm: /dev/shm used above
+    the level at start (counted once); used: the host's total - available above the level
+    at start, which also catches memory that RSS misses (pinned CUDA host allocations).
+    """
+
+    def __init__(self, interval: float = 0.25) -> None:
+        self.interval = interval
+        self.shm_base, self.used_base = shm_used(), host_used()
+        self.rss_peak = self.shm_peak = self.used_peak = 0
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="host-memory", daemon=True)
+
+    def start(self) -> "HostMemory":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._done.set()
+        self.sample()
+
+    def _loop(self) -> None:
+        while not self._done.wait(self.interval):
+            self.sample()
+
+    def sample(self) -> None:
+        self.rss_peak = max(self.rss_peak, tree_private_rss())
+        self.shm_peak = max(self.shm_peak, shm_used() - self.shm_base)
+        self.used_peak = max(self.used_peak, host_used() - self.used_base)
+
+    def fill(self, row: dict[str, Any]) -> None:
+        self.sample()
+        row.update(host_rss_gib=self.rss_peak / GIB, shm_gib=self.shm_peak / GIB, host_used_gib=self.used_peak / GIB)
+
+
+def tree_private_rss() -> int:
+    try:
+        import psutil
+    except ImportError:
+        return 0
+    me = psutil.Process()
+    total = 0
+    for proc in (me, *me.children(recursive=True)):
+        try:
+            info = proc.memory_info()
+            total += info.rss - getattr(info, "shared", 0)
+        except psutil.Error:
+            pass  # exited meanwhile
+    return total
+
+
+def host_used() -> int:
+    try:
+        import psutil
+    except ImportError:
+        return 0
+    vm = psutil.virtual_memory()
+    return vm.total - vm.available
+
+
+def shm_used() -> int:
+    try:
+        return shutil.disk_usage(SHM).used
+    except OSError:
+        return 0
+
+
+def apply_gpu_budget(budget_gib: float, device: str) -> float | None:
+    """Cap this process's caching allocator at budget_gib; returns the fraction set (None: no cap)."""
+    if device != "cuda" or budget_gib <= 0:
+        return None
+    total = torch.cuda.get_device_properties(0).total_memory
+    fraction = min(1.0, budget_gib * GIB / total)
+    torch.cuda.set_per_process_memory_fraction(fraction, 0)
+    return fraction
+
+
+def gpu_memory(device: str) -> dict[str, float]:
+    if device != "cuda" or not torch.cuda.is_available():
+        return {}
+    return {
+        "gpu_peak_gib": torch.cuda.max_memory_allocated() / GIB,
+        "gpu_reserved_peak_gib": torch.cuda.max_memory_reserved() / GIB,
+    }
+
+
+def is_oom(e: BaseException) -> bool:
+    oom_types = tuple(t for t in (getattr(torch, "OutOfMemoryError", None), getattr(torch.cuda, "OutOfMemoryError", None)) if t)
+    text = str(e).lower()
+    return isinstance(e, oom_types) or any(s in text for s in (
+        "out of memory", "cublas_status_alloc_failed", "can't allocate memory", "cudaerrormemoryallocation"))
+
+
+# ---- result rows -------------------------------------------------------------------------------
+
+
+def batch_text(args: argparse.Namespace) -> str:
+    micro = args.micro_batch or args.batch
+    return f"{args.batch}x{args.seq}" + (f" (micro {micro})" if micro != args.batch else "")
+
+
+def base_row(system: str, config: str, args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        "system": system,
+        "config": config,
+        "status": "running",
+        "shape": args.shape,
+        "batch": args.batch,
+        "micro_batch": args.micro_batch or args.batch,
+        "seq": args.seq,
+        "tokens_per_step": args.batch * args.seq,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "device": args.device,
+        "gpu_budget_gib": args.budget_gib or None,
+        "init": "cuda generator" if init_on(args) else "slidedp.model.init",
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+    }
+
+
+def device_name(device: str, local_gpu: bool = True) -> str:
+    """The GPU's name (through nvidia-smi when this process must not touch CUDA), else the CPU's."""
+    if device == "cuda" and local_gpu and torch.cuda.is_available():
+        return torch.cuda.get_device_name(0)
+    if device == "cuda":
+        try:
+            out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                                 text=True, timeout=30)
+            return out.stdout.strip().splitlines()[0]
+        except (OSError, subprocess.SubprocessError, IndexError):
+            return "unknown GPU"
+    return platform.processor() or platform.machine()
+
+
+def fill_measurements(row: dict[str, Any], times: list[float], sections: list[dict[str, float]],
+                      losses: list[float], warmup: int) -> None:
+    step_s = median_after_warmup(times, warmup)
+    row.update(step_s=step_s, tokens_per_s=row["tokens_per_step"] / step_s, step_times_s=times, losses=losses)
+    for label in sorted({k for s in sections for k in s}):
+        row[f"{label}_s"] = median_after_warmup([s.get(label, 0.0) for s in sections], warmup)
+
+
+def fill_memory(row: dict[str, Any], device: str, host: HostMemory) -> None:
+    row.update(gpu_memory(device))
+    host.fill(row)
+
+
+def write_row(row: dict[str, Any], path: str) -> None:
+    """Print the row as one line and write it (atomically) where --json says."""
+    text = json.dumps(row, indent=1, default=str)
+    if path:
+        tmp = Path(path).with_suffix(".tmp")
+        tmp.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(text + "\n")
+        os.replace(tmp, path)
+    short = {k: row.get(k) for k in ("system", "status", "tokens_per_s", "step_s", "gpu_peak_gib", "host_rss_gib")}
+    print("RESULT " + json.dumps(short, default=str), flush=True)
+
+
+def last_line(text: str) -> str:
+    """The last non-empty line of some output (usually the exception that ended it)."""
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    return lines[-1][:500] if lines else "(no output)"
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+class Skip(Exception):
+    """The system cannot run here (not installed, needs CUDA): a row that says why, not a failure."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def single_process_env() -> None:
+    """torch.distributed env:// settings for a world of one (kept if the caller set them)."""
+    for key, value in (("MASTER_ADDR", "127.0.0.1"), ("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
+        os.environ.setdefault(key, value)
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
+
+
+def run_peer(system: str, config: str, args: argparse.Namespace,
+             body: Callable[[dict[str, Any], HostMemory], None], needs_cuda: bool = True, local_gpu: bool = True) -> int:
+    """Run one measurement and always write a row: ok, skipped, out of memory or failed.
+
+    `body(row, host)` builds the system, runs the steps and fills the row's numbers.
+    local_gpu=False: the GPU work happens in child processes (SlideDP's launcher), so this
+    process sets no memory cap and opens no CUDA context. Returns the process exit code
+    (0 for ok and skipped rows).
+    """
+    row = base_row(system, config, args)
+    host = HostMemory().start()
+    try:
+        if args.device == "cuda" and not torch.cuda.is_available():
+            row["status"] = "skipped: CUDA is not available"
+        elif args.device == "cpu" and needs_cuda:
+            row["status"] = f"skipped: {system} needs CUDA"
+        else:
+            row["device_name"] = device_name(args.device, local_gpu)
+            if local_gpu:
+                row["gpu_budget_fraction"] = apply_gpu_budget(args.budget_gib, args.device)
+            body(row, host)
+            row["status"] = "ok"
+    except Skip as e:
+        row["status"] = f"skipped: {e}"
+    except Exception as e:  # noqa: BLE001 -- every failure becomes a row, never a lost run
+        tail = "".join(traceback.format_exception(e))[-3000:]
+        row["status"] = "out of memory" if is_oom(e) else f"failed: {type(e).__name__}"
+        row["error"] = str(e)[:2000] or type(e).__name__
+        row["traceback"] = tail
+        print(tail, file=sys.stderr, flush=True)
+        try:
+            fill_memory(row, args.device if local_gpu else "cpu", host)  # how far it got
+        except Exception:  # noqa: BLE001
+            pass
+    host.stop()
+    write_row(row, args.json)
+    return 0 if row["status"] == "ok" or row["status"].startswith("skipped") else 1

@@ -1,0 +1,91 @@
+"""FSDP2 + CPUOffloadPolicy peer: PyTorch's own way to train from host memory on one GPU.
+
+World size 1 (env:// init; NCCL on CUDA, gloo on CPU), `fully_shard` on every layer and on
+the root, MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32), CPUOffloadPolicy()
+(sharded fp32 parameters, gradients and AdamW state in pinned host memory), torch AdamW on
+the CPU: fused (--fused, the default) or foreach (--no-fused). The optimizer step is timed
+separately (row key optimizer_s).
+
+    python -m benchmarks.peers.fsdp2_offload --shape qwen3-4b --batch 8 --seq 2048 --steps 6 --warmup 2 --json OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from benchmarks.peers import common
+
+
+def _fsdp():
+    try:  # public since torch 2.6
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+    except ImportError:
+        from torch.distributed._composable.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+    return CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+
+def measure(args: argparse.Namespace, row: dict[str, Any], host: common.HostMemory) -> None:
+    CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard = _fsdp()
+    from torch.distributed.device_mesh import init_device_mesh
+
+    cfg, device = common.shape_of(args), args.device
+    common.single_process_env()
+    if device == "cuda":
+        torch.cuda.set_device(0)
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method="env://", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh(device, (1,))
+        model = common.DecoderLM(cfg, loss=args.loss, device="cpu")  # offloaded: the state lives on the host
+        model.init_weights(args.seed, on=common.init_on(args))
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        offload = CPUOffloadPolicy(pin_memory=device == "cuda")  # pinning needs CUDA
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh, mp_policy=mp, offload_policy=offload)
+        fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=offload)
+        kind = {"fused": True} if args.fused else {"foreach": True}
+        opt = torch.optim.AdamW(model.parameters(), lr=common.LR, betas=common.BETAS, eps=common.EPS,
+                                weight_decay=common.WEIGHT_DECAY, **kind)
+        ids, targets = common.random_batch(cfg, args.batch, args.seq, device, args.seed)
+        batches, n_tokens = common.micro_batches(ids, targets, args.micro_batch), ids.numel()
+        row["parameters"] = cfg.num_parameters()
+        row["cpu_threads"] = torch.get_num_threads()
+
+        def step(watch: common.Stopwatch) -> float:
+            total = torch.zeros((), device=device)
+            for mb_ids, mb_targets in batches:
+                loss = model(mb_ids, mb_targets) / n_tokens
+                loss.backward()
+                total += loss.detach()
+            with watch.section("optimizer"):  # synchronized first: the offloaded grads have landed
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            return total.item()
+
+        times, sections, losses = common.timed_steps(step, args.steps, device, common.log)
+        common.fill_measurements(row, times, sections, losses, args.warmup)
+        common.fill_memory(row, device, host)
+    finally:
+        dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = common.parser(__doc__.split("\n\n")[0])
+    p.add_argument("--fused", action=argparse.BooleanOptionalAction, default=True,
+                   help="fused CPU AdamW (default); --no-fused: foreach, torch's default")
+    p.add_argument("--loss", choices=("full", "chunked"), default="chunked")
+    args = p.parse_args(argv)
+    common.check_args(args)
+    system = "fsdp2_offload" if args.fused else "fsdp2_offload_foreach"
+    opt = "fused" if args.fused else "foreach"
+    pin = "" if args.device == "cuda" else " (unpinned)"
+    config = f"{common.batch_text(args)}, bf16/fp32 reduce, CPUOffloadPolicy{pin}, CPU AdamW {opt}, {args.loss} CE"
+    return common.run_peer(system, config, args, lambda row, host: measure(args, row, host), needs_cuda=False)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

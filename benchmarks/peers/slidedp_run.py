@@ -1,0 +1,272 @@
+"""SlideDP itself, measured through its launcher exactly as a user runs it.
+
+Writes a job file (model: random weights of the shape; data: a .npy of random token ids;
+no final checkpoint; a store that does not persist), runs `python -m slidedp.launch.cli JOB`
+as a child process, then reduces `<run dir>/metrics.jsonl` (one JSON object per step) like
+the other peers: the median of the steps after warm-up. A failed launch is a row carrying
+the tail of the launcher's output.
+
+    python -m benchmarks.peers.slidedp_run --shape qwen3-4b --batch 8 --seq 2048 --steps 6 --warmup 2 --json OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from benchmarks.peers import common
+from slidedp.config import MemorySection
+
+ROOT = Path(__file__).resolve().parents[2]
+METRIC_KEYS = ("step", "step_s", "tokens", "tokens_per_s", "gpu_peak_bytes", "host_rss_bytes", "shm_bytes",
+               "predicted_step_s")
+
+
+class Terminated(Exception):
+    pass
+
+
+def job_dict(args: argparse.Namespace, data: Path, run_dir: Path, name: str) -> dict[str, dict[str, Any]]:
+    """The job file as sections (slidedp/config.py's schema), before --set overrides."""
+    dtype = args.compute_dtype or ("bf16" if args.device == "cuda" else "fp32")
+    job: dict[str, dict[str, Any]] = {
+        "model": {"source": "random", "shape": args.shape, "init_seed": args.seed},
+        "data": {"path": str(data), "format": "npy"},
+        # The peers' optimizer: constant lr, no weight decay, no clipping (none of them clips).
+        "train": {"steps": args.steps, "global_batch": args.batch, "micro_batch": args.micro_batch,
+                  "seq_len": args.seq, "lr": common.LR, "schedule": "constant", "weight_decay": common.WEIGHT_DECAY,
+                  "beta1": common.BETAS[0], "beta2": common.BETAS[1], "eps": common.EPS, "max_grad_norm": 0.0,
+                  "seed": args.seed, "compute_dtype": dtype},
+        "store": {"name": name, "persist": False},
+        "checkpoint": {"final": False},
+        "run": {"name": name, "dir": str(run_dir)},
+        "runtime": {"device": args.device, "workers": 1, "timeout_s": args.wait_timeout},
+    }
+    if args.budget_gib > 0:  # else SlideDP's own default budget
+        job["memory"] = {"gpu_budget_gib": args.budget_gib}
+    for item in args.set:
+        key, eq, raw = item.partition("=")
+        section, dot, field = key.strip().partition(".")
+        if not (eq and dot and section and field):
+            raise SystemExit(f"--set {item!r}: expected section.key=value, e.g. store.shadow_bf16=true")
+        try:
+            value = tomllib.loads(f"v = {raw.strip()}")["v"]
+        except tomllib.TOMLDecodeError:
+            value = raw.strip()
+        job.setdefault(section, {})[field] = value
+    return job
+
+
+def to_toml(job: dict[str, dict[str, Any]]) -> str:
+    def value(v: Any) -> str:
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, (int, float)):
+            return repr(v)
+        if isinstance(v, str):
+            return json.dumps(v)  # a JSON string is a valid TOML basic string
+        raise TypeError(f"cannot write {v!r} to TOML")
+
+    out = []
+    for section, table in job.items():
+        out.append(f"[{section}]")
+        out += [f"{k} = {value(v)}" for k, v in table.items()]
+        out.append("")
+    return "\n".join(out)
+
+
+def write_tokens(path: Path, cfg_vocab: int, n: int, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    np.save(path, rng.integers(0, cfg_vocab, size=n, dtype=np.int32), allow_pickle=False)
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """The per-step records (objects with step and step_s), in step order; other lines are skipped."""
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(rec, dict) and "step" in rec and "step_s" in rec:
+            records.append(rec)
+    return sorted(records, key=lambda r: r["step"])
+
+
+def reduce_metrics(records: list[dict[str, Any]], warmup: int, row: dict[str, Any]) -> None:
+    """Fill the row from per-step records as the other peers fill theirs."""
+    measured = records[warmup:]
+    if not measured:
+        raise RuntimeError(f"metrics.jsonl has {len(records)} step records; none after the {warmup} warm-up steps")
+    step_s = statistics.median(float(r["step_s"]) for r in measured)
+    tokens = int(measured[-1].get("tokens") or row["tokens_per_step"])
+    row.update(step_s=step_s, tokens_per_step=tokens, tokens_per_s=tokens / step_s,
+               step_times_s=[float(r["step_s"]) for r in records],
+               losses=[r.get("loss") for r in records])
+    predicted = [float(r["predicted_step_s"]) for r in measured if r.get("predicted_step_s") is not None]
+    if predicted:
+        row["predicted_step_s"] = statistics.median(predicted)
+    # Host memory comes from the harness's own sampling of the launcher's process tree (as for
+    # every peer); the launcher's view is kept beside it.
+    for key, out in (("gpu_peak_bytes", "gpu_peak_gib"), ("host_rss_bytes", "metrics_host_rss_gib"),
+                     ("shm_bytes", "metrics_shm_gib")):
+        values = [float(r[key]) for r in records if r.get(key) is not None]
+        if values:
+            row[out] = max(values) / common.GIB
+    skipped = sum(1 for r in records if r.get("skipped"))
+    if skipped:
+        row["skipped_steps"] = skipped  # non-finite loss: SlideDP skipped the update
+    missing = [k for k in METRIC_KEYS if k not in measured[-1]]
+    if missing:
+        row["metrics_missing_keys"] = missing
+
+
+def run_launcher(cmd: list[str], cwd: Path, env: dict[str, str], timeout: float, log_path: Path) -> tuple[int | None, str]:
+    """Run the launcher in its own process group, echo and log its output.
+
+    Returns (exit code, or None when it ran past `timeout`; the last lines of its output).
+    """
+    tail: collections.deque[str] = collections.deque(maxlen=60)
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            errors="replace", start_new_session=True)
+    timed_out = threading.Event()
+
+    def on_timeout() -> None:
+        timed_out.set()
+        _stop(proc)
+
+    timer = threading.Timer(timeout, on_timeout)
+    timer.start()
+    try:
+        with open(log_path, "w") as log:
+            for line in proc.stdout:  # type: ignore[union-attr]
+                log.write(line)
+                tail.append(line)
+                sys.stderr.write(line)
+        rc = proc.wait()
+    finally:
+        timer.cancel()
+        if proc.poll() is None:  # we are being stopped ourselves: take the launcher with us
+            _stop(proc)
+    return (None if timed_out.is_set() else rc), "".join(tail)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGTERM the launcher's process group (it stops its daemons and workers), SIGKILL after 20 s."""
+    for sig, grace in ((signal.SIGTERM, 20.0), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(grace)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def remove_leftover_segments(store: str) -> list[str]:
+    """This job's store segments still in /dev/shm after the launcher exited (persist = false)."""
+    left = sorted(glob.glob(f"{common.SHM}/slidedp.{store}.*"))
+    for path in left:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+    return [os.path.basename(p) for p in left]
+
+
+def measure(args: argparse.Namespace, row: dict[str, Any], host: common.HostMemory) -> None:
+    cfg = common.shape_of(args)
+    work = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="slidedp-bench-"))
+    work.mkdir(parents=True, exist_ok=True)
+    name = f"bench-{os.getpid()}"  # unique: never attaches to a stale store of an earlier run
+    # A fresh run dir per run: the launcher appends to metrics.jsonl, and a reused --workdir must not mix runs.
+    data, run_dir, job_path = work / "tokens.npy", work / name, work / f"{name}.toml"
+    write_tokens(data, cfg.vocab_size, args.steps * args.batch * args.seq + 1, args.seed)
+    job_path.write_text(to_toml(job_dict(args, data, run_dir, name)))
+    row.update(job_file=str(job_path), run_dir=str(run_dir), init=f"SlideDP store (random, seed {args.seed})")
+    # Run from the work dir with the repo root LAST on the path: an installed slidedp (with its
+    # slidedp.launch and slidedp.daemons) wins over the source tree, whose launch/ is outside slidedp/.
+    env = dict(os.environ)
+    path = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and Path(p).resolve() != ROOT]
+    env["PYTHONPATH"] = os.pathsep.join([*path, str(ROOT)])
+    env["PYTHONUNBUFFERED"] = "1"
+    cmd = [sys.executable, "-m", args.launcher, *args.launch_arg, str(job_path)]
+    row["command"] = " ".join(cmd)
+    common.log(f"running {row['command']} (in {work})")
+    try:
+        rc, tail = run_launcher(cmd, work, env, args.timeout, work / "launcher.log")
+    finally:  # a store that outlived its job would hold host RAM through the next systems' runs
+        leftovers = remove_leftover_segments(name)
+        if leftovers:
+            row["leftover_segments_removed"] = leftovers
+    row["launcher_exit_code"] = rc
+    metrics = run_dir / "metrics.jsonl"
+    records = read_metrics(metrics) if metrics.is_file() else []
+    if records:
+        try:
+            reduce_metrics(records, args.warmup, row)
+        except RuntimeError:
+            pass  # too few steps: the failure below says why
+    row["output_tail"] = tail
+    last = common.last_line(tail)
+    if rc is None:
+        raise TimeoutError(f"the launcher ran past --timeout {args.timeout:.0f} s: {last}")
+    if rc != 0:
+        oom = "out of memory: " if common.is_oom(RuntimeError(tail)) else ""  # run_peer makes it an OOM row
+        raise RuntimeError(f"{oom}the launcher exited with code {rc}: {last}")
+    if not records:
+        raise RuntimeError(f"the launcher exited 0 but {metrics} has no step records: {last}")
+    reduce_metrics(records, args.warmup, row)
+    row["metrics_file"] = str(metrics)
+    host.fill(row)
+
+
+def run(argv: list[str] | None = None) -> int:
+    """Parse the flags, measure, write the row; the exit code (main without the signal handler)."""
+    p = common.parser(__doc__.split("\n\n")[0])
+    p.add_argument("--compute-dtype", choices=("", "bf16", "fp32"), default="",
+                   help="train.compute_dtype ('' = bf16 on CUDA, fp32 on CPU)")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override a job-file key (repeatable), e.g. --set store.shadow_bf16=true")
+    p.add_argument("--launch-arg", action="append", default=[], help="extra argument for the launcher (repeatable)")
+    p.add_argument("--launcher", default="slidedp.launch.cli", help="module run as `python -m MODULE [ARGS] JOB`")
+    p.add_argument("--workdir", default="", help="where the job file, tokens and run dir go (default: a new temp dir)")
+    p.add_argument("--timeout", type=float, default=3000.0, help="seconds before the launcher is stopped")
+    p.add_argument("--wait-timeout", type=float, default=600.0, help="runtime.timeout_s of the job (every wait)")
+    args = p.parse_args(argv)
+    common.check_args(args)
+    budget = args.budget_gib if args.budget_gib > 0 else MemorySection().gpu_budget_gib
+    budget = f"budget {budget:g} GiB" + ("" if args.budget_gib > 0 else " (SlideDP's default)")
+    config = f"{common.batch_text(args)}, 1 worker, {budget}" + "".join(f", {s}" for s in args.set)
+    # local_gpu=False: this process must not open a CUDA context of its own beside SlideDP's workers.
+    return common.run_peer("slidedp", config, args, lambda row, host: measure(args, row, host),
+                           needs_cuda=False, local_gpu=False)
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    raise Terminated("SIGTERM (the harness's per-system timeout?)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    signal.signal(signal.SIGTERM, _on_sigterm)  # run.py's timeout: the finally blocks stop the launcher too
+    return run(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,347 @@
+"""The side-by-side benchmark: every system on the same model, batch and tokens, one table last.
+
+    python -m benchmarks.run --shape qwen3-4b --batch 8 --seq 2048 --steps 8 --warmup 3 \\
+        --systems slidedp,gpu_resident,gpu_resident_chunked,fsdp2_offload,deepspeed \\
+        --budget-gib 24 --out benchmarks/results/NAME.json
+
+Each system runs as its own child process (a fresh CUDA context each), one after the other,
+under a per-system timeout. Whatever happens to a system (out of memory, not installed,
+crashed, timed out) is a row that says so. After every system the JSON file is rewritten,
+so a run cut short keeps what it measured; `--merge A.json B.json` joins runs made in
+separate commands into one table. `--device cpu --shape tiny` is the CPU smoke version.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import datetime
+import json
+import os
+import platform
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class System:
+    module: str  # run as `python -m module`
+    args: tuple[str, ...] = ()
+
+
+SYSTEMS: dict[str, System] = {
+    "slidedp": System("benchmarks.peers.slidedp_run"),
+    "gpu_resident": System("benchmarks.peers.gpu_resident", ("--loss", "full")),
+    "gpu_resident_chunked": System("benchmarks.peers.gpu_resident", ("--loss", "chunked")),
+    "fsdp2_offload": System("benchmarks.peers.fsdp2_offload", ("--fused",)),
+    "fsdp2_offload_foreach": System("benchmarks.peers.fsdp2_offload", ("--no-fused",)),
+    "deepspeed": System("benchmarks.peers.deepspeed_offload"),
+}
+DEFAULT_SYSTEMS = "slidedp,gpu_resident,gpu_resident_chunked,fsdp2_offload,deepspeed"
+COLUMNS = ("system", "config", "tokens/s", "step s", "vs GPU-resident", "GPU peak GiB", "host RSS + shm GiB", "status")
+
+
+# ---- running one system ------------------------------------------------------------------------
+
+
+def peer_argv(args: argparse.Namespace, json_path: Path) -> list[str]:
+    """The flags every peer takes (benchmarks.peers.common.parser)."""
+    argv = ["--shape", args.shape, "--batch", str(args.batch), "--seq", str(args.seq), "--steps", str(args.steps),
+            "--warmup", str(args.warmup), "--device", args.device, "--seed", str(args.seed), "--json", str(json_path)]
+    if args.micro_batch:
+        argv += ["--micro-batch", str(args.micro_batch)]
+    if args.budget_gib:
+        argv += ["--budget-gib", str(args.budget_gib)]
+    if args.exact_init:
+        argv += ["--exact-init"]
+    return argv
+
+
+def run_system(name: str, system: System, args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
+    """Run one system in a child process and return its row (a failure row if it wrote none)."""
+    json_path = log_dir / f"{name}.json"
+    json_path.unlink(missing_ok=True)
+    extra = []
+    if name == "slidedp":  # its job file, tokens, run dir and metrics.jsonl stay beside the logs
+        extra = ["--workdir", str(log_dir / "slidedp-work"), *(a for s in args.slidedp_set for a in ("--set", s))]
+    cmd = [sys.executable, "-m", system.module, *system.args, *peer_argv(args, json_path), *extra]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+    say(f"=== {name}: {shlex.join(cmd)}")
+    t0 = time.monotonic()
+    rc, timed_out, tail = _run(cmd, env, args.timeout, log_dir / f"{name}.log", prefix=f"[{name}] ",
+                               echo=not args.quiet)
+    wall = time.monotonic() - t0
+    row = _read_row(json_path)
+    if row is None or timed_out:  # it wrote no row, or one from before it was stopped
+        row = {**(row or {}), "status": _failure_status(rc, timed_out, args.timeout), "error": _last_line(tail),
+               "output_tail": tail[-4000:]}
+    row.setdefault("config", " ".join(system.args))
+    row["system"] = name
+    row.update(command=shlex.join(cmd), exit_code=rc, wall_s=wall, log=str(log_dir / f"{name}.log"))
+    say(f"=== {name}: {row['status']} in {wall:.0f} s")
+    return row
+
+
+def _failure_status(rc: int | None, timed_out: bool, timeout: float) -> str:
+    if timed_out:
+        return f"timeout after {timeout:.0f} s"
+    if rc is not None and rc < 0:
+        try:
+            sig = signal.Signals(-rc).name
+        except ValueError:
+            sig = f"signal {-rc}"
+        hint = " (host out of memory?)" if -rc == signal.SIGKILL else ""
+        return f"failed: killed by {sig}{hint}"
+    return f"failed: exit code {rc}, no result row"
+
+
+def _last_line(text: str) -> str:
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    return lines[-1][:500] if lines else "(no output)"
+
+
+def _read_row(path: Path) -> dict[str, Any] | None:
+    try:
+        row = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return row if isinstance(row, dict) and "status" in row else None
+
+
+def _run(cmd: list[str], env: dict[str, str], timeout: float, log_path: Path, prefix: str,
+         echo: bool) -> tuple[int | None, bool, str]:
+    """Run cmd in its own process group; tee its output to log_path (and stderr); kill the group on timeout."""
+    tail: collections.deque[str] = collections.deque(maxlen=80)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            errors="replace", start_new_session=True)
+    timed_out = threading.Event()
+
+    def stop() -> None:
+        timed_out.set()
+        _stop_group(proc)
+
+    timer = threading.Timer(timeout, stop)
+    timer.start()
+    try:
+        with open(log_path, "w") as log:
+            for line in proc.stdout:  # type: ignore[union-attr]
+                log.write(line)
+                log.flush()
+                tail.append(line)
+                if echo:
+                    sys.stderr.write(prefix + line)
+        rc = proc.wait()
+    finally:
+        timer.cancel()
+        if proc.poll() is None:  # interrupted ourselves: leave no orphan on the GPU
+            _stop_group(proc)
+    return rc, timed_out.is_set(), "".join(tail)
+
+
+def _stop_group(proc: subprocess.Popen) -> None:
+    """SIGTERM the child's process group (SlideDP's peer stops its launcher on it), SIGKILL after 30 s."""
+    for sig, grace in ((signal.SIGTERM, 30.0), (signal.SIGKILL, 10.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(grace)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+# ---- the table ---------------------------------------------------------------------------------
+
+
+def add_ratios(rows: list[dict[str, Any]]) -> float | None:
+    """Set each row's vs_gpu_resident against the first gpu_resident* row that ran; returns its tokens/s."""
+    base = next((r["tokens_per_s"] for r in rows
+                 if str(r.get("system", "")).startswith("gpu_resident") and r.get("status") == "ok"
+                 and r.get("tokens_per_s")), None)
+    for r in rows:
+        ok = base and r.get("status") == "ok" and r.get("tokens_per_s")
+        r["vs_gpu_resident"] = r["tokens_per_s"] / base if ok else None
+    return base
+
+
+def _num(v: Any, fmt: str) -> str:
+    return "" if v is None else format(v, fmt)
+
+
+def _secs(v: Any) -> str:
+    return "" if v is None else format(v, ".2f" if v >= 1 else ".3g")
+
+
+def status_text(row: dict[str, Any]) -> str:
+    """The status, and for a failure the first line of its error (the rest is in the JSON and the log)."""
+    status = str(row.get("status", "?"))
+    if status != "ok" and not status.startswith("skipped") and row.get("error"):
+        status += " -- " + str(row["error"]).strip().splitlines()[0]
+    status = " ".join(status.split())
+    return status if len(status) <= 140 else status[:137] + "..."
+
+
+def table_rows(rows: list[dict[str, Any]]) -> list[tuple[str, ...]]:
+    out = []
+    for r in rows:
+        step = _secs(r.get("step_s"))
+        if step and r.get("optimizer_s") is not None:
+            step += f" (optimizer {_secs(r['optimizer_s'])})"
+        if step and r.get("predicted_step_s") is not None:
+            step += f" (predicted {_secs(r['predicted_step_s'])})"
+        host = ""
+        if r.get("host_rss_gib") is not None or r.get("shm_gib") is not None:
+            host = f"{r.get('host_rss_gib') or 0:.1f} + {r.get('shm_gib') or 0:.1f}"
+        out.append((
+            str(r.get("system", "?")), str(r.get("config", "")), _num(r.get("tokens_per_s"), ",.0f"), step,
+            _num(r.get("vs_gpu_resident"), ".2f") + ("x" if r.get("vs_gpu_resident") is not None else ""),
+            _num(r.get("gpu_peak_gib"), ".1f"), host, status_text(r),
+        ))
+    return out
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    """A Markdown table (pastes into docs as is)."""
+    body = table_rows(rows)
+    widths = [max(len(c), *(len(b[i]) for b in body)) if body else len(c) for i, c in enumerate(COLUMNS)]
+    right = {2, 3, 4, 5, 6}
+
+    def line(cells: tuple[str, ...]) -> str:
+        return "| " + " | ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths))) + " |"
+
+    sep = "|" + "|".join(("-" * (w + 1) + ":") if i in right else "-" * (w + 2) for i, w in enumerate(widths)) + "|"
+    return "\n".join([line(COLUMNS), sep, *(line(b) for b in body)])
+
+
+# ---- the JSON ----------------------------------------------------------------------------------
+
+
+def environment(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    try:
+        import psutil
+
+        ram = psutil.virtual_memory().total / GIB
+    except ImportError:
+        ram = None
+    try:
+        done = subprocess.run(["git", "rev-parse", "--verify", "-q", "HEAD"], cwd=ROOT, capture_output=True,
+                              text=True, timeout=10)
+        commit = done.stdout.strip() if done.returncode == 0 else None
+    except (OSError, subprocess.SubprocessError):
+        commit = None
+    gpu = next((r["device_name"] for r in rows if r.get("device_name") and r.get("device") == "cuda"), None)
+    torch_version = next((r["torch"] for r in rows if r.get("torch")), None)
+    if torch_version is None:
+        try:
+            import torch
+
+            torch_version = torch.__version__
+        except ImportError:
+            pass
+    return {"torch": torch_version, "gpu": gpu, "host": socket.gethostname(), "cpus": os.cpu_count(),
+            "host_ram_gib": ram, "python": platform.python_version(), "platform": platform.platform(),
+            "git_commit": commit}
+
+
+def write_json(path: Path, rows: list[dict[str, Any]], command: str, settings: dict[str, Any], complete: bool) -> None:
+    add_ratios(rows)
+    doc = {
+        "command": command,
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "complete": complete,
+        "settings": settings,
+        **environment(rows),
+        "columns": list(COLUMNS),
+        "table": [dict(zip(COLUMNS, cells)) for cells in table_rows(rows)],
+        "table_markdown": format_table(rows),
+        "rows": rows,
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(doc, indent=1, default=str) + "\n")
+    os.replace(tmp, path)
+
+
+def say(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+# ---- main --------------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description="Side-by-side throughput of SlideDP and its peers (one table last).")
+    p.add_argument("--shape", default="qwen3-4b")
+    p.add_argument("--batch", type=int, default=8, help="sequences per optimizer step")
+    p.add_argument("--micro-batch", type=int, default=0, help="sequences per forward/backward (0 = --batch)")
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--steps", type=int, default=8, help="optimizer steps per system, warm-up included")
+    p.add_argument("--warmup", type=int, default=3, help="first steps left out of the median")
+    p.add_argument("--systems", default=DEFAULT_SYSTEMS, help=f"comma-separated, from: {', '.join(SYSTEMS)}")
+    p.add_argument("--budget-gib", type=float, default=0.0, help="GPU memory cap for every system; 0 = none")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: the smoke version (--shape tiny)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--exact-init", action="store_true", help="peers draw weights with slidedp.model.init (slow)")
+    p.add_argument("--slidedp-set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override a key of SlideDP's job file (repeatable)")
+    p.add_argument("--timeout", type=float, default=1200.0, help="seconds per system before it is stopped")
+    p.add_argument("--out", default="", help="JSON result file (default benchmarks/results/<shape>-<date>.json)")
+    p.add_argument("--quiet", action="store_true", help="do not echo the systems' output (it is in the logs)")
+    p.add_argument("--merge", nargs="+", metavar="JSON", help="join earlier result files into one table; runs nothing")
+    args = p.parse_args(argv)
+    if not args.merge:
+        names = [s.strip() for s in args.systems.split(",") if s.strip()]
+        unknown = [s for s in names if s not in SYSTEMS]
+        if unknown or not names:
+            p.error(f"unknown system(s) {', '.join(unknown) or '(none given)'}; known: {', '.join(SYSTEMS)}")
+        args.system_names = names
+        if args.steps <= args.warmup:
+            p.error(f"--steps ({args.steps}) must exceed --warmup ({args.warmup})")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    command = shlex.join([Path(sys.executable).name, "-m", "benchmarks.run", *(sys.argv[1:] if argv is None else argv)])
+    if args.merge:
+        rows = [r for path in args.merge for r in json.loads(Path(path).read_text())["rows"]]
+        if args.out:
+            write_json(Path(args.out), rows, command, {"merged_from": args.merge}, complete=True)
+        add_ratios(rows)
+        print(format_table(rows), flush=True)
+        return 0
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    out = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / f"{args.shape}-{stamp}.json"
+    log_dir = out.with_name(out.stem + ".logs")
+    log_dir.mkdir(parents=True, exist_ok=True)
+    settings = {k: getattr(args, k) for k in ("shape", "batch", "micro_batch", "seq", "steps", "warmup", "budget_gib",
+                                              "device", "seed", "exact_init", "slidedp_set", "timeout")}
+    settings["systems"] = args.system_names
+    rows: list[dict[str, Any]] = []
+    try:
+        for name in args.system_names:
+            rows.append(run_system(name, SYSTEMS[name], args, log_dir))
+            write_json(out, rows, command, settings, complete=False)  # a run cut short keeps what it has
+    finally:
+        write_json(out, rows, command, settings, complete=len(rows) == len(args.system_names))
+        say(f"wrote {out} (logs in {log_dir})")
+        print(format_table(rows), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

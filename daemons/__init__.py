@@ -1,0 +1,1 @@
+"""The daemons (installed as slidedp.daemons)."""

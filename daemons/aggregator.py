@@ -1,0 +1,334 @@
+"""slidedp-aggregator: sums the ranks' gradients of each chunk and hands the chunk to the updater pool.
+
+It is the hub of the data plane: workers, updaters and the launcher connect to its ROUTER.
+Per chunk and step it counts the ranks' gradient arrivals (no barrier, no global lock),
+sums them in fp32 into the reduction space (skipped for one rank without clipping: the
+updater reads the rank's slot directly), returns slot credits, gathers the global
+gradient norm, agrees with every rank on a finite loss before backward, and commits a
+step once all of its chunks are updated. `AggregatorCore` is the logic; `serve` the socket.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import signal
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+import zmq
+
+from slidedp import daemonlock
+from slidedp import log as slog
+from slidedp.jobrecord import JobRecord
+from slidedp.protocol import (ROLE_LAUNCHER, ROLE_UPDATER, ROLE_WORKER, SOURCE_NONE, SOURCE_RANK_SLOT, SOURCE_REDUCE,
+                              Ack, Credit, Fault, Go, Grad, Hello, JobEnd, JobStart, Loss, Message, Norm, Ready,
+                              StepDone, Update, Updated)
+from slidedp.sdnotify import Watchdog, notify
+from slidedp.store.layout import Layout
+from slidedp.store.rings import GradRings
+from slidedp.store.store import HostStore
+from slidedp.transport import bind_router, identity, recv_router, send
+
+log = slog.get("aggregator")
+
+Outbox = list[tuple[bytes, Message]]
+
+
+def assign_updaters(layout: Layout, count: int) -> list[int]:
+    """Chunk -> updater index: contiguous ranges of about equal parameter count (NUMA locality, balance)."""
+    total = sum(c.numel for c in layout.chunks)
+    out, acc = [], 0
+    for c in layout.chunks:
+        out.append(min(count - 1, acc * count // total))
+        acc += c.numel
+    return out
+
+
+@dataclass
+class _Step:
+    losses: dict[int, Loss] = field(default_factory=dict)
+    loss: float = math.nan
+    skipped: bool = False
+    sqnorm: float = 0.0
+    reduced: int = 0
+    updated: int = 0
+    t0: float = field(default_factory=time.perf_counter)
+
+
+class AggregatorCore:
+    def __init__(self, store_name: str) -> None:
+        self.store_name = store_name
+        self.job: JobRecord | None = None
+        self.store: HostStore | None = None
+        self.rings: GradRings | None = None
+        self.updaters: list[bytes] = []
+        self.owner: list[int] = []
+        self.arrivals: dict[tuple[int, int], list[Grad]] = {}
+        self.free_reduce: list[int] = []
+        self.waiting: deque[tuple[int, int, list[Grad]]] = deque()
+        self.steps: dict[int, _Step] = {}
+        self.workers: set[bytes] = set()
+        self.launcher: bytes | None = None
+        self.reduce_s = 0.0
+
+    # ---- job -----------------------------------------------------------------------------
+    def start_job(self, job: JobRecord, updaters: int) -> None:
+        self.end_job()
+        self.store = HostStore.attach(self.store_name)
+        if self.store.layout.hash() != job.layout_hash:
+            raise RuntimeError(f"store {self.store_name!r} layout does not match the job's")
+        self.rings = GradRings.open(self.store_name)
+        if self.rings.world != job.world:
+            raise RuntimeError(f"gradient rings are for {self.rings.world} ranks, the job has {job.world}")
+        self.job = job
+        self.updaters = [identity("u", i) for i in range(updaters)]
+        self.owner = assign_updaters(self.store.layout, updaters)
+        self.free_reduce = [] if self.rings.full_reduce else list(range(self.rings.reduce_slots))
+        self.arrivals.clear()
+        self.waiting.clear()
+        self.steps.clear()
+        self.reduce_s = 0.0
+
+    def end_job(self) -> None:
+        if self.rings is not None:
+            self.rings.close()
+        if self.store is not None:
+            self.store.close()
+        self.job = self.store = self.rings = None
+
+    @property
+    def world(self) -> int:
+        assert self.job is not None
+        return self.job.world
+
+    def _step(self, step: int) -> _Step:
+        return self.steps.setdefault(step, _Step())
+
+    def _to_workers(self, msg: Message) -> Outbox:
+        return [(identity("w", r), msg) for r in range(self.world)]
+
+    def _to_owner(self, chunk: int, msg: Message) -> Outbox:
+        return [(self.updaters[self.owner[chunk]], msg)]
+
+    # ---- events --------------------------------------------------------------------------
+    def on_loss(self, msg: Loss) -> Outbox:
+        if self.job is None or msg.rank >= self.world:
+            raise ValueError(f"Loss from rank {msg.rank} outside the job")
+        st = self._step(msg.step)
+        st.losses[msg.rank] = msg
+        if len(st.losses) < self.world:
+            return []
+        tokens = sum(m.tokens for m in st.losses.values())
+        st.loss = sum(m.loss_sum for m in st.losses.values()) / max(tokens, 1)
+        st.skipped = not all(m.finite for m in st.losses.values()) or not math.isfinite(st.loss)
+        out = self._to_workers(Go(msg.step, int(st.skipped), st.loss))
+        if st.skipped:
+            log.warning("step %d: non-finite loss on a rank; skipping the step everywhere", msg.step)
+            assert self.store is not None
+            for c in self.store.layout.chunks:
+                out += self._to_owner(c.id, Update(c.id, msg.step, SOURCE_NONE, 0, 0))
+        return out
+
+    def on_grad(self, msg: Grad) -> Outbox:
+        if self.job is None or msg.rank >= self.world or self.store is None or msg.chunk >= len(self.store.layout.chunks):
+            raise ValueError(f"Grad {msg} outside the job")
+        key = (msg.chunk, msg.step)
+        arrived = self.arrivals.setdefault(key, [])
+        if any(g.rank == msg.rank for g in arrived):
+            raise ValueError(f"duplicate Grad from rank {msg.rank} for chunk {msg.chunk} step {msg.step}")
+        arrived.append(msg)
+        if len(arrived) < self.world:
+            return []
+        del self.arrivals[key]
+        return self._reduce(msg.chunk, msg.step, sorted(arrived, key=lambda g: g.rank))
+
+    def _reduce(self, chunk_id: int, step: int, grads: list[Grad]) -> Outbox:
+        assert self.store is not None and self.rings is not None and self.job is not None
+        chunk = self.store.layout.chunks[chunk_id]
+        st = self._step(step)
+        if self.world == 1 and not self.rings.full_reduce:
+            sq = grads[0].sqnorm
+            out: Outbox = self._to_owner(chunk_id, Update(chunk_id, step, SOURCE_RANK_SLOT, grads[0].rank, grads[0].slot))
+        else:
+            if not self.rings.full_reduce and not self.free_reduce:
+                self.waiting.append((chunk_id, step, grads))
+                return []
+            j = 0 if self.rings.full_reduce else self.free_reduce.pop()
+            t0 = time.perf_counter()
+            dst = self.rings.reduce_slot(j, chunk)
+            srcs = [self.rings.slot(g.rank, g.slot, chunk.numel) for g in grads]
+            if len(srcs) == 1:
+                dst.copy_(srcs[0])
+                sq = grads[0].sqnorm
+            else:
+                torch.add(srcs[0], srcs[1], out=dst)
+                for s in srcs[2:]:
+                    dst.add_(s)
+                sq = float(torch.dot(dst, dst))
+            self.reduce_s += time.perf_counter() - t0
+            out = [(identity("w", g.rank), Credit(g.rank, g.slot)) for g in grads]
+            out += self._to_owner(chunk_id, Update(chunk_id, step, SOURCE_REDUCE, 0, j))
+        st.sqnorm += sq
+        st.reduced += 1
+        if st.reduced == len(self.store.layout.chunks) and self.job.clip:
+            norm = math.sqrt(st.sqnorm)
+            out += [(u, Norm(step, norm)) for u in self.updaters]
+        return out
+
+    def on_updated(self, msg: Updated) -> Outbox:
+        if self.job is None or self.store is None:
+            raise ValueError("Updated outside a job")
+        out: Outbox = self._to_workers(Ready(msg.chunk, msg.step + 1))
+        if msg.source == SOURCE_RANK_SLOT:
+            out.append((identity("w", msg.rank), Credit(msg.rank, msg.slot)))
+        elif msg.source == SOURCE_REDUCE and not self.rings.full_reduce:  # type: ignore[union-attr]
+            self.free_reduce.append(msg.slot)
+            if self.waiting:
+                out += self._reduce(*self.waiting.popleft())
+        st = self._step(msg.step)
+        st.updated += 1
+        if st.updated == len(self.store.layout.chunks):
+            self.store.manifest.set_committed_step(msg.step + 1)
+            del self.steps[msg.step]
+            if self.launcher is not None:
+                out.append((self.launcher, StepDone(msg.step, st.loss, math.sqrt(st.sqnorm) if not st.skipped else math.nan,
+                                                    int(st.skipped), self.reduce_s)))
+        return out
+
+
+class _Stop:
+    requested = False
+
+
+@dataclass
+class _PendingStart:
+    launcher: bytes
+    record: JobRecord
+    acks: set[int] = field(default_factory=set)
+    sent: bool = False
+    deadline: float = 0.0
+    pool: int = 0
+
+
+def serve(store_name: str, timeout_s: float = 120.0) -> int:
+    lock_fd = daemonlock.acquire(store_name, "aggregator")
+    core = AggregatorCore(store_name)
+    ctx = zmq.Context()
+    sock = bind_router(ctx, store_name, "agg")
+    stop = _Stop()
+    signal.signal(signal.SIGTERM, lambda s, f: setattr(stop, "requested", True))
+    signal.signal(signal.SIGINT, lambda s, f: setattr(stop, "requested", True))
+    watchdog = Watchdog()
+    pool = 0  # updater pool size, learned from the updaters' Hello
+    present: set[int] = set()
+    pending: _PendingStart | None = None
+    ending: tuple[bytes, set[int]] | None = None
+    notify("READY=1", f"STATUS=aggregating for store {store_name}")
+    log.info("aggregator for store %s up (pid %d)", store_name, os.getpid())
+
+    def deliver(out: Outbox) -> None:
+        for to, m in out:
+            try:
+                send(sock, m, to=to)
+            except zmq.ZMQError as e:  # a vanished peer: the launcher's process watcher reports it
+                level = log.debug if isinstance(m, (Credit, Ready)) else log.warning  # workers that finished
+                level("could not send %s to %r: %s", type(m).__name__, to, e)
+
+    try:
+        while not stop.requested:
+            watchdog.maybe_ping()
+            if pending is not None and not pending.sent and pool and len(present) >= pool:
+                for i in range(pool):
+                    deliver([(identity("u", i), JobStart(0, pending.record.to_json()))])
+                pending.sent, pending.pool = True, pool
+            if pending is not None and time.monotonic() > pending.deadline:
+                deliver([(pending.launcher, Ack(0, f"updater pool not ready: {len(pending.acks)} of {pool or '?'} "
+                                                   f"updater process(es) answered within {timeout_s:.0f} s "
+                                                   f"(is `slidedp-updater --store {store_name}` running?)"))])
+                pending = None
+            if not sock.poll(100):
+                continue
+            item = recv_router(sock)
+            if item is None:
+                continue
+            peer, msg = item
+            try:
+                if isinstance(msg, Grad):
+                    deliver(core.on_grad(msg))
+                elif isinstance(msg, Updated):
+                    deliver(core.on_updated(msg))
+                elif isinstance(msg, Loss):
+                    deliver(core.on_loss(msg))
+                elif isinstance(msg, Hello):
+                    if msg.role == ROLE_UPDATER:
+                        pool = msg.size
+                        present.add(msg.rank)
+                    elif msg.role == ROLE_WORKER:
+                        core.workers.add(peer)
+                    elif msg.role == ROLE_LAUNCHER:
+                        core.launcher = peer
+                elif isinstance(msg, JobStart):
+                    core.launcher = peer
+                    pending = _PendingStart(peer, JobRecord.from_json(msg.text), deadline=time.monotonic() + timeout_s)
+                elif isinstance(msg, JobEnd):
+                    core.end_job()
+                    ending = (peer, set())
+                    deliver([(identity("u", i), JobEnd(0, "")) for i in range(pool)])
+                    if not pool:
+                        deliver([(peer, Ack(1, "job ended"))])
+                        ending = None
+                elif isinstance(msg, Ack) and peer.startswith(b"u"):
+                    index = int(peer[1:])
+                    if not msg.ok:
+                        log.error("updater %d failed: %s", index, msg.text)
+                        if core.launcher is not None:
+                            deliver([(core.launcher, Fault(ROLE_UPDATER, index, msg.text))])
+                    elif pending is not None and pending.sent:
+                        pending.acks.add(index)
+                        if len(pending.acks) == pending.pool:
+                            core.start_job(pending.record, pending.pool)
+                            deliver([(pending.launcher, Ack(1, f"job started with {pending.pool} updater(s)"))])
+                            log.info("job %s started: %d rank(s), %d updater(s)", pending.record.job,
+                                     pending.record.world, pending.pool)
+                            pending = None
+                    elif ending is not None:
+                        ending[1].add(index)
+                        if len(ending[1]) == pool:
+                            deliver([(ending[0], Ack(1, "job ended"))])
+                            ending = None
+                elif isinstance(msg, Fault):
+                    log.error("fault from %r: %s", peer, msg.text)
+                    if core.launcher is not None:
+                        deliver([(core.launcher, msg)])
+            except (ValueError, RuntimeError, AssertionError, FileNotFoundError) as e:
+                log.warning("dropped %s from %r: %s", type(msg).__name__, peer, e)
+                if isinstance(msg, JobStart):
+                    deliver([(peer, Ack(0, str(e)))])
+                    pending = None
+    finally:
+        notify("STOPPING=1")
+        core.end_job()
+        sock.close(linger=0)
+        ctx.term()
+        os.close(lock_fd)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="slidedp-aggregator", description=__doc__.splitlines()[0])
+    p.add_argument("--store", required=True)
+    p.add_argument("--threads", type=int, default=0, help="torch threads for the sums (0 = all CPUs)")
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the updater pool at job start")
+    args = p.parse_args(argv)
+    slog.setup("aggregator")
+    torch.set_num_threads(args.threads or len(os.sched_getaffinity(0)))
+    return serve(args.store, args.timeout)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

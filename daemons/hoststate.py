@@ -1,0 +1,289 @@
+"""slidedp-hoststate: the daemon that owns a store (segments, manifest, checkpoints).
+
+It outlives jobs: it creates a store (from a Hugging Face folder or the `random` source),
+re-attaches to the segments after a restart, attaches and detaches jobs (creating their
+gradient rings), and writes and restores checkpoints. It never unlinks a store unless
+told to destroy it. `HostStateCore` is the logic (tests drive it in-process); `serve`
+owns the socket.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+from typing import Any
+
+import psutil
+import torch
+import zmq
+
+from slidedp import log as slog
+from slidedp.model.config import ModelConfig, named_shape
+from slidedp import daemonlock
+from slidedp.protocol import Reply, Request, REQUESTS
+from slidedp.sdnotify import Watchdog, notify
+from slidedp.store import checkpoint as ckpt
+from slidedp.store.layout import make_layout
+from slidedp.store.rings import GradRings
+from slidedp.store.shm import list_store_segments
+from slidedp.store.store import HostStore, StoreError, fill_from_hf, fill_random
+from slidedp.transport import bind_router, recv_router, send
+
+log = slog.get("hoststate")
+
+
+class RequestError(RuntimeError):
+    """A request that cannot be served; the text goes back to the client, the daemon carries on."""
+
+
+def _alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def model_from_source(source: dict[str, Any]) -> tuple[ModelConfig, dict[str, Any]]:
+    """(model config, manifest meta) for a create request's source description."""
+    kind = source.get("source")
+    if kind == "random":
+        cfg = named_shape(source.get("shape", "tiny"), int(source.get("vocab_size") or 0) or None)
+        return cfg, {"source": f"random:{source.get('shape', 'tiny')}", "init_seed": int(source.get("init_seed", 0))}
+    if kind == "hf":
+        from slidedp.model import hf
+
+        path = str(source.get("path", ""))
+        return hf.read_config(path), {"source": f"hf:{os.path.abspath(path)}"}
+    raise RequestError(f"create: model source must be 'random' or 'hf', got {kind!r}")
+
+
+class HostStateCore:
+    def __init__(self, store_name: str) -> None:
+        self.name = store_name
+        self.store: HostStore | None = None
+        self.rings: GradRings | None = None
+        if list_store_segments().get(store_name):
+            self.store = HostStore.attach(store_name)
+            log.info("re-attached to store %s: committed step %d, %s", store_name, self.store.manifest.committed_step,
+                     self.store.manifest.torn_reason() or "clean")
+            self._clear_stale_job()
+
+    # ---- requests -------------------------------------------------------------------------
+    def handle(self, kind: str, args: dict[str, Any]) -> dict[str, Any]:
+        handler = getattr(self, f"do_{kind}", None)
+        if handler is None:
+            raise RequestError(f"unknown request {kind!r}")
+        return handler(args)
+
+    def do_ping(self, args: dict[str, Any]) -> dict[str, Any]:
+        return {"pid": os.getpid(), "store": self.name, "exists": self.store is not None}
+
+    def do_create(self, args: dict[str, Any]) -> dict[str, Any]:
+        if self.store is not None:
+            raise RequestError(f"store {self.name!r} already exists; destroy it first or attach to it")
+        cfg, meta = model_from_source(args)
+        layout = make_layout(cfg, int(args.get("chunk_rows") or 0) or None)
+        fill = fill_random(meta["init_seed"]) if args["source"] == "random" else fill_from_hf(args["path"])
+        t0 = time.perf_counter()
+        log.info("creating store %s: %s, %.3f B parameters, %d chunks", self.name, meta["source"],
+                 layout.num_parameters / 1e9, len(layout.chunks))
+        self.store = HostStore.create(self.name, layout, meta, shadow=bool(args.get("shadow_bf16")), fill=fill)
+        seconds = time.perf_counter() - t0
+        st = self.store.status()
+        log.info("store %s created in %.2f s (%.2f GB/s page touch, %.3f bytes/parameter)", self.name, seconds,
+                 self.store.creation_gbps, st["bytes_per_parameter"])
+        return dict(st, create_s=seconds, touch_gbps=self.store.creation_gbps)
+
+    def _need_store(self) -> HostStore:
+        if self.store is None:
+            raise RequestError(f"store {self.name!r} does not exist; create it first (`slidedp-store create {self.name} ...`)")
+        return self.store
+
+    def _clear_stale_job(self) -> None:
+        store = self._need_store()
+        pid = store.manifest.attached_pid
+        if pid and not _alive(pid):
+            log.warning("job of pid %d is gone without detaching; releasing it", pid)
+            self._release_job()
+
+    def _release_job(self) -> None:
+        store = self._need_store()
+        if self.rings is None:
+            try:
+                self.rings = GradRings.open(self.name)
+            except FileNotFoundError:
+                self.rings = None
+        if self.rings is not None:
+            self.rings.close()
+            self.rings.unlink()
+            self.rings = None
+        store.manifest.set_attached(0, 0)
+
+    def do_attach(self, args: dict[str, Any]) -> dict[str, Any]:
+        store = self._need_store()
+        self._clear_stale_job()
+        m = store.manifest
+        if m.attached_pid:
+            job = m.job()
+            raise RequestError(
+                f"store {self.name!r} already has a job attached: {job.get('job', '?')!r} (launcher pid {m.attached_pid}); "
+                f"wait for it to finish or stop it"
+            )
+        want = args.get("layout_hash")
+        if want and want != store.layout.hash():
+            raise RequestError(
+                f"the job's model does not match store {self.name!r}: the store holds {m.meta.get('source')} "
+                f"({store.layout.model.family}, {store.layout.num_parameters:,} parameters, layout {store.layout.hash()[:12]}), "
+                f"the job asks for layout {str(want)[:12]} ({args.get('model_desc', '?')}); use another store name or destroy this one"
+            )
+        torn = m.torn_reason()
+        if torn:
+            raise RequestError(
+                f"store {self.name!r} is torn ({torn}); restore a checkpoint first "
+                f"(`slidedp-store restore {self.name} CHECKPOINT`, or run the job with checkpoint.resume = \"latest\")"
+            )
+        world, slots = int(args["world"]), int(args.get("grad_slots", 3))
+        if world < 1 or slots < 2:
+            raise RequestError(f"attach: world must be >= 1 and grad_slots >= 2 (got {world}, {slots})")
+        full = bool(args.get("full_reduce"))
+        self.rings = GradRings.create(self.name, store.layout, world, slots, int(args.get("reduce_slots", 3)), full)
+        token = int.from_bytes(os.urandom(6), "little")
+        record = {k: args.get(k) for k in ("job", "world", "grad_slots", "full_reduce", "hyper")}
+        m.set_job(dict(record, attached=time.time(), token=token))
+        m.set_attached(int(args["pid"]), token)
+        log.info("job %r attached (pid %s, %d rank(s)) at committed step %d", args.get("job"), args["pid"], world,
+                 m.committed_step)
+        return {"committed_step": m.committed_step, "generation": m.generation, "token": token,
+                "layout_hash": store.layout.hash()}
+
+    def do_detach(self, args: dict[str, Any]) -> dict[str, Any]:
+        store = self._need_store()
+        m = store.manifest
+        if m.attached_pid and int(args.get("token", -1)) != m.attach_token:
+            raise RequestError("detach: this job is not the one attached to the store")
+        self._release_job()
+        log.info("job detached at committed step %d (%s)", m.committed_step, m.torn_reason() or "clean")
+        return {"committed_step": m.committed_step, "torn": m.torn_reason()}
+
+    def do_status(self, args: dict[str, Any]) -> dict[str, Any]:
+        if self.store is None:
+            return {"store": self.name, "exists": False, "daemon_pid": os.getpid()}
+        self._clear_stale_job()
+        return dict(self.store.status(), exists=True, daemon_pid=os.getpid())
+
+    def do_checkpoint(self, args: dict[str, Any]) -> dict[str, Any]:
+        store = self._need_store()
+        torn = store.manifest.torn_reason()
+        if torn:
+            raise RequestError(f"checkpoint refused: store {self.name!r} is torn ({torn})")
+        dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.get("dtype", "bf16")]
+        step = store.manifest.committed_step
+        t0 = time.perf_counter()
+        path = ckpt.write_checkpoint(store, args["dir"], step, args.get("extra") or {}, dtype, int(args.get("keep", 3)))
+        log.info("checkpoint of step %d written to %s in %.2f s", step, path, time.perf_counter() - t0)
+        return {"path": str(path), "step": step}
+
+    def do_restore(self, args: dict[str, Any]) -> dict[str, Any]:
+        store = self._need_store()
+        pid = store.manifest.attached_pid
+        if pid and _alive(pid) and int(args.get("token", -1)) != store.manifest.attach_token:
+            raise RequestError(f"restore refused: a job (pid {pid}) is attached to store {self.name!r}")
+        record = ckpt.restore_checkpoint(store, args["path"])
+        log.info("restored %s: store %s now at step %d", args["path"], self.name, record["step"])
+        return {"step": record["step"], "extra": record.get("extra", {})}
+
+    def do_destroy(self, args: dict[str, Any]) -> dict[str, Any]:
+        store = self._need_store()
+        pid = store.manifest.attached_pid
+        if pid and _alive(pid) and not args.get("force"):
+            raise RequestError(f"destroy refused: a job (pid {pid}) is attached to store {self.name!r}")
+        if self.rings is not None:
+            self.rings.close()
+            self.rings = None
+        removed = store.destroy()
+        self.store = None
+        log.info("store %s destroyed (%d segments removed)", self.name, len(removed))
+        return {"removed": removed}
+
+    def close(self) -> None:
+        if self.rings is not None:
+            self.rings.close()
+        if self.store is not None:
+            self.store.close()
+
+
+class _Stop:
+    requested = False
+
+
+def serve(store_name: str, exit_when_idle: bool = False) -> int:
+    lock_fd = daemonlock.acquire(store_name, "hoststate")
+    core = HostStateCore(store_name)
+    ctx = zmq.Context()
+    sock = bind_router(ctx, store_name, "control")
+    stop = _Stop()
+
+    def on_signal(signum, frame):  # only set a flag: the loop finishes the request in hand
+        stop.requested = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    watchdog = Watchdog()
+    notify("READY=1", f"STATUS=serving store {store_name}")
+    log.info("serving store %s (pid %d)", store_name, os.getpid())
+    try:
+        while not stop.requested:
+            watchdog.maybe_ping()
+            if not sock.poll(200):
+                continue
+            item = recv_router(sock, (Request,))
+            if item is None:
+                continue
+            peer, req = item
+            try:
+                args = json.loads(req.text or "{}")
+                if not isinstance(args, dict):
+                    raise RequestError("request arguments must be a JSON object")
+                if req.name == "shutdown":
+                    send(sock, Reply(1, json.dumps({"pid": os.getpid()})), to=peer)
+                    break
+                result = core.handle(req.name, args)
+                reply = Reply(1, json.dumps(result))
+            except (RequestError, StoreError, ckpt.CheckpointError, ValueError, KeyError, OSError, RuntimeError) as e:
+                msg = str(e) if not isinstance(e, KeyError) else f"missing argument {e.args[0]!r}"
+                log.warning("%s request failed: %s", req.name, msg)
+                reply = Reply(0, msg)
+            try:
+                send(sock, reply, to=peer)
+            except zmq.ZMQError:
+                log.warning("client of a %s request went away before the reply", req.name)
+    finally:
+        notify("STOPPING=1")
+        core.close()
+        sock.close(linger=0)
+        ctx.term()
+        os.close(lock_fd)
+        if list_store_segments().get(store_name):
+            log.info("stopped; store %s left in place", store_name)
+        else:
+            log.info("stopped")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="slidedp-hoststate", description=__doc__.splitlines()[0])
+    parser.add_argument("--store", required=True, help="store name (segments /dev/shm/slidedp.<store>.*)")
+    args = parser.parse_args(argv)
+    slog.setup("hoststate")
+    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    return serve(args.store)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,89 @@
+"""slidedp-updater: the pool of processes that run AdamW on chunks as their gradients complete.
+
+One member process per NUMA node (or --processes), each pinned to its node's CPUs
+(daemons/updater_member.py does the updating). This parent starts the members, reports
+readiness to systemd, and dies loudly with any of them. It imports no torch: it starts fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from slidedp import daemonlock
+from slidedp import log as slog
+from slidedp import numa
+from slidedp.sdnotify import Watchdog, notify
+
+log = slog.get("updater-pool")
+
+
+class _Stop:
+    requested = False
+
+
+def split_cpus(nodes: list[list[int]], count: int) -> list[list[int]]:
+    """CPUs for each of `count` members: spread over nodes; members sharing a node split its CPUs."""
+    plan: list[list[int]] = []
+    for i in range(count):
+        node = nodes[i % len(nodes)]
+        sharing = len(range(i % len(nodes), count, len(nodes)))
+        part = i // len(nodes)
+        per = max(1, len(node) // sharing)
+        plan.append(node[part * per:(part + 1) * per] or node)
+    return plan
+
+
+def _member_command(store: str, index: int, pool: int, cpus: list[int], threads: int) -> list[str]:
+    return [sys.executable, "-m", "slidedp.daemons.updater_member", "--store", store, "--member", str(index),
+            "--pool", str(pool), "--cpus", ",".join(map(str, cpus)), "--threads", str(threads)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="slidedp-updater", description=__doc__.splitlines()[0])
+    p.add_argument("--store", required=True)
+    p.add_argument("--processes", type=int, default=0, help="pool size (0 = one per NUMA node)")
+    p.add_argument("--threads", type=int, default=0, help="threads per process (0 = the CPUs of its node)")
+    args = p.parse_args(argv)
+    slog.setup("updater-pool")
+    lock_fd = daemonlock.acquire(args.store, "updater")  # noqa: F841 (held for the pool's lifetime)
+    count = args.processes or len(numa.nodes())
+    plan = split_cpus(numa.nodes(), count)
+    children = [subprocess.Popen(_member_command(args.store, i, count, cpus, args.threads)) for i, cpus in enumerate(plan)]
+    stop = _Stop()
+
+    def on_signal(signum, frame):
+        stop.requested = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    notify("READY=1", f"STATUS={count} updater process(es) for store {args.store}")
+    watchdog = Watchdog()
+    code = 0
+    while not stop.requested:
+        watchdog.maybe_ping()
+        dead = [(i, c.returncode) for i, c in enumerate(children) if c.poll() is not None]
+        if dead:
+            i, rc = dead[0]
+            log.error("updater member %d exited with code %s; stopping the pool", i, rc)
+            code = 1
+            break
+        time.sleep(0.2)
+    notify("STOPPING=1")
+    for c in children:
+        if c.poll() is None:
+            c.terminate()
+    for c in children:
+        try:
+            c.wait(10)
+        except subprocess.TimeoutExpired:
+            c.kill()
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,207 @@
+"""A member of the updater pool: fused AdamW on chunks as their gradients complete.
+
+Pinned by its pool to one NUMA node's CPUs, it runs torch's fused AdamW on zero-copy views
+of the store. `UpdaterCore` is the logic (tests drive it in-process); `serve_member` owns
+the socket.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import time
+
+import torch
+import zmq
+
+from slidedp import log as slog
+from slidedp import numa
+from slidedp.jobrecord import JobRecord
+from slidedp.protocol import (ROLE_UPDATER, SOURCE_NONE, SOURCE_RANK_SLOT, Ack, Hello, JobEnd, JobStart, Norm, Update,
+                              Updated)
+from slidedp.schedule import lr_at
+from slidedp.store.layout import Chunk
+from slidedp.store.rings import GradRings
+from slidedp.store.store import HostStore, member_view
+from slidedp.transport import connect_dealer, identity, recv_dealer, send
+
+log = slog.get("updater")
+
+
+def clip_coefficient(grad_norm: float, max_norm: float) -> float:
+    """torch.nn.utils.clip_grad_norm_'s factor: max_norm / (norm + 1e-6), never above 1."""
+    return min(1.0, max_norm / (grad_norm + 1e-6))
+
+
+class UpdaterCore:
+    """AdamW on one chunk at a time, straight on the store's shared memory."""
+
+    def __init__(self, store_name: str, index: int = 0) -> None:
+        self.store_name = store_name
+        self.index = index
+        self.store: HostStore | None = None
+        self.rings: GradRings | None = None
+        self.job: JobRecord | None = None
+        self.pending: dict[int, list[Update]] = {}  # step -> updates waiting for the step's norm
+        self.coef: dict[int, float] = {}  # step -> clip coefficient
+        self.busy_s = 0.0
+
+    def start_job(self, job: JobRecord) -> None:
+        self.end_job()
+        self.store = HostStore.attach(self.store_name)
+        if self.store.layout.hash() != job.layout_hash:
+            raise RuntimeError(f"store {self.store_name!r} layout does not match the job's")
+        self.rings = GradRings.open(self.store_name)
+        self.job = job
+        self.pending.clear()
+        self.coef.clear()
+
+    def end_job(self) -> None:
+        if self.rings is not None:
+            self.rings.close()
+        if self.store is not None:
+            self.store.close()
+        self.store = self.rings = self.job = None
+
+    def on_update(self, msg: Update) -> list[Updated]:
+        assert self.job is not None, "Update before JobStart"
+        if msg.source != SOURCE_NONE and self.job.clip and msg.step not in self.coef:
+            self.pending.setdefault(msg.step, []).append(msg)
+            return []
+        return [self.apply(msg)]
+
+    def on_norm(self, msg: Norm) -> list[Updated]:
+        assert self.job is not None
+        self.coef[msg.step] = clip_coefficient(msg.grad_norm, float(self.job.train["max_grad_norm"]))
+        for old in [s for s in self.coef if s < msg.step - 4]:
+            del self.coef[old]
+        return [self.apply(m) for m in self.pending.pop(msg.step, [])]
+
+    def _grad(self, msg: Update, chunk: Chunk) -> torch.Tensor:
+        assert self.rings is not None
+        if msg.source == SOURCE_RANK_SLOT:
+            return self.rings.slot(msg.rank, msg.slot, chunk.numel)
+        return self.rings.reduce_slot(msg.slot, chunk)
+
+    def apply(self, msg: Update) -> Updated:
+        store, job = self.store, self.job
+        assert store is not None and job is not None
+        if not 0 <= msg.chunk < len(store.layout.chunks):
+            raise ValueError(f"Update for chunk {msg.chunk}, the store has {len(store.layout.chunks)}")
+        chunk = store.layout.chunks[msg.chunk]
+        m = store.manifest
+        if m.versions[chunk.id] != msg.step:
+            raise RuntimeError(f"chunk {chunk.id} is at version {m.versions[chunk.id]}, update is for step {msg.step}")
+        t0 = time.perf_counter()
+        if msg.source != SOURCE_NONE:
+            m.updating[chunk.id] = 1
+            self._adamw(chunk, self._grad(msg, chunk), msg.step)
+            m.adam_steps[chunk.id] += 1
+            if store.has_shadow:
+                store.refresh_shadow(chunk)
+            m.updating[chunk.id] = 0
+        m.versions[chunk.id] = msg.step + 1  # last: a reader that sees the version sees the weights
+        self.busy_s += time.perf_counter() - t0
+        return Updated(chunk.id, msg.step, msg.source, msg.rank, msg.slot, self.index)
+
+    def _adamw(self, chunk: Chunk, grad_flat: torch.Tensor, step: int) -> None:
+        store, job = self.store, self.job
+        assert store is not None and job is not None
+        train = job.train_section
+        lr = lr_at(train, step)
+        scale = None
+        if job.clip:
+            coef = self.coef[step]
+            if coef < 1.0:
+                scale = torch.tensor(1.0 / coef, dtype=torch.float32)  # the kernel divides grads by grad_scale
+        views = {k: store.chunk(k, chunk) for k in ("master", "exp_avg", "exp_avg_sq")}
+        adam_step = torch.tensor(float(store.manifest.adam_steps[chunk.id] + 1))
+        for decay in (True, False):
+            members = [mb for mb in chunk.members if mb.decay == decay]
+            if not members:
+                continue
+            torch._fused_adamw_(
+                [member_view(views["master"], mb) for mb in members],
+                [member_view(grad_flat, mb) for mb in members],
+                [member_view(views["exp_avg"], mb) for mb in members],
+                [member_view(views["exp_avg_sq"], mb) for mb in members],
+                [],
+                [adam_step] * len(members),
+                lr=lr, beta1=train.beta1, beta2=train.beta2,
+                weight_decay=train.weight_decay if decay else 0.0, eps=train.eps,
+                amsgrad=False, maximize=False, grad_scale=scale, found_inf=None,
+            )
+
+
+class _Stop:
+    requested = False
+
+
+def serve_member(store: str, index: int, pool: int, timeout_s: float = 60.0) -> int:
+    """One member of the pool: take Update/Norm/JobStart/JobEnd from the aggregator, answer Updated/Ack."""
+    core = UpdaterCore(store, index)
+    ctx = zmq.Context()
+    sock = connect_dealer(ctx, store, "agg", identity("u", index))
+    send(sock, Hello(ROLE_UPDATER, index, pool, os.getpid()))
+    stop = _Stop()
+    signal.signal(signal.SIGTERM, lambda s, f: setattr(stop, "requested", True))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent or launcher decides; Ctrl-C goes to the group
+    log.info("updater %d/%d up, %d threads on CPUs %s", index, pool, torch.get_num_threads(),
+             sorted(os.sched_getaffinity(0))[:8])
+    last_hello = time.monotonic()
+    try:
+        while not stop.requested:
+            if not sock.poll(500):
+                if time.monotonic() - last_hello > 2.0 and core.job is None:
+                    send(sock, Hello(ROLE_UPDATER, index, pool, os.getpid()))  # an aggregator restarted needs it again
+                    last_hello = time.monotonic()
+                continue
+            msg = recv_dealer(sock, (Update, Norm, JobStart, JobEnd))
+            if msg is None:
+                continue
+            try:
+                if isinstance(msg, Update):
+                    out = core.on_update(msg)
+                elif isinstance(msg, Norm):
+                    out = core.on_norm(msg)
+                elif isinstance(msg, JobStart):
+                    core.start_job(JobRecord.from_json(msg.text))
+                    send(sock, Ack(1, f"updater {index} ready"))
+                    log.info("job %s started", core.job.job if core.job else "?")
+                    out = []
+                else:
+                    core.end_job()
+                    send(sock, Ack(1, f"updater {index} done"))
+                    out = []
+            except Exception as e:  # a failed update would silently corrupt training: report and die
+                log.exception("update failed")
+                send(sock, Ack(0, f"updater {index}: {type(e).__name__}: {e}"))
+                return 1
+            for reply in out:
+                send(sock, reply)
+    finally:
+        core.end_job()
+        sock.close(linger=500)
+        ctx.term()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="slidedp-updater member", description="one process of the updater pool")
+    p.add_argument("--store", required=True)
+    p.add_argument("--member", type=int, required=True)
+    p.add_argument("--pool", type=int, required=True)
+    p.add_argument("--cpus", default="")
+    p.add_argument("--threads", type=int, default=0)
+    args = p.parse_args(argv)
+    slog.setup("updater", args.member)
+    cpus = numa.parse_cpulist(args.cpus) if args.cpus else sorted(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, cpus)
+    torch.set_num_threads(args.threads or len(cpus))
+    return serve_member(args.store, args.member, args.pool)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""The slidedp-launch and slidedp-store CLIs (installed as slidedp.launch)."""

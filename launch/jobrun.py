@@ -1,0 +1,313 @@
+"""One job from start to end: store, daemons, attach, workers, steps, checkpoints, teardown.
+
+The launcher never touches tensors: it owns the job's lifecycle. It starts the daemons
+that are not running (the embedded default), creates or restores the store, attaches,
+spawns one worker per rank, follows the steps (StepDone from the aggregator, stats from the
+workers), checkpoints at step boundaries, and on any child's death stops the job naming
+the child and its exit status. It leaves behind only what is meant to persist.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import zmq
+
+from slidedp.config import JobConfig, job_to_dict, job_to_toml, model_config
+from slidedp.data import open_batches
+from slidedp.jobrecord import JobRecord
+from slidedp.protocol import (CONTROL_CONTINUE, CONTROL_STOP, ROLE_LAUNCHER, Ack, Control, Fault, Hello, JobEnd,
+                              JobStart, StepDone, WorkerStats)
+from slidedp.schedule import lr_at
+from slidedp.store import checkpoint as ckpt
+from slidedp.store.client import StoreRequestError, call
+from slidedp.store.layout import make_layout
+from slidedp.transport import bind_router, connect_dealer, identity, recv_dealer, recv_router, send
+
+from . import children
+from .progress import Progress
+
+log = logging.getLogger("slidedp.launcher")
+
+
+class JobFailed(RuntimeError):
+    pass
+
+
+@dataclass
+class _Step:
+    done: StepDone | None = None
+    stats: dict[int, WorkerStats] = field(default_factory=dict)
+
+
+def model_source(job: JobConfig) -> dict:
+    m = job.model
+    if m.source == "random":
+        return {"source": "random", "shape": m.shape, "vocab_size": m.vocab_size, "init_seed": m.init_seed}
+    return {"source": "hf", "path": m.path}
+
+
+class JobRun:
+    def __init__(self, job: JobConfig, job_path: Path) -> None:
+        self.job = job
+        self.store = job.store_name
+        self.run_dir = job.run_dir
+        self.world = job.runtime.workers
+        self.timeout = job.runtime.timeout_s
+        self.daemons: list[children.Child] = []
+        self.workers: list[children.Child] = []
+        self.created_store = False
+        self.attached_token: int | None = None
+        self.job_started = False
+        self.stop_requested = 0
+        self.ctx = zmq.Context()
+        self.agg: zmq.Socket | None = None
+        self.job_sock: zmq.Socket | None = None
+        self.steps: dict[int, _Step] = {}
+
+    # ---- setup ---------------------------------------------------------------------------------
+    def prepare(self) -> tuple[int, int]:
+        job = self.job
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "job.resolved.toml").write_text(job_to_toml(job))
+        cfg = model_config(job)
+        self.layout = make_layout(cfg)
+        t0 = time.perf_counter()
+        self.batches = open_batches(job, cfg.vocab_size)
+        self.tokens_path = self.run_dir / "tokens.npy"
+        if job.data.format == "npy":
+            self.tokens_path = Path(job.data.path)
+        else:
+            np.save(self.tokens_path, np.asarray(self.batches.stream.tokens))
+        log.info("data: %s, %d tokens, %d sequences of %d (%.2f s)", job.data.path, len(self.batches.stream),
+                 self.batches.num_sequences, job.train.seq_len, time.perf_counter() - t0)
+        self.daemons = children.ensure_daemons(self.store, job.runtime.updaters, job.runtime.updater_threads, self.timeout)
+        status = call(self.store, "status", timeout_s=self.timeout)
+        if not status.get("exists"):
+            log.info("creating store %s from %s", self.store, model_source(job))
+            t0 = time.perf_counter()
+            st = call(self.store, "create", timeout_s=max(self.timeout, 3600), shadow_bf16=job.store.shadow_bf16,
+                      **model_source(job))
+            self.created_store = True
+            log.info("store %s created: %.3f B parameters, %.2f bytes/parameter, in %.2f s", self.store,
+                     st["parameters"] / 1e9, st["bytes_per_parameter"], time.perf_counter() - t0)
+            status = st
+        elif status["layout_hash"] != self.layout.hash():
+            raise JobFailed(
+                f"store {self.store!r} holds another model ({status['model']}, {status['parameters']:,} parameters) "
+                f"than this job ({job.model.source}:{job.model.shape or job.model.path}); "
+                f"set store.name to another store, or destroy it with `slidedp-store destroy {self.store}`"
+            )
+        self._maybe_resume(status)
+        record = JobRecord(job=job.run.name, store=self.store, world=self.world, train=job_to_dict(job)["train"],
+                           layout_hash=self.layout.hash(), grad_slots=job.store.grad_slots)
+        att = call(self.store, "attach", timeout_s=self.timeout, job=job.run.name, pid=os.getpid(),
+                   layout_hash=self.layout.hash(), model_desc=f"{cfg.family}, {cfg.num_parameters():,} parameters",
+                   world=self.world, grad_slots=job.store.grad_slots, full_reduce=record.full_reduce,
+                   reduce_slots=record.reduce_slots, hyper=job_to_dict(job)["train"])
+        self.attached_token = att["token"]
+        self.agg = connect_dealer(self.ctx, self.store, "agg", identity("launcher", 0))
+        send(self.agg, Hello(ROLE_LAUNCHER, 0, 1, os.getpid()))
+        send(self.agg, JobStart(0, record.to_json()))
+        ack = self._await_ack("the aggregator to start the job (slidedp-aggregator and slidedp-updater)")
+        if not ack.ok:
+            raise JobFailed(f"the daemons refused the job: {ack.text}")
+        self.job_started = True
+        self.job_sock = bind_router(self.ctx, self.store, "job")
+        return att["committed_step"], job.train.steps
+
+    def _maybe_resume(self, status: dict) -> None:
+        job = self.job
+        want = job.checkpoint.resume
+        if not want:
+            return
+        path = ckpt.latest_valid(job.checkpoint_dir) if want == "latest" else Path(want)
+        if path is None:
+            if status.get("torn"):
+                raise JobFailed(f"store {self.store!r} is torn ({status['torn']}) and {job.checkpoint_dir} holds no valid checkpoint")
+            log.info("resume = latest: no checkpoint under %s yet; starting from the store's step %d",
+                     job.checkpoint_dir, status["committed_step"])
+            return
+        record = ckpt.read_record(path, verify=False)
+        if not status.get("torn") and record["step"] == status["committed_step"] and not self.created_store:
+            log.info("store already at the checkpoint's step %d; nothing to restore", record["step"])
+            return
+        out = call(self.store, "restore", timeout_s=max(self.timeout, 3600), path=str(path))
+        log.info("resumed from %s (step %d)", path, out["step"])
+
+    def _await_ack(self, what: str) -> Ack:
+        assert self.agg is not None
+        deadline = time.monotonic() + self.timeout * 2
+        while time.monotonic() < deadline:
+            if self.agg.poll(200):
+                msg = recv_dealer(self.agg)
+                if isinstance(msg, Ack):
+                    return msg
+        raise JobFailed(f"no answer from {what} within {self.timeout * 2:.0f} s")
+
+    # ---- running ---------------------------------------------------------------------------------
+    def spawn_workers(self, start: int, end: int) -> None:
+        job = self.job
+        device = job.runtime.device
+        for rank in range(self.world):
+            dev = "cpu"
+            if device == "cuda":
+                import torch
+
+                count = torch.cuda.device_count()
+                if count == 0:
+                    raise JobFailed("runtime.device = \"cuda\" but no CUDA device is visible")
+                dev = f"cuda:{rank % count}"
+            argv = [sys.executable, "-m", "slidedp.worker", "--store", self.store, "--rank", str(rank), "--world",
+                    str(self.world), "--job", str(self.run_dir / "job.resolved.toml"), "--start", str(start), "--end",
+                    str(end), "--device", dev, "--tokens", str(self.tokens_path),
+                    "--checkpoint-every", str(job.checkpoint.every)]
+            self.workers.append(children.spawn(f"worker rank {rank}", argv))
+
+    def follow(self, start: int, end: int, progress: Progress) -> int:
+        """Run steps start..end-1; returns the last committed step + 1."""
+        assert self.agg is not None and self.job_sock is not None
+        poller = zmq.Poller()
+        poller.register(self.agg, zmq.POLLIN)
+        poller.register(self.job_sock, zmq.POLLIN)
+        committed = start
+        stop_at: int | None = None
+        last_activity = time.monotonic()
+        while committed < (stop_at if stop_at is not None else end):
+            if self.stop_requested and stop_at is None:
+                stop_at = committed + 1 if any(s.stats for s in self.steps.values()) or committed < end else committed
+                stop_at = min(stop_at, end)
+                log.info("stop requested: finishing step %d, then stopping", stop_at - 1)
+                for r in range(self.world):
+                    self._control(r, CONTROL_STOP, stop_at - 1)
+            if self.stop_requested > 1:
+                raise JobFailed("stopped by a second interrupt; the store may be torn (restore a checkpoint)")
+            events = dict(poller.poll(200))
+            if self.agg in events:
+                while self.agg.poll(0):
+                    msg = recv_dealer(self.agg)
+                    if isinstance(msg, StepDone):
+                        self.steps.setdefault(msg.step, _Step()).done = msg
+                        last_activity = time.monotonic()
+                    elif isinstance(msg, Fault):
+                        raise JobFailed(f"{'updater' if msg.role == 2 else 'rank'} {msg.rank} failed: {msg.text}")
+            if self.job_sock in events:
+                while self.job_sock.poll(0):
+                    item = recv_router(self.job_sock)
+                    if item and isinstance(item[1], WorkerStats):
+                        self.steps.setdefault(item[1].step, _Step()).stats[item[1].rank] = item[1]
+            while committed in self.steps and self.steps[committed].done is not None and (
+                    len(self.steps[committed].stats) == self.world or self._workers_gone()):
+                st = self.steps.pop(committed)
+                progress.step(committed, st.done, st.stats, lr_at(self.job.train, committed))
+                committed += 1
+                if self.job.checkpoint.every and committed % self.job.checkpoint.every == 0 and committed < end:
+                    self.checkpoint(committed)
+                    for r in range(self.world):
+                        self._control(r, CONTROL_CONTINUE, committed - 1)
+            self._check_children(committed, end, stop_at)
+            if time.monotonic() - last_activity > self.timeout * 3 and not any(w.alive() for w in self.workers):
+                raise JobFailed(f"the workers exited but step {committed} was never committed")
+        return committed
+
+    def _workers_gone(self) -> bool:
+        return all(not w.alive() for w in self.workers)
+
+    def _control(self, rank: int, kind: int, step: int) -> None:
+        assert self.job_sock is not None
+        try:
+            send(self.job_sock, Control(kind, step), to=identity("w", rank))
+        except zmq.ZMQError:
+            pass  # a worker that already finished
+
+    def _check_children(self, committed: int, end: int, stop_at: int | None) -> None:
+        for c in self.daemons:
+            if not c.alive():
+                raise JobFailed(f"{c.describe_exit()} during step {committed}")
+        for w in self.workers:
+            if not w.alive() and w.proc.returncode != 0:
+                raise JobFailed(f"{w.describe_exit()} during step {committed}; see its log above")
+
+    # ---- checkpoints and teardown ------------------------------------------------------------------
+    def checkpoint(self, step: int) -> Path:
+        job = self.job
+        extra = {"job": job.run.name, "data": self.batches.state(step), "seed": job.train.seed}
+        t0 = time.perf_counter()
+        out = call(self.store, "checkpoint", timeout_s=max(self.timeout, 3600), dir=str(job.checkpoint_dir),
+                   dtype=job.checkpoint.dtype, keep=job.checkpoint.keep, extra=extra)
+        log.info("checkpoint of step %d written to %s in %.2f s", out["step"], out["path"], time.perf_counter() - t0)
+        tok = job.data.tokenizer
+        if tok:  # a checkpoint folder that transformers and tokenizers can use as is
+            import shutil
+
+            shutil.copy(tok, Path(out["path"]) / "model" / "tokenizer.json")
+        return Path(out["path"])
+
+    def teardown(self, failed: bool) -> None:
+        children.stop(self.workers, timeout_s=5 if failed else 30)
+        if self.job_started and self.agg is not None:
+            try:
+                send(self.agg, JobEnd(0, ""))
+                self._await_ack("the aggregator to end the job")
+            except (JobFailed, zmq.ZMQError) as e:
+                log.warning("ending the job on the daemons: %s", e)
+        if self.attached_token is not None:
+            try:
+                call(self.store, "detach", timeout_s=self.timeout, token=self.attached_token)
+            except (StoreRequestError, TimeoutError) as e:
+                log.warning("detach: %s", e)
+        if self.created_store and not self.job.store.persist:
+            try:
+                call(self.store, "destroy", timeout_s=self.timeout)
+                log.info("store %s destroyed (store.persist = false)", self.store)
+            except (StoreRequestError, TimeoutError) as e:
+                log.warning("could not destroy store %s: %s", self.store, e)
+        for s in (self.agg, self.job_sock):
+            if s is not None:
+                s.close(linger=0)
+        children.stop(self.daemons)
+        self.ctx.term()
+
+
+def run_job(job: JobConfig, job_path: Path, progress: Progress) -> int:
+    run = JobRun(job, job_path)
+
+    def on_signal(signum, frame):
+        run.stop_requested += 1
+        if run.stop_requested > 1:
+            log.warning("second interrupt: stopping now")
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    failed = True
+    try:
+        t0 = time.perf_counter()
+        start, end = run.prepare()
+        log.info("ready in %.2f s: store %s at step %d; training steps %d..%d on %d %s worker(s)",
+                 time.perf_counter() - t0, run.store, start, start, end - 1, run.world, job.runtime.device)
+        progress.begin(start, end, run.run_dir)
+        if start >= end:
+            log.info("the store is already at step %d >= train.steps = %d: nothing to train", start, end)
+        else:
+            run.spawn_workers(start, end)
+            committed = run.follow(start, end, progress)
+            if job.checkpoint.final or run.stop_requested:
+                if job.checkpoint.every or job.checkpoint.final:
+                    run.checkpoint(committed)
+        failed = False
+        return 0
+    except (JobFailed, StoreRequestError, TimeoutError, RuntimeError, OSError, ValueError) as e:
+        log.error("job failed: %s", e)
+        return 1
+    finally:
+        progress.end()
+        run.teardown(failed)

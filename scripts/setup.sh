@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Create ./.venv and install SlideDP with its test extras. Idempotent; safe to re-run.
+# SLIDEDP_TORCH picks the torch requirement (default: torch==2.13.0, a CPU build that this
+# workplace's machines carry on disk; on a GPU host use the CUDA build you want).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  echo "setup: creating .venv with $($PY --version)"
+  "$PY" -m venv .venv
+fi
+VPY=.venv/bin/python
+if ! "$VPY" -c "import torch" 2>/dev/null; then
+  echo "setup: installing ${SLIDEDP_TORCH:-torch==2.13.0}"
+  "$VPY" -m pip install -q --disable-pip-version-check "${SLIDEDP_TORCH:-torch==2.13.0}"
+fi
+echo "setup: installing slidedp and its test extras"
+"$VPY" -m pip install -q --disable-pip-version-check -e ".[test,report]" 2>&1 | grep -v "^WARNING: Location" || true
+"$VPY" -c "import slidedp, torch, zmq, posix_ipc, transformers; print('setup: ok (torch', torch.__version__ + ')')"

@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# Set up and run the test suite (GPU tests skip cleanly without CUDA; `-m slow` runs the long ones).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+if [ "$(id -u)" = 0 ] || [ "${CI:-}" = true ]; then
+  bash scripts/install-systemd-tools.sh   # systemd-analyze, for the unit-file tests
+fi
+exec .venv/bin/python -m pytest -q "$@"

@@ -1,0 +1,430 @@
+"""The job file: job.toml -> nested frozen dataclasses, one per section (torchtitan style).
+
+Each section validates itself in `__post_init__` and names the offending `section.key`, the
+bad value and what is allowed. Unknown sections and keys are rejected, never ignored: a typo
+in a job file must not silently train with a default. Relative paths are resolved against
+the job file's directory, so a job file works from any current directory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar, Sequence
+
+from slidedp.model.config import NAMED_SHAPES, named_shape
+from slidedp.paths import check_store_name
+
+if TYPE_CHECKING:
+    from slidedp.model.config import ModelConfig
+
+
+class ConfigError(ValueError):
+    pass
+
+
+_TYPE_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "true or false"}
+
+
+class _Section:
+    """Shared checks. Subclasses set `_name` and the keys that hold paths."""
+
+    _name: ClassVar[str] = ""
+    _paths: ClassVar[tuple[str, ...]] = ()
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+            want = _FIELD_TYPES[f.type] if isinstance(f.type, str) else f.type
+            value = getattr(self, f.name)
+            # bool is a subclass of int in Python; a TOML `true` is never a number here.
+            ok = isinstance(value, want) and not (want is not bool and isinstance(value, bool))
+            if want is float and isinstance(value, int) and not isinstance(value, bool):
+                object.__setattr__(self, f.name, float(value))
+                ok = True
+            if not ok:
+                raise ConfigError(
+                    f"{self._key(f.name)} must be {_TYPE_NAMES[want]}, got {_show(value)} ({type(value).__name__})"
+                )
+        self.validate()
+
+    def validate(self) -> None:
+        pass
+
+    def _key(self, name: str) -> str:
+        return f"{self._name}.{name}"
+
+    def _choice(self, name: str, allowed: Sequence[str]) -> None:
+        value = getattr(self, name)
+        if value not in allowed:
+            raise ConfigError(f"{self._key(name)} must be one of {', '.join(map(repr, allowed))}; got {value!r}")
+
+    def _range(self, name: str, lo: float | None = None, hi: float | None = None,
+               lo_open: bool = False, hi_open: bool = False) -> None:
+        value = getattr(self, name)
+        bad = (isinstance(value, float) and not math.isfinite(value))
+        bad |= lo is not None and (value <= lo if lo_open else value < lo)
+        bad |= hi is not None and (value >= hi if hi_open else value > hi)
+        if bad:
+            if hi is None:
+                allowed = f"{'>' if lo_open else '>='} {lo}"
+            else:
+                allowed = f"in {'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}"
+            raise ConfigError(f"{self._key(name)} must be {allowed}; got {_show(value)}")
+
+    def _existing(self, name: str, what: str) -> Path:
+        path = Path(getattr(self, name))
+        if not path.exists():
+            raise ConfigError(f"{self._key(name)}: {what} {str(path)!r} does not exist")
+        return path
+
+
+_FIELD_TYPES = {"str": str, "int": int, "float": float, "bool": bool}
+
+
+def _show(value: Any) -> str:
+    return repr(value) if not isinstance(value, bool) else str(value).lower()
+
+
+@dataclass(frozen=True)
+class ModelSection(_Section):
+    _name: ClassVar[str] = "model"
+    _paths: ClassVar[tuple[str, ...]] = ("path",)
+    source: str = "random"  # "random": a named shape, randomly initialised; "hf": a Hugging Face folder
+    path: str = ""
+    shape: str = "tiny"
+    vocab_size: int = 0  # 0 = the shape's own; lets a random model match a tokenizer
+    init_seed: int = 0
+
+    def validate(self) -> None:
+        self._choice("source", ("random", "hf"))
+        self._range("vocab_size", 0)
+        self._range("init_seed", 0)
+        if self.source == "random":
+            self._choice("shape", tuple(NAMED_SHAPES))
+        else:
+            if not self.path:
+                raise ConfigError("model.path is required when model.source = 'hf' (a Hugging Face checkpoint folder)")
+            folder = self._existing("path", "model folder")
+            if not (folder / "config.json").is_file():
+                raise ConfigError(f"model.path: {str(folder)!r} has no config.json; is it a Hugging Face checkpoint folder?")
+            if self.vocab_size:
+                raise ConfigError(
+                    f"model.vocab_size applies to source = 'random' only; got {self.vocab_size} with source = 'hf' "
+                    "(the checkpoint's config.json sets the vocabulary)"
+                )
+
+
+DATA_FORMATS = ("jsonl", "npy", "bin")
+TOKEN_DTYPES = ("uint16", "uint32", "int32", "int64")
+
+
+@dataclass(frozen=True)
+class DataSection(_Section):
+    _name: ClassVar[str] = "data"
+    _paths: ClassVar[tuple[str, ...]] = ("path", "tokenizer")
+    path: str
+    format: str = "jsonl"
+    tokenizer: str = ""  # a Hugging Face tokenizer.json; jsonl only
+    text_key: str = "text"
+    dtype: str = "uint16"  # element type of a raw .bin token file
+    shuffle: bool = False
+    seed: int = 0
+
+    def validate(self) -> None:
+        self._choice("format", DATA_FORMATS)
+        self._choice("dtype", TOKEN_DTYPES)
+        self._range("seed", 0)
+        if not self.path:
+            raise ConfigError("data.path must name a data file; got ''")
+        self._existing("path", "data file")
+        if self.format == "jsonl":
+            if not self.tokenizer:
+                raise ConfigError("data.tokenizer is required when data.format = 'jsonl' (path to a tokenizer.json)")
+            self._existing("tokenizer", "tokenizer file")
+        if not self.text_key:
+            raise ConfigError("data.text_key must not be empty")
+
+
+@dataclass(frozen=True)
+class TrainSection(_Section):
+    _name: ClassVar[str] = "train"
+    steps: int
+    global_batch: int  # sequences per optimizer step, over all ranks
+    micro_batch: int  # sequences per forward/backward on one rank
+    seq_len: int
+    lr: float
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 0
+    schedule: str = "cosine"
+    weight_decay: float = 0.0
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    max_grad_norm: float = 1.0  # 0 disables clipping
+    seed: int = 0
+    compute_dtype: str = "bf16"
+
+    def validate(self) -> None:
+        for name in ("steps", "global_batch", "micro_batch", "seq_len"):
+            self._range(name, 1)
+        self._range("lr", 0, lo_open=True)
+        self._range("min_lr_ratio", 0, 1)
+        self._range("warmup_steps", 0)
+        self._choice("schedule", ("cosine", "constant", "linear"))
+        self._range("weight_decay", 0)
+        self._range("beta1", 0, 1, hi_open=True)
+        self._range("beta2", 0, 1, hi_open=True)
+        self._range("eps", 0, lo_open=True)
+        self._range("max_grad_norm", 0)
+        self._range("seed", 0)
+        self._choice("compute_dtype", ("bf16", "fp32"))
+        if self.global_batch % self.micro_batch:
+            raise ConfigError(
+                f"train.micro_batch ({self.micro_batch}) must divide train.global_batch ({self.global_batch})"
+            )
+
+
+@dataclass(frozen=True)
+class MemorySection(_Section):
+    _name: ClassVar[str] = "memory"
+    gpu_budget_gib: float = 24.0
+
+    def validate(self) -> None:
+        self._range("gpu_budget_gib", 0, lo_open=True)
+
+
+@dataclass(frozen=True)
+class StoreSection(_Section):
+    _name: ClassVar[str] = "store"
+    name: str = ""  # "" = the run name
+    persist: bool = False  # false: destroyed when the job that created it ends
+    shadow_bf16: bool = False
+    grad_slots: int = 3  # per rank
+
+    def validate(self) -> None:
+        self._range("grad_slots", 2)
+        if self.name:
+            _check_name("store.name", self.name)
+
+
+@dataclass(frozen=True)
+class CheckpointSection(_Section):
+    _name: ClassVar[str] = "checkpoint"
+    _paths: ClassVar[tuple[str, ...]] = ("dir", "resume")
+    dir: str = ""  # "" = <run dir>/checkpoints
+    every: int = 0  # steps; 0 = only at the end
+    keep: int = 3
+    final: bool = True
+    dtype: str = "bf16"
+    resume: str = ""  # "" | "latest" | a checkpoint path
+
+    def validate(self) -> None:
+        self._range("every", 0)
+        self._range("keep", 1)
+        self._choice("dtype", ("bf16", "fp32"))
+        if self.resume not in ("", "latest"):
+            self._existing("resume", "checkpoint")
+
+
+@dataclass(frozen=True)
+class RunSection(_Section):
+    _name: ClassVar[str] = "run"
+    _paths: ClassVar[tuple[str, ...]] = ("dir",)
+    name: str = ""  # default: the job file's stem
+    dir: str = ""  # "" = runs/<name> under the current directory
+    log_every: int = 1
+
+    def validate(self) -> None:
+        self._range("log_every", 1)
+        if self.name:
+            _check_name("run.name (default: the job file's stem; it also names the store)", self.name)
+
+
+@dataclass(frozen=True)
+class RuntimeSection(_Section):
+    _name: ClassVar[str] = "runtime"
+    device: str = "cpu"
+    workers: int = 1  # ranks
+    updaters: int = 0  # 0 = one per NUMA node
+    updater_threads: int = 0  # 0 = the cores of the node
+    timeout_s: float = 120.0
+
+    def validate(self) -> None:
+        self._choice("device", ("cpu", "cuda"))
+        self._range("workers", 1)
+        self._range("updaters", 0)
+        self._range("updater_threads", 0)
+        self._range("timeout_s", 0, lo_open=True)
+
+
+def _check_name(key: str, name: str) -> None:
+    try:
+        check_store_name(name)
+    except ValueError as e:
+        raise ConfigError(f"{key}: {e}") from None
+
+
+SECTIONS: dict[str, type[_Section]] = {
+    "model": ModelSection,
+    "data": DataSection,
+    "train": TrainSection,
+    "memory": MemorySection,
+    "store": StoreSection,
+    "checkpoint": CheckpointSection,
+    "run": RunSection,
+    "runtime": RuntimeSection,
+}
+
+
+@dataclass(frozen=True)
+class JobConfig:
+    model: ModelSection
+    data: DataSection
+    train: TrainSection
+    memory: MemorySection = field(default_factory=MemorySection)
+    store: StoreSection = field(default_factory=StoreSection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    run: RunSection = field(default_factory=RunSection)
+    runtime: RuntimeSection = field(default_factory=RuntimeSection)
+
+    def __post_init__(self) -> None:
+        t, w = self.train, self.runtime.workers
+        if t.global_batch % (w * t.micro_batch):
+            raise ConfigError(
+                f"train.global_batch ({t.global_batch}) must be divisible by runtime.workers ({w}) x "
+                f"train.micro_batch ({t.micro_batch}) = {w * t.micro_batch}"
+            )
+        if not self.run.name:
+            raise ConfigError("run.name is empty; set it, or load the job from a file whose stem names the run")
+
+    @property
+    def store_name(self) -> str:
+        return self.store.name or self.run.name
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.run.dir) if self.run.dir else Path.cwd() / "runs" / self.run.name
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return Path(self.checkpoint.dir) if self.checkpoint.dir else self.run_dir / "checkpoints"
+
+
+# ---- reading ---------------------------------------------------------------------------------
+
+
+def load_job(path: str | Path, overrides: Sequence[str] = ()) -> JobConfig:
+    """Read a job file; `overrides` are "section.key=value" (value parsed as TOML, else a string).
+
+    Relative paths in the file resolve against the file's directory; relative paths in
+    overrides (typed on a command line) against the current directory.
+    """
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"job file {str(path)!r} does not exist") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"job file {str(path)!r} cannot be read: {e}") from None
+    try:
+        d = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: malformed TOML: {e}") from None
+    for item in overrides:
+        _apply_override(d, item)
+    try:
+        return job_from_dict(d, path.resolve().parent, path.stem)
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None
+
+
+def _apply_override(d: dict[str, Any], item: str) -> None:
+    key, eq, raw = item.partition("=")
+    section, dot, name = key.strip().partition(".")
+    if not eq or not dot or not section or not name or "." in name:
+        raise ConfigError(f"bad override {item!r}: expected section.key=value, e.g. train.steps=100")
+    try:
+        value = tomllib.loads(f"v = {raw.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw.strip()  # not a TOML value: take it as a plain string (paths, names)
+    table = d.setdefault(section, {})
+    if not isinstance(table, dict):
+        raise ConfigError(f"bad override {item!r}: {section!r} is not a section")
+    cls = SECTIONS.get(section)
+    if cls and name in cls._paths and isinstance(value, str) and value and (section, name, value) != (
+        "checkpoint", "resume", "latest"
+    ):
+        value = str(Path(value).expanduser().absolute())  # typed on a command line: relative to the cwd
+    table[name] = value
+
+
+def job_from_dict(d: dict[str, Any], base_dir: Path, name_hint: str) -> JobConfig:
+    """Build a JobConfig from parsed TOML; relative paths resolve against `base_dir`."""
+    for name, table in d.items():
+        if name not in SECTIONS:
+            what = f"section [{name}]" if isinstance(table, dict) else f"top-level key {name!r}"
+            raise ConfigError(f"unknown {what}; allowed sections: {', '.join(SECTIONS)}")
+        if not isinstance(table, dict):
+            raise ConfigError(f"[{name}] must be a section (a table), got {_show(table)}")
+    sections: dict[str, _Section] = {}
+    for name, cls in SECTIONS.items():
+        values = dict(d.get(name, {}))
+        fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+        for key in values:
+            if key not in fields:
+                raise ConfigError(f"unknown key {name}.{key}; allowed keys in [{name}]: {', '.join(fields)}")
+        for key, f in fields.items():
+            if key not in values and f.default is dataclasses.MISSING:
+                raise ConfigError(f"{name}.{key} is required")
+        if name == "run":
+            values.setdefault("name", name_hint)
+        for key in cls._paths:
+            v = values.get(key)
+            if isinstance(v, str) and v and not (name == "checkpoint" and key == "resume" and v == "latest"):
+                values[key] = str((Path(base_dir) / Path(v).expanduser()).resolve())
+        if name == "run" and not values.get("dir") and isinstance(values.get("name"), str) and values["name"]:
+            # Fix the run directory at load time so later chdirs and a saved copy agree.
+            values["dir"] = str(Path.cwd() / "runs" / values["name"])
+        sections[name] = cls(**values)
+    return JobConfig(**sections)  # type: ignore[arg-type]
+
+
+# ---- writing ---------------------------------------------------------------------------------
+
+
+def job_to_dict(job: JobConfig) -> dict[str, dict[str, Any]]:
+    return {name: dataclasses.asdict(getattr(job, name)) for name in SECTIONS}
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)  # repr of a finite float is valid TOML (1e-08, 3.0)
+    if isinstance(v, str):
+        # JSON's escapes (\" \\ \n \uXXXX) are TOML basic-string escapes; TOML also wants DEL escaped.
+        return json.dumps(v, ensure_ascii=False).replace("\x7f", "\\u007f")
+    raise TypeError(f"cannot write {type(v).__name__} to TOML")
+
+
+def job_to_toml(job: JobConfig) -> str:
+    """The resolved job as TOML; `load_job` on it gives back an equal JobConfig."""
+    lines: list[str] = []
+    for name, table in job_to_dict(job).items():
+        lines.append(f"[{name}]")
+        lines += [f"{k} = {_toml_value(v)}" for k, v in table.items()]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def model_config(job: JobConfig) -> "ModelConfig":
+    """The model shape: a named shape (vocab overridden) for "random", config.json for "hf"."""
+    if job.model.source == "random":
+        return named_shape(job.model.shape, job.model.vocab_size or None)
+    from slidedp.model import hf  # lazy: pulls in safetensors and file handling
+
+    return hf.read_config(job.model.path)

@@ -1,0 +1,171 @@
+"""Moving chunks between the store and the device: parameters in, gradients out.
+
+Parameters arrive as fp32 master (zero-copy DMA from registered shared memory) and are
+cast to the compute dtype on the device; gradients are accumulated in fp32 on the device
+and leave it in fp32, so the CPU touches each parameter once per step, inside AdamW.
+On CUDA, H2D runs on its own copy stream `depth` units ahead of compute and D2H on
+another; every buffer has one event. On CPU the same calls are plain (zero-copy when the
+compute dtype is fp32).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from .store.layout import Chunk, Member
+from .store.store import member_view
+
+
+@dataclass(frozen=True)
+class Unit:
+    """What one fetch delivers: a contiguous range of the flat space covering whole chunks."""
+
+    name: str  # "embed", "layer.3", "norm", "head"
+    chunks: tuple[Chunk, ...]
+
+    @property
+    def offset(self) -> int:
+        return self.chunks[0].offset
+
+    @property
+    def numel(self) -> int:
+        return self.chunks[-1].offset + self.chunks[-1].numel - self.offset
+
+
+def unit_tensors(flat: torch.Tensor, unit: Unit, strip: str = "") -> dict[str, torch.Tensor]:
+    """Full tensors of a unit as views of `flat` (the unit's range), keyed by name minus `strip`."""
+    out: dict[str, torch.Tensor] = {}
+    for c in unit.chunks:
+        base = c.offset - unit.offset
+        for m in c.members:
+            if m.row_start == 0:
+                rows = sum(x.row_end - x.row_start for cc in unit.chunks for x in cc.members if x.name == m.name)
+                shape = (rows,) + m.shape[1:] if len(m.shape) > 1 else (rows,)
+                n = 1
+                for s in shape:
+                    n *= s
+                out[m.name.removeprefix(strip)] = flat[base + m.offset:base + m.offset + n].view(shape)
+    return out
+
+
+class ParamDelivery:
+    """fetch(unit, step) -> the unit's parameters on the device in the compute dtype."""
+
+    def __init__(self, master: torch.Tensor, device: torch.device, dtype: torch.dtype, depth: int,
+                 wait_ready: Callable[[Unit, int], None], max_unit_numel: int) -> None:
+        self.master = master
+        self.device = device
+        self.dtype = dtype
+        self.depth = max(1, depth)
+        self.wait_ready = wait_ready
+        self.cuda = device.type == "cuda"
+        self.h2d_bytes = 0
+        self._inflight: dict[tuple[str, int], tuple[torch.Tensor, torch.cuda.Event | None]] = {}
+        if self.cuda:
+            self.stream = torch.cuda.Stream(device)
+            self._free: list[torch.Tensor] = []
+            self._max = max_unit_numel
+
+    def _issue(self, unit: Unit, step: int) -> None:
+        key = (unit.name, step)
+        if key in self._inflight:
+            return
+        self.wait_ready(unit, step)
+        src = self.master[unit.offset:unit.offset + unit.numel]
+        self.h2d_bytes += src.numel() * 4
+        if not self.cuda:
+            out = src if self.dtype == torch.float32 else src.to(self.dtype)
+            self._inflight[key] = (out, None)
+            return
+        with torch.cuda.stream(self.stream), torch.autograd.profiler.record_function(f"h2d:{unit.name}"):
+            staging = torch.empty(unit.numel, dtype=torch.float32, device=self.device)
+            staging.copy_(src, non_blocking=True)
+            out = staging if self.dtype == torch.float32 else staging.to(self.dtype)
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        self._inflight[key] = (out, event)
+
+    def prefetch(self, unit: Unit, step: int) -> None:
+        self._issue(unit, step)
+
+    def fetch(self, unit: Unit, step: int) -> torch.Tensor:
+        """The unit's flat parameters on the device (compute dtype), waited for on the compute stream."""
+        self._issue(unit, step)
+        out, event = self._inflight.pop((unit.name, step))
+        if event is not None:
+            torch.cuda.current_stream(self.device).wait_event(event)
+            out.record_stream(torch.cuda.current_stream(self.device))
+        return out
+
+
+@dataclass
+class _PendingGrad:
+    chunk: Chunk
+    slot: int
+    sq: torch.Tensor
+    event: torch.cuda.Event | None
+    buf: torch.Tensor
+
+
+class GradOut:
+    """Copies a chunk's fp32 gradient from the device into a host slot; reports it once it has landed."""
+
+    def __init__(self, device: torch.device, slot_view: Callable[[int, int], torch.Tensor]) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.slot_view = slot_view
+        self.pending: list[_PendingGrad] = []
+        self.d2h_bytes = 0
+        if self.cuda:
+            self.stream = torch.cuda.Stream(device)
+
+    def send(self, chunk: Chunk, grad: torch.Tensor, slot: int) -> None:
+        sq = torch.dot(grad, grad)
+        dst = self.slot_view(slot, chunk.numel)
+        self.d2h_bytes += chunk.numel * 4
+        if not self.cuda:
+            dst.copy_(grad)
+            self.pending.append(_PendingGrad(chunk, slot, sq, None, grad))
+            return
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream), torch.autograd.profiler.record_function(f"d2h:chunk{chunk.id}"):
+            self.stream.wait_event(ready)
+            dst.copy_(grad, non_blocking=True)
+            sq_host = sq.to("cpu", non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        grad.record_stream(self.stream)
+        self.pending.append(_PendingGrad(chunk, slot, sq_host, done, grad))
+
+    def landed(self, block: bool = False) -> list[tuple[Chunk, int, float]]:
+        """(chunk, slot, squared norm) of every gradient now in host memory, in issue order."""
+        out = []
+        while self.pending:
+            p = self.pending[0]
+            if p.event is not None:
+                if block:
+                    p.event.synchronize()
+                elif not p.event.query():
+                    break
+            out.append((p.chunk, p.slot, float(p.sq)))
+            self.pending.pop(0)
+        return out
+
+
+def accumulate(acc: torch.Tensor, chunk: Chunk, grads: dict[str, torch.Tensor], strip: str, first: bool) -> None:
+    """Add per-tensor gradients (any dtype) into the chunk's flat fp32 accumulator."""
+    for m in chunk.members:
+        g = grads[m.name.removeprefix(strip)]
+        view = member_view(acc, m)
+        if first:
+            view.copy_(g)
+        else:
+            view.add_(g)
+
+
+def member_rows(m: Member) -> slice:
+    return slice(m.row_start, m.row_end)

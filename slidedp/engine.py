@@ -1,0 +1,201 @@
+"""The layer-major step of one rank: every local micro-batch through a chunk before the next chunk.
+
+forward   embedding rows; for each layer: wait for its version, fetch (prefetching the
+          next), run all micro-batches, keep each micro-batch's layer input
+loss      final norm + chunked cross-entropy (never the full logits), and its backward at
+          once; the ranks agree the loss is finite before any gradient leaves
+backward  for each layer in reverse: fetch again, recompute from the saved input, backward,
+          accumulate the chunk gradient in fp32 on the device, send it out
+embedding its gradient (tied: plus the head's) goes out last
+
+The engine knows nothing of sockets: the worker hands it a `Link` that waits on versions,
+hands out gradient slots, announces landed gradients and runs the loss agreement.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from .delivery import GradOut, ParamDelivery, Unit, accumulate, unit_tensors
+from .loss import chunked_cross_entropy_sum
+from .model import layers as L
+from .model.config import ModelConfig
+from .store.layout import Chunk, Layout
+
+
+class Link(Protocol):
+    def wait_ready(self, unit: Unit, step: int) -> None: ...
+    def acquire_slot(self) -> int: ...
+    def grad_landed(self, chunk: Chunk, slot: int, sqnorm: float, step: int) -> None: ...
+    def agree_loss(self, step: int, loss_sum: float, tokens: int, finite: bool) -> bool: ...  # True: skip the step
+
+
+@dataclass
+class StepTimes:
+    forward_s: float = 0.0
+    backward_s: float = 0.0
+    loss_sum: float = 0.0
+    tokens: int = 0
+    skipped: bool = False
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+def units_of(layout: Layout) -> dict[str, Unit]:
+    units = {"embed": Unit("embed", tuple(layout.chunks_of("embed"))), "norm": Unit("norm", tuple(layout.chunks_of("norm")))}
+    for c in layout.chunks_of("layer"):
+        units[f"layer.{c.layer}"] = Unit(f"layer.{c.layer}", (c,))
+    units["head"] = units["embed"] if layout.model.tie_word_embeddings else Unit("head", tuple(layout.chunks_of("head")))
+    return units
+
+
+class Engine:
+    def __init__(self, cfg: ModelConfig, layout: Layout, master: torch.Tensor, device: torch.device,
+                 dtype: torch.dtype, link: Link, slot_view, global_tokens: int, prefetch_depth: int = 1,
+                 ce_chunk_tokens: int = 4096) -> None:
+        self.cfg, self.layout, self.master = cfg, layout, master
+        self.device, self.dtype, self.link = device, dtype, link
+        self.units = units_of(layout)
+        self.delivery = ParamDelivery(master, device, dtype, prefetch_depth, link.wait_ready,
+                                      max(u.numel for u in self.units.values()))
+        self.grads = GradOut(device, slot_view)
+        self.scale = 1.0 / global_tokens  # loss = sum of token losses / global token count
+        self.ce_chunk = ce_chunk_tokens
+        self._rope: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    # ---- helpers ---------------------------------------------------------------------------
+    def rope(self, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if seq_len not in self._rope:
+            self._rope[seq_len] = L.rope_tables(self.cfg, seq_len, self.device, self.dtype)
+        return self._rope[seq_len]
+
+    def _layer_params(self, layer: int, step: int, grad: bool) -> dict[str, torch.Tensor]:
+        unit = self.units[f"layer.{layer}"]
+        flat = self.delivery.fetch(unit, step)
+        if layer + 1 < self.cfg.num_layers and not grad:
+            self.delivery.prefetch(self.units[f"layer.{layer + 1}"], step)
+        elif grad and layer > 0:
+            self.delivery.prefetch(self.units[f"layer.{layer - 1}"], step)
+        params = unit_tensors(flat, unit, strip=f"model.layers.{layer}.")
+        if grad:
+            params = {k: v.detach().requires_grad_(True) for k, v in params.items()}
+        return params
+
+    def _send(self, chunk: Chunk, grad: torch.Tensor, step: int) -> None:
+        for landed in self.grads.landed():
+            self.link.grad_landed(*landed, step)
+        self.grads.send(chunk, grad, self.link.acquire_slot())
+
+    def _flush(self, step: int, block: bool) -> None:
+        for landed in self.grads.landed(block=block):
+            self.link.grad_landed(*landed, step)
+
+    # ---- the step --------------------------------------------------------------------------
+    def run_step(self, step: int, ids: torch.Tensor, targets: torch.Tensor) -> StepTimes:
+        """ids, targets: [M, m, T] int64 on the CPU (M local micro-batches of m sequences)."""
+        times = StepTimes(tokens=int(targets.numel()))
+        t0 = time.perf_counter()
+        cfg, H = self.cfg, self.cfg.hidden_size
+        M, _, T = ids.shape
+        rope = self.rope(T)
+        ids_dev = ids.to(self.device)
+        targets_dev = targets.to(self.device)
+        tied = cfg.tie_word_embeddings
+
+        # ---- forward ------------------------------------------------------------------------
+        with torch.no_grad():
+            if tied:  # the matrix is needed whole for the head anyway: fetch once, gather on the device
+                embed_flat = self.delivery.fetch(self.units["embed"], step)
+                embed_w = unit_tensors(embed_flat, self.units["embed"])["model.embed_tokens.weight"]
+                xs = [L.embed(embed_w, ids_dev[i]) for i in range(M)]
+            else:  # gather only the batch's rows from the host copy
+                self.link.wait_ready(self.units["embed"], step)
+                table = unit_tensors(self.master[self.units["embed"].offset:], self.units["embed"])["model.embed_tokens.weight"]
+                xs = [L.embed(table, ids[i]).to(self.device, self.dtype) for i in range(M)]
+            self.delivery.prefetch(self.units["layer.0"], step)
+            saved: list[list[torch.Tensor]] = []
+            for layer in range(cfg.num_layers):
+                p = self._layer_params(layer, step, grad=False)
+                saved.append(xs)
+                xs = [L.decoder_layer(cfg, p, x, rope) for x in xs]
+                del p
+            self.delivery.prefetch(self.units["norm"], step)
+            if not tied:
+                self.delivery.prefetch(self.units["head"], step)
+
+        # ---- loss and its backward -------------------------------------------------------------
+        norm_unit, head_unit = self.units["norm"], self.units["head"]
+        norm_w = unit_tensors(self.delivery.fetch(norm_unit, step), norm_unit)["model.norm.weight"].detach().requires_grad_(True)
+        head_w = (embed_w if tied else unit_tensors(self.delivery.fetch(head_unit, step), head_unit)[cfg.head_name])
+        head_w = head_w.detach().requires_grad_(True)
+        self.delivery.prefetch(self.units[f"layer.{cfg.num_layers - 1}"], step)
+        loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
+        norm_grad = torch.zeros(norm_unit.numel, dtype=torch.float32, device=self.device)
+        head_grad = torch.zeros((cfg.vocab_size, H), dtype=torch.float32, device=self.device)
+        grads_out: list[torch.Tensor] = []
+        for i, x in enumerate(xs):
+            x = x.detach().requires_grad_(True)
+            h = L.final_norm(cfg, norm_w, x)
+            loss = chunked_cross_entropy_sum(h.reshape(-1, H), head_w, targets_dev[i].reshape(-1), self.ce_chunk)
+            gx, gn, gh = torch.autograd.grad(loss * self.scale, [x, norm_w, head_w])
+            loss_sum += loss.detach()
+            norm_grad[:H] += gn
+            head_grad += gh
+            grads_out.append(gx)
+        del xs, head_w, norm_w
+        times.forward_s = time.perf_counter() - t0
+        loss_value = float(loss_sum)
+        times.loss_sum = loss_value
+        finite = bool(torch.isfinite(loss_sum))
+        if self.link.agree_loss(step, loss_value, times.tokens, finite):
+            times.skipped = True
+            return times
+        t1 = time.perf_counter()
+        self._send(norm_unit.chunks[0], norm_grad, step)
+        if not tied:
+            self._send_rows(head_unit, head_grad, step)
+            del head_grad
+
+        # ---- backward, layer by layer in reverse -------------------------------------------------
+        for layer in reversed(range(cfg.num_layers)):
+            chunk = self.units[f"layer.{layer}"].chunks[0]
+            p = self._layer_params(layer, step, grad=True)
+            leaves = list(p.values())
+            acc = torch.zeros(chunk.numel, dtype=torch.float32, device=self.device)
+            for i in range(M):
+                x = saved[layer][i].detach().requires_grad_(True)
+                y = L.decoder_layer(cfg, p, x, rope)
+                got = torch.autograd.grad(y, [x] + leaves, grads_out[i])
+                grads_out[i] = got[0]
+                accumulate(acc, chunk, dict(zip(p.keys(), got[1:])), f"model.layers.{layer}.", first=(i == 0))
+            saved[layer] = []
+            del p, leaves
+            self._send(chunk, acc, step)
+            del acc
+
+        # ---- embedding: scatter the input gradients into rows (tied: onto the head's gradient) ----
+        embed_grad = head_grad if tied else torch.zeros((cfg.vocab_size, H), dtype=torch.float32, device=self.device)
+        for i in range(M):
+            embed_grad.index_add_(0, ids_dev[i].reshape(-1), grads_out[i].reshape(-1, H).to(torch.float32))
+        del grads_out
+        self._send_rows(self.units["embed"], embed_grad, step)
+        del embed_grad
+        self._flush(step, block=True)
+        times.backward_s = time.perf_counter() - t1
+        return times
+
+    def _send_rows(self, unit: Unit, full_grad: torch.Tensor, step: int) -> None:
+        """Send a [V, H] gradient as its row-block chunks (one contiguous flat range each)."""
+        flat = full_grad.reshape(-1)
+        for c in unit.chunks:
+            m = c.members[0]
+            start = m.row_start * full_grad.shape[1]
+            piece = flat[start:start + m.numel]
+            if c.numel != m.numel:  # alignment padding at the end of the block
+                padded = torch.zeros(c.numel, dtype=torch.float32, device=self.device)
+                padded[:m.numel] = piece
+                piece = padded
+            self._send(c, piece, step)

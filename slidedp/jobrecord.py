@@ -1,0 +1,53 @@
+"""The job record: what the daemons need to know of a job, sent as JSON in JobStart.
+
+Each daemon takes only its own part: the updater the [train] hyper-parameters, the
+aggregator the world size and the reduction policy.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from .config import TrainSection
+
+
+@dataclass(frozen=True)
+class JobRecord:
+    job: str
+    store: str
+    world: int
+    train: dict[str, Any]  # the [train] section, as in the resolved job file
+    layout_hash: str
+    grad_slots: int = 3
+    reduce_slots: int = 3
+    updaters: int = 0  # processes the aggregator must hear from before the job starts (0: those connected)
+
+    def __post_init__(self) -> None:
+        if self.world < 1:
+            raise ValueError(f"job record: world must be >= 1, got {self.world}")
+        TrainSection(**self.train)  # validates
+
+    @property
+    def train_section(self) -> TrainSection:
+        return TrainSection(**self.train)
+
+    @property
+    def clip(self) -> bool:
+        """Exact clipping: every update of a step waits for the step's global gradient norm."""
+        return float(self.train["max_grad_norm"]) > 0
+
+    @property
+    def full_reduce(self) -> bool:
+        return self.clip
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "JobRecord":
+        d = json.loads(text)
+        if not isinstance(d, dict):
+            raise ValueError("job record must be a JSON object")
+        return cls(**d)

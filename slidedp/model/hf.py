@@ -1,0 +1,352 @@
+"""Hugging Face checkpoint folders: config.json + safetensors (single file or index + shards).
+
+Headers are parsed here rather than through `safe_open` so that every lie a file can tell
+(truncation, a shape that does not match its byte range, a missing shard) becomes an error
+naming the file and the tensor, and so a tensor can be read straight into a caller's
+buffer (a shared-memory view) without a second copy. Writing streams one tensor at a time,
+so a store of any size is saved without materializing the model twice.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import json
+import os
+import shutil
+import uuid
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from slidedp.model.config import _ARCHITECTURES, FAMILIES, ModelConfig, ModelConfigError
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+_MAX_HEADER = 100 * 2**20  # a header larger than this is corruption, not a model
+_WRITE_PIECE = 2**24  # elements cast per write: bounds the temporary copy of a huge tensor
+
+# safetensors dtype tag -> (torch dtype, bytes per element)
+_DTYPES: dict[str, tuple[torch.dtype, int]] = {
+    "F64": (torch.float64, 8), "F32": (torch.float32, 4), "F16": (torch.float16, 2), "BF16": (torch.bfloat16, 2),
+    "I64": (torch.int64, 8), "I32": (torch.int32, 4), "I16": (torch.int16, 2), "I8": (torch.int8, 1),
+    "U8": (torch.uint8, 1), "BOOL": (torch.bool, 1),
+    "F8_E4M3": (torch.float8_e4m3fn, 1), "F8_E5M2": (torch.float8_e5m2, 1),
+}
+_FLOAT_TAGS = ("F64", "F32", "F16", "BF16")
+_TAG_OF = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
+
+
+class CheckpointError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    file: str  # file name inside the checkpoint folder
+    dtype: str  # safetensors tag, e.g. "BF16"
+    shape: tuple[int, ...]
+    start: int  # absolute byte offset of the data in the file
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+
+# ---- reading ---------------------------------------------------------------------------
+def _require_folder(folder: Path) -> None:
+    if not folder.exists():
+        raise CheckpointError(f"checkpoint folder {folder} does not exist")
+    if not folder.is_dir():
+        raise CheckpointError(f"checkpoint path {folder} is not a folder")
+
+
+def read_config(folder) -> ModelConfig:
+    folder = Path(folder)
+    _require_folder(folder)
+    path = folder / "config.json"
+    if not path.is_file():
+        raise CheckpointError(f"{folder} has no config.json (a Hugging Face checkpoint folder needs one)")
+    try:
+        hf = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(hf, dict):
+        raise CheckpointError(f"{path} must hold a JSON object, got {type(hf).__name__}")
+    archs = hf.get("architectures") or []
+    supported = tuple(_ARCHITECTURES.values())
+    if hf.get("model_type") not in FAMILIES or any(a not in supported for a in archs):
+        raise CheckpointError(
+            f"{path}: architecture {', '.join(map(str, archs)) or '(none given)'} (model_type "
+            f"{hf.get('model_type')!r}) is not supported; supported: {', '.join(supported)}"
+        )
+    try:
+        return ModelConfig.from_hf(hf)
+    except (ModelConfigError, TypeError, ValueError) as e:
+        raise CheckpointError(f"{path}: {e}") from None
+
+
+def _read_header(folder: Path, fname: str) -> dict[str, TensorInfo]:
+    path = folder / fname
+    if not path.is_file():
+        raise CheckpointError(f"{path} is missing")
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        n = int.from_bytes(raw, "little") if len(raw) == 8 else -1
+        if n < 0 or n > size - 8 or n > _MAX_HEADER:
+            raise CheckpointError(f"{path} is truncated or not a safetensors file ({size} bytes, header length {n})")
+        try:
+            header = json.loads(f.read(n))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"{path}: the safetensors header is not valid JSON: {e}") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: the safetensors header is not a JSON object")
+    base = 8 + n
+    out: dict[str, TensorInfo] = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            tag, shape, (b, e) = entry["dtype"], tuple(int(s) for s in entry["shape"]), entry["data_offsets"]
+            b, e = int(b), int(e)
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointError(f"{path}: malformed header entry for tensor {name!r}: {entry!r}") from None
+        if tag not in _DTYPES:
+            raise CheckpointError(f"{path}: tensor {name!r} has unknown dtype {tag!r}")
+        numel = 1
+        for s in shape:
+            numel *= s
+        need = numel * _DTYPES[tag][1]
+        if min(shape, default=0) < 0 or b < 0 or e - b != need:
+            raise CheckpointError(
+                f"{path}: the header of tensor {name!r} is inconsistent: dtype {tag} x shape {list(shape)} = "
+                f"{need} bytes, but data_offsets [{b}, {e}] span {e - b} bytes"
+            )
+        if base + e > size:
+            raise CheckpointError(
+                f"{path} is truncated: tensor {name!r} needs bytes up to {base + e} but the file has {size} bytes"
+            )
+        out[name] = TensorInfo(fname, tag, shape, base + b, base + e)
+    return out
+
+
+def tensor_index(folder) -> dict[str, TensorInfo]:
+    """Every tensor of the checkpoint: name -> where its bytes are, from the safetensors headers."""
+    folder = Path(folder)
+    _require_folder(folder)
+    index_path = folder / INDEX_FILE
+    if index_path.is_file():
+        try:
+            weight_map = json.loads(index_path.read_text())["weight_map"]
+            if not isinstance(weight_map, dict):
+                raise TypeError
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
+            raise CheckpointError(f"{index_path} is not valid JSON with a 'weight_map' object") from None
+        out: dict[str, TensorInfo] = {}
+        for fname in sorted(set(weight_map.values())):
+            if not isinstance(fname, str) or Path(fname).name != fname:
+                raise CheckpointError(f"{index_path} names the shard {fname!r}, which is not a file in the folder")
+            for name, info in _read_header(folder, fname).items():
+                if name in out:
+                    raise CheckpointError(f"{folder}: tensor {name!r} is in both {out[name].file} and {fname}")
+                out[name] = info
+        for name, fname in weight_map.items():
+            if name not in out or out[name].file != fname:
+                raise CheckpointError(f"{index_path} maps {name!r} to {fname}, but {fname} has no such tensor")
+        return out
+    if (folder / SINGLE_FILE).is_file():
+        return _read_header(folder, SINGLE_FILE)
+    hint = " (PyTorch .bin weights are not supported: save as safetensors)" if any(folder.glob("*.bin")) else ""
+    raise CheckpointError(f"{folder} has neither {SINGLE_FILE} nor {INDEX_FILE}{hint}")
+
+
+def _as_bytes(t: Tensor) -> memoryview:
+    return memoryview(t.detach().reshape(-1).view(torch.uint8).numpy())
+
+
+def load_tensor(folder, name: str, out: Tensor | None = None, index: Mapping[str, TensorInfo] | None = None) -> Tensor:
+    """Read one tensor as fp32 (into `out`, converting, if given). Pass `index` to skip re-reading headers."""
+    folder = Path(folder)
+    index = tensor_index(folder) if index is None else index
+    if name not in index:
+        raise CheckpointError(f"{folder} has no tensor {name!r}")
+    info = index[name]
+    path = folder / info.file
+    if info.dtype not in _FLOAT_TAGS:
+        raise CheckpointError(f"{path}: tensor {name!r} has dtype {info.dtype}; expected a floating-point dtype")
+    if out is not None and tuple(out.shape) != info.shape:
+        raise CheckpointError(f"{path}: tensor {name!r} has shape {info.shape}; the destination is {tuple(out.shape)}")
+    direct = (out is not None and info.dtype == "F32" and out.dtype == torch.float32
+              and out.device.type == "cpu" and out.is_contiguous())
+    with torch.no_grad():
+        buf = out if direct else torch.empty(info.shape, dtype=_DTYPES[info.dtype][0])
+        view, got = _as_bytes(buf), 0
+        with open(path, "rb", buffering=0) as f:
+            f.seek(info.start)
+            while got < info.nbytes:
+                n = f.readinto(view[got:])
+                if not n:
+                    raise CheckpointError(f"{path} is truncated: tensor {name!r} ends early at byte {info.start + got}")
+                got += n
+        if direct:
+            return out
+        return buf.float() if out is None else out.copy_(buf)
+
+
+def check_folder(folder, cfg: ModelConfig) -> None:
+    """Every tensor `cfg` needs is present with its shape in a float dtype, and nothing unexpected is."""
+    folder = Path(folder)
+    index = tensor_index(folder)
+    expected = dict(cfg.parameter_shapes())
+    missing = [n for n in expected if n not in index]
+    if missing:
+        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        raise CheckpointError(f"{folder} is missing {len(missing)} tensor(s) the config needs: "
+                              f"{', '.join(missing[:5])}{more}")
+    if cfg.tie_word_embeddings and "lm_head.weight" in index:  # a redundant copy of the tied head
+        expected = {**expected, "lm_head.weight": expected["model.embed_tokens.weight"]}
+    for name, shape in expected.items():
+        info = index[name]
+        if info.shape != shape:
+            raise CheckpointError(f"{folder / info.file}: tensor {name!r} has shape {info.shape}; "
+                                  f"the config expects {shape}")
+        if info.dtype not in _FLOAT_TAGS:
+            raise CheckpointError(f"{folder / info.file}: tensor {name!r} has dtype {info.dtype}; "
+                                  f"expected one of {', '.join(_FLOAT_TAGS)}")
+    extra = [n for n in index if n not in expected and not n.endswith("rotary_emb.inv_freq")]
+    if extra:
+        more = f" and {len(extra) - 5} more" if len(extra) > 5 else ""
+        raise CheckpointError(f"{folder} has {len(extra)} tensor(s) a {cfg.family} model of this config does "
+                              f"not have: {', '.join(extra[:5])}{more}")
+
+
+# ---- writing ---------------------------------------------------------------------------
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_json(path: Path, obj) -> None:
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=2, sort_keys=True)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _write_safetensors(path: Path, members: list[tuple[str, tuple[int, ...]]],
+                       get: Callable[[str], Tensor], dtype: torch.dtype) -> None:
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    header: dict = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, shape in members:
+        nbytes = itemsize * torch.Size(shape).numel()
+        header[name] = {"dtype": _TAG_OF[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # keep the data 8-byte aligned
+    with open(path, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little"))
+        f.write(raw)
+        for name, shape in members:
+            t = get(name)
+            if tuple(t.shape) != shape:
+                raise CheckpointError(f"write_folder: tensor {name!r} has shape {tuple(t.shape)}; "
+                                      f"the config says {shape}")
+            flat = t.detach().reshape(-1)
+            for i in range(0, flat.numel(), _WRITE_PIECE):
+                f.write(_as_bytes(flat[i:i + _WRITE_PIECE].to(device="cpu", dtype=dtype).contiguous()))
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _rename_exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two paths (Linux renameat2 RENAME_EXCHANGE); False where unsupported."""
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (AttributeError, OSError):
+        return False
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    at_fdcwd, rename_exchange = -100, 2
+    if fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+def _replace_dir(new: Path, folder: Path) -> None:
+    if not folder.exists():
+        os.rename(new, folder)
+    elif _rename_exchange(new, folder):
+        shutil.rmtree(new)  # `new` now holds the previous checkpoint
+    else:  # two renames: a crash in between leaves the old checkpoint intact under .old
+        old = folder.parent / f".{folder.name}.old-{uuid.uuid4().hex[:8]}"
+        os.rename(folder, old)
+        os.rename(new, folder)
+        shutil.rmtree(old)
+    _fsync_dir(folder.parent)
+
+
+def write_folder(folder, cfg: ModelConfig, tensors: Mapping[str, Tensor] | Callable[[str], Tensor],
+                 dtype: torch.dtype = torch.bfloat16, max_shard_bytes: int = 5 * 2**30,
+                 extra_files: Iterable[str | os.PathLike] = ()) -> None:
+    """Write a checkpoint folder loadable by `transformers`, atomically.
+
+    `tensors` maps full names to tensors, or is a callable fetched one name at a time (so a
+    huge store never needs a second copy). `extra_files` (e.g. tokenizer files) are copied in.
+    An existing folder is replaced only after the new one is complete and synced, and only if
+    it looks like a checkpoint (holds config.json or safetensors), so a typo cannot delete data.
+    """
+    folder = Path(folder)
+    if dtype not in _TAG_OF:
+        raise CheckpointError(f"write_folder: dtype {dtype} is not supported; use one of {list(_TAG_OF)}")
+    if folder.exists() and not (folder.is_dir() and (
+            not any(folder.iterdir()) or (folder / "config.json").exists() or any(folder.glob("*.safetensors")))):
+        raise CheckpointError(f"{folder} exists and is not a checkpoint folder; refusing to replace it")
+    get = tensors if callable(tensors) else tensors.__getitem__
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    shards: list[list[tuple[str, tuple[int, ...]]]] = [[]]
+    size = total = 0
+    for name, shape in cfg.parameter_shapes():
+        nbytes = itemsize * torch.Size(shape).numel()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append((name, shape))
+        size += nbytes
+        total += nbytes
+    files = [SINGLE_FILE] if len(shards) == 1 else [
+        f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = folder.parent / f".{folder.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        for fname, members in zip(files, shards):
+            _write_safetensors(tmp / fname, members, get, dtype)
+        if len(files) > 1:
+            weight_map = {name: fname for fname, members in zip(files, shards) for name, _ in members}
+            _write_json(tmp / INDEX_FILE, {"metadata": {"total_size": total}, "weight_map": weight_map})
+        dtype_name = str(dtype).removeprefix("torch.")
+        _write_json(tmp / "config.json", {**cfg.to_hf(), "torch_dtype": dtype_name, "dtype": dtype_name})
+        gen = {"_from_model_config": True, "bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id}
+        _write_json(tmp / "generation_config.json", {k: v for k, v in gen.items() if v is not None})
+        for src in extra_files:
+            shutil.copyfile(src, tmp / Path(src).name)
+            with open(tmp / Path(src).name, "rb") as f:
+                os.fsync(f.fileno())
+        _fsync_dir(tmp)
+        _replace_dir(tmp, folder)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

@@ -1,0 +1,133 @@
+"""The decoder family as pure functions over handed-in parameters.
+
+No module owns weights: a streaming engine holds one layer's tensors at a time and calls
+`decoder_layer` with them, so autograd sees plain tensors and the caller decides where they
+live. Every op follows Hugging Face's order (RMSNorm in fp32 then cast back, rope tables
+computed in fp32 then cast), so fp32 results match `transformers` to rounding.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from slidedp.model.config import ModelConfig
+
+# enable_gqa (torch >= 2.5) lets SDPA read the shared k/v heads without materializing copies.
+_SDPA_GQA = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 5)
+
+
+def _inv_freq(cfg: ModelConfig) -> Tensor:
+    d = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float) / d))
+    scaling = dict(cfg.rope_scaling)
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type == "default":
+        return inv_freq
+    if rope_type != "llama3":
+        raise ValueError(f"rope scaling type {rope_type!r} is not supported; supported: llama3")
+    # Llama 3.1: stretch low frequencies by `factor`, keep high ones, interpolate between.
+    factor = float(scaling["factor"])
+    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+    old_len = float(scaling.get("original_max_position_embeddings", cfg.max_position_embeddings))
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rope_tables(cfg: ModelConfig, seq_len: int, device, dtype=torch.float32) -> tuple[Tensor, Tensor]:
+    """cos, sin of shape [seq_len, head_dim] for positions 0..seq_len-1 (computed in fp32, then cast)."""
+    inv_freq = _inv_freq(cfg).to(device)
+    pos = torch.arange(seq_len, device=device, dtype=torch.float)
+    freqs = pos[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    dtype = x.dtype
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(dtype)
+
+
+def embed(weight: Tensor, ids: Tensor) -> Tensor:
+    return F.embedding(ids, weight)
+
+
+def _rotate_half(x: Tensor) -> Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def _apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    return x * cos + _rotate_half(x) * sin
+
+
+def _attention(cfg: ModelConfig, p: Mapping[str, Tensor], h: Tensor, rope: tuple[Tensor, Tensor]) -> Tensor:
+    b, t, _ = h.shape
+    nh, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+
+    def proj(name: str, heads: int) -> Tensor:
+        bias = p[f"self_attn.{name}.bias"] if cfg.attention_bias else None
+        return F.linear(h, p[f"self_attn.{name}.weight"], bias).view(b, t, heads, d)
+
+    q, k, v = proj("q_proj", nh), proj("k_proj", nkv), proj("v_proj", nkv)
+    if cfg.qk_norm:  # Qwen3: per-head RMSNorm before rope
+        q = rms_norm(q, p["self_attn.q_norm.weight"], cfg.rms_norm_eps)
+        k = rms_norm(k, p["self_attn.k_norm.weight"], cfg.rms_norm_eps)
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    cos, sin = rope[0][:t], rope[1][:t]
+    q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
+    if nkv == nh:
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=d**-0.5)
+    elif _SDPA_GQA:
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=d**-0.5, enable_gqa=True)
+    else:
+        k, v = k.repeat_interleave(nh // nkv, dim=1), v.repeat_interleave(nh // nkv, dim=1)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=d**-0.5)
+    o = o.transpose(1, 2).reshape(b, t, nh * d)
+    return F.linear(o, p["self_attn.o_proj.weight"])
+
+
+def _mlp(p: Mapping[str, Tensor], h: Tensor) -> Tensor:
+    gate = F.linear(h, p["mlp.gate_proj.weight"])
+    up = F.linear(h, p["mlp.up_proj.weight"])
+    return F.linear(F.silu(gate) * up, p["mlp.down_proj.weight"])
+
+
+def decoder_layer(cfg: ModelConfig, p: Mapping[str, Tensor], x: Tensor, rope: tuple[Tensor, Tensor]) -> Tensor:
+    """One pre-norm decoder layer. x [B, T, H]; p keyed by local names, on x's device and dtype."""
+    x = x + _attention(cfg, p, rms_norm(x, p["input_layernorm.weight"], cfg.rms_norm_eps), rope)
+    return x + _mlp(p, rms_norm(x, p["post_attention_layernorm.weight"], cfg.rms_norm_eps))
+
+
+def final_norm(cfg: ModelConfig, weight: Tensor, x: Tensor) -> Tensor:
+    return rms_norm(x, weight, cfg.rms_norm_eps)
+
+
+def layer_params(params: Mapping[str, Tensor], layer: int) -> dict[str, Tensor]:
+    prefix = f"model.layers.{layer}."
+    return {name[len(prefix):]: t for name, t in params.items() if name.startswith(prefix)}
+
+
+def forward_hidden(cfg: ModelConfig, params: Mapping[str, Tensor], ids: Tensor) -> Tensor:
+    """The whole model up to and including the final norm: [B, T] ids -> [B, T, H]."""
+    x = embed(params["model.embed_tokens.weight"], ids)
+    rope = rope_tables(cfg, ids.shape[-1], x.device, x.dtype)
+    for layer in range(cfg.num_layers):
+        x = decoder_layer(cfg, layer_params(params, layer), x, rope)
+    return final_norm(cfg, params["model.norm.weight"], x)
+
+
+def forward_logits(cfg: ModelConfig, params: Mapping[str, Tensor], ids: Tensor) -> Tensor:
+    """Full logits [B, T, V]: for tests and the reference trainer, never the streaming path."""
+    return F.linear(forward_hidden(cfg, params, ids), params[cfg.head_name])

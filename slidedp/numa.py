@@ -1,0 +1,43 @@
+"""NUMA topology from sysfs: which CPUs belong to which node (one node is the common case)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def parse_cpulist(text: str) -> list[int]:
+    cpus: list[int] = []
+    for part in text.strip().split(","):
+        if not part:
+            continue
+        if "-" in part:
+            a, b = part.split("-")
+            cpus.extend(range(int(a), int(b) + 1))
+        else:
+            cpus.append(int(part))
+    return cpus
+
+
+def nodes(sysfs: str = "/sys/devices/system/node") -> list[list[int]]:
+    """CPUs of each NUMA node that this process may run on; one list of all allowed CPUs without sysfs."""
+    allowed = sorted(os.sched_getaffinity(0))
+    found: list[list[int]] = []
+    root = Path(sysfs)
+    for node in sorted(root.glob("node[0-9]*"), key=lambda p: int(p.name[4:])):
+        try:
+            cpus = [c for c in parse_cpulist((node / "cpulist").read_text()) if c in allowed]
+        except OSError:
+            continue
+        if cpus:
+            found.append(cpus)
+    return found or [allowed]
+
+
+def gpu_node(pci_bus_id: str) -> int | None:
+    """NUMA node of a PCI device (a GPU), or None where the platform does not say."""
+    try:
+        value = int(Path(f"/sys/bus/pci/devices/{pci_bus_id.lower()}/numa_node").read_text())
+    except (OSError, ValueError):
+        return None
+    return value if value >= 0 else None

@@ -1,0 +1,24 @@
+"""Step-time model and planner: calibrate the host, predict a step, pick the plan that fits."""
+
+from slidedp.planner.calibration import (
+    H200_REFERENCE,
+    Calibration,
+    CalibrationError,
+    calibrate,
+    load_or_calibrate,
+)
+from slidedp.planner.plan import Choices, Plan, PlanError, Workload, make_plan, predict_step
+
+__all__ = [
+    "H200_REFERENCE",
+    "Calibration",
+    "CalibrationError",
+    "Choices",
+    "Plan",
+    "PlanError",
+    "Workload",
+    "calibrate",
+    "load_or_calibrate",
+    "make_plan",
+    "predict_step",
+]

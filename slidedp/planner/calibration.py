@@ -1,0 +1,265 @@
+"""Measured inputs of the step-time model, calibrated once per host and device and cached.
+
+`calibrate()` measures the building blocks the schedule is made of: pinned H2D, D2H and both
+at once; the fused CPU AdamW (`torch._fused_adamw_`, the kernel the updater runs); an fp32 sum
+(the aggregator); a layer-sized matmul in the compute dtype, and the fused AdamW on the device
+(for an embedding kept on the GPU). On `device="cpu"` it returns a CPU-only calibration
+(copies at memcpy speed, "GPU" rates = the CPU's), so planning works in CI.
+
+The cache is JSON (never pickle), one file per host and device name, under ~/.cache/slidedp.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+import socket
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from slidedp import log
+
+_log = log.get("planner")
+
+SCHEMA = 1
+# A decoder layer's forward+backward runs at ~54% of a bare matmul's rate on an H200
+# (BENCHMARKS.md: 405 TFLOP/s for a Qwen3-4B layer against 755 for a bf16 matmul): attention,
+# norms and elementwise kernels. The model's FLOP count is matmuls only, so the calibration
+# reports this effective rate.
+LAYER_EFFICIENCY = 405.0 / 755.0
+
+
+class CalibrationError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Calibration:
+    host: str
+    device_name: str
+    h2d_gbps: float  # pinned host->device, GB/s (1e9 B/s), per rank
+    d2h_gbps: float  # pinned device->host
+    bidir_gbps: float  # both directions at once, total of the two
+    adamw_params_per_s: float  # fused CPU AdamW, one updater process using `adamw_threads` threads
+    adamw_threads: int
+    reduce_gbps: float  # aggregator fp32 sum of 2 buffers, GB/s of output
+    gpu_tflops: float  # effective TFLOP/s of a decoder layer's matmul FLOPs in the compute dtype
+    gpu_mem_bytes: int
+    gpu_adamw_params_per_s: float = 1.0e11  # fused AdamW on the device (embedding kept on the GPU)
+    # GPU-to-GPU all-reduce bus bandwidth (NCCL); not measured by one process: a conservative
+    # NVLink figure, used only for an embedding kept on the GPU with more than one rank.
+    allreduce_gbps: float = 100.0
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.type in ("float", "int") and not (math.isfinite(value) and value > 0):
+                raise CalibrationError(f"calibration field {f.name} must be a positive finite number, got {value!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Calibration":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise CalibrationError(f"calibration has unknown fields {unknown}")
+        missing = sorted(f.name for f in dataclasses.fields(cls) if f.name not in d and f.default is dataclasses.MISSING)
+        if missing:
+            raise CalibrationError(f"calibration is missing fields {missing}")
+        kinds = {f.name: f.type for f in dataclasses.fields(cls)}
+        conv = {"str": str, "float": float, "int": int}
+        return cls(**{k: conv[kinds[k]](v) for k, v in d.items()})
+
+    def summary(self) -> str:
+        return (
+            f"{self.device_name} @ {self.host}: H2D {self.h2d_gbps:.1f} GB/s, D2H {self.d2h_gbps:.1f}, "
+            f"both {self.bidir_gbps:.1f}; CPU AdamW {self.adamw_params_per_s / 1e9:.2f} G params/s "
+            f"({self.adamw_threads} threads); reduce {self.reduce_gbps:.1f} GB/s; "
+            f"GPU {self.gpu_tflops:.1f} TFLOP/s effective"
+        )
+
+
+# The building blocks measured on one H200 host (BENCHMARKS.md). The reduce rate was not
+# measured there: it is derived from the AdamW rate's host traffic (4.4e9 params/s x 28 B =
+# 123 GB/s; a 2-input sum touches 3 buffers per output -> 41 GB/s of output).
+H200_REFERENCE = Calibration(
+    host="h200-reference",
+    device_name="NVIDIA H200",
+    h2d_gbps=55.0,
+    d2h_gbps=55.0,
+    bidir_gbps=95.0,
+    adamw_params_per_s=4.4e9,
+    adamw_threads=16,
+    reduce_gbps=41.0,
+    gpu_tflops=405.0,  # BENCHMARKS: Qwen3-4B layer fwd+bwd at 405 TFLOP/s (755 bare matmul)
+    gpu_mem_bytes=143_771 * (1 << 20),  # nvidia-smi: 143,771 MiB
+    gpu_adamw_params_per_s=1.0e11,  # ~28 B/param at ~2.8 TB/s of HBM
+    allreduce_gbps=100.0,
+)
+
+
+# --------------------------------------------------------------------------------------
+# measurement
+
+def _median_time(fn: Callable[[], None], sync: Callable[[], None], reps: int) -> float:
+    fn()  # warm up (allocation, first-touch, kernel selection)
+    sync()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return max(statistics.median(times), 1e-9)
+
+
+def _fused_adamw(params: list, grads: list, m: list, v: list, steps: list) -> None:
+    import torch
+
+    torch._fused_adamw_(
+        params, grads, m, v, [], steps, lr=1e-4, beta1=0.9, beta2=0.999, weight_decay=0.01, eps=1e-8,
+        amsgrad=False, maximize=False,
+    )
+
+
+def _adamw_rate(n: int, device: str, sync: Callable[[], None], reps: int) -> float:
+    import torch
+
+    p, g = torch.rand(n, device=device), torch.rand(n, device=device)
+    m, v = torch.zeros(n, device=device), torch.zeros(n, device=device)
+    step = torch.ones((), device=device)
+    return n / _median_time(lambda: _fused_adamw([p], [g], [m], [v], [step]), sync, reps)
+
+
+def _device_name(device: str) -> str:
+    import torch
+
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_name(torch.device(device))
+    import platform
+
+    return f"cpu ({platform.machine() or 'unknown'})"
+
+
+def calibrate(device: str = "cuda", quick: bool = False) -> Calibration:
+    """Measure the building blocks on this host. quick: small sizes, a few seconds on a CPU."""
+    import psutil
+    import torch
+
+    reps = 3 if quick else 10
+    cpu_sync = lambda: None  # noqa: E731
+    # CPU side: the updater's AdamW and the aggregator's sum
+    adamw = _adamw_rate((4 if quick else 64) << 20, "cpu", cpu_sync, reps)
+    n = (4 if quick else 32) << 20
+    a, b, c = torch.rand(n), torch.rand(n), torch.empty(n)
+    reduce_gbps = n * 4 / _median_time(lambda: torch.add(a, b, out=c), cpu_sync, reps) / 1e9
+    del a, b, c
+
+    if device == "cpu":
+        nbytes = (64 if quick else 512) << 20
+        src, dst = torch.empty(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
+        src.fill_(1)
+        copy = nbytes / _median_time(lambda: dst.copy_(src), cpu_sync, reps) / 1e9
+        del src, dst
+        k = 512 if quick else 2048
+        x, w = torch.rand(k, k), torch.rand(k, k)
+        matmul = 2 * k**3 / _median_time(lambda: torch.mm(x, w), cpu_sync, reps) / 1e12
+        return Calibration(
+            host=socket.gethostname(), device_name=_device_name("cpu"),
+            h2d_gbps=copy, d2h_gbps=copy, bidir_gbps=copy,  # one memory system: copies share it
+            adamw_params_per_s=adamw, adamw_threads=torch.get_num_threads(), reduce_gbps=reduce_gbps,
+            gpu_tflops=matmul * LAYER_EFFICIENCY, gpu_mem_bytes=int(psutil.virtual_memory().total),
+            gpu_adamw_params_per_s=adamw,
+        )
+
+    if not torch.cuda.is_available():
+        raise CalibrationError(f"calibrate(device={device!r}) needs CUDA; use device='cpu' on a machine without a GPU")
+    dev = torch.device(device)
+    sync = lambda: torch.cuda.synchronize(dev)  # noqa: E731
+    nbytes = (256 if quick else 1024) << 20
+    host_in = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    host_out = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev_in = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+    dev_out = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+    h2d = nbytes / _median_time(lambda: dev_in.copy_(host_in, non_blocking=True), sync, reps) / 1e9
+    d2h = nbytes / _median_time(lambda: host_out.copy_(dev_out, non_blocking=True), sync, reps) / 1e9
+    s_in, s_out = torch.cuda.Stream(dev), torch.cuda.Stream(dev)
+
+    def both() -> None:
+        with torch.cuda.stream(s_in):
+            dev_in.copy_(host_in, non_blocking=True)
+        with torch.cuda.stream(s_out):
+            host_out.copy_(dev_out, non_blocking=True)
+
+    bidir = 2 * nbytes / _median_time(both, sync, reps) / 1e9
+    del host_in, host_out, dev_in, dev_out
+    # a layer-like matmul: [tokens, H] x [H, I] at a 7B-ish shape
+    t, h, i = (4096, 4096, 11008) if quick else (8192, 4096, 14336)
+    x = torch.randn(t, h, device=dev, dtype=torch.bfloat16)
+    w = torch.randn(h, i, device=dev, dtype=torch.bfloat16)
+    matmul = 2 * t * h * i / _median_time(lambda: torch.mm(x, w), sync, reps) / 1e12
+    del x, w
+    gpu_adamw = _adamw_rate((16 if quick else 64) << 20, device, sync, reps)
+    torch.cuda.empty_cache()
+    return Calibration(
+        host=socket.gethostname(), device_name=_device_name(device),
+        h2d_gbps=h2d, d2h_gbps=d2h, bidir_gbps=max(bidir, h2d, d2h),
+        adamw_params_per_s=adamw, adamw_threads=torch.get_num_threads(), reduce_gbps=reduce_gbps,
+        gpu_tflops=matmul * LAYER_EFFICIENCY,
+        gpu_mem_bytes=int(torch.cuda.get_device_properties(dev).total_memory),
+        gpu_adamw_params_per_s=gpu_adamw,
+    )
+
+
+# --------------------------------------------------------------------------------------
+# cache
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", text).strip("_") or "unknown"
+
+
+def cache_path(device: str, cache_dir: str | os.PathLike | None = None) -> Path:
+    root = Path(cache_dir).expanduser() if cache_dir else Path("~/.cache/slidedp").expanduser()
+    return root / f"calibration-{_slug(socket.gethostname())}-{_slug(_device_name(device))}.json"
+
+
+def save(calib: Calibration, path: str | os.PathLike) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps({"schema": SCHEMA, "calibration": calib.to_dict()}, indent=1) + "\n")
+    os.replace(tmp, path)  # atomic: a reader never sees half a file
+
+
+def load(path: str | os.PathLike) -> Calibration:
+    try:
+        doc = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise CalibrationError(f"cannot read calibration {path}: {e}") from None
+    if not isinstance(doc, dict) or doc.get("schema") != SCHEMA or not isinstance(doc.get("calibration"), dict):
+        raise CalibrationError(f"calibration {path} is not a schema-{SCHEMA} calibration file")
+    return Calibration.from_dict(doc["calibration"])
+
+
+def load_or_calibrate(
+    device: str = "cuda", cache_dir: str | os.PathLike | None = None, quick: bool = False, refresh: bool = False,
+) -> Calibration:
+    """The cached calibration of this host and device, measured (and cached) if absent or unreadable."""
+    path = cache_path(device, cache_dir)
+    if path.exists() and not refresh:
+        try:
+            return load(path)
+        except (CalibrationError, TypeError, ValueError) as e:
+            _log.warning("recalibrating: %s", e)
+    calib = calibrate(device, quick=quick)
+    save(calib, path)
+    _log.info("calibrated %s, cached in %s", calib.summary(), path)
+    return calib

@@ -1,0 +1,230 @@
+"""Pure cost formulas of one optimizer step: FLOPs, bytes per resource, GPU memory per item.
+
+No torch here: every function is arithmetic on the model shape, so the planner runs (and is
+tested) anywhere. Units: FLOPs, bytes, parameters; seconds appear only in `plan.py`, where a
+calibration turns these counts into time.
+
+What is counted, and what is deliberately not:
+- FLOPs are matmul FLOPs (2 per multiply-add). Norms, RoPE, SwiGLU's elementwise product and
+  softmax are memory-bound and small next to the matmuls; the calibration's *effective*
+  TFLOP/s (measured on a whole layer, not a bare matmul) absorbs them.
+- Every layer's input is saved and the layer is recomputed in backward, so a layer costs
+  forward + recompute (= forward) + backward (= 2x forward) = 4x its forward FLOPs.
+- The chunked cross-entropy computes each token chunk's logits once and derives the loss and
+  the logits' gradient in the same pass: forward (2VH) + the two backward matmuls (4VH).
+"""
+
+from __future__ import annotations
+
+from slidedp.model.config import ModelConfig
+
+# --------------------------------------------------------------------------------------
+# parameters
+
+def layer_params(model: ModelConfig) -> int:
+    """Parameters of one decoder layer (every layer has the same shape)."""
+    total = 0
+    for _, shape in model.layer_parameter_shapes():
+        n = 1
+        for s in shape:
+            n *= s
+        total += n
+    return total
+
+
+def embedding_params(model: ModelConfig) -> int:
+    return model.vocab_size * model.hidden_size
+
+
+def head_params(model: ModelConfig) -> int:
+    """Parameters of an untied LM head; 0 when tied (the head IS the embedding)."""
+    return 0 if model.tie_word_embeddings else model.vocab_size * model.hidden_size
+
+
+def default_chunk_rows(model: ModelConfig) -> int:
+    """Rows per embedding/head block: as many as fit in one decoder layer's parameter count."""
+    return max(1, min(model.vocab_size, layer_params(model) // model.hidden_size))
+
+
+def row_blocks(rows: int, chunk_rows: int) -> list[int]:
+    """Sizes of the row blocks of a [rows, H] matrix cut into blocks of at most chunk_rows."""
+    full, rest = divmod(rows, chunk_rows)
+    return [chunk_rows] * full + ([rest] if rest else [])
+
+
+# --------------------------------------------------------------------------------------
+# FLOPs
+
+def layer_forward_flops_per_token(model: ModelConfig, seq_len: int) -> float:
+    """Forward matmul FLOPs of one decoder layer per token.
+
+    Projections 2*H*(q + 2*kv) + o_proj 2*q*H; causal SDPA: QK^T and AV are 2*L*q each per
+    token over the full square, halved by the causal mask -> 2*L*q; SwiGLU MLP 3 * 2*H*I.
+    (Qwen3-4B, L=2048: 218.6 MFLOP/token; x3 for forward+backward on 16,384 tokens = 10.7 TFLOP,
+    which at BENCHMARKS' 26.5 ms is the 405 TFLOP/s quoted there.)
+    """
+    h, i = model.hidden_size, model.intermediate_size
+    q, kv = model.num_heads * model.head_dim, model.num_kv_heads * model.head_dim
+    return 2.0 * h * (2 * q + 2 * kv) + 2.0 * seq_len * q + 6.0 * h * i
+
+
+def layer_step_flops_per_token(model: ModelConfig, seq_len: int) -> float:
+    """Forward + recompute + backward (2x forward) = 4x the forward."""
+    return 4.0 * layer_forward_flops_per_token(model, seq_len)
+
+
+def head_forward_flops_per_token(model: ModelConfig) -> float:
+    return 2.0 * model.vocab_size * model.hidden_size
+
+
+def head_step_flops_per_token(model: ModelConfig) -> float:
+    """Chunked loss: logits (2VH) + grad wrt hidden (2VH) + grad wrt head (2VH)."""
+    return 3.0 * head_forward_flops_per_token(model)
+
+
+def step_flops(model: ModelConfig, tokens: int, seq_len: int) -> float:
+    """GPU FLOPs of one step over `tokens` tokens (one rank's share if tokens is per rank)."""
+    per_token = model.num_layers * layer_step_flops_per_token(model, seq_len) + head_step_flops_per_token(model)
+    return per_token * tokens
+
+
+# --------------------------------------------------------------------------------------
+# bytes
+
+def delivery_bytes(delivery: str) -> int:
+    """Bytes per parameter on the wire host->GPU: fp32 master (default) or the bf16 shadow."""
+    if delivery not in ("fp32", "bf16"):
+        raise ValueError(f"delivery must be 'fp32' or 'bf16', got {delivery!r}")
+    return 4 if delivery == "fp32" else 2
+
+
+def dtype_bytes(dtype: str) -> int:
+    if dtype not in ("bf16", "fp32"):
+        raise ValueError(f"compute_dtype must be 'bf16' or 'fp32', got {dtype!r}")
+    return 2 if dtype == "bf16" else 4
+
+
+GRAD_BYTES = 4  # gradients leave the GPU in fp32 (cast on the GPU)
+
+
+def update_bytes_per_param(delivery: str) -> int:
+    """Host memory traffic of the fused CPU AdamW per parameter.
+
+    Reads master, exp_avg, exp_avg_sq, grad (16 B) and writes master, exp_avg, exp_avg_sq (12 B)
+    = 28 B; the bf16 shadow delivery also writes 2 B of shadow per parameter.
+    """
+    return 28 + (2 if delivery == "bf16" else 0)
+
+
+def reduce_traffic_factor(world: int) -> float:
+    """Host traffic of summing `world` fp32 gradients, relative to the calibrated 2-input sum.
+
+    The calibration measures out = a + b (3 buffers touched per output element); N inputs touch
+    N + 1. Returns 0 for one rank: nothing to reduce.
+    """
+    return 0.0 if world <= 1 else (world + 1) / 3.0
+
+
+def activation_bytes(model: ModelConfig, tokens: int, compute_dtype: str) -> int:
+    """One layer's input for `tokens` tokens (what `keep`/`offload` saves per layer)."""
+    return tokens * model.hidden_size * dtype_bytes(compute_dtype)
+
+
+def host_updated_params(model: ModelConfig, embedding: str) -> int:
+    """Parameters the CPU updates per step: every layer and the final norm, plus the
+    embedding (and an untied head) when they live on the host."""
+    n = model.num_layers * layer_params(model) + model.hidden_size
+    if embedding == "host":
+        n += embedding_params(model) + head_params(model)
+    return n
+
+
+def transfer_bytes(
+    model: ModelConfig, *, tokens: int, delivery: str, activations: str, embedding: str,
+    resident_layers: int, compute_dtype: str = "bf16",
+) -> dict[str, int]:
+    """Bytes one rank moves over PCIe per step: {"h2d": ..., "d2h": ...}.
+
+    tokens: the rank's tokens per step (global_batch / world * seq_len).
+    """
+    db = delivery_bytes(delivery)
+    p_layer, nl, h = layer_params(model), model.num_layers, model.hidden_size
+    act = activation_bytes(model, tokens, compute_dtype)
+    h2d = (2 * nl - resident_layers) * p_layer * db + h * db  # layers twice (fwd, re-fetch), final norm
+    d2h = nl * p_layer * GRAD_BYTES + h * GRAD_BYTES
+    if activations == "offload":
+        h2d += nl * act
+        d2h += nl * act
+    if embedding == "host":
+        vh = embedding_params(model)
+        h2d += tokens * h * db  # forward gathers only the batch's rows
+        h2d += vh * db  # the head for the loss (tied: the embedding matrix; untied: lm_head)
+        d2h += vh * GRAD_BYTES  # the embedding's (tied: shared) gradient, whole matrix
+        d2h += head_params(model) * GRAD_BYTES  # untied head's gradient
+    return {"h2d": h2d, "d2h": d2h}
+
+
+# --------------------------------------------------------------------------------------
+# GPU memory
+
+MiB = 1 << 20
+GiB = 1 << 30
+CUDA_CONTEXT_BYTES = 512 * MiB  # CUDA context + loaded kernels: outside the allocator, still on the GPU
+WORKSPACE_BYTES = 128 * MiB  # cuBLAS workspaces, SDPA scratch
+NCCL_BYTES = 256 * MiB  # NCCL communicator buffers, only with more than one rank
+ALLOCATOR_RESERVE = 0.10  # caching-allocator fragmentation: 10% on top of the tensors
+LOGIT_BYTES = 2 + 4 + 4  # per logit of a loss chunk: bf16 matmul output, fp32 copy, fp32 gradient
+
+
+def workspace_bytes_per_token(model: ModelConfig, compute_dtype: str) -> int:
+    """Transient tensors of one layer's recompute + backward, per token of a micro-batch.
+
+    Saved for backward: normed input (H), q/k/v (q + 2kv), attention output (q), residual (H),
+    post-norm (H), gate/up/act (3I); plus the backward's largest live gradients (H + I).
+    """
+    h, i = model.hidden_size, model.intermediate_size
+    q, kv = model.num_heads * model.head_dim, model.num_kv_heads * model.head_dim
+    return (4 * h + 2 * q + 2 * kv + 4 * i) * dtype_bytes(compute_dtype)
+
+
+def gpu_memory_items(
+    model: ModelConfig, *, tokens: int, seq_len: int, micro_batch: int, world: int, delivery: str,
+    activations: str, embedding: str, prefetch_depth: int, resident_layers: int, chunk_rows: int,
+    loss_chunk_tokens: int, compute_dtype: str = "bf16",
+) -> list[tuple[str, int]]:
+    """GPU memory of one rank, item by item (the items are summed: a bound, since not all of
+    them are live at the same instant). tokens: the rank's tokens per step."""
+    cb = dtype_bytes(compute_dtype)
+    db = delivery_bytes(delivery)
+    h, v = model.hidden_size, model.vocab_size
+    p_layer = layer_params(model)
+    p_chunk = max(p_layer, min(chunk_rows, v) * h)  # largest streamed chunk
+    # a slot holds the delivered copy and, if it differs from the compute dtype, its cast
+    slot = p_chunk * (db + (cb if db != cb else 0))
+    act = activation_bytes(model, tokens, compute_dtype)
+    items: list[tuple[str, int]] = [
+        ("parameter slots", (prefetch_depth + 1) * slot),
+        ("resident layers", resident_layers * p_layer * cb),
+        # one chunk accumulating in fp32, one draining over D2H, plus autograd's compute-dtype grad
+        ("chunk gradients", p_chunk * (2 * GRAD_BYTES + cb)),
+        # the current layer's input/output for all local micro-batches (their gradients in backward)
+        ("hidden states", 2 * act),
+    ]
+    if activations == "keep":
+        items.append(("saved layer inputs", model.num_layers * act))
+    else:
+        items.append(("offload staging", (prefetch_depth + 1) * act))
+    items.append(("layer workspace", micro_batch * seq_len * workspace_bytes_per_token(model, compute_dtype)))
+    items.append(("loss chunk logits", loss_chunk_tokens * v * LOGIT_BYTES))
+    vh = embedding_params(model) + head_params(model)
+    if embedding == "gpu":
+        # fp32 master + exp_avg + exp_avg_sq + fp32 grad, and the compute-dtype copy
+        items.append(("embedding/head on GPU", vh * (16 + cb)))
+    else:
+        items.append(("head weights (loss)", v * h * cb))
+        items.append(("embedding/head gradient", v * h * GRAD_BYTES))
+    items.append(("CUDA context", CUDA_CONTEXT_BYTES))
+    items.append(("cuBLAS/NCCL workspace", WORKSPACE_BYTES + (NCCL_BYTES if world > 1 else 0)))
+    tensors = sum(b for name, b in items if name != "CUDA context")
+    items.append(("allocator reserve (10%)", int(ALLOCATOR_RESERVE * tensors)))
+    return items

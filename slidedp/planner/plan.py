@@ -1,0 +1,484 @@
+"""The step-time model and the planner.
+
+The model replays one rank's schedule (ARCHITECTURE.md, "The step") as a small event
+simulation over five resources, each a FIFO server:
+
+  h2d     the copy-in stream: parameter chunks (prefetched `prefetch_depth` chunks ahead),
+          embedding rows, offloaded activations
+  gpu     compute: forward, loss, recompute + backward, the GPU AdamW of a GPU-resident embedding
+  d2h     the copy-out stream: fp32 chunk gradients, offloaded activations
+  reduce  the aggregator summing the ranks' gradients of a chunk (nothing to do with one rank)
+  update  the updater pool: K processes running the fused CPU AdamW, one chunk at a time each
+
+A chunk's H2D in step s+1 waits for its update in step s (the version gate), so whatever the
+CPU has not finished when the GPU wants a chunk back is exposed: the tail (layer 0 and the
+embedding rows the next batch needs), and, with exact gradient clipping, the whole update,
+because no update starts before the last gradient is out (the global norm). A few steps are
+simulated and the steady-state period is the predicted step time. Ranks are symmetric, so
+one rank stands for all; `world` enters through the per-rank batch and the reduction.
+
+What the model leaves out (so the measured step may be a little longer): host memory
+bandwidth shared by DMA, aggregator and updaters; kernel-launch and Python overheads; the
+efficiency loss of small micro-batches; messages and version polling.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from slidedp.model.config import ModelConfig
+from slidedp.planner import costs
+from slidedp.planner.calibration import Calibration
+from slidedp.planner.costs import GiB
+
+RESOURCES = ("gpu", "h2d", "d2h", "reduce", "update")
+_STEPS = 8  # simulated steps; the period is averaged over the last _AVERAGE of them
+_AVERAGE = 4
+_LOSS_CHUNKS = (1024, 512, 256, 128)  # tokens per logits chunk, largest that fits first
+_TIE = 1e-9  # relative: predictions this close count as equal (then the smaller memory wins)
+
+
+class PlanError(ValueError):
+    """No plan fits: the message names the smallest budget that would and the knob to turn."""
+
+
+@dataclass(frozen=True)
+class Workload:
+    model: ModelConfig
+    global_batch: int  # sequences per optimizer step, all ranks together
+    seq_len: int
+    world: int
+    micro_batch: int  # sequences per forward/backward pass on one rank
+    compute_dtype: str = "bf16"
+    clip: bool = True  # exact global-norm gradient clipping (max_grad_norm > 0)
+    updaters: int = 1  # CPU updater processes (K)
+
+    def __post_init__(self) -> None:
+        for name in ("global_batch", "seq_len", "world", "micro_batch", "updaters"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"workload {name} must be a positive integer, got {getattr(self, name)!r}")
+        if self.global_batch % self.world:
+            raise ValueError(f"global_batch ({self.global_batch}) must be a multiple of world ({self.world})")
+        if self.local_batch % self.micro_batch:
+            raise ValueError(
+                f"micro_batch ({self.micro_batch}) must divide the sequences per rank "
+                f"(global_batch / world = {self.local_batch})"
+            )
+        costs.dtype_bytes(self.compute_dtype)
+
+    @property
+    def local_batch(self) -> int:
+        return self.global_batch // self.world
+
+    @property
+    def local_tokens(self) -> int:
+        return self.local_batch * self.seq_len
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch * self.seq_len
+
+
+@dataclass(frozen=True)
+class Choices:
+    """What the planner decides; everything `predict_step` needs besides the workload."""
+
+    activations: str = "keep"  # "keep" on the GPU | "offload" to pinned host memory
+    embedding: str = "host"  # "host" (rows gathered, CPU update) | "gpu" (resident, GPU AdamW)
+    delivery: str = "fp32"  # what crosses PCIe to the GPU: fp32 master | bf16 shadow
+    prefetch_depth: int = 1
+    resident_layers: int = 0  # last layers kept on the GPU from forward to backward
+    micro_batch: int | None = None  # None: the workload's
+    chunk_rows: int | None = None  # None: as many rows as one decoder layer has parameters
+    loss_chunk_tokens: int = 1024
+
+    def __post_init__(self) -> None:
+        if self.activations not in ("keep", "offload"):
+            raise ValueError(f"activations must be 'keep' or 'offload', got {self.activations!r}")
+        if self.embedding not in ("host", "gpu"):
+            raise ValueError(f"embedding must be 'host' or 'gpu', got {self.embedding!r}")
+        costs.delivery_bytes(self.delivery)
+        if not 1 <= self.prefetch_depth <= 8:
+            raise ValueError(f"prefetch_depth must be between 1 and 8, got {self.prefetch_depth}")
+
+
+@dataclass(frozen=True)
+class Plan:
+    chunk_rows: int
+    prefetch_depth: int
+    micro_batch: int
+    activations: str
+    embedding: str
+    delivery: str
+    resident_layers: int
+    loss_chunk_tokens: int
+    gpu_memory: tuple[tuple[str, int], ...]  # item -> bytes, summing to gpu_total_bytes
+    gpu_total_bytes: int
+    busy_s: tuple[tuple[str, float], ...]  # resource -> busy seconds per step
+    exposed_s: float  # predicted step minus GPU busy: the time the GPU waits
+    predicted_step_s: float
+    tokens_per_s: float
+    workload: Workload
+    budget_bytes: int
+    calibration: Calibration
+    notes: tuple[str, ...] = ()
+    param_route: str = "replicated"
+    grad_route: str = "host"
+
+    @property
+    def choices(self) -> Choices:
+        return Choices(
+            activations=self.activations, embedding=self.embedding, delivery=self.delivery,
+            prefetch_depth=self.prefetch_depth, resident_layers=self.resident_layers,
+            micro_batch=self.micro_batch, chunk_rows=self.chunk_rows, loss_chunk_tokens=self.loss_chunk_tokens,
+        )
+
+    def describe(self) -> str:
+        """The table `slidedp-launch --plan` prints."""
+        w, m = self.workload, self.workload.model
+        tied = "tied" if m.tie_word_embeddings else "untied"
+        lines = [
+            f"SlideDP plan: {m.family} {m.num_parameters() / 1e9:.2f} B params ({m.num_layers} layers, hidden "
+            f"{m.hidden_size}, vocab {m.vocab_size:,}, {tied}); {w.global_batch} x {w.seq_len} = "
+            f"{w.tokens_per_step:,} tokens/step on {w.world} rank(s); clip {'on' if w.clip else 'off'}; "
+            f"{w.updaters} updater(s)",
+            f"calibration: {self.calibration.summary()}",
+            "",
+            "choices",
+        ]
+        mb_note = "job's value" if self.micro_batch == w.micro_batch else f"job asked {w.micro_batch}"
+        rows = [
+            ("micro_batch", f"{self.micro_batch} ({mb_note}; {w.local_batch // self.micro_batch} per rank per step)"),
+            ("activations", self.activations),
+            ("embedding", self.embedding),
+            ("delivery", self.delivery),
+            ("prefetch_depth", str(self.prefetch_depth)),
+            ("resident_layers", f"{self.resident_layers} of {m.num_layers}"),
+            ("chunk_rows", f"{self.chunk_rows:,}"),
+            ("loss_chunk_tokens", f"{self.loss_chunk_tokens:,}"),
+            ("routes", f"params {self.param_route}, grads {self.grad_route}"),
+        ]
+        lines += [f"  {k:<22}{v}" for k, v in rows]
+        lines += ["", f"GPU memory per rank{'':<23}GiB"]
+        lines += [f"  {name:<36}{b / GiB:>8.3f}" for name, b in self.gpu_memory]
+        lines += [f"  {'total':<36}{self.gpu_total_bytes / GiB:>8.3f}  (budget {self.budget_bytes / GiB:.3f})"]
+        lines += ["", f"busy per step{'':<25}s   share of step"]
+        lines += [
+            f"  {name:<32}{s:>8.3f}   {100 * s / self.predicted_step_s:>4.0f}%" for name, s in self.busy_s
+        ]
+        lines += [
+            "",
+            f"predicted step {self.predicted_step_s:.3f} s (GPU busy {dict(self.busy_s)['gpu']:.3f} s, exposed "
+            f"{self.exposed_s:.3f} s): {self.tokens_per_s:,.0f} tokens/s",
+        ]
+        lines += [f"note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------
+# the schedule as tasks
+
+
+@dataclass(frozen=True)
+class _Job:
+    """Host work on one chunk's gradient: the aggregator's sum, then the CPU AdamW."""
+
+    name: str
+    reduce_s: float
+    update_s: float
+
+
+@dataclass(frozen=True)
+class _Task:
+    """One GPU step of the schedule: copy in, compute, copy out, then release host jobs."""
+
+    name: str
+    h2d_s: float = 0.0
+    gpu_s: float = 0.0
+    d2h_s: float = 0.0
+    gate: tuple[str, ...] = ()  # jobs of the previous step that must be done before the copy-in
+    jobs: tuple[_Job, ...] = ()
+    clip_gated: bool = False  # an optimizer step on the GPU: needs the global norm when clipping
+
+
+def _rates(calib: Calibration, both: bool) -> tuple[float, float]:
+    """H2D and D2H bytes/s; when a phase moves data both ways, they share the bidirectional
+    rate in proportion to their solo rates (never above a solo rate)."""
+    h, d = calib.h2d_gbps * 1e9, calib.d2h_gbps * 1e9
+    if not both:
+        return h, d
+    share = calib.bidir_gbps * 1e9
+    return min(h, share * h / (h + d)), min(d, share * d / (h + d))
+
+
+def _tasks(work: Workload, ch: Choices, calib: Calibration) -> list[_Task]:
+    m, nl, h, v = work.model, work.model.num_layers, work.model.hidden_size, work.model.vocab_size
+    db = costs.delivery_bytes(ch.delivery)
+    gb = costs.GRAD_BYTES
+    p_layer = costs.layer_params(m)
+    tokens = work.local_tokens
+    act = costs.activation_bytes(m, tokens, work.compute_dtype)
+    offload = ch.activations == "offload"
+    k = ch.resident_layers
+    fwd_in, fwd_out = _rates(calib, both=offload)
+    bwd_in, bwd_out = _rates(calib, both=offload or k < nl)
+    flops = calib.gpu_tflops * 1e12
+    g_fwd = tokens * costs.layer_forward_flops_per_token(m, work.seq_len) / flops
+    g_loss = tokens * costs.head_step_flops_per_token(m) / flops
+    upd_scale = costs.update_bytes_per_param(ch.delivery) / 28.0 / calib.adamw_params_per_s
+    red_scale = gb * costs.reduce_traffic_factor(work.world) / (calib.reduce_gbps * 1e9)
+
+    def job(name: str, params: float) -> _Job:
+        return _Job(name, params * red_scale, params * upd_scale)
+
+    host_emb = ch.embedding == "host"
+    rows = costs.row_blocks(v, ch.chunk_rows or costs.default_chunk_rows(m))
+    tasks: list[_Task] = []
+    # ---- forward
+    if host_emb:
+        tasks.append(_Task("embedding rows", h2d_s=tokens * h * db / fwd_in, gate=("embedding:next",)))
+    for c in range(nl):
+        tasks.append(_Task(
+            f"layer {c} fwd", h2d_s=p_layer * db / fwd_in, gpu_s=g_fwd, d2h_s=act / fwd_out if offload else 0.0,
+            gate=(f"layer {c}",),
+        ))
+    # ---- loss: the final norm and the head (fetched in row blocks when it lives on the host)
+    norm_in, norm_job = h * db / fwd_in, job("norm", h)
+    if host_emb:
+        for j, r in enumerate(rows):
+            gate = ("embedding:next", f"embedding:{j}") if m.tie_word_embeddings else (f"head:{j}",)
+            tasks.append(_Task(
+                f"head block {j} in", h2d_s=r * h * db / fwd_in + (norm_in if j == 0 else 0.0),
+                gate=gate + (("norm",) if j == 0 else ()),
+            ))
+        tasks.append(_Task("loss", gpu_s=g_loss, d2h_s=h * gb / bwd_out, jobs=(norm_job,)))
+        if not m.tie_word_embeddings:  # an untied head's gradient is complete now: out it goes
+            tasks += [
+                _Task(f"head block {j} grad", d2h_s=r * h * gb / bwd_out, jobs=(job(f"head:{j}", r * h),))
+                for j, r in enumerate(rows)
+            ]
+    else:
+        tasks.append(_Task("loss", h2d_s=norm_in, gpu_s=g_loss, d2h_s=h * gb / bwd_out, gate=("norm",), jobs=(norm_job,)))
+    # ---- backward
+    for c in reversed(range(nl)):
+        fetch = (0.0 if c >= nl - k else p_layer * db / bwd_in) + (act / bwd_in if offload else 0.0)
+        tasks.append(_Task(
+            f"layer {c} bwd", h2d_s=fetch, gpu_s=3.0 * g_fwd, d2h_s=p_layer * gb / bwd_out,
+            jobs=(job(f"layer {c}", p_layer),),
+        ))
+    if host_emb:
+        # the whole embedding gradient leaves the GPU; the updater first updates the rows the
+        # next batch needs (at most one per token of the global batch), then the rest by block
+        need = min(v, work.tokens_per_step)
+        emb_jobs = (job("embedding:next", need * h),) + tuple(
+            job(f"embedding:{j}", r * h * (1 - need / v)) for j, r in enumerate(rows)
+        )
+        tasks += [
+            _Task(f"embedding block {j} grad", d2h_s=r * h * gb / bwd_out, jobs=emb_jobs if j == len(rows) - 1 else ())
+            for j, r in enumerate(rows)
+        ]
+    else:
+        vh = costs.embedding_params(m) + costs.head_params(m)
+        allreduce = 2 * (work.world - 1) / work.world * vh * gb / (calib.allreduce_gbps * 1e9)
+        tasks.append(_Task("embedding AdamW (GPU)", gpu_s=vh / calib.gpu_adamw_params_per_s + allreduce, clip_gated=True))
+    return tasks
+
+
+def _period(tasks: list[_Task], depth: int, updaters: int, clip: bool) -> float:
+    """Steady-state step time of the schedule: simulate a few steps, average the last ones."""
+    h2d_free = gpu_free = d2h_free = reduce_free = 0.0
+    servers = [0.0] * updaters
+    fetch_starts: list[float] = []  # compute start of each task that copies in, in order
+    done: dict[str, float] = {}  # job -> time its update finished in the previous step
+    ends: list[float] = []
+    for _ in range(_STEPS):
+        released: list[tuple[_Job, float]] = []
+        for t in tasks:
+            ready = max([done.get(g, 0.0) for g in t.gate], default=0.0)
+            # depth + 1 slots: this copy may start once the fetch `depth` back has begun computing
+            slot = fetch_starts[-depth] if len(fetch_starts) >= depth else 0.0
+            h2d_end = max(h2d_free, ready, slot) + t.h2d_s
+            if t.h2d_s > 0:
+                h2d_free = h2d_end
+            start = max(gpu_free, h2d_end)
+            if t.clip_gated and clip and released:
+                start = max(start, max(r for _, r in released))
+            if t.h2d_s > 0:
+                fetch_starts.append(start)
+            gpu_free = start + t.gpu_s
+            out = gpu_free
+            if t.d2h_s > 0:
+                d2h_free = max(d2h_free, gpu_free) + t.d2h_s
+                out = d2h_free
+            for j in t.jobs:
+                if j.reduce_s > 0:
+                    reduce_free = max(reduce_free, out) + j.reduce_s
+                    released.append((j, reduce_free))
+                else:
+                    released.append((j, out))
+        norm_known = max((r for _, r in released), default=0.0) if clip else 0.0
+        done = {}
+        for j, r in released:
+            s = min(range(updaters), key=servers.__getitem__)
+            servers[s] = max(servers[s], r, norm_known) + j.update_s
+            done[j.name] = servers[s]
+        ends.append(gpu_free)
+    return (ends[-1] - ends[-1 - _AVERAGE]) / _AVERAGE
+
+
+def predict_step(work: Workload, choices: Choices, calib: Calibration) -> tuple[dict[str, float], float, float]:
+    """The model: (busy seconds per resource per step, exposed seconds, predicted step seconds)."""
+    tasks = _tasks(work, choices, calib)
+    jobs = [j for t in tasks for j in t.jobs]
+    busy = {
+        "gpu": sum(t.gpu_s for t in tasks),
+        "h2d": sum(t.h2d_s for t in tasks),
+        "d2h": sum(t.d2h_s for t in tasks),
+        "reduce": sum(j.reduce_s for j in jobs),
+        "update": sum(j.update_s for j in jobs) / work.updaters,
+    }
+    step = _period(tasks, choices.prefetch_depth, work.updaters, work.clip)
+    return busy, step - busy["gpu"], step
+
+
+# --------------------------------------------------------------------------------------
+# the planner
+
+
+def _memory(work: Workload, ch: Choices) -> list[tuple[str, int]]:
+    return costs.gpu_memory_items(
+        work.model, tokens=work.local_tokens, seq_len=work.seq_len, micro_batch=ch.micro_batch or work.micro_batch,
+        world=work.world, delivery=ch.delivery, activations=ch.activations, embedding=ch.embedding,
+        prefetch_depth=ch.prefetch_depth, resident_layers=ch.resident_layers,
+        chunk_rows=ch.chunk_rows or costs.default_chunk_rows(work.model), loss_chunk_tokens=ch.loss_chunk_tokens,
+        compute_dtype=work.compute_dtype,
+    )
+
+
+def _total(work: Workload, ch: Choices) -> int:
+    return sum(b for _, b in _memory(work, ch))
+
+
+def _micro_batches(work: Workload) -> list[int]:
+    """The job's micro-batch first, then the other divisors of the per-rank batch, largest first."""
+    divisors = [d for d in range(work.local_batch, 0, -1) if work.local_batch % d == 0]
+    return [work.micro_batch] + [d for d in divisors if d != work.micro_batch]
+
+
+def _loss_chunks(work: Workload) -> list[int]:
+    return sorted({min(c, work.local_tokens) for c in _LOSS_CHUNKS}, reverse=True)
+
+
+def _base_choices(work: Workload) -> list[Choices]:
+    deliveries = ("fp32", "bf16") if work.compute_dtype == "bf16" else ("fp32",)
+    return [
+        Choices(activations=a, embedding=e, delivery=d, prefetch_depth=p,
+                chunk_rows=costs.default_chunk_rows(work.model))
+        for e in ("gpu", "host") for a in ("keep", "offload") for d in deliveries for p in (1, 2, 3)
+    ]
+
+
+def _fit(work: Workload, base: Choices, budget: int) -> Choices | None:
+    """The job's micro-batch if it fits (else the largest divisor that does) and the largest loss
+    chunk that fits; then, only if neither had to shrink, as many resident layers as the rest of
+    the budget holds. (Spending memory freed by shrinking on resident layers would let a larger
+    budget, where the job's micro-batch fits again, predict a slower step.)"""
+    first = True
+    for mb in _micro_batches(work):
+        for lc in _loss_chunks(work):
+            ch = replace(base, micro_batch=mb, loss_chunk_tokens=lc, resident_layers=0)
+            if _total(work, ch) <= budget:
+                k = 0
+                while first and k < work.model.num_layers and _total(work, replace(ch, resident_layers=k + 1)) <= budget:
+                    k += 1
+                return replace(ch, resident_layers=k)
+            first = False
+    return None
+
+
+def _fewest_resident(work: Workload, ch: Choices, calib: Calibration) -> tuple[Choices, float]:
+    """Fewest resident layers that predict the same step as the most that fit (memory left free)."""
+    best = predict_step(work, ch, calib)[2]
+    lo, hi = 0, ch.resident_layers
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if predict_step(work, replace(ch, resident_layers=mid), calib)[2] <= best * (1 + _TIE):
+            hi = mid
+        else:
+            lo = mid + 1
+    return replace(ch, resident_layers=lo), predict_step(work, replace(ch, resident_layers=lo), calib)[2]
+
+
+def _no_fit_error(work: Workload, budget: int) -> PlanError:
+    smallest = min(
+        (replace(b, micro_batch=1, loss_chunk_tokens=min(_loss_chunks(work)), prefetch_depth=1) for b in _base_choices(work)),
+        key=lambda ch: _total(work, ch),
+    )
+    items = _memory(work, smallest)
+    need = sum(b for _, b in items)
+    name, size = max(items, key=lambda it: it[1])
+    if name in ("hidden states", "saved layer inputs", "offload staging"):
+        knob = (f"or lower the tokens per rank (global_batch / world x seq_len = {work.local_tokens:,}): "
+                f"raise world, or lower global_batch or seq_len")
+    elif name == "layer workspace":
+        knob = "or lower seq_len"
+    else:
+        knob = "or use a GPU with more memory (this item scales with the model, not the batch)"
+    need_gib = math.ceil(need / GiB * 100) / 100
+    return PlanError(
+        f"no plan fits the GPU memory budget of {budget / GiB:.2f} GiB: the smallest plan needs {need_gib:.2f} GiB "
+        f"(embedding={smallest.embedding}, activations={smallest.activations}, delivery={smallest.delivery}, "
+        f"prefetch_depth=1, micro_batch=1, loss_chunk_tokens={smallest.loss_chunk_tokens}) and its largest item is "
+        f"{name} ({size / GiB:.2f} GiB). Raise the budget to at least {need_gib:.2f} GiB, {knob}"
+    )
+
+
+def make_plan(work: Workload, budget_bytes: int, calib: Calibration) -> Plan:
+    """The fastest predicted plan whose GPU memory fits budget_bytes (ties: the smaller memory)."""
+    if budget_bytes > calib.gpu_mem_bytes:
+        raise PlanError(
+            f"the GPU memory budget ({budget_bytes / GiB:.2f} GiB) exceeds the memory of {calib.device_name} "
+            f"({calib.gpu_mem_bytes / GiB:.2f} GiB): lower the budget"
+        )
+    candidates: list[tuple[float, int, Choices]] = []
+    for base in _base_choices(work):
+        ch = _fit(work, base, budget_bytes)
+        if ch is not None:
+            ch, step = _fewest_resident(work, ch, calib)
+            candidates.append((step, _total(work, ch), ch))
+    if not candidates:
+        raise _no_fit_error(work, budget_bytes)
+    fastest = min(step for step, _, _ in candidates)
+    _, _, best = min((c for c in candidates if c[0] <= fastest * (1 + _TIE)), key=lambda c: c[1])
+    busy, exposed, step = predict_step(work, best, calib)
+    items = _memory(work, best)
+    notes = []
+    if best.micro_batch != work.micro_batch:
+        notes.append(
+            f"micro_batch {work.micro_batch} does not fit the budget; using {best.micro_batch} "
+            f"(a divisor of the {work.local_batch} sequences per rank)"
+        )
+    if work.clip:
+        unclipped = predict_step(replace(work, clip=False), best, calib)[2]
+        notes.append(
+            f"exact gradient clipping: no CPU update starts before the last gradient is out, so the update "
+            f"({busy['update']:.3f} s) is exposed; without clipping this plan predicts {unclipped:.3f} s"
+        )
+    if best.delivery == "bf16":
+        fp32 = min((c[0] for c in candidates if c[2].delivery == "fp32"), default=None)
+        notes.append(
+            "bf16 delivery needs the store's bf16 shadow (2 B/param of host memory, written by the updater)"
+            + (f"; the fastest fp32 plan predicts {fp32:.3f} s" if fp32 is not None else "; no fp32 plan fits")
+        )
+    bound = max(busy, key=busy.__getitem__)
+    notes.append(f"busiest resource: {bound}")
+    return Plan(
+        chunk_rows=best.chunk_rows or costs.default_chunk_rows(work.model), prefetch_depth=best.prefetch_depth,
+        micro_batch=best.micro_batch or work.micro_batch, activations=best.activations, embedding=best.embedding,
+        delivery=best.delivery, resident_layers=best.resident_layers, loss_chunk_tokens=best.loss_chunk_tokens,
+        gpu_memory=tuple(items), gpu_total_bytes=sum(b for _, b in items),
+        busy_s=tuple((r, busy[r]) for r in RESOURCES), exposed_s=exposed, predicted_step_s=step,
+        tokens_per_s=work.tokens_per_step / step, workload=work, budget_bytes=budget_bytes, calibration=calib,
+        notes=tuple(notes),
+    )

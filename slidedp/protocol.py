@@ -1,0 +1,277 @@
+"""Every message SlideDP's processes exchange: one frozen dataclass each, a fixed binary encoding.
+
+Encoding: one type byte, then the fields packed with `struct` (little-endian); a message
+whose last field is `text` carries a length-prefixed UTF-8 string (JSON for control
+requests, prose for errors). Messages carry descriptors (chunk, step, rank, slot), never
+tensors, and never pickle. `decode` validates type, size and ranges; receivers drop what
+fails it (`ProtocolError`) and log it, never crash on it.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from dataclasses import astuple, dataclass, fields
+from typing import ClassVar
+
+MAX_TEXT = 1 << 20
+_I32 = (-(2**31), 2**31 - 1)
+
+
+class ProtocolError(ValueError):
+    pass
+
+
+_REGISTRY: dict[int, type["Message"]] = {}
+
+
+class Message:
+    TYPE: ClassVar[int]
+    FORMAT: ClassVar[str]  # struct format of the fixed fields (after the type byte), without `text`
+    _struct: ClassVar[struct.Struct]
+    _has_text: ClassVar[bool]
+
+    def encode(self) -> bytes:
+        values = astuple(self)  # type: ignore[call-overload]
+        if self._has_text:
+            text = values[-1].encode()
+            if len(text) > MAX_TEXT:
+                raise ProtocolError(f"{type(self).__name__} text is {len(text)} bytes, over {MAX_TEXT}")
+            return bytes([self.TYPE]) + self._struct.pack(*values[:-1]) + struct.pack("<I", len(text)) + text
+        return bytes([self.TYPE]) + self._struct.pack(*values)
+
+    def validate(self) -> None:
+        """Range checks beyond what the struct format enforces; subclasses add theirs."""
+        for f in fields(self):  # type: ignore[arg-type]
+            v = getattr(self, f.name)
+            if isinstance(v, float) and math.isnan(v) and f.name not in ("loss_sum", "sqnorm", "loss", "grad_norm"):
+                raise ProtocolError(f"{type(self).__name__}.{f.name} is NaN")
+            if isinstance(v, int) and f.name in ("rank", "chunk", "slot", "step", "version", "world") and v < 0:
+                raise ProtocolError(f"{type(self).__name__}.{f.name} = {v} is negative")
+
+
+def message(type_byte: int, fmt: str):
+    def wrap(cls):
+        cls = dataclass(frozen=True)(cls)
+        names = [f.name for f in fields(cls)]
+        cls.TYPE, cls.FORMAT = type_byte, fmt
+        cls._has_text = bool(names) and names[-1] == "text"
+        cls._struct = struct.Struct("<" + fmt)
+        n_fixed = len(names) - cls._has_text
+        if len(cls._struct.unpack(bytes(cls._struct.size))) != n_fixed:
+            raise TypeError(f"{cls.__name__}: format {fmt!r} does not match its {n_fixed} fixed fields")
+        if type_byte in _REGISTRY:
+            raise TypeError(f"message type {type_byte} used twice")
+        _REGISTRY[type_byte] = cls
+        return cls
+
+    return wrap
+
+
+def decode(data: bytes, expect: tuple[type[Message], ...] | None = None) -> Message:
+    if not data:
+        raise ProtocolError("empty message")
+    cls = _REGISTRY.get(data[0])
+    if cls is None:
+        raise ProtocolError(f"unknown message type {data[0]}")
+    if expect is not None and cls not in expect:
+        raise ProtocolError(f"unexpected message {cls.__name__} here")
+    body = data[1:]
+    size = cls._struct.size
+    if len(body) < size:
+        raise ProtocolError(f"{cls.__name__} truncated: {len(body)} bytes, needs {size}")
+    values = list(cls._struct.unpack_from(body, 0))
+    rest = body[size:]
+    if cls._has_text:
+        if len(rest) < 4:
+            raise ProtocolError(f"{cls.__name__} truncated: no text length")
+        (n,) = struct.unpack_from("<I", rest, 0)
+        if n > MAX_TEXT or len(rest) != 4 + n:
+            raise ProtocolError(f"{cls.__name__} text length {n} does not match the {len(rest) - 4} bytes present")
+        try:
+            values.append(rest[4:].decode())
+        except UnicodeDecodeError:
+            raise ProtocolError(f"{cls.__name__} text is not UTF-8") from None
+    elif rest:
+        raise ProtocolError(f"{cls.__name__} has {len(rest)} trailing bytes")
+    msg = cls(*values)
+    msg.validate()
+    return msg
+
+
+# ---- data plane: workers, aggregator, updaters -----------------------------------------------
+ROLE_WORKER, ROLE_UPDATER, ROLE_LAUNCHER = 1, 2, 3
+
+
+@message(1, "Biii")
+class Hello(Message):
+    """First message of every peer that connects to a ROUTER: who it is."""
+    role: int
+    rank: int  # worker rank, updater index; 0 for the launcher
+    size: int  # how many peers of this role there are (world size, updater pool size)
+    pid: int
+
+
+@message(2, "iiqid")
+class Grad(Message):
+    """Worker -> aggregator: chunk `chunk` of step `step` is in my gradient slot `slot`."""
+    rank: int
+    chunk: int
+    step: int
+    slot: int
+    sqnorm: float  # squared L2 norm of this rank's chunk gradient (computed on the device)
+
+
+@message(3, "iqdqB")
+class Loss(Message):
+    """Worker -> aggregator after its forward: its share of the summed token loss."""
+    rank: int
+    step: int
+    loss_sum: float
+    tokens: int
+    finite: int
+
+
+@message(4, "qBd")
+class Go(Message):
+    """Aggregator -> workers: every rank's loss is in; backward (skip=0) or skip the step (non-finite loss)."""
+    step: int
+    skip: int
+    loss: float  # mean token loss of the global batch
+
+
+@message(5, "ii")
+class Credit(Message):
+    """Aggregator -> worker: gradient slot `slot` of `rank` is free again."""
+    rank: int
+    slot: int
+
+
+@message(6, "iq")
+class Ready(Message):
+    """Aggregator -> workers: chunk `chunk` now holds the weights for step `version`."""
+    chunk: int
+    version: int
+
+
+SOURCE_RANK_SLOT, SOURCE_REDUCE, SOURCE_NONE = 0, 1, 2  # NONE: the step was skipped
+
+
+@message(7, "iqBii")
+class Update(Message):
+    """Aggregator -> updater: the summed gradient of `chunk` for `step` is in (source, rank, slot)."""
+    chunk: int
+    step: int
+    source: int
+    rank: int
+    slot: int
+
+
+@message(8, "qd")
+class Norm(Message):
+    """Aggregator -> updaters: step's global gradient norm; updates of that step may proceed."""
+    step: int
+    grad_norm: float
+
+
+CONTROL_CONTINUE, CONTROL_STOP = 0, 1
+
+
+@message(9, "Bq")
+class Control(Message):
+    """Launcher -> workers: continue past the checkpoint after `step`, or stop after `step`."""
+    kind: int
+    step: int
+
+
+@message(10, "iqBiii")
+class Updated(Message):
+    """Updater -> aggregator: chunk updated (or skipped) for `step`; its gradient source is free."""
+    chunk: int
+    step: int
+    source: int
+    rank: int
+    slot: int
+    updater: int
+
+
+@message(11, "qddBd")
+class StepDone(Message):
+    """Aggregator -> launcher: every chunk of `step` is updated; the step is committed."""
+    step: int
+    loss: float
+    grad_norm: float
+    skipped: int
+    update_s: float  # summed updater busy time of the step
+
+
+@message(13, "B")
+class JobStart(Message):
+    """Launcher -> aggregator -> updaters: a job begins; `text` is its JSON job record."""
+    kind: int
+    text: str
+
+
+@message(14, "B")
+class JobEnd(Message):
+    """Launcher -> aggregator -> updaters: the job ends; close its rings."""
+    kind: int
+    text: str
+
+
+@message(15, "B")
+class Ack(Message):
+    """Reply to a control message: ok=1, or ok=0 with the error in `text`."""
+    ok: int
+    text: str
+
+
+@message(16, "Bi")
+class Fault(Message):
+    """Any process -> its coordinator: I failed; `text` says why."""
+    role: int
+    rank: int
+    text: str
+
+
+@message(17, "iqdddddq")
+class WorkerStats(Message):
+    """Worker -> launcher after each step: where its time went."""
+    rank: int
+    step: int
+    step_s: float
+    forward_s: float
+    backward_s: float
+    wait_s: float  # blocked on versions, slots or the loss agreement
+    h2d_s: float
+    gpu_peak_bytes: int
+
+
+# ---- control plane: requests to the host-state daemon ------------------------------------------
+REQUESTS = ("ping", "create", "attach", "detach", "status", "checkpoint", "restore", "destroy", "shutdown")
+
+
+@message(20, "B")
+class Request(Message):
+    """Client -> host-state daemon: `kind` indexes REQUESTS; `text` is a JSON object of arguments."""
+    kind: int
+    text: str
+
+    def validate(self) -> None:
+        if self.kind >= len(REQUESTS):
+            raise ProtocolError(f"Request kind {self.kind} unknown (0..{len(REQUESTS) - 1})")
+
+    @property
+    def name(self) -> str:
+        return REQUESTS[self.kind]
+
+
+@message(21, "B")
+class Reply(Message):
+    """Host-state daemon -> client: ok=1 with a JSON result, or ok=0 with the error text."""
+    ok: int
+    text: str
+
+
+def request(name: str, text: str = "{}") -> Request:
+    return Request(REQUESTS.index(name), text)

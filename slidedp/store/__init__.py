@@ -1,0 +1,1 @@
+"""The host store: POSIX shared memory segments, manifest, chunk table."""

@@ -1,0 +1,181 @@
+"""Checkpoints of a store: Hugging Face weights + exact optimizer state, written atomically.
+
+<root>/step-00000010/
+    model/        Hugging Face folder in the checkpoint dtype (loadable by transformers)
+    state/        model.safetensors with fp32 master (when model/ is not fp32) and both moments
+    state.json    step, layout hash, AdamW step counts, data position, RNG, sha256 of every file
+Written under a temporary name, fsynced, then renamed: a crash never leaves a half
+checkpoint under a real name. The newest `keep` are kept.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..model import hf
+from .store import HostStore
+
+_NAME = re.compile(r"^step-(\d{8})$")
+FORMAT = 1
+
+
+class CheckpointError(RuntimeError):
+    pass
+
+
+def _sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _state_members(store: HostStore, exact_master: bool) -> list[tuple[str, tuple[int, ...]]]:
+    kinds = (["master"] if exact_master else []) + ["exp_avg", "exp_avg_sq"]
+    return [(f"{k}.{t.name}", t.shape) for k in kinds for t in store.layout.tensors]
+
+
+def write_checkpoint(store: HostStore, root: str | os.PathLike, step: int, extra: dict[str, Any] | None = None,
+                     dtype: torch.dtype = torch.bfloat16, keep: int = 3) -> Path:
+    """Write the store's state at committed step `step` under root/step-XXXXXXXX; returns the path."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step-{step:08d}"
+    tmp = root / f".{final.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    t0 = time.perf_counter()
+    try:
+        cfg = store.layout.model
+        hf.write_folder(tmp / "model", cfg, lambda n: store.tensor("master", n), dtype=dtype)
+        exact_master = dtype != torch.float32
+        (tmp / "state").mkdir()
+
+        def get(name: str) -> torch.Tensor:
+            kind, _, tensor = name.partition(".")
+            return store.tensor(kind, tensor)
+
+        hf._write_safetensors(tmp / "state" / hf.SINGLE_FILE, _state_members(store, exact_master), get, torch.float32)
+        files = sorted(p for p in tmp.rglob("*") if p.is_file())
+        record = {
+            "format": FORMAT,
+            "step": step,
+            "layout_hash": store.layout.hash(),
+            "model": cfg.to_dict(),
+            "adam_steps": store.manifest.adam_steps.tolist(),
+            "master_in": "state" if exact_master else "model",
+            "created": time.time(),
+            "extra": extra or {},
+            "files": {str(p.relative_to(tmp)): _sha256(p) for p in files},
+        }
+        with open(tmp / "state.json", "w") as f:
+            json.dump(record, f, indent=1, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())
+        for d in [tmp, tmp / "model", tmp / "state"]:
+            _fsync_dir(d)
+        if final.exists():
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        _fsync_dir(root)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    prune(root, keep)
+    record_seconds = time.perf_counter() - t0
+    (final / ".seconds").write_text(f"{record_seconds:.3f}\n")
+    return final
+
+
+def list_checkpoints(root: str | os.PathLike) -> list[Path]:
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if p.is_dir() and _NAME.match(p.name))
+
+
+def prune(root: Path, keep: int) -> None:
+    for old in list_checkpoints(root)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    for stale in root.glob(".step-*.tmp-*"):  # a crash mid-write
+        if not stale.name.endswith(f"-{os.getpid()}"):
+            shutil.rmtree(stale, ignore_errors=True)
+
+
+def read_record(path: str | os.PathLike, verify: bool = True) -> dict[str, Any]:
+    """state.json of a checkpoint, with every file's hash checked (error names the bad file)."""
+    path = Path(path)
+    if not (path / "state.json").is_file():
+        raise CheckpointError(f"{path} is not a SlideDP checkpoint (no state.json)")
+    try:
+        record = json.loads((path / "state.json").read_text())
+    except ValueError as e:
+        raise CheckpointError(f"{path}/state.json is corrupt: {e}") from None
+    if record.get("format") != FORMAT:
+        raise CheckpointError(f"{path} has checkpoint format {record.get('format')}; this SlideDP reads {FORMAT}")
+    for rel, digest in record.get("files", {}).items():
+        f = (path / rel).resolve()
+        if path.resolve() not in f.parents:
+            raise CheckpointError(f"{path}/state.json names a file outside the checkpoint: {rel!r}")
+        if not f.is_file():
+            raise CheckpointError(f"checkpoint {path} is missing {rel}")
+        if verify and _sha256(f) != digest:
+            raise CheckpointError(f"checkpoint {path}: {rel} does not match its recorded sha256 (corrupt or modified)")
+    return record
+
+
+def latest_valid(root: str | os.PathLike) -> Path | None:
+    """Newest checkpoint under root whose files all verify (a torn or corrupt one is skipped)."""
+    for p in reversed(list_checkpoints(root)):
+        try:
+            read_record(p)
+            return p
+        except CheckpointError:
+            continue
+    return None
+
+
+def restore_checkpoint(store: HostStore, path: str | os.PathLike) -> dict[str, Any]:
+    """Load a checkpoint into the store (same layout); the store is at the checkpoint's step afterwards."""
+    path = Path(path)
+    record = read_record(path)
+    if record["layout_hash"] != store.layout.hash():
+        raise CheckpointError(
+            f"checkpoint {path} was taken from a store with another model or chunking "
+            f"(layout {record['layout_hash'][:12]}..., store {store.layout.hash()[:12]}...)"
+        )
+    m = store.manifest
+    m.set_torn_flag(1)  # a crash while loading leaves the store refusing to train
+    master_dir = path / record["master_in"]
+    state_dir = path / "state"
+    index_master = hf.tensor_index(master_dir)
+    index_state = hf.tensor_index(state_dir)
+    for span in store.layout.tensors:
+        name = span.name
+        hf.load_tensor(master_dir, f"master.{name}" if record["master_in"] == "state" else name,
+                       out=store.tensor("master", name), index=index_master)
+        hf.load_tensor(state_dir, f"exp_avg.{name}", out=store.tensor("exp_avg", name), index=index_state)
+        hf.load_tensor(state_dir, f"exp_avg_sq.{name}", out=store.tensor("exp_avg_sq", name), index=index_state)
+    store.refresh_shadow()
+    step = int(record["step"])
+    m.adam_steps[:] = record["adam_steps"]
+    m.updating[:] = 0
+    m.versions[:] = step
+    m.set_committed_step(step)
+    m.set_torn_flag(0)
+    return record

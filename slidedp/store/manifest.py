@@ -1,0 +1,185 @@
+"""The manifest segment: what the store holds, and the per-chunk versions that are the truth.
+
+Fixed binary header (magic, format, generation, layout hash), the layout as JSON, then
+int64 arrays. Each mutable field has exactly one writer process: versions/updating/adam
+steps the updater that owns the chunk, committed_step the aggregator, the attachment the
+host-state daemon. Aligned 8-byte stores are atomic on every platform we run on, and the
+messages that accompany them are only wake-ups.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .layout import Layout
+from .shm import Segment
+
+MAGIC = b"SLIDEDP\x01"
+FORMAT = 1
+PAGE = 4096
+_FIXED = struct.Struct("<8sII Q 64s Q Q d")  # magic, format, header size, generation, hash, json len, chunks, created
+_MUTABLE_AT = 256  # committed_step, attached_pid, attach_token, torn (int64 each)
+_JOB_AT = 1024  # job record: u32 length + UTF-8 JSON, up to 3 KiB
+_JOB_MAX = PAGE - _JOB_AT - 4
+
+
+class ManifestError(RuntimeError):
+    pass
+
+
+def _round_up(n: int, to: int = PAGE) -> int:
+    return (n + to - 1) // to * to
+
+
+@dataclass
+class Manifest:
+    seg: Segment
+    layout: Layout
+    meta: dict[str, Any]
+    generation: int
+
+    # ---- creation and validation ------------------------------------------------------
+    @staticmethod
+    def size_for(layout: Layout, meta: dict[str, Any]) -> int:
+        body = _body(layout, meta)
+        return PAGE + _round_up(len(body)) + _round_up(3 * 8 * len(layout.chunks))
+
+    @classmethod
+    def create(cls, name: str, layout: Layout, meta: dict[str, Any], generation: int) -> "Manifest":
+        body = _body(layout, meta)
+        seg = Segment.create(name, cls.size_for(layout, meta))
+        seg.mm[0:_FIXED.size] = _FIXED.pack(
+            MAGIC, FORMAT, PAGE, generation, layout.hash().encode(), len(body), len(layout.chunks), time.time()
+        )
+        seg.mm[PAGE:PAGE + len(body)] = body
+        m = cls(seg, layout, meta, generation)
+        m._ints()[:] = (0, 0, 0, 0)
+        return m
+
+    @classmethod
+    def open(cls, name: str) -> "Manifest":
+        seg = Segment.open(name)
+        try:
+            return cls._parse(seg)
+        except BaseException:
+            seg.close()
+            raise
+
+    @classmethod
+    def _parse(cls, seg: Segment) -> "Manifest":
+        if seg.size < PAGE:
+            raise ManifestError(f"manifest {seg.name} is corrupt: {seg.size} bytes, smaller than its header")
+        magic, fmt, header, generation, digest, body_len, n_chunks, _ = _FIXED.unpack_from(seg.mm, 0)
+        if magic != MAGIC:
+            raise ManifestError(f"manifest {seg.name} is corrupt: bad magic {magic!r} (expected {MAGIC!r})")
+        if fmt != FORMAT or header != PAGE:
+            raise ManifestError(f"manifest {seg.name} has format {fmt}; this SlideDP reads format {FORMAT}")
+        if PAGE + body_len > seg.size:
+            raise ManifestError(f"manifest {seg.name} is corrupt: its layout runs past the segment end")
+        try:
+            body = json.loads(bytes(seg.mm[PAGE:PAGE + body_len]))
+            layout = Layout.from_dict(body["layout"])
+        except (ValueError, KeyError, TypeError) as e:
+            raise ManifestError(f"manifest {seg.name} is corrupt: layout unreadable ({e})") from None
+        if layout.hash().encode() != digest:
+            raise ManifestError(
+                f"manifest {seg.name} is corrupt: layout hash mismatch (header {digest.decode(errors='replace')[:16]}..., "
+                f"layout {layout.hash()[:16]}...)"
+            )
+        if n_chunks != len(layout.chunks):
+            raise ManifestError(f"manifest {seg.name} is corrupt: header says {n_chunks} chunks, layout has {len(layout.chunks)}")
+        return cls(seg, layout, body.get("meta", {}), generation)
+
+    # ---- fields -------------------------------------------------------------------------
+    def _ints(self) -> np.ndarray:
+        return self.seg.array(np.int64, _MUTABLE_AT, 4)
+
+    def _array(self, index: int) -> np.ndarray:
+        c = len(self.layout.chunks)
+        start = PAGE + _round_up(len(_body(self.layout, self.meta)))
+        return self.seg.array(np.int64, start + index * 8 * c, c)
+
+    @property
+    def versions(self) -> np.ndarray:
+        """versions[c] = the step whose forward may use chunk c (updates applied so far, skipped steps included)."""
+        return self._array(0)
+
+    @property
+    def updating(self) -> np.ndarray:
+        """Non-zero while the chunk's master/moments are being rewritten: a crash then leaves it torn."""
+        return self._array(1)
+
+    @property
+    def adam_steps(self) -> np.ndarray:
+        """AdamW's step count per chunk (bias correction); skipped steps do not count."""
+        return self._array(2)
+
+    @property
+    def committed_step(self) -> int:
+        return int(self._ints()[0])
+
+    def set_committed_step(self, step: int) -> None:
+        self._ints()[0] = step
+
+    @property
+    def attached_pid(self) -> int:
+        return int(self._ints()[1])
+
+    def set_attached(self, pid: int, token: int) -> None:
+        ints = self._ints()
+        ints[2] = token
+        ints[1] = pid
+
+    @property
+    def attach_token(self) -> int:
+        return int(self._ints()[2])
+
+    @property
+    def torn_flag(self) -> int:
+        return int(self._ints()[3])
+
+    def set_torn_flag(self, value: int) -> None:
+        self._ints()[3] = value
+
+    def torn_reason(self) -> str | None:
+        """Why the store cannot be trained from as it is, or None when it is at a committed step."""
+        if self.torn_flag:
+            return "a restore into it did not finish"
+        busy = np.nonzero(self.updating)[0]
+        if len(busy):
+            return f"chunk(s) {busy[:8].tolist()} were being updated when their writer stopped"
+        step = self.committed_step
+        off = np.nonzero(self.versions != step)[0]
+        if len(off):
+            return (f"chunk versions are mixed ({sorted(set(self.versions.tolist()))}) around committed step {step}: "
+                    f"a step stopped half-way")
+        return None
+
+    def job(self) -> dict[str, Any]:
+        (n,) = struct.unpack_from("<I", self.seg.mm, _JOB_AT)
+        if not n or n > _JOB_MAX:
+            return {}
+        try:
+            return json.loads(bytes(self.seg.mm[_JOB_AT + 4:_JOB_AT + 4 + n]))
+        except ValueError:
+            return {}
+
+    def set_job(self, record: dict[str, Any]) -> None:
+        data = json.dumps(record, sort_keys=True).encode()
+        if len(data) > _JOB_MAX:
+            raise ManifestError(f"job record too large for the manifest ({len(data)} > {_JOB_MAX} bytes)")
+        self.seg.mm[_JOB_AT + 4:_JOB_AT + 4 + len(data)] = data
+        struct.pack_into("<I", self.seg.mm, _JOB_AT, len(data))
+
+    def close(self) -> None:
+        self.seg.close()
+
+
+def _body(layout: Layout, meta: dict[str, Any]) -> bytes:
+    return json.dumps({"layout": layout.to_dict(), "meta": meta}, sort_keys=True, separators=(",", ":")).encode()

@@ -1,0 +1,208 @@
+"""A host store: the authoritative training state (fp32 master, exp_avg, exp_avg_sq) in shared memory.
+
+Segments: /slidedp.<store>.manifest, .master, .exp_avg, .exp_avg_sq and, with the bf16
+delivery policy, .shadow. 12 bytes per parameter (14 with the shadow) plus the
+manifest. Job-scoped gradient rings live in rings.py.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import torch
+
+from .layout import Chunk, Layout, Member
+from .manifest import Manifest, ManifestError
+from .shm import Segment, check_space, list_store_segments, segment_name, unlink_store
+
+STATE_KINDS = ("master", "exp_avg", "exp_avg_sq")
+
+
+class StoreError(RuntimeError):
+    pass
+
+
+def segment_sizes(layout: Layout, meta: dict[str, Any], shadow: bool) -> dict[str, int]:
+    sizes = {"manifest": Manifest.size_for(layout, meta)}
+    sizes.update({k: layout.total_numel * 4 for k in STATE_KINDS})
+    if shadow:
+        sizes["shadow"] = layout.total_numel * 2
+    return sizes
+
+
+@dataclass
+class HostStore:
+    name: str
+    manifest: Manifest
+    segments: dict[str, Segment] = field(default_factory=dict)
+    creation_gbps: float = 0.0
+
+    # ---- lifecycle ----------------------------------------------------------------------
+    @classmethod
+    def create(cls, name: str, layout: Layout, meta: dict[str, Any], shadow: bool = False,
+               fill: Callable[["HostStore"], None] | None = None) -> "HostStore":
+        """Create every segment (space checked and reserved first), fill the master weights, zero the moments."""
+        if list_store_segments().get(name):
+            raise StoreError(f"store {name!r} already exists; destroy it first (`slidedp-store destroy {name}`) or attach to it")
+        meta = dict(meta, shadow=shadow, created=time.time())
+        sizes = segment_sizes(layout, meta, shadow)
+        check_space(sum(sizes.values()), f"store {name!r} ({layout.num_parameters / 1e9:.3f} B parameters)")
+        generation = secrets.randbits(62)
+        store = None
+        try:
+            t0 = time.perf_counter()
+            segs = {k: Segment.create(segment_name(name, k), sizes[k]) for k in sizes if k != "manifest"}
+            touched = time.perf_counter() - t0
+            manifest = Manifest.create(segment_name(name, "manifest"), layout, meta, generation)
+            manifest.set_torn_flag(1)  # not trainable until filled
+            store = cls(name, manifest, segs)
+            store.creation_gbps = sum(s.size for s in segs.values()) / max(touched, 1e-9) / 1e9
+            if fill is not None:
+                fill(store)
+            store.refresh_shadow()
+            manifest.set_torn_flag(0)
+            return store
+        except BaseException:
+            if store is not None:
+                store.close()
+            unlink_store(name)
+            raise
+
+    @classmethod
+    def attach(cls, name: str) -> "HostStore":
+        present = dict(list_store_segments().get(name, []))
+        if not present:
+            raise StoreError(f"store {name!r} does not exist (no /dev/shm/slidedp.{name}.* segments); create it first")
+        if "manifest" not in present:
+            raise StoreError(f"store {name!r} has no manifest segment: it is incomplete; destroy it and create it again")
+        manifest = Manifest.open(segment_name(name, "manifest"))
+        expected = segment_sizes(manifest.layout, manifest.meta, bool(manifest.meta.get("shadow")))
+        segs: dict[str, Segment] = {}
+        try:
+            for kind, size in expected.items():
+                if kind == "manifest":
+                    continue
+                if kind not in present:
+                    raise StoreError(f"store {name!r} is missing its {kind} segment ({segment_name(name, kind)})")
+                seg = Segment.open(segment_name(name, kind))
+                segs[kind] = seg
+                if seg.size != size:
+                    raise StoreError(
+                        f"store {name!r}: segment {seg.name} is {seg.size} bytes, the manifest's layout needs {size}"
+                    )
+        except BaseException:
+            for s in segs.values():
+                s.close()
+            manifest.close()
+            raise
+        return cls(name, manifest, segs)
+
+    def close(self) -> None:
+        for s in self.segments.values():
+            s.close()
+        self.manifest.close()
+
+    def destroy(self) -> list[str]:
+        self.close()
+        return unlink_store(self.name)
+
+    # ---- views --------------------------------------------------------------------------
+    @property
+    def layout(self) -> Layout:
+        return self.manifest.layout
+
+    @property
+    def has_shadow(self) -> bool:
+        return "shadow" in self.segments
+
+    def flat(self, kind: str) -> torch.Tensor:
+        dtype = torch.bfloat16 if kind == "shadow" else torch.float32
+        return self.segments[kind].tensor(dtype, 0, self.layout.total_numel)
+
+    def tensor(self, kind: str, name: str) -> torch.Tensor:
+        span = self.layout.tensor(name)
+        n = 1
+        for s in span.shape:
+            n *= s
+        return self.flat(kind)[span.offset:span.offset + n].view(span.shape)
+
+    def chunk(self, kind: str, chunk: Chunk) -> torch.Tensor:
+        return self.flat(kind)[chunk.offset:chunk.offset + chunk.numel]
+
+    def tensors(self, kind: str) -> Iterator[tuple[str, torch.Tensor]]:
+        for span in self.layout.tensors:
+            yield span.name, self.tensor(kind, span.name)
+
+    def refresh_shadow(self, chunk: Chunk | None = None) -> None:
+        if self.has_shadow:
+            if chunk is None:
+                self.flat("shadow").copy_(self.flat("master"))
+            else:
+                self.chunk("shadow", chunk).copy_(self.chunk("master", chunk))
+
+    def segment_bytes(self) -> dict[str, int]:
+        out = {"manifest": self.manifest.seg.size}
+        out.update({k: s.size for k, s in self.segments.items()})
+        return out
+
+    def status(self) -> dict[str, Any]:
+        m = self.manifest
+        sizes = self.segment_bytes()
+        params = self.layout.num_parameters
+        return {
+            "store": self.name,
+            "model": m.meta.get("source", "?"),
+            "family": self.layout.model.family,
+            "parameters": params,
+            "chunks": len(self.layout.chunks),
+            "segments": sizes,
+            "bytes_per_parameter": round(sum(sizes.values()) / params, 4),
+            "committed_step": m.committed_step,
+            "generation": m.generation,
+            "layout_hash": self.layout.hash(),
+            "torn": m.torn_reason(),
+            "attached_pid": m.attached_pid,
+            "job": m.job() if m.attached_pid else {},
+        }
+
+
+def member_view(flat_chunk: torch.Tensor, member: Member) -> torch.Tensor:
+    """The member's block inside a flat chunk tensor (store view, gradient slot or device buffer)."""
+    return flat_chunk[member.offset:member.offset + member.numel].view(member.shape)
+
+
+def fill_random(seed: int) -> Callable[[HostStore], None]:
+    from ..model.init import init_tensor_
+
+    def fill(store: HostStore) -> None:
+        for name, view in store.tensors("master"):
+            init_tensor_(name, view, seed)
+
+    return fill
+
+
+def fill_from_hf(folder: str | os.PathLike) -> Callable[[HostStore], None]:
+    from ..model import hf
+
+    def fill(store: HostStore) -> None:
+        hf.check_folder(folder, store.layout.model)
+        for name, view in store.tensors("master"):
+            hf.load_tensor(folder, name, out=view)
+
+    return fill
+
+
+def fill_from_tensors(tensors: dict[str, torch.Tensor]) -> Callable[[HostStore], None]:
+    def fill(store: HostStore) -> None:
+        for name, view in store.tensors("master"):
+            view.copy_(tensors[name])
+
+    return fill
+
+
+__all__ = ["HostStore", "StoreError", "ManifestError", "member_view", "fill_random", "fill_from_hf", "fill_from_tensors",
+           "segment_sizes", "STATE_KINDS"]

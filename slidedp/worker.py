@@ -1,0 +1,206 @@
+"""A worker: one process per device (rank). Attaches to the store, runs the engine step by step.
+
+Spawned by the launcher: `python -m slidedp.worker --store S --rank r --world N --job RESOLVED.toml
+--start S0 --end S1 [--tokens tokens.npy]`. It maps the master weights and its own gradient
+ring (registered with CUDA once), talks to the aggregator (gradients, loss agreement,
+credits, version wake-ups) and reports per-step stats to the launcher. Any wait that runs
+past runtime.timeout_s raises an error naming the peer it was waiting for.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import time
+
+import numpy as np
+import torch
+import zmq
+
+from . import log as slog
+from .config import JobConfig, load_job, model_config
+from .data import Batches, TokenStream, open_batches, rank_slice
+from .delivery import Unit
+from .engine import Engine
+from .hostmem import Registration
+from .protocol import (CONTROL_STOP, ROLE_WORKER, Control, Credit, Go, Grad, Hello, Loss, Ready, WorkerStats)
+from .store.layout import Chunk
+from .store.rings import GradRings
+from .store.store import HostStore
+from .transport import PeerTimeout, connect_dealer, identity, recv_dealer, send
+
+log = slog.get("worker")
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+class WorkerLink:
+    """The engine's view of the rest of the system: versions, slots, gradient announcements, loss agreement."""
+
+    def __init__(self, store: HostStore, rings: GradRings, rank: int, agg: zmq.Socket, timeout_s: float,
+                 owner_of: list[int] | None = None) -> None:
+        self.store, self.rings, self.rank, self.agg = store, rings, rank, agg
+        self.timeout_s = timeout_s
+        self.free_slots = list(range(rings.slots))
+        self.go: dict[int, Go] = {}
+        self.wait_s = 0.0
+        self.stop_after: int | None = None
+
+    def pump(self, timeout_ms: int) -> None:
+        if not self.agg.poll(timeout_ms):
+            return
+        while True:
+            msg = recv_dealer(self.agg, (Credit, Go, Ready))
+            if isinstance(msg, Credit):
+                if msg.rank != self.rank or msg.slot >= self.rings.slots or msg.slot in self.free_slots:
+                    log.warning("dropped a bad credit %s", msg)
+                else:
+                    self.free_slots.append(msg.slot)
+            elif isinstance(msg, Go):
+                self.go[msg.step] = msg
+            if not self.agg.poll(0):
+                return
+
+    def _wait(self, done, what: str) -> None:
+        t0 = time.perf_counter()
+        deadline = time.monotonic() + self.timeout_s
+        while not done():
+            if time.monotonic() > deadline:
+                raise PeerTimeout(f"rank {self.rank} waited {self.timeout_s:.0f} s for {what}; "
+                                  f"raise runtime.timeout_s if the host is merely slow")
+            self.pump(20)
+        self.wait_s += time.perf_counter() - t0
+
+    def wait_ready(self, unit: Unit, step: int) -> None:
+        versions = self.store.manifest.versions
+        ids = [c.id for c in unit.chunks]
+
+        def ready() -> bool:
+            return all(versions[i] >= step for i in ids)
+
+        if not ready():
+            self._wait(ready, f"{unit.name} (chunks {ids[0]}..{ids[-1]}) to reach version {step} "
+                              f"(the updater pool, slidedp-updater, has not updated it)")
+
+    def acquire_slot(self) -> int:
+        if not self.free_slots:
+            self._wait(lambda: bool(self.free_slots),
+                       "a free gradient slot (the aggregator, slidedp-aggregator, returned none)")
+        return self.free_slots.pop(0)
+
+    def grad_landed(self, chunk: Chunk, slot: int, sqnorm: float, step: int) -> None:
+        send(self.agg, Grad(self.rank, chunk.id, step, slot, sqnorm))
+
+    def agree_loss(self, step: int, loss_sum: float, tokens: int, finite: bool) -> bool:
+        send(self.agg, Loss(self.rank, step, loss_sum if finite else 0.0, tokens, int(finite)))
+        self._wait(lambda: step in self.go, f"the other ranks' loss of step {step} (via the aggregator)")
+        return bool(self.go.pop(step).skip)
+
+
+def run(args: argparse.Namespace) -> int:
+    job: JobConfig = load_job(args.job)
+    rank, world = args.rank, args.world
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    else:
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // world))
+    torch.manual_seed(job.train.seed + rank)
+    cfg = model_config(job)
+    store = HostStore.attach(args.store)
+    rings = GradRings.open(args.store)
+    layout = store.layout
+    if layout.model != cfg:
+        raise RuntimeError(f"store {args.store!r} holds another model than the job describes")
+    master = store.flat("master")
+    reg = Registration()
+    if device.type == "cuda":
+        t0 = time.perf_counter()
+        reg.register(master, "the master weights")
+        reg.register(rings.rank_ring(rank), f"rank {rank}'s gradient ring")
+        log.info("registered %.2f GiB of host memory with CUDA in %.2f s", master.numel() * 4 / 2**30, time.perf_counter() - t0)
+    ctx = zmq.Context()
+    agg = connect_dealer(ctx, args.store, "agg", identity("w", rank))
+    job_sock = connect_dealer(ctx, args.store, "job", identity("w", rank))
+    send(agg, Hello(ROLE_WORKER, rank, world, os.getpid()))
+    send(job_sock, Hello(ROLE_WORKER, rank, world, os.getpid()))
+    link = WorkerLink(store, rings, rank, agg, job.runtime.timeout_s)
+    tokens = TokenStream(np.load(args.tokens, mmap_mode="r"), cfg.vocab_size, args.tokens) if args.tokens else None
+    batches = (Batches(tokens, job.train.seq_len, job.train.global_batch, job.data.shuffle, job.data.seed)
+               if tokens is not None else open_batches(job, cfg.vocab_size))
+    t = job.train
+    engine = Engine(cfg, layout, master, device, DTYPES[t.compute_dtype], link,
+                    lambda slot, numel: rings.slot(rank, slot, numel), t.global_batch * t.seq_len)
+    micro = t.global_batch // world // t.micro_batch
+    stop = {"now": False}
+    signal.signal(signal.SIGTERM, lambda s, f: stop.update(now=True))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher owns Ctrl-C and tells us to stop
+    log.info("rank %d/%d on %s: steps %d..%d, %d micro-batch(es) of %d x %d tokens", rank, world, device,
+             args.start, args.end - 1, micro, t.micro_batch, t.seq_len)
+    try:
+        for step in range(args.start, args.end):
+            if stop["now"]:
+                log.info("stopping before step %d (SIGTERM)", step)
+                return 0
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            t0 = time.perf_counter()
+            link.wait_s = 0.0
+            h2d0 = engine.delivery.h2d_bytes
+            seqs = torch.from_numpy(rank_slice(batches.batch(step), rank, world).astype(np.int64))
+            seqs = seqs.view(micro, t.micro_batch, t.seq_len + 1)
+            times = engine.run_step(step, seqs[..., :-1], seqs[..., 1:])
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+            send(job_sock, WorkerStats(rank, step, time.perf_counter() - t0, times.forward_s, times.backward_s,
+                                       link.wait_s, float(engine.delivery.h2d_bytes - h2d0), peak))
+            # Between steps: the launcher may hold us for a checkpoint or tell us to stop.
+            hold = args.checkpoint_every and (step + 1) % args.checkpoint_every == 0 and step + 1 < args.end
+            deadline = time.monotonic() + (job.runtime.timeout_s * 10 if hold else 0)
+            while True:
+                msg = recv_dealer(job_sock, (Control,)) if job_sock.poll(0 if not hold else 100) else None
+                if isinstance(msg, Control):
+                    if msg.kind == CONTROL_STOP:
+                        log.info("stopping after step %d as the launcher asked", step)
+                        return 0
+                    if msg.step == step:
+                        break
+                if not hold:
+                    break
+                if time.monotonic() > deadline:
+                    raise PeerTimeout(f"rank {rank} waited for the launcher past the checkpoint after step {step}")
+        return 0
+    finally:
+        reg.unregister()
+        agg.close(linger=2000)
+        job_sock.close(linger=2000)
+        ctx.term()
+        rings.close()
+        store.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="slidedp-worker", description="one SlideDP rank (spawned by slidedp-launch)")
+    p.add_argument("--store", required=True)
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--world", type=int, required=True)
+    p.add_argument("--job", required=True, help="the resolved job file written by the launcher")
+    p.add_argument("--start", type=int, required=True)
+    p.add_argument("--end", type=int, required=True)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--tokens", default="", help="pre-tokenized .npy written by the launcher")
+    p.add_argument("--checkpoint-every", type=int, default=0)
+    args = p.parse_args(argv)
+    slog.setup("worker", args.rank)
+    try:
+        return run(args)
+    except Exception as e:
+        log.exception("rank %d failed: %s", args.rank, e)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

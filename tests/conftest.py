@@ -1,0 +1,23 @@
+"""Shared test setup: every process of the suite keeps its sockets under one private run root."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import pytest
+import torch
+
+_RUN_ROOT = tempfile.mkdtemp(prefix="slidedp-test-run-")
+os.environ["SLIDEDP_RUN_ROOT"] = _RUN_ROOT
+os.environ.setdefault("SLIDEDP_LOG_LEVEL", "WARNING")
+torch.set_num_threads(2)
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA (no GPU on this machine)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

@@ -1,0 +1,47 @@
+"""Running the real thing from tests: slidedp-launch in a subprocess, then reading what it left."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import torch
+
+from slidedp.model import hf
+from slidedp.store.shm import list_store_segments
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ROOT / "examples" / "tiny.toml"
+
+
+def unique_store(prefix: str = "t") -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:8]}"
+
+
+def launch(job: Path, *sets: str, cwd: Path, timeout: float = 240, extra: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    argv = [sys.executable, "-m", "slidedp.launch.cli", str(job), *extra]
+    for s in sets:
+        argv += ["--set", s]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    return subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def checkpoint_weights(path: Path) -> dict[str, torch.Tensor]:
+    folder = path / "model"
+    return {name: hf.load_tensor(folder, name) for name in hf.tensor_index(folder)}
+
+
+def store_segments(store: str) -> list[tuple[str, int]]:
+    return list_store_segments().get(store, [])
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))

@@ -1,0 +1,304 @@
+"""Step-time model and planner: hand-computed predictions, budget safety, monotonicity, errors,
+and the CPU calibration with its JSON cache. Synthetic calibrations; no GPU, no timing thresholds."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import random
+
+import pytest
+
+from slidedp.model.config import ModelConfig, named_shape
+from slidedp.planner import (
+    H200_REFERENCE,
+    Calibration,
+    CalibrationError,
+    Choices,
+    PlanError,
+    Workload,
+    calibrate,
+    load_or_calibrate,
+    make_plan,
+    predict_step,
+)
+from slidedp.planner import calibration as calibration_mod
+from slidedp.planner import costs
+from slidedp.planner.costs import GiB, MiB
+
+# A 2-layer toy with round rates: every number below is worked out by hand in the comments.
+#   one layer: norms 2*64 + q 64*64 + k,v 2*(32*64) + o 64*64 + MLP 3*64*128 = 36,992 params
+#   forward FLOPs/token: 2*64*(2*64 + 2*32) + 2*16*64 (causal SDPA) + 6*64*128 = 75,776
+#   64 tokens/step (4 x 16) -> 4,849,664 FLOPs per layer forward -> 1 s at 4.849664e-6 TFLOP/s
+TOY = ModelConfig(
+    family="llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+    num_kv_heads=2, head_dim=16, tie_word_embeddings=True,
+)
+TOY_CAL = Calibration(
+    host="toy", device_name="toy", h2d_gbps=1e-3, d2h_gbps=1e-3, bidir_gbps=2e-3,  # 1 MB/s each way, no sharing loss
+    adamw_params_per_s=1e5, adamw_threads=1, reduce_gbps=1e-3, gpu_tflops=4.849664e-6, gpu_mem_bytes=1 << 40,
+    gpu_adamw_params_per_s=163_840,  # tied embedding 256*64 = 16,384 params -> 0.1 s
+)
+P = 36_992
+G_LOSS = 6 * 256 * 64 * 64 / 4_849_664  # loss: 3 x 2VH per token, in layer-forward seconds
+H = P * 4 / 1e6  # one layer's fp32 H2D (and its fp32 gradient's D2H): 0.147968 s
+U = P / 1e5  # one layer's CPU AdamW: 0.36992 s
+NORM_IO = 64 * 4 / 1e6  # final norm H2D / D2H
+NORM_U = 64 / 1e5  # final norm update
+
+
+def toy(clip: bool = False, world: int = 1, **kw) -> Workload:
+    return Workload(TOY, global_batch=4 * world, seq_len=16, world=world, micro_batch=2, clip=clip, **kw)
+
+
+def test_cost_formulas_by_hand():
+    assert costs.layer_params(TOY) == P
+    assert costs.layer_forward_flops_per_token(TOY, 16) == 75_776
+    assert costs.layer_step_flops_per_token(TOY, 16) == 4 * 75_776
+    assert costs.head_step_flops_per_token(TOY) == 6 * 256 * 64
+    q4 = named_shape("qwen3-4b")
+    assert costs.layer_params(q4) == 100_930_816
+    # BENCHMARKS.md: one Qwen3-4B layer fwd+bwd on 16,384 tokens in 26.5 ms is 405 TFLOP/s
+    fwd_bwd = 3 * costs.layer_forward_flops_per_token(q4, 2048) * 16_384
+    assert fwd_bwd / 26.5e-3 / 1e12 == pytest.approx(405, rel=2e-3)
+    assert costs.default_chunk_rows(q4) == 100_930_816 // 2560
+    assert costs.row_blocks(10, 4) == [4, 4, 2]
+    assert costs.update_bytes_per_param("fp32") == 28 and costs.update_bytes_per_param("bf16") == 30
+
+
+def test_toy_prediction_embedding_on_gpu():
+    busy, exposed, step = predict_step(toy(), Choices(embedding="gpu"), TOY_CAL)
+    gpu = 2 * 1 + G_LOSS + 2 * 3 + 0.1  # forward, loss, recompute+backward, GPU AdamW of the embedding
+    assert busy == pytest.approx({
+        "gpu": gpu,
+        "h2d": 4 * H + NORM_IO,  # each layer fetched twice, the norm once
+        "d2h": 2 * H + NORM_IO,
+        "reduce": 0.0,  # one rank: nothing to sum
+        "update": 2 * U + NORM_U,
+    }, rel=1e-12)
+    # tail: layer 0's gradient out (H), its update (U), its H2D for the next forward (H); the
+    # 0.1 s GPU AdamW runs inside that gap
+    assert step == pytest.approx(8 + G_LOSS + H + U + H, rel=1e-12)
+    assert exposed == pytest.approx(H + U + H - 0.1, rel=1e-9)
+
+
+def test_toy_prediction_embedding_on_host():
+    busy, exposed, step = predict_step(toy(), Choices(embedding="host"), TOY_CAL)
+    rows_in = 64 * 64 * 4 / 1e6  # the batch's 64 embedding rows, fp32
+    head_in = 256 * 64 * 4 / 1e6  # the tied matrix for the loss
+    need_u = 64 * 64 / 1e5  # the next batch's rows (<= 64 distinct tokens), updated first
+    rest_u = 256 * 64 * (1 - 64 / 256) / 1e5
+    assert busy == pytest.approx({
+        "gpu": 8 + G_LOSS,
+        "h2d": 4 * H + NORM_IO + rows_in + head_in,
+        "d2h": 2 * H + NORM_IO + head_in,  # the whole embedding gradient comes back
+        "reduce": 0.0,
+        "update": 2 * U + NORM_U + need_u + rest_u,
+    }, rel=1e-12)
+    # tail: layer 0 out (H), its update (U), then the needed rows' update, their gather, layer 0's H2D
+    assert step == pytest.approx(8 + G_LOSS + H + U + need_u + rows_in + H, rel=1e-12)
+    assert exposed == pytest.approx(H + U + need_u + rows_in + H, rel=1e-9)
+
+
+def test_clipping_exposes_the_whole_update():
+    for emb in ("gpu", "host"):
+        busy, _, free = predict_step(toy(clip=False), Choices(embedding=emb), TOY_CAL)
+        _, exposed, clipped = predict_step(toy(clip=True), Choices(embedding=emb), TOY_CAL)
+        assert clipped > free
+        assert exposed >= busy["update"] - (0.1 if emb == "gpu" else 0)
+    # by hand (embedding on the GPU): after layer 0's gradient is out, norm + both layers update
+    # in gradient order, then layer 0 goes back in
+    _, _, step = predict_step(toy(clip=True), Choices(embedding="gpu"), TOY_CAL)
+    assert step == pytest.approx(8 + G_LOSS + H + NORM_U + 2 * U + H, rel=1e-12)
+    # embedding on the host: the embedding's gradient (0.065536 s) is out last; then norm, both
+    # layers and the next batch's rows update before the gather and layer 0's H2D
+    _, _, step = predict_step(toy(clip=True), Choices(embedding="host"), TOY_CAL)
+    tail = H + 256 * 64 * 4 / 1e6 + NORM_U + 2 * U + 64 * 64 / 1e5 + 64 * 64 * 4 / 1e6 + H
+    assert step == pytest.approx(8 + G_LOSS + tail, rel=1e-12)
+
+
+def test_bidirectional_sharing_and_resident_layers():
+    cal = dataclasses.replace(TOY_CAL, bidir_gbps=1.5e-3)  # backward: 0.75 MB/s each way
+    busy, _, _ = predict_step(toy(), Choices(embedding="gpu"), cal)
+    assert busy["h2d"] == pytest.approx(2 * H + NORM_IO + 2 * P * 4 / 0.75e6, rel=1e-12)
+    assert busy["d2h"] == pytest.approx((2 * P * 4 + 64 * 4) / 0.75e6, rel=1e-12)
+    # both layers resident: no re-fetch, so the gradients leave at the full D2H rate
+    busy, _, _ = predict_step(toy(), Choices(embedding="gpu", resident_layers=2), cal)
+    assert busy["h2d"] == pytest.approx(2 * H + NORM_IO, rel=1e-12)
+    assert busy["d2h"] == pytest.approx(2 * H + NORM_IO, rel=1e-12)
+
+
+def test_reduce_and_updaters():
+    # two ranks: the aggregator sums 2 fp32 gradients (3 buffers touched = the calibrated case)
+    busy, _, _ = predict_step(toy(world=2), Choices(embedding="gpu"), TOY_CAL)
+    assert busy["reduce"] == pytest.approx((2 * P + 64) * 4 / 1e6, rel=1e-12)
+    # four ranks: 5 buffers touched per output
+    busy, _, _ = predict_step(toy(world=4), Choices(embedding="gpu"), TOY_CAL)
+    assert busy["reduce"] == pytest.approx((2 * P + 64) * 4 * 5 / 3 / 1e6, rel=1e-12)
+    busy, _, _ = predict_step(toy(updaters=2), Choices(embedding="gpu"), TOY_CAL)
+    assert busy["update"] == pytest.approx((2 * U + NORM_U) / 2, rel=1e-12)
+    # bf16 shadow delivery: half the H2D, and the updater writes 2 more bytes per parameter
+    busy, _, _ = predict_step(toy(), Choices(embedding="gpu", delivery="bf16"), TOY_CAL)
+    assert busy["h2d"] == pytest.approx((4 * H + NORM_IO) / 2, rel=1e-12)
+    assert busy["update"] == pytest.approx((2 * U + NORM_U) * 30 / 28, rel=1e-12)
+
+
+def test_busy_matches_transfer_formula():
+    cal = dataclasses.replace(H200_REFERENCE, bidir_gbps=110.0)  # no sharing loss: rates are the solo ones
+    work = Workload(named_shape("qwen3-8b"), global_batch=4, seq_len=1024, world=1, micro_batch=1)
+    for act in ("keep", "offload"):
+        for emb in ("gpu", "host"):
+            for k in (0, 5):
+                ch = Choices(activations=act, embedding=emb, resident_layers=k)
+                busy, _, step = predict_step(work, ch, cal)
+                b = costs.transfer_bytes(work.model, tokens=work.local_tokens, delivery="fp32", activations=act,
+                                         embedding=emb, resident_layers=k)
+                assert busy["h2d"] == pytest.approx(b["h2d"] / 55e9, rel=1e-12)
+                assert busy["d2h"] == pytest.approx(b["d2h"] / 55e9, rel=1e-12)
+                assert step >= max(busy.values()) * (1 - 1e-12)
+
+
+def _random_model(rng: random.Random) -> ModelConfig:
+    heads = rng.choice([2, 4, 8])
+    return ModelConfig(
+        family=rng.choice(["llama", "qwen2", "qwen3"]), vocab_size=rng.choice([1000, 32000, 151936]),
+        hidden_size=64 * rng.randint(2, 40), intermediate_size=128 * rng.randint(2, 60), num_layers=rng.randint(1, 12),
+        num_heads=heads, num_kv_heads=rng.choice([1, heads]), head_dim=rng.choice([32, 64, 128]),
+        tie_word_embeddings=rng.random() < 0.5, attention_bias=rng.random() < 0.3, qk_norm=rng.random() < 0.3,
+    )
+
+
+def test_plan_never_exceeds_budget():
+    rng = random.Random(1234)
+    fitted = refused = 0
+    for _ in range(40):
+        world = rng.choice([1, 2, 4])
+        work = Workload(
+            _random_model(rng), global_batch=world * rng.choice([1, 2, 4, 6, 8]), seq_len=rng.choice([128, 512, 2048, 8192]),
+            world=world, micro_batch=1, clip=rng.random() < 0.5, updaters=rng.choice([1, 2]),
+        )
+        budget = int(2 ** rng.uniform(math.log2(0.5 * GiB), math.log2(48 * GiB)))
+        try:
+            plan = make_plan(work, budget, H200_REFERENCE)
+        except PlanError as e:
+            assert str(e).startswith(f"no plan fits the GPU memory budget of {budget / GiB:.2f} GiB")
+            refused += 1
+            continue
+        fitted += 1
+        assert plan.gpu_total_bytes <= budget
+        assert sum(b for _, b in plan.gpu_memory) == plan.gpu_total_bytes
+        assert work.local_batch % plan.micro_batch == 0
+        assert 0 <= plan.resident_layers <= work.model.num_layers
+        busy = dict(plan.busy_s)
+        assert plan.predicted_step_s >= max(busy.values()) * (1 - 1e-12)
+        assert plan.exposed_s == pytest.approx(plan.predicted_step_s - busy["gpu"])
+        assert plan.tokens_per_s == pytest.approx(work.tokens_per_step / plan.predicted_step_s)
+    assert fitted > 10 and refused > 0
+
+
+def test_more_budget_never_gives_a_slower_plan():
+    works = [
+        Workload(named_shape("qwen3-4b"), global_batch=8, seq_len=2048, world=1, micro_batch=8, clip=False),
+        Workload(named_shape("qwen3-8b"), global_batch=8, seq_len=4096, world=2, micro_batch=2, clip=True),
+        Workload(named_shape("small"), global_batch=4, seq_len=256, world=1, micro_batch=4, clip=False),
+    ]
+    for work in works:
+        last = math.inf
+        for gib in (1, 2, 4, 6, 8, 12, 16, 20, 24, 32, 48, 64, 96, 128):
+            try:
+                plan = make_plan(work, gib * GiB, H200_REFERENCE)
+            except PlanError:
+                assert last == math.inf, "a budget refused after a smaller one fitted"
+                continue
+            assert plan.predicted_step_s <= last * (1 + 1e-9)
+            last = plan.predicted_step_s
+        assert last < math.inf
+
+
+def test_refusal_names_the_budget_and_the_knob():
+    work = Workload(named_shape("qwen3-4b"), global_batch=32, seq_len=32768, world=1, micro_batch=1)
+    with pytest.raises(PlanError) as e:
+        make_plan(work, 24 * GiB, H200_REFERENCE)
+    # the smallest plan's largest item: the current layer's input/output for 1,048,576 tokens
+    assert costs.activation_bytes(work.model, 1_048_576, "bf16") * 2 == 10 * GiB
+    assert str(e.value) == (
+        "no plan fits the GPU memory budget of 24.00 GiB: the smallest plan needs 30.67 GiB (embedding=host, "
+        "activations=offload, delivery=bf16, prefetch_depth=1, micro_batch=1, loss_chunk_tokens=128) and its "
+        "largest item is hidden states (10.00 GiB). Raise the budget to at least 30.67 GiB, or lower the tokens per "
+        "rank (global_batch / world x seq_len = 1,048,576): raise world, or lower global_batch or seq_len"
+    )
+    assert make_plan(work, int(30.67 * GiB), H200_REFERENCE).gpu_total_bytes <= int(30.67 * GiB)
+    with pytest.raises(PlanError, match=r"exceeds the memory of NVIDIA H200 \(140\.40 GiB\): lower the budget"):
+        make_plan(work, 200 * GiB, H200_REFERENCE)
+
+
+def test_micro_batch_is_reduced_only_when_needed_and_said():
+    work = Workload(named_shape("qwen3-1.7b"), global_batch=8, seq_len=8192, world=1, micro_batch=8)
+    roomy = make_plan(work, 120 * GiB, H200_REFERENCE)
+    assert roomy.micro_batch == 8 and not any("micro_batch" in n for n in roomy.notes)
+    # 8 sequences of 8,192 tokens: one layer's workspace alone is 4.75 GiB at micro_batch 8
+    assert costs.workspace_bytes_per_token(work.model, "bf16") * 8 * 8192 == int(4.75 * GiB)
+    tight = make_plan(work, 8 * GiB, H200_REFERENCE)
+    assert tight.micro_batch < 8 and 8 % tight.micro_batch == 0
+    assert f"micro_batch 8 does not fit the budget; using {tight.micro_batch} (a divisor of the 8 sequences per rank)" in tight.notes
+
+
+def test_describe_lists_every_memory_item_and_resource():
+    work = Workload(named_shape("qwen3-4b"), global_batch=8, seq_len=2048, world=1, micro_batch=8)
+    plan = make_plan(work, 24 * GiB, H200_REFERENCE)
+    text = plan.describe()
+    for name, size in plan.gpu_memory:
+        assert f"{name:<36}{size / GiB:>8.3f}" in text
+    for name, _ in plan.busy_s:
+        assert f"  {name} " in text
+    assert f"predicted step {plan.predicted_step_s:.3f} s" in text
+    assert "exact gradient clipping" in text
+
+
+def test_workload_validation_messages():
+    with pytest.raises(ValueError, match=r"global_batch \(6\) must be a multiple of world \(4\)"):
+        Workload(TOY, global_batch=6, seq_len=16, world=4, micro_batch=1)
+    with pytest.raises(ValueError, match=r"micro_batch \(3\) must divide the sequences per rank \(global_batch / world = 4\)"):
+        Workload(TOY, global_batch=8, seq_len=16, world=2, micro_batch=3)
+    with pytest.raises(ValueError, match="compute_dtype must be 'bf16' or 'fp32'"):
+        Workload(TOY, global_batch=8, seq_len=16, world=2, micro_batch=1, compute_dtype="fp16")
+
+
+def test_cpu_calibration_round_trips_through_the_json_cache(tmp_path, monkeypatch):
+    cal = load_or_calibrate("cpu", cache_dir=tmp_path, quick=True)
+    for f in dataclasses.fields(cal):
+        value = getattr(cal, f.name)
+        if isinstance(value, (int, float)):
+            assert math.isfinite(value) and value > 0, f.name
+    files = list(tmp_path.glob("calibration-*.json"))
+    assert len(files) == 1
+    assert json.loads(files[0].read_text())["calibration"]["adamw_params_per_s"] == cal.adamw_params_per_s
+
+    def no_calibration(*a, **k):
+        raise AssertionError("the cache should have been used")
+
+    monkeypatch.setattr(calibration_mod, "calibrate", no_calibration)
+    assert load_or_calibrate("cpu", cache_dir=tmp_path) == cal
+    # a calibration from CI plans like any other
+    plan = make_plan(toy(), 4 * GiB, cal)
+    assert plan.predicted_step_s > 0
+    # an unreadable cache is measured again and rewritten
+    files[0].write_text("{not json")
+    monkeypatch.setattr(calibration_mod, "calibrate", lambda device, quick=False: TOY_CAL)
+    assert load_or_calibrate("cpu", cache_dir=tmp_path) == TOY_CAL
+    assert calibration_mod.load(files[0]) == TOY_CAL
+
+
+def test_calibration_rejects_bad_values():
+    with pytest.raises(CalibrationError, match="calibration field h2d_gbps must be a positive finite number"):
+        dataclasses.replace(TOY_CAL, h2d_gbps=float("nan"))
+    with pytest.raises(CalibrationError, match=r"unknown fields \['pcie'\]"):
+        Calibration.from_dict({**TOY_CAL.to_dict(), "pcie": 1})
+    assert Calibration.from_dict(H200_REFERENCE.to_dict()) == H200_REFERENCE
+
+
+def test_calibrate_cpu_quick_directly():
+    cal = calibrate(device="cpu", quick=True)
+    assert cal.device_name.startswith("cpu") and cal.adamw_threads >= 1
+    assert cal.gpu_tflops > 0 and cal.h2d_gbps > 0 and cal.reduce_gbps > 0

@@ -1,0 +1,233 @@
+"""The benchmark harness on CPU: the smoke run, failure rows, SlideDP's job and metrics, and the model.
+
+The harness itself runs on a GPU machine; here we check what must be right before it gets
+there: one table and valid JSON, every failure a row, SlideDP's job file accepted by the
+real job schema, and DecoderLM (what every peer trains) equal to slidedp.model.layers.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))  # benchmarks/ is not an installed package
+
+from benchmarks import run as bench  # noqa: E402
+from benchmarks.peers import common, slidedp_run  # noqa: E402
+from slidedp.model import layers  # noqa: E402
+from slidedp.model.config import named_shape  # noqa: E402
+from slidedp.model.init import init_params  # noqa: E402
+
+HEADER = "| " + " | ".join(bench.COLUMNS)
+
+
+def _header_cells(line: str) -> list[str]:
+    return [c.strip() for c in line.strip().strip("|").split("|")]
+
+
+def test_cpu_smoke_run_prints_one_table_and_writes_json(tmp_path):
+    out = tmp_path / "smoke.json"
+    cmd = [sys.executable, "-m", "benchmarks.run", "--device", "cpu", "--shape", "tiny", "--batch", "2", "--seq", "32",
+           "--steps", "2", "--warmup", "1", "--systems", "gpu_resident,deepspeed", "--out", str(out)]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+    # stdout is the table and nothing else: header, separator, one line per system
+    lines = done.stdout.strip().splitlines()
+    assert len(lines) == 4, done.stdout
+    assert _header_cells(lines[0]) == list(bench.COLUMNS)
+    gpu_line, ds_line = _header_cells(lines[2]), _header_cells(lines[3])
+    assert gpu_line[0] == "gpu_resident" and gpu_line[4] == "1.00x" and gpu_line[-1] == "ok"
+    assert float(gpu_line[2].replace(",", "")) > 0
+    assert ds_line[0] == "deepspeed" and ds_line[-1] == "skipped: deepspeed needs CUDA"
+
+    doc = json.loads(out.read_text())
+    assert doc["complete"] is True
+    assert doc["columns"] == list(bench.COLUMNS)
+    assert doc["torch"] == torch.__version__ and doc["host"] and doc["date"]
+    assert "benchmarks.run" in doc["command"] and "--systems gpu_resident,deepspeed" in doc["command"]
+    assert [r["system"] for r in doc["rows"]] == ["gpu_resident", "deepspeed"]
+    assert [t["system"] for t in doc["table"]] == ["gpu_resident", "deepspeed"]
+    gpu = doc["rows"][0]
+    assert gpu["status"] == "ok" and gpu["tokens_per_step"] == 64 and gpu["tokens_per_s"] > 0
+    assert gpu["tokens_per_s"] == pytest.approx(64 / gpu["step_s"])
+    assert gpu["step_s"] == gpu["step_times_s"][1]  # the median of the one step after warm-up
+    assert gpu["vs_gpu_resident"] == 1.0 and gpu["host_rss_gib"] > 0
+    assert gpu["parameters"] == named_shape("tiny").num_parameters()
+    assert all(l > 0 for l in gpu["losses"])
+    assert doc["rows"][1]["status"] == "skipped: deepspeed needs CUDA" and doc["rows"][1]["vs_gpu_resident"] is None
+    assert (tmp_path / "smoke.logs" / "gpu_resident.log").is_file()
+
+
+def _write_module(folder: Path, name: str, code: str) -> None:
+    (folder / f"{name}.py").write_text(code)
+
+
+def test_failed_killed_and_hung_systems_become_rows(tmp_path, monkeypatch, capsys):
+    mods = tmp_path / "mods"
+    mods.mkdir()
+    _write_module(mods, "peer_raises", "raise RuntimeError('CUDA error: an illegal memory access')\n")
+    _write_module(mods, "peer_killed", "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n")
+    _write_module(mods, "peer_hangs", "import time\nprint('working', flush=True)\ntime.sleep(60)\n")
+    monkeypatch.setenv("PYTHONPATH", str(mods))
+    systems = {"raises": bench.System("peer_raises"), "killed": bench.System("peer_killed"),
+               "hangs": bench.System("peer_hangs")}
+    monkeypatch.setattr(bench, "SYSTEMS", {**bench.SYSTEMS, **systems})
+    out = tmp_path / "fail.json"
+    rc = bench.main(["--device", "cpu", "--shape", "tiny", "--steps", "2", "--warmup", "1", "--quiet",
+                     "--systems", "raises,killed,hangs", "--timeout", "2", "--out", str(out)])
+    assert rc == 0
+    rows = {r["system"]: r for r in json.loads(out.read_text())["rows"]}
+    assert rows["raises"]["status"] == "failed: exit code 1, no result row"
+    assert rows["raises"]["error"] == "RuntimeError: CUDA error: an illegal memory access"
+    assert rows["killed"]["status"] == "failed: killed by SIGKILL (host out of memory?)"
+    assert rows["hangs"]["status"] == "timeout after 2 s" and "working" in rows["hangs"]["output_tail"]
+    table = capsys.readouterr().out.strip().splitlines()
+    assert _header_cells(table[0]) == list(bench.COLUMNS) and len(table) == 5
+    assert _header_cells(table[2])[-1] == (
+        "failed: exit code 1, no result row -- RuntimeError: CUDA error: an illegal memory access")
+
+
+def test_merge_joins_runs_and_takes_ratios_against_the_first_gpu_resident_row(tmp_path, capsys):
+    def doc(rows):
+        return json.dumps({"rows": rows})
+
+    ok = {"status": "ok", "config": "c", "step_s": 2.0, "gpu_peak_gib": 80.0, "host_rss_gib": 3.0, "shm_gib": 0.0}
+    (tmp_path / "a.json").write_text(doc([
+        {**ok, "system": "gpu_resident", "status": "out of memory", "error": "CUDA out of memory. Tried"},
+        {**ok, "system": "gpu_resident_chunked", "tokens_per_s": 10000.0},
+    ]))
+    (tmp_path / "b.json").write_text(doc([
+        {**ok, "system": "slidedp", "tokens_per_s": 9500.0, "predicted_step_s": 1.9, "shm_gib": 48.25},
+        {**ok, "system": "fsdp2_offload", "tokens_per_s": 5000.0, "optimizer_s": 0.98},
+    ]))
+    assert bench.main(["--merge", str(tmp_path / "a.json"), str(tmp_path / "b.json"),
+                       "--out", str(tmp_path / "c.json")]) == 0
+    merged = json.loads((tmp_path / "c.json").read_text())
+    assert [r["vs_gpu_resident"] for r in merged["rows"]] == [None, 1.0, 0.95, 0.5]
+    table = capsys.readouterr().out.strip().splitlines()
+    assert [_header_cells(line) for line in table[2:]] == [
+        ["gpu_resident", "c", "", "2.00", "", "80.0", "3.0 + 0.0", "out of memory -- CUDA out of memory. Tried"],
+        ["gpu_resident_chunked", "c", "10,000", "2.00", "1.00x", "80.0", "3.0 + 0.0", "ok"],
+        ["slidedp", "c", "9,500", "2.00 (predicted 1.90)", "0.95x", "80.0", "3.0 + 48.2", "ok"],
+        ["fsdp2_offload", "c", "5,000", "2.00 (optimizer 0.98)", "0.50x", "80.0", "3.0 + 0.0", "ok"],
+    ]
+    assert merged["table_markdown"] == "\n".join(table)
+
+
+def test_out_of_memory_inside_a_peer_is_a_row(tmp_path, capsys):
+    args = common.parser("t").parse_args(["--device", "cpu", "--shape", "tiny", "--json", str(tmp_path / "r.json")])
+    common.check_args(args)
+
+    def body(row, host):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+
+    assert common.run_peer("gpu_resident", "cfg", args, body, needs_cuda=False) == 1
+    row = json.loads((tmp_path / "r.json").read_text())
+    assert row["status"] == "out of memory"
+    assert row["error"] == "CUDA out of memory. Tried to allocate 20.00 GiB"
+    assert row["system"] == "gpu_resident" and row["tokens_per_step"] == 8 * 2048
+
+
+FAKE_LAUNCHER = '''
+import json, os, sys
+from slidedp.config import load_job  # the real schema: the harness's job file must pass it
+
+job = load_job(sys.argv[-1])
+if os.environ.get("FAKE_LAUNCHER_OOM"):
+    print("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 1.00 GiB")
+    sys.exit(3)
+job.run_dir.mkdir(parents=True, exist_ok=True)
+with open(f"/dev/shm/slidedp.{job.store_name}.grads", "wb") as f:  # a segment the "launcher" forgets
+    f.write(bytes(4096))
+step_s = [5.0, 2.0, 1.0, 3.0]
+with open(job.run_dir / "metrics.jsonl", "w") as f:
+    f.write(json.dumps({"event": "start", "store": job.store_name}) + "\\n")
+    for step in reversed(range(job.train.steps)):  # order must not matter
+        tokens = job.train.global_batch * job.train.seq_len
+        f.write(json.dumps({"step": step, "step_s": step_s[step], "tokens": tokens,
+                            "tokens_per_s": tokens / step_s[step], "gpu_peak_bytes": (step + 1) << 30,
+                            "host_rss_bytes": 2 << 30, "shm_bytes": 3 << 30, "predicted_step_s": 1.5,
+                            "loss": 6.0}) + "\\n")
+print("trained", job.store_name, job.train.compute_dtype, job.runtime.device, job.memory.gpu_budget_gib,
+      job.train.max_grad_norm, job.checkpoint.final, job.store.persist, job.store.shadow_bf16)
+'''
+
+
+def _slidedp_argv(tmp_path: Path, *extra: str) -> list[str]:
+    return ["--device", "cpu", "--shape", "tiny", "--batch", "2", "--seq", "16", "--steps", "4", "--warmup", "1",
+            "--budget-gib", "12", "--launcher", "fake_launcher", "--workdir", str(tmp_path / "work"),
+            "--json", str(tmp_path / "row.json"), *extra]
+
+
+def test_slidedp_job_file_and_metrics_reduction(tmp_path, monkeypatch):
+    mods = tmp_path / "mods"
+    mods.mkdir()
+    _write_module(mods, "fake_launcher", FAKE_LAUNCHER)
+    monkeypatch.setenv("PYTHONPATH", str(mods))
+    assert slidedp_run.run(_slidedp_argv(tmp_path, "--set", "store.shadow_bf16=true")) == 0
+    row = json.loads((tmp_path / "row.json").read_text())
+    assert row["status"] == "ok", row.get("error")
+    assert row["step_s"] == 2.0  # median of steps 1..3 (3 s, 1 s, 2 s) after one warm-up step
+    assert row["tokens_per_step"] == 32 and row["tokens_per_s"] == 16.0
+    assert row["step_times_s"] == [5.0, 2.0, 1.0, 3.0]
+    assert row["gpu_peak_gib"] == 4.0 and row["metrics_host_rss_gib"] == 2.0 and row["metrics_shm_gib"] == 3.0
+    assert row["host_rss_gib"] > 0  # sampled by the harness over the launcher's process tree
+    assert row["predicted_step_s"] == 1.5
+    store = Path(row["job_file"]).stem
+    assert row["leftover_segments_removed"] == [f"slidedp.{store}.grads"]
+    assert not Path(f"/dev/shm/slidedp.{store}.grads").exists()
+    assert "metrics_missing_keys" not in row
+    assert f"trained {Path(row['job_file']).stem} fp32 cpu 12.0 0.0 False False True" in row["output_tail"]
+    tokens = __import__("numpy").load(tmp_path / "work" / "tokens.npy")
+    assert tokens.shape == (4 * 2 * 16 + 1,) and 0 <= tokens.min() and tokens.max() < named_shape("tiny").vocab_size
+
+
+def test_slidedp_launcher_out_of_memory_is_a_row(tmp_path, monkeypatch):
+    mods = tmp_path / "mods"
+    mods.mkdir()
+    _write_module(mods, "fake_launcher", FAKE_LAUNCHER)
+    monkeypatch.setenv("PYTHONPATH", str(mods))
+    monkeypatch.setenv("FAKE_LAUNCHER_OOM", "1")
+    assert slidedp_run.run(_slidedp_argv(tmp_path)) == 1
+    row = json.loads((tmp_path / "row.json").read_text())
+    assert row["status"] == "out of memory" and row["launcher_exit_code"] == 3
+    assert row["error"] == ("out of memory: the launcher exited with code 3: "
+                            "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 1.00 GiB")
+
+
+@pytest.mark.parametrize("shape", ["tiny", "small"])  # tied (Qwen3) and untied (Llama) heads
+@pytest.mark.parametrize("loss", ["full", "chunked"])
+def test_decoder_lm_is_slidedp_model(shape, loss):
+    """DecoderLM's fp32 loss and gradients equal plain F.cross_entropy over layers.forward_logits."""
+    cfg = named_shape(shape)
+    model = common.DecoderLM(cfg, loss=loss, chunk_tokens=24)  # 60 tokens: three chunks
+    model.init_weights(seed=3)
+    params = dict(model.hf_named_parameters())
+    ref = init_params(cfg, 3)
+    assert list(params) == list(ref)  # same names, same order as the store
+    for name, t in ref.items():
+        assert torch.equal(params[name], t), name  # same init, bit for bit
+
+    ids, targets = common.random_batch(cfg, 3, 20, "cpu", seed=1)
+    assert torch.equal(ids[:, 1:], targets[:, :-1])
+    loss_sum = model(ids, targets)
+    loss_sum.backward()
+
+    leaves = {k: v.clone().requires_grad_() for k, v in ref.items()}
+    logits = layers.forward_logits(cfg, leaves, ids)
+    expected = F.cross_entropy(logits.reshape(-1, cfg.vocab_size), targets.reshape(-1), reduction="sum")
+    expected.backward()
+    assert loss_sum.dtype == torch.float32
+    torch.testing.assert_close(loss_sum, expected, rtol=1e-6, atol=0)
+    for name, leaf in leaves.items():  # float32 rounding, relative to the tensor's largest gradient
+        err = (params[name].grad - leaf.grad).abs().max().item()
+        assert err <= 1e-5 * leaf.grad.abs().max().item(), (name, err)

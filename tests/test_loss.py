@@ -1,0 +1,102 @@
+"""Chunked cross-entropy against plain F.cross_entropy: value and both gradients."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from slidedp.loss import chunked_cross_entropy_sum
+
+
+def _inputs(n: int = 37, h: int = 16, v: int = 50, dtype=torch.float32, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(n, h, generator=g).to(dtype).requires_grad_(True)
+    weight = (0.5 * torch.randn(v, h, generator=g)).to(dtype).requires_grad_(True)
+    targets = torch.randint(0, v, (n,), generator=g)
+    return hidden, weight, targets
+
+
+def _reference(hidden, weight, targets, grad_scale: float = 1.0):
+    h = hidden.detach().float().requires_grad_(True)
+    w = weight.detach().float().requires_grad_(True)
+    loss = F.cross_entropy(h @ w.T, targets, reduction="sum")
+    (loss * grad_scale).backward()
+    return loss.detach(), h.grad, w.grad
+
+
+def _rel(a, b) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 8, 37, 4096])  # 5 and 8 do not divide 37
+def test_matches_cross_entropy_fp32(chunk):
+    hidden, weight, targets = _inputs()
+    ref_loss, ref_gh, ref_gw = _reference(hidden, weight, targets, grad_scale=0.75)
+    loss = chunked_cross_entropy_sum(hidden, weight, targets, chunk_tokens=chunk)
+    assert loss.dtype == torch.float32 and loss.shape == ()
+    (loss * 0.75).backward()  # a non-unit upstream gradient
+    assert abs(loss.item() - ref_loss.item()) <= 1e-6 * abs(ref_loss.item())
+    assert hidden.grad.dtype == weight.grad.dtype == torch.float32
+    assert _rel(hidden.grad, ref_gh) < 1e-6
+    assert _rel(weight.grad, ref_gw) < 1e-6
+
+
+def test_ignore_index_matches_cross_entropy():
+    hidden, weight, targets = _inputs()
+    targets[::3] = -100
+    ref_loss, ref_gh, ref_gw = _reference(hidden, weight, targets)
+    loss = chunked_cross_entropy_sum(hidden, weight, targets, chunk_tokens=6)
+    loss.backward()
+    assert abs(loss.item() - ref_loss.item()) <= 1e-6 * abs(ref_loss.item())
+    assert hidden.grad[::3].eq(0).all()
+    assert _rel(hidden.grad, ref_gh) < 1e-6 and _rel(weight.grad, ref_gw) < 1e-6
+
+
+def test_only_one_input_needs_grad():
+    hidden, weight, targets = _inputs()
+    _, ref_gh, _ = _reference(hidden, weight, targets)
+    chunked_cross_entropy_sum(hidden, weight.detach(), targets, chunk_tokens=7).backward()
+    assert _rel(hidden.grad, ref_gh) < 1e-6
+
+
+def test_bf16_inputs_give_bf16_grads_close_to_fp32():
+    hidden, weight, targets = _inputs(dtype=torch.bfloat16)
+    ref_loss, ref_gh, ref_gw = _reference(hidden, weight, targets)
+    loss = chunked_cross_entropy_sum(hidden, weight, targets, chunk_tokens=8)
+    loss.backward()
+    assert loss.dtype == torch.float32
+    assert hidden.grad.dtype == weight.grad.dtype == torch.bfloat16
+    assert abs(loss.item() - ref_loss.item()) < 2e-2 * abs(ref_loss.item())
+    assert _rel(hidden.grad, ref_gh) < 3e-2 and _rel(weight.grad, ref_gw) < 3e-2
+
+
+def test_never_builds_full_logits():
+    # record the shape of every tensor any aten op produces, forward and backward
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Shapes(TorchDispatchMode):
+        seen: list = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor):
+                    self.seen.append(tuple(t.shape))
+            return out
+
+    hidden, weight, targets = _inputs(n=64, v=50)
+    with Shapes():
+        chunked_cross_entropy_sum(hidden, weight, targets, chunk_tokens=16).backward()
+    assert (16, 50) in Shapes.seen  # chunk logits exist ...
+    assert max(a * b for a, b in (s for s in Shapes.seen if len(s) == 2)) < 64 * 50  # ... the full ones never
+
+
+def test_bad_inputs():
+    hidden, weight, targets = _inputs()
+    with pytest.raises(ValueError, match=r"hidden is torch.float32 but weight is torch.bfloat16"):
+        chunked_cross_entropy_sum(hidden, weight.bfloat16(), targets)
+    with pytest.raises(ValueError, match=r"targets \(36,\) must be \[37\]"):
+        chunked_cross_entropy_sum(hidden, weight, targets[1:])
+    with pytest.raises(ValueError, match="chunk_tokens must be positive, got 0"):
+        chunked_cross_entropy_sum(hidden, weight, targets, chunk_tokens=0)
