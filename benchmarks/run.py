@@ -84,8 +84,9 @@ def run_system(name: str, system: System, args: argparse.Namespace, log_dir: Pat
                                echo=not args.quiet)
     wall = time.monotonic() - t0
     row = _read_row(json_path)
-    if row is None or timed_out:  # it wrote no row, or one from before it was stopped
-        row = {**(row or {}), "status": _failure_status(rc, timed_out, args.timeout), "error": _last_line(tail),
+    if row is None or timed_out:  # it wrote no row, or one from when it was stopped
+        error = row["error"] if timed_out and row and row.get("error") else _last_line(tail)
+        row = {**(row or {}), "status": _failure_status(rc, timed_out, args.timeout), "error": error,
                "output_tail": tail[-4000:]}
     row.setdefault("config", " ".join(system.args))
     row["system"] = name
@@ -108,7 +109,7 @@ def _failure_status(rc: int | None, timed_out: bool, timeout: float) -> str:
 
 
 def _last_line(text: str) -> str:
-    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.startswith("RESULT ")]
     return lines[-1][:500] if lines else "(no output)"
 
 

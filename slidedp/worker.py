@@ -14,6 +14,7 @@ import os
 import signal
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -99,6 +100,21 @@ class WorkerLink:
         return bool(self.go.pop(step).skip)
 
 
+def profiled(fn, trace_path: Path, device: torch.device):
+    """Run one step under torch.profiler; write a Chrome trace and log the top ops."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        out = fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    prof.export_chrome_trace(str(trace_path))
+    key = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
+    log.info("profile written to %s\n%s", trace_path, prof.key_averages().table(sort_by=key, row_limit=25))
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
     job: JobConfig = load_job(args.job)
     rank, world = args.rank, args.world
@@ -134,6 +150,7 @@ def run(args: argparse.Namespace) -> int:
     engine = Engine(cfg, layout, master, device, DTYPES[t.compute_dtype], link,
                     lambda slot, numel: rings.slot(rank, slot, numel), t.global_batch * t.seq_len)
     micro = t.global_batch // world // t.micro_batch
+    profile_step = int(os.environ.get("SLIDEDP_PROFILE_STEP", "-1"))
     stop = {"now": False}
     signal.signal(signal.SIGTERM, lambda s, f: stop.update(now=True))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher owns Ctrl-C and tells us to stop
@@ -151,7 +168,11 @@ def run(args: argparse.Namespace) -> int:
             h2d0 = engine.delivery.h2d_bytes
             seqs = torch.from_numpy(rank_slice(batches.batch(step), rank, world).astype(np.int64))
             seqs = seqs.view(micro, t.micro_batch, t.seq_len + 1)
-            times = engine.run_step(step, seqs[..., :-1], seqs[..., 1:])
+            if step == profile_step:
+                times = profiled(lambda: engine.run_step(step, seqs[..., :-1], seqs[..., 1:]),
+                                 Path(args.job).parent / f"profile-rank{rank}-step{step}.json", device)
+            else:
+                times = engine.run_step(step, seqs[..., :-1], seqs[..., 1:])
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0

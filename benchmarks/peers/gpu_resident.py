@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     common.check_args(args)
     system = "gpu_resident" if args.loss == "full" else "gpu_resident_chunked"
     amp = "bf16 autocast" if args.dtype == "bf16" else "fp32 compute"
-    config = f"{common.batch_text(args)}, fp32 on GPU, {amp}, GPU fused AdamW, {args.loss} CE"
+    config = f"{common.batch_text(args)}, fp32 on {args.device.upper()}, {amp}, fused AdamW, {args.loss} CE"
     return common.run_peer(system, config, args, lambda row, host: measure(args, row, host), needs_cuda=False)
 
 

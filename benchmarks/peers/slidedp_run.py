@@ -135,12 +135,12 @@ def reduce_metrics(records: list[dict[str, Any]], warmup: int, row: dict[str, An
         row["metrics_missing_keys"] = missing
 
 
-def run_launcher(cmd: list[str], cwd: Path, env: dict[str, str], timeout: float, log_path: Path) -> tuple[int | None, str]:
-    """Run the launcher in its own process group, echo and log its output.
+def run_launcher(cmd: list[str], cwd: Path, env: dict[str, str], timeout: float, log_path: Path,
+                 tail: collections.deque[str]) -> tuple[int | None, str]:
+    """Run the launcher in its own process group, echo and log its output (last lines kept in `tail`).
 
     Returns (exit code, or None when it ran past `timeout`; the last lines of its output).
     """
-    tail: collections.deque[str] = collections.deque(maxlen=60)
     proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             errors="replace", start_new_session=True)
     timed_out = threading.Event()
@@ -209,8 +209,12 @@ def measure(args: argparse.Namespace, row: dict[str, Any], host: common.HostMemo
     cmd = [sys.executable, "-m", args.launcher, *args.launch_arg, str(job_path)]
     row["command"] = " ".join(cmd)
     common.log(f"running {row['command']} (in {work})")
+    lines: collections.deque[str] = collections.deque(maxlen=60)
     try:
-        rc, tail = run_launcher(cmd, work, env, args.timeout, work / "launcher.log")
+        rc, tail = run_launcher(cmd, work, env, args.timeout, work / "launcher.log", lines)
+    except Terminated:
+        row["output_tail"] = "".join(lines)
+        raise Terminated(f"stopped by SIGTERM; the launcher's last output: {common.last_line(''.join(lines))}") from None
     finally:  # a store that outlived its job would hold host RAM through the next systems' runs
         leftovers = remove_leftover_segments(name)
         if leftovers:

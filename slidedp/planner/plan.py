@@ -329,6 +329,10 @@ def _period(tasks: list[_Task], depth: int, updaters: int, clip: bool) -> float:
 
 def predict_step(work: Workload, choices: Choices, calib: Calibration) -> tuple[dict[str, float], float, float]:
     """The model: (busy seconds per resource per step, exposed seconds, predicted step seconds)."""
+    if not 0 <= choices.resident_layers <= work.model.num_layers:
+        raise ValueError(f"resident_layers must be between 0 and {work.model.num_layers}, got {choices.resident_layers}")
+    if choices.micro_batch is not None and work.local_batch % choices.micro_batch:
+        raise ValueError(f"micro_batch ({choices.micro_batch}) must divide the sequences per rank ({work.local_batch})")
     tasks = _tasks(work, choices, calib)
     jobs = [j for t in tasks for j in t.jobs]
     busy = {
