@@ -25,7 +25,8 @@ import zmq
 from slidedp import daemonlock
 from slidedp import log as slog
 from slidedp.jobrecord import JobRecord
-from slidedp.protocol import (ROLE_LAUNCHER, ROLE_UPDATER, ROLE_WORKER, SOURCE_NONE, SOURCE_RANK_SLOT, SOURCE_REDUCE,
+from slidedp.protocol import (ROLE_LAUNCHER, ROLE_UPDATER, ROLE_WORKER, SLOT_DEVICE, SOURCE_NONE, SOURCE_RANK_SLOT,
+                              SOURCE_REDUCE,
                               Ack, Credit, Fault, Go, Grad, Hello, JobEnd, JobStart, Loss, Message, Norm, Ready,
                               StepDone, Update, Updated)
 from slidedp.sdnotify import Watchdog, notify
@@ -57,6 +58,8 @@ class _Step:
     sqnorm: float = 0.0
     reduced: int = 0
     updated: int = 0
+    update_s: float = 0.0
+    reduce_s: float = 0.0
     t0: float = field(default_factory=time.perf_counter)
 
 
@@ -74,7 +77,7 @@ class AggregatorCore:
         self.steps: dict[int, _Step] = {}
         self.workers: set[bytes] = set()
         self.launcher: bytes | None = None
-        self.reduce_s = 0.0
+        self.device_chunks: frozenset[int] = frozenset()
 
     # ---- job -----------------------------------------------------------------------------
     def start_job(self, job: JobRecord, updaters: int) -> None:
@@ -88,11 +91,11 @@ class AggregatorCore:
         self.job = job
         self.updaters = [identity("u", i) for i in range(updaters)]
         self.owner = assign_updaters(self.store.layout, updaters)
+        self.device_chunks = frozenset(job.device_chunks)
         self.free_reduce = [] if self.rings.full_reduce else list(range(self.rings.reduce_slots))
         self.arrivals.clear()
         self.waiting.clear()
         self.steps.clear()
-        self.reduce_s = 0.0
 
     def end_job(self) -> None:
         if self.rings is not None:
@@ -131,7 +134,10 @@ class AggregatorCore:
             log.warning("step %d: non-finite loss on a rank; skipping the step everywhere", msg.step)
             assert self.store is not None
             for c in self.store.layout.chunks:
-                out += self._to_owner(c.id, Update(c.id, msg.step, SOURCE_NONE, 0, 0))
+                if c.id in self.device_chunks:  # the workers skip their own update
+                    out += self._chunk_updated(msg.step, 0.0)
+                else:
+                    out += self._to_owner(c.id, Update(c.id, msg.step, SOURCE_NONE, 0, 0))
         return out
 
     def on_grad(self, msg: Grad) -> Outbox:
@@ -141,10 +147,15 @@ class AggregatorCore:
         arrived = self.arrivals.setdefault(key, [])
         if any(g.rank == msg.rank for g in arrived):
             raise ValueError(f"duplicate Grad from rank {msg.rank} for chunk {msg.chunk} step {msg.step}")
+        if (msg.slot == SLOT_DEVICE) != (msg.chunk in self.device_chunks):
+            raise ValueError(f"Grad for chunk {msg.chunk} with slot {msg.slot}: the chunk is "
+                             f"{'held on the devices' if msg.chunk in self.device_chunks else 'a host chunk'}")
         arrived.append(msg)
         if len(arrived) < self.world:
             return []
         del self.arrivals[key]
+        if msg.slot == SLOT_DEVICE:  # reduced and updated on the devices; only the norm comes here
+            return self._reduced(msg.step, sum(g.sqnorm for g in arrived)) + self._chunk_updated(msg.step, 0.0)
         return self._reduce(msg.chunk, msg.step, sorted(arrived, key=lambda g: g.rank))
 
     def _reduce(self, chunk_id: int, step: int, grads: list[Grad]) -> Outbox:
@@ -170,14 +181,23 @@ class AggregatorCore:
                 for s in srcs[2:]:
                     dst.add_(s)
                 sq = float(torch.dot(dst, dst))
-            self.reduce_s += time.perf_counter() - t0
+            st.reduce_s += time.perf_counter() - t0
             out = [(identity("w", g.rank), Credit(g.rank, g.slot)) for g in grads]
             out += self._to_owner(chunk_id, Update(chunk_id, step, SOURCE_REDUCE, 0, j))
+        return out + self._reduced(step, sq)
+
+    def _reduced(self, step: int, sq: float) -> Outbox:
+        """A chunk's summed gradient is complete: add its norm; with clipping, release the step's updates."""
+        assert self.store is not None and self.job is not None
+        st = self._step(step)
         st.sqnorm += sq
         st.reduced += 1
-        if st.reduced == len(self.store.layout.chunks) and self.job.clip:
-            norm = math.sqrt(st.sqnorm)
-            out += [(u, Norm(step, norm)) for u in self.updaters]
+        if st.reduced < len(self.store.layout.chunks) or not self.job.clip:
+            return []
+        norm = Norm(step, math.sqrt(st.sqnorm))
+        out = [(u, norm) for u in self.updaters]
+        if self.device_chunks:
+            out += self._to_workers(norm)
         return out
 
     def on_updated(self, msg: Updated) -> Outbox:
@@ -190,15 +210,22 @@ class AggregatorCore:
             self.free_reduce.append(msg.slot)
             if self.waiting:
                 out += self._reduce(*self.waiting.popleft())
-        st = self._step(msg.step)
+        return out + self._chunk_updated(msg.step, msg.busy_s)
+
+    def _chunk_updated(self, step: int, busy_s: float) -> Outbox:
+        """One more chunk of `step` holds its new weights; the last one commits the step."""
+        assert self.store is not None
+        st = self._step(step)
         st.updated += 1
-        if st.updated == len(self.store.layout.chunks):
-            self.store.manifest.set_committed_step(msg.step + 1)
-            del self.steps[msg.step]
-            if self.launcher is not None:
-                out.append((self.launcher, StepDone(msg.step, st.loss, math.sqrt(st.sqnorm) if not st.skipped else math.nan,
-                                                    int(st.skipped), self.reduce_s)))
-        return out
+        st.update_s += busy_s
+        if st.updated < len(self.store.layout.chunks):
+            return []
+        self.store.manifest.set_committed_step(step + 1)
+        del self.steps[step]
+        if self.launcher is None:
+            return []
+        norm = math.sqrt(st.sqnorm) if not st.skipped else math.nan
+        return [(self.launcher, StepDone(step, st.loss, norm, int(st.skipped), st.update_s, st.reduce_s))]
 
 
 class _Stop:

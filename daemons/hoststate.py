@@ -179,7 +179,7 @@ class HostStateCore:
 
     def do_checkpoint(self, args: dict[str, Any]) -> dict[str, Any]:
         store = self._need_store()
-        torn = store.manifest.torn_reason()
+        torn = store.manifest.torn_reason(allow_leased=True)
         if torn:
             raise RequestError(f"checkpoint refused: store {self.name!r} is torn ({torn})")
         dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.get("dtype", "bf16")]

@@ -23,6 +23,7 @@ from slidedp.protocol import (ROLE_UPDATER, SOURCE_NONE, SOURCE_RANK_SLOT, Ack, 
                               Updated)
 from slidedp.schedule import lr_at
 from slidedp.store.layout import Chunk
+from slidedp.store.manifest import UPDATING
 from slidedp.store.rings import GradRings
 from slidedp.store.store import HostStore, member_view
 from slidedp.transport import connect_dealer, identity, recv_dealer, send
@@ -77,7 +78,8 @@ class UpdaterCore:
         self.coef[msg.step] = clip_coefficient(msg.grad_norm, float(self.job.train["max_grad_norm"]))
         for old in [s for s in self.coef if s < msg.step - 4]:
             del self.coef[old]
-        return [self.apply(m) for m in self.pending.pop(msg.step, [])]
+        # Forward order (embedding, layer 0, ...): the next forward can start while later chunks update.
+        return [self.apply(m) for m in sorted(self.pending.pop(msg.step, []), key=lambda u: u.chunk)]
 
     def _grad(self, msg: Update, chunk: Chunk) -> torch.Tensor:
         assert self.rings is not None
@@ -96,15 +98,16 @@ class UpdaterCore:
             raise RuntimeError(f"chunk {chunk.id} is at version {m.versions[chunk.id]}, update is for step {msg.step}")
         t0 = time.perf_counter()
         if msg.source != SOURCE_NONE:
-            m.updating[chunk.id] = 1
+            m.updating[chunk.id] = UPDATING
             self._adamw(chunk, self._grad(msg, chunk), msg.step)
             m.adam_steps[chunk.id] += 1
             if store.has_shadow:
                 store.refresh_shadow(chunk)
             m.updating[chunk.id] = 0
         m.versions[chunk.id] = msg.step + 1  # last: a reader that sees the version sees the weights
-        self.busy_s += time.perf_counter() - t0
-        return Updated(chunk.id, msg.step, msg.source, msg.rank, msg.slot, self.index)
+        busy = time.perf_counter() - t0
+        self.busy_s += busy
+        return Updated(chunk.id, msg.step, msg.source, msg.rank, msg.slot, self.index, busy)
 
     def _adamw(self, chunk: Chunk, grad_flat: torch.Tensor, step: int) -> None:
         store, job = self.store, self.job

@@ -16,6 +16,7 @@ from slidedp import log as slog
 from slidedp.config import ConfigError, load_job
 
 from .jobrun import run_job
+from .planning import plan_job
 from .progress import Progress
 
 
@@ -28,6 +29,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--store", help="attach to this store (sets store.name)")
     p.add_argument("--resume", help="'latest' or a checkpoint path (sets checkpoint.resume)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a job-file value")
+    p.add_argument("--plan", action="store_true", help="print the plan (chunking, memory, predicted step time) and exit")
     return p.parse_args(argv)
 
 
@@ -46,6 +48,22 @@ def overrides(args: argparse.Namespace) -> list[str]:
     return out
 
 
+def print_plan(job) -> int:
+    from slidedp.planner import PlanError
+
+    try:
+        run_plan = plan_job(job)
+    except (PlanError, RuntimeError) as e:
+        print(f"slidedp-launch: no plan: {e}", file=sys.stderr)
+        return 1
+    if run_plan.plan is None:
+        print(f"CPU run: no GPU plan; resident_layers={run_plan.resident_layers}, embedding={run_plan.embedding}, "
+              f"micro_batch={run_plan.micro_batch}")
+    else:
+        print(run_plan.plan.describe())
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     slog.setup("launcher")
@@ -54,6 +72,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"slidedp-launch: error: {e}", file=sys.stderr)
         return 2
+    if args.plan:
+        return print_plan(job)
     progress = Progress(job.store_name, job.train.global_batch * job.train.seq_len)
     return run_job(job, Path(args.job), progress)
 

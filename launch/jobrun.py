@@ -14,6 +14,7 @@ import logging
 import math
 import os
 import signal
+import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -34,6 +35,7 @@ from slidedp.store.layout import make_layout
 from slidedp.transport import bind_router, connect_dealer, identity, recv_dealer, recv_router, send
 
 from . import children
+from .planning import plan_job
 from .progress import Progress
 
 log = logging.getLogger("slidedp.launcher")
@@ -41,6 +43,13 @@ log = logging.getLogger("slidedp.launcher")
 
 class JobFailed(RuntimeError):
     pass
+
+
+def cuda_device_count() -> int:
+    """GPUs visible to the workers, asked of a subprocess so the launcher holds no CUDA context."""
+    out = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.device_count())"],
+                         capture_output=True, text=True, timeout=120)
+    return int(out.stdout.strip() or 0) if out.returncode == 0 else 0
 
 
 @dataclass
@@ -108,8 +117,15 @@ class JobRun:
                 f"set store.name to another store, or destroy it with `slidedp-store destroy {self.store}`"
             )
         self._maybe_resume(status)
+        self.plan = plan_job(job)
+        if self.plan.plan is not None:
+            log.info("plan: %s", self.plan.plan.describe().replace("\n", "\n    "))
+        device_chunks = ()
+        if self.plan.embedding == "device":
+            held = ["embed"] + ([] if cfg.tie_word_embeddings else ["head"])
+            device_chunks = tuple(c.id for c in self.layout.chunks if c.kind in held)
         record = JobRecord(job=job.run.name, store=self.store, world=self.world, train=job_to_dict(job)["train"],
-                           layout_hash=self.layout.hash(), grad_slots=job.store.grad_slots)
+                           layout_hash=self.layout.hash(), grad_slots=job.store.grad_slots, device_chunks=device_chunks)
         att = call(self.store, "attach", timeout_s=self.timeout, job=job.run.name, pid=os.getpid(),
                    layout_hash=self.layout.hash(), model_desc=f"{cfg.family}, {cfg.num_parameters():,} parameters",
                    world=self.world, grad_slots=job.store.grad_slots, full_reduce=record.full_reduce,
@@ -158,19 +174,24 @@ class JobRun:
     def spawn_workers(self, start: int, end: int) -> None:
         job = self.job
         device = job.runtime.device
+        count = 0
+        if device == "cuda":
+            count = cuda_device_count()
+            if count == 0:
+                raise JobFailed("runtime.device = \"cuda\" but no CUDA device is visible")
+        plan = self.plan
+        dist_file = self.run_dir / f".dist-{os.getpid()}-{time.monotonic_ns()}"
         for rank in range(self.world):
-            dev = "cpu"
-            if device == "cuda":
-                import torch
-
-                count = torch.cuda.device_count()
-                if count == 0:
-                    raise JobFailed("runtime.device = \"cuda\" but no CUDA device is visible")
-                dev = f"cuda:{rank % count}"
+            dev = f"cuda:{rank % count}" if device == "cuda" else "cpu"
             argv = [sys.executable, "-m", "slidedp.worker", "--store", self.store, "--rank", str(rank), "--world",
                     str(self.world), "--job", str(self.run_dir / "job.resolved.toml"), "--start", str(start), "--end",
                     str(end), "--device", dev, "--tokens", str(self.tokens_path),
-                    "--checkpoint-every", str(job.checkpoint.every)]
+                    "--checkpoint-every", str(job.checkpoint.every), "--resident-layers", str(plan.resident_layers),
+                    "--prefetch", str(plan.prefetch_depth), "--loss-chunk-tokens", str(plan.loss_chunk_tokens),
+                    "--embedding", plan.embedding, "--dist-file", str(dist_file), "--micro-batch", str(plan.micro_batch),
+                    "--gpu-budget-gib", str(job.memory.gpu_budget_gib)]
+            if device == "cuda" and self.world > count:
+                argv.append("--shared-device")
             self.workers.append(children.spawn(f"worker rank {rank}", argv))
 
     def follow(self, start: int, end: int, progress: Progress) -> int:
@@ -218,6 +239,17 @@ class JobRun:
             if time.monotonic() - last_activity > self.timeout * 3 and not any(w.alive() for w in self.workers):
                 raise JobFailed(f"the workers exited but step {committed} was never committed")
         return committed
+
+    def wait_workers(self) -> None:
+        """Workers write device-held state back as they finish: wait for them before the last checkpoint."""
+        deadline = time.monotonic() + self.timeout
+        for w in self.workers:
+            try:
+                w.proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                raise JobFailed(f"{w.name} did not exit within {self.timeout:.0f} s after the last step") from None
+            if w.proc.returncode != 0:
+                raise JobFailed(f"{w.describe_exit()} after the last step")
 
     def _workers_gone(self) -> bool:
         return all(not w.alive() for w in self.workers)
@@ -294,12 +326,14 @@ def run_job(job: JobConfig, job_path: Path, progress: Progress) -> int:
         start, end = run.prepare()
         log.info("ready in %.2f s: store %s at step %d; training steps %d..%d on %d %s worker(s)",
                  time.perf_counter() - t0, run.store, start, start, end - 1, run.world, job.runtime.device)
+        progress.predicted_step_s = run.plan.predicted_step_s
         progress.begin(start, end, run.run_dir)
         if start >= end:
             log.info("the store is already at step %d >= train.steps = %d: nothing to train", start, end)
         else:
             run.spawn_workers(start, end)
             committed = run.follow(start, end, progress)
+            run.wait_workers()
             if job.checkpoint.final or run.stop_requested:
                 if job.checkpoint.every or job.checkpoint.final:
                     run.checkpoint(committed)

@@ -22,6 +22,7 @@ class Progress:
         self.metrics = None
         self.t_last = time.perf_counter()
         self.start = self.end_step = 0
+        self.predicted_step_s: float | None = None
 
     def begin(self, start: int, end: int, run_dir: Path) -> None:
         self.start, self.end_step = start, end
@@ -38,16 +39,19 @@ class Progress:
             "step": step, "loss": done.loss, "lr": lr,
             "grad_norm": done.grad_norm if math.isfinite(done.grad_norm) else None,
             "skipped": bool(done.skipped), "tokens": self.tokens_per_step,
-            "step_s": step_s, "worker_step_s": worker_step,
+            "step_s": step_s, "worker_step_s": worker_step, "predicted_step_s": self.predicted_step_s,
             "tokens_per_s": self.tokens_per_step / step_s if step_s > 0 else None,
             "forward_s": max((s.forward_s for s in stats.values()), default=None),
             "backward_s": max((s.backward_s for s in stats.values()), default=None),
-            "wait_s": max((s.wait_s for s in stats.values()), default=None),
-            "h2d_bytes": sum(s.h2d_s for s in stats.values()),
+            "wait_version_s": max((s.wait_version_s for s in stats.values()), default=None),
+            "wait_slot_s": max((s.wait_slot_s for s in stats.values()), default=None),
+            "wait_loss_s": max((s.wait_loss_s for s in stats.values()), default=None),
+            "h2d_bytes": sum(s.h2d_bytes for s in stats.values()),
             "gpu_peak_bytes": max((s.gpu_peak_bytes for s in stats.values()), default=0),
             "host_rss_bytes": psutil.Process().memory_info().rss,
             "shm_bytes": shm,
-            "reduce_s": done.update_s,
+            "update_busy_s": done.update_s,
+            "reduce_busy_s": done.reduce_s,
         }
         if self.metrics is not None:
             self.metrics.write(json.dumps(record) + "\n")

@@ -192,9 +192,13 @@ class TrainSection(_Section):
 class MemorySection(_Section):
     _name: ClassVar[str] = "memory"
     gpu_budget_gib: float = 24.0
+    embedding: str = "auto"  # "auto" (the plan decides), "host", or "device" (embedding/head held on the GPUs)
+    resident_layers: int = -1  # layers kept on the GPU from forward to backward; -1: the plan decides
 
     def validate(self) -> None:
         self._range("gpu_budget_gib", 0, lo_open=True)
+        self._choice("embedding", ("auto", "host", "device"))
+        self._range("resident_layers", -1)
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ from typing import Protocol
 import torch
 
 from .delivery import GradOut, ParamDelivery, Unit, accumulate, unit_tensors
+from .device_state import DeviceResident
 from .loss import chunked_cross_entropy_sum
 from .model import layers as L
 from .model.config import ModelConfig
@@ -31,7 +32,9 @@ class Link(Protocol):
     def wait_ready(self, unit: Unit, step: int) -> None: ...
     def acquire_slot(self) -> int: ...
     def grad_landed(self, chunk: Chunk, slot: int, sqnorm: float, step: int) -> None: ...
+    def device_grad(self, chunk: Chunk, sqnorm: float, step: int) -> None: ...  # a device-held chunk's norm
     def agree_loss(self, step: int, loss_sum: float, tokens: int, finite: bool) -> bool: ...  # True: skip the step
+    def wait_norm(self, step: int) -> float: ...  # the step's global gradient norm (exact clipping)
 
 
 @dataclass
@@ -52,19 +55,30 @@ def units_of(layout: Layout) -> dict[str, Unit]:
     return units
 
 
+@dataclass(frozen=True)
+class EnginePolicy:
+    """The planner's choices that the engine carries out."""
+
+    resident_layers: int = 0  # last layers kept on the device from forward to backward (no re-fetch)
+    prefetch_depth: int = 1
+    loss_chunk_tokens: int = 4096
+    max_grad_norm: float = 0.0  # > 0: device-held chunks wait for the global norm before updating
+
+
 class Engine:
     def __init__(self, cfg: ModelConfig, layout: Layout, master: torch.Tensor, device: torch.device,
-                 dtype: torch.dtype, link: Link, slot_view, global_tokens: int, prefetch_depth: int = 1,
-                 ce_chunk_tokens: int = 4096) -> None:
+                 dtype: torch.dtype, link: Link, slot_view, global_tokens: int, policy: EnginePolicy = EnginePolicy(),
+                 held: dict[str, DeviceResident] | None = None) -> None:
         self.cfg, self.layout, self.master = cfg, layout, master
-        self.device, self.dtype, self.link = device, dtype, link
+        self.device, self.dtype, self.link, self.policy = device, dtype, link, policy
         self.units = units_of(layout)
-        self.delivery = ParamDelivery(master, device, dtype, prefetch_depth, link.wait_ready,
+        self.held = held or {}  # unit name -> its device-held state ("embed", and "head" when untied)
+        self.delivery = ParamDelivery(master, device, dtype, policy.prefetch_depth, link.wait_ready,
                                       max(u.numel for u in self.units.values()))
         self.grads = GradOut(device, slot_view)
         self.scale = 1.0 / global_tokens  # loss = sum of token losses / global token count
-        self.ce_chunk = ce_chunk_tokens
         self._rope: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._resident: dict[int, torch.Tensor] = {}
 
     # ---- helpers ---------------------------------------------------------------------------
     def rope(self, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,17 +86,32 @@ class Engine:
             self._rope[seq_len] = L.rope_tables(self.cfg, seq_len, self.device, self.dtype)
         return self._rope[seq_len]
 
-    def _layer_params(self, layer: int, step: int, grad: bool) -> dict[str, torch.Tensor]:
+    def _is_resident(self, layer: int) -> bool:
+        return layer >= self.cfg.num_layers - self.policy.resident_layers
+
+    def _layer_params(self, layer: int, step: int, backward: bool) -> dict[str, torch.Tensor]:
         unit = self.units[f"layer.{layer}"]
-        flat = self.delivery.fetch(unit, step)
-        if layer + 1 < self.cfg.num_layers and not grad:
-            self.delivery.prefetch(self.units[f"layer.{layer + 1}"], step)
-        elif grad and layer > 0:
-            self.delivery.prefetch(self.units[f"layer.{layer - 1}"], step)
+        if backward and layer in self._resident:
+            flat = self._resident.pop(layer)
+        else:
+            flat = self.delivery.fetch(unit, step)
+            if not backward and self._is_resident(layer):
+                self._resident[layer] = flat
+        nxt = layer - 1 if backward else layer + 1
+        if 0 <= nxt < self.cfg.num_layers and not (backward and nxt in self._resident):
+            self.delivery.prefetch(self.units[f"layer.{nxt}"], step)
         params = unit_tensors(flat, unit, strip=f"model.layers.{layer}.")
-        if grad:
+        if backward:
             params = {k: v.detach().requires_grad_(True) for k, v in params.items()}
         return params
+
+    def _weight(self, name: str, step: int) -> torch.Tensor:
+        """The full embedding or head matrix in the compute dtype: held on the device, or fetched."""
+        unit = self.units[name]
+        tensor = "model.embed_tokens.weight" if name == "embed" else self.cfg.head_name
+        if name in self.held:
+            return self.held[name].tensors()[tensor]
+        return unit_tensors(self.delivery.fetch(unit, step), unit)[tensor]
 
     def _send(self, chunk: Chunk, grad: torch.Tensor, step: int) -> None:
         for landed in self.grads.landed():
@@ -104,12 +133,12 @@ class Engine:
         ids_dev = ids.to(self.device)
         targets_dev = targets.to(self.device)
         tied = cfg.tie_word_embeddings
+        embed_held = "embed" in self.held
 
         # ---- forward ------------------------------------------------------------------------
         with torch.no_grad():
-            if tied:  # the matrix is needed whole for the head anyway: fetch once, gather on the device
-                embed_flat = self.delivery.fetch(self.units["embed"], step)
-                embed_w = unit_tensors(embed_flat, self.units["embed"])["model.embed_tokens.weight"]
+            if tied or embed_held:  # the matrix is on the device (held, or fetched whole for the head)
+                embed_w = self._weight("embed", step)
                 xs = [L.embed(embed_w, ids_dev[i]) for i in range(M)]
             else:  # gather only the batch's rows from the host copy
                 self.link.wait_ready(self.units["embed"], step)
@@ -118,32 +147,35 @@ class Engine:
             self.delivery.prefetch(self.units["layer.0"], step)
             saved: list[list[torch.Tensor]] = []
             for layer in range(cfg.num_layers):
-                p = self._layer_params(layer, step, grad=False)
+                p = self._layer_params(layer, step, backward=False)
                 saved.append(xs)
                 xs = [L.decoder_layer(cfg, p, x, rope) for x in xs]
                 del p
             self.delivery.prefetch(self.units["norm"], step)
-            if not tied:
+            if not tied and "head" not in self.held:
                 self.delivery.prefetch(self.units["head"], step)
 
         # ---- loss and its backward -------------------------------------------------------------
         norm_unit, head_unit = self.units["norm"], self.units["head"]
         norm_w = unit_tensors(self.delivery.fetch(norm_unit, step), norm_unit)["model.norm.weight"].detach().requires_grad_(True)
-        head_w = (embed_w if tied else unit_tensors(self.delivery.fetch(head_unit, step), head_unit)[cfg.head_name])
-        head_w = head_w.detach().requires_grad_(True)
-        self.delivery.prefetch(self.units[f"layer.{cfg.num_layers - 1}"], step)
+        head_w = (embed_w if tied else self._weight("head", step)).detach().requires_grad_(True)
+        last = cfg.num_layers - 1
+        if last not in self._resident:
+            self.delivery.prefetch(self.units[f"layer.{last}"], step)
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         norm_grad = torch.zeros(norm_unit.numel, dtype=torch.float32, device=self.device)
-        head_grad = torch.zeros((cfg.vocab_size, H), dtype=torch.float32, device=self.device)
+        head_grad = torch.zeros(head_unit.numel, dtype=torch.float32, device=self.device)
+        head_grad_2d = head_grad[:cfg.vocab_size * H].view(cfg.vocab_size, H)
         grads_out: list[torch.Tensor] = []
         for i, x in enumerate(xs):
             x = x.detach().requires_grad_(True)
             h = L.final_norm(cfg, norm_w, x)
-            loss = chunked_cross_entropy_sum(h.reshape(-1, H), head_w, targets_dev[i].reshape(-1), self.ce_chunk)
+            loss = chunked_cross_entropy_sum(h.reshape(-1, H), head_w, targets_dev[i].reshape(-1),
+                                             self.policy.loss_chunk_tokens)
             gx, gn, gh = torch.autograd.grad(loss * self.scale, [x, norm_w, head_w])
             loss_sum += loss.detach()
             norm_grad[:H] += gn
-            head_grad += gh
+            head_grad_2d += gh
             grads_out.append(gx)
         del xs, head_w, norm_w
         times.forward_s = time.perf_counter() - t0
@@ -152,17 +184,22 @@ class Engine:
         finite = bool(torch.isfinite(loss_sum))
         if self.link.agree_loss(step, loss_value, times.tokens, finite):
             times.skipped = True
+            self._resident.clear()
             return times
         t1 = time.perf_counter()
         self._send(norm_unit.chunks[0], norm_grad, step)
+        held_grads: dict[str, torch.Tensor] = {}
         if not tied:
-            self._send_rows(head_unit, head_grad, step)
-            del head_grad
+            if "head" in self.held:
+                held_grads["head"] = head_grad
+            else:
+                self._send_rows(head_unit, head_grad, step)
+                del head_grad, head_grad_2d
 
         # ---- backward, layer by layer in reverse -------------------------------------------------
         for layer in reversed(range(cfg.num_layers)):
             chunk = self.units[f"layer.{layer}"].chunks[0]
-            p = self._layer_params(layer, step, grad=True)
+            p = self._layer_params(layer, step, backward=True)
             leaves = list(p.values())
             acc = torch.zeros(chunk.numel, dtype=torch.float32, device=self.device)
             for i in range(M):
@@ -177,25 +214,41 @@ class Engine:
             del acc
 
         # ---- embedding: scatter the input gradients into rows (tied: onto the head's gradient) ----
-        embed_grad = head_grad if tied else torch.zeros((cfg.vocab_size, H), dtype=torch.float32, device=self.device)
+        embed_unit = self.units["embed"]
+        embed_grad = head_grad if tied else torch.zeros(embed_unit.numel, dtype=torch.float32, device=self.device)
+        embed_grad_2d = embed_grad[:cfg.vocab_size * H].view(cfg.vocab_size, H)
         for i in range(M):
-            embed_grad.index_add_(0, ids_dev[i].reshape(-1), grads_out[i].reshape(-1, H).to(torch.float32))
+            embed_grad_2d.index_add_(0, ids_dev[i].reshape(-1), grads_out[i].reshape(-1, H).to(torch.float32))
         del grads_out
-        self._send_rows(self.units["embed"], embed_grad, step)
-        del embed_grad
+        if embed_held:
+            held_grads["embed"] = embed_grad
+        else:
+            self._send_rows(embed_unit, embed_grad, step)
+        del embed_grad, embed_grad_2d
+        self._update_held(held_grads, step)
         self._flush(step, block=True)
         times.backward_s = time.perf_counter() - t1
         return times
 
+    def _update_held(self, grads: dict[str, torch.Tensor], step: int) -> None:
+        """Reduce the device-held units' gradients among ranks, report their norms, update them on the device."""
+        if not grads:
+            return
+        for name, g in grads.items():
+            sq = self.held[name].reduce(g)  # of the summed gradient: every rank has it; rank 0 reports it
+            first = self.units[name].chunks[0]
+            for c in self.units[name].chunks:  # one chunk carries the unit's norm, the others 0
+                self.link.device_grad(c, sq if c is first and self.held[name].rank == 0 else 0.0, step)
+        coef = None
+        if self.policy.max_grad_norm > 0:
+            self._flush(step, block=True)  # the global norm needs every host gradient out
+            norm = self.link.wait_norm(step)
+            coef = min(1.0, self.policy.max_grad_norm / (norm + 1e-6))
+        for name, g in grads.items():
+            self.held[name].update(g, step, coef)
+
     def _send_rows(self, unit: Unit, full_grad: torch.Tensor, step: int) -> None:
-        """Send a [V, H] gradient as its row-block chunks (one contiguous flat range each)."""
-        flat = full_grad.reshape(-1)
+        """Send a unit's flat gradient as its row-block chunks (one contiguous range each)."""
         for c in unit.chunks:
-            m = c.members[0]
-            start = m.row_start * full_grad.shape[1]
-            piece = flat[start:start + m.numel]
-            if c.numel != m.numel:  # alignment padding at the end of the block
-                padded = torch.zeros(c.numel, dtype=torch.float32, device=self.device)
-                padded[:m.numel] = piece
-                piece = padded
-            self._send(c, piece, step)
+            start = c.offset - unit.offset
+            self._send(c, full_grad[start:start + c.numel], step)

@@ -23,8 +23,10 @@ class JobRecord:
     grad_slots: int = 3
     reduce_slots: int = 3
     updaters: int = 0  # processes the aggregator must hear from before the job starts (0: those connected)
+    device_chunks: tuple[int, ...] = ()  # chunks the workers hold on their devices (their AdamW runs there)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "device_chunks", tuple(self.device_chunks))
         if self.world < 1:
             raise ValueError(f"job record: world must be >= 1, got {self.world}")
         TrainSection(**self.train)  # validates

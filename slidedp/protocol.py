@@ -112,6 +112,9 @@ class Hello(Message):
     pid: int
 
 
+SLOT_DEVICE = 2**31 - 1  # Grad.slot of a chunk held on the device: only its norm travels
+
+
 @message(2, "iiqid")
 class Grad(Message):
     """Worker -> aggregator: chunk `chunk` of step `step` is in my gradient slot `slot`."""
@@ -184,7 +187,7 @@ class Control(Message):
     step: int
 
 
-@message(10, "iqBiii")
+@message(10, "iqBiiid")
 class Updated(Message):
     """Updater -> aggregator: chunk updated (or skipped) for `step`; its gradient source is free."""
     chunk: int
@@ -193,16 +196,18 @@ class Updated(Message):
     rank: int
     slot: int
     updater: int
+    busy_s: float  # time spent on this chunk's AdamW
 
 
-@message(11, "qddBd")
+@message(11, "qddBdd")
 class StepDone(Message):
     """Aggregator -> launcher: every chunk of `step` is updated; the step is committed."""
     step: int
     loss: float
     grad_norm: float
     skipped: int
-    update_s: float  # summed updater busy time of the step
+    update_s: float  # summed updater busy time of the step's chunks
+    reduce_s: float  # aggregator busy time summing the step's gradients
 
 
 @message(13, "B")
@@ -234,7 +239,7 @@ class Fault(Message):
     text: str
 
 
-@message(17, "iqdddddq")
+@message(17, "iqddddddqq")
 class WorkerStats(Message):
     """Worker -> launcher after each step: where its time went."""
     rank: int
@@ -242,8 +247,10 @@ class WorkerStats(Message):
     step_s: float
     forward_s: float
     backward_s: float
-    wait_s: float  # blocked on versions, slots or the loss agreement
-    h2d_s: float
+    wait_version_s: float  # blocked until a chunk reached the step's version (updates behind)
+    wait_slot_s: float  # blocked for a free gradient slot (aggregator/updaters behind)
+    wait_loss_s: float  # blocked on the other ranks' loss
+    h2d_bytes: int
     gpu_peak_bytes: int
 
 

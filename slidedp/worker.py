@@ -18,15 +18,18 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import zmq
 
 from . import log as slog
 from .config import JobConfig, load_job, model_config
 from .data import Batches, TokenStream, open_batches, rank_slice
 from .delivery import Unit
-from .engine import Engine
+from .device_state import DeviceResident
+from .engine import Engine, EnginePolicy, units_of
 from .hostmem import Registration
-from .protocol import (CONTROL_STOP, ROLE_WORKER, Control, Credit, Go, Grad, Hello, Loss, Ready, WorkerStats)
+from .protocol import (CONTROL_STOP, ROLE_WORKER, SLOT_DEVICE, Control, Credit, Go, Grad, Hello, Loss, Norm, Ready,
+                       WorkerStats)
 from .store.layout import Chunk
 from .store.rings import GradRings
 from .store.store import HostStore
@@ -46,14 +49,15 @@ class WorkerLink:
         self.timeout_s = timeout_s
         self.free_slots = list(range(rings.slots))
         self.go: dict[int, Go] = {}
-        self.wait_s = 0.0
+        self.norms: dict[int, float] = {}
+        self.waits = {"version": 0.0, "slot": 0.0, "loss": 0.0}
         self.stop_after: int | None = None
 
     def pump(self, timeout_ms: int) -> None:
         if not self.agg.poll(timeout_ms):
             return
         while True:
-            msg = recv_dealer(self.agg, (Credit, Go, Ready))
+            msg = recv_dealer(self.agg, (Credit, Go, Ready, Norm))
             if isinstance(msg, Credit):
                 if msg.rank != self.rank or msg.slot >= self.rings.slots or msg.slot in self.free_slots:
                     log.warning("dropped a bad credit %s", msg)
@@ -61,10 +65,12 @@ class WorkerLink:
                     self.free_slots.append(msg.slot)
             elif isinstance(msg, Go):
                 self.go[msg.step] = msg
+            elif isinstance(msg, Norm):
+                self.norms[msg.step] = msg.grad_norm
             if not self.agg.poll(0):
                 return
 
-    def _wait(self, done, what: str) -> None:
+    def _wait(self, done, what: str, kind: str) -> None:
         t0 = time.perf_counter()
         deadline = time.monotonic() + self.timeout_s
         while not done():
@@ -72,7 +78,7 @@ class WorkerLink:
                 raise PeerTimeout(f"rank {self.rank} waited {self.timeout_s:.0f} s for {what}; "
                                   f"raise runtime.timeout_s if the host is merely slow")
             self.pump(20)
-        self.wait_s += time.perf_counter() - t0
+        self.waits[kind] += time.perf_counter() - t0
 
     def wait_ready(self, unit: Unit, step: int) -> None:
         versions = self.store.manifest.versions
@@ -83,20 +89,27 @@ class WorkerLink:
 
         if not ready():
             self._wait(ready, f"{unit.name} (chunks {ids[0]}..{ids[-1]}) to reach version {step} "
-                              f"(the updater pool, slidedp-updater, has not updated it)")
+                              f"(the updater pool, slidedp-updater, has not updated it)", "version")
 
     def acquire_slot(self) -> int:
         if not self.free_slots:
             self._wait(lambda: bool(self.free_slots),
-                       "a free gradient slot (the aggregator, slidedp-aggregator, returned none)")
+                       "a free gradient slot (the aggregator, slidedp-aggregator, returned none)", "slot")
         return self.free_slots.pop(0)
 
     def grad_landed(self, chunk: Chunk, slot: int, sqnorm: float, step: int) -> None:
         send(self.agg, Grad(self.rank, chunk.id, step, slot, sqnorm))
 
+    def device_grad(self, chunk: Chunk, sqnorm: float, step: int) -> None:
+        send(self.agg, Grad(self.rank, chunk.id, step, SLOT_DEVICE, sqnorm))
+
+    def wait_norm(self, step: int) -> float:
+        self._wait(lambda: step in self.norms, f"the global gradient norm of step {step} (from the aggregator)", "slot")
+        return self.norms.pop(step)
+
     def agree_loss(self, step: int, loss_sum: float, tokens: int, finite: bool) -> bool:
         send(self.agg, Loss(self.rank, step, loss_sum if finite else 0.0, tokens, int(finite)))
-        self._wait(lambda: step in self.go, f"the other ranks' loss of step {step} (via the aggregator)")
+        self._wait(lambda: step in self.go, f"the other ranks' loss of step {step} (via the aggregator)", "loss")
         return bool(self.go.pop(step).skip)
 
 
@@ -115,14 +128,33 @@ def profiled(fn, trace_path: Path, device: torch.device):
     return out
 
 
+def hold_units(args: argparse.Namespace, store: HostStore, device: torch.device, dtype: torch.dtype,
+               train, rank: int, world: int) -> dict[str, DeviceResident]:
+    """Lease the embedding (and an untied head) to the devices when the plan says so."""
+    if args.embedding != "device":
+        return {}
+    group = None
+    if world > 1:
+        backend = "nccl" if device.type == "cuda" and not args.shared_device else "gloo"
+        dist.init_process_group(backend, init_method=f"file://{args.dist_file}", rank=rank, world_size=world)
+        group = dist.group.WORLD
+    units = units_of(store.layout)
+    names = ["embed"] + ([] if store.layout.model.tie_word_embeddings else ["head"])
+    return {n: DeviceResident(store, units[n], device, dtype, train, rank, group) for n in names}
+
+
 def run(args: argparse.Namespace) -> int:
     job: JobConfig = load_job(args.job)
     rank, world = args.rank, args.world
     device = torch.device(args.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    else:
-        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // world))
+        if args.gpu_budget_gib:
+            total = torch.cuda.get_device_properties(device).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(1.0, args.gpu_budget_gib * 2**30 / total), device)
+    # CPU ranks share the cores; a GPU rank needs few CPU threads and must not steal the updaters' cores
+    cores = len(os.sched_getaffinity(0))
+    torch.set_num_threads(max(1, cores // world) if device.type == "cpu" else min(4, cores))
     torch.manual_seed(job.train.seed + rank)
     cfg = model_config(job)
     store = HostStore.attach(args.store)
@@ -147,15 +179,21 @@ def run(args: argparse.Namespace) -> int:
     batches = (Batches(tokens, job.train.seq_len, job.train.global_batch, job.data.shuffle, job.data.seed)
                if tokens is not None else open_batches(job, cfg.vocab_size))
     t = job.train
-    engine = Engine(cfg, layout, master, device, DTYPES[t.compute_dtype], link,
-                    lambda slot, numel: rings.slot(rank, slot, numel), t.global_batch * t.seq_len)
-    micro = t.global_batch // world // t.micro_batch
+    dtype = DTYPES[t.compute_dtype]
+    held = hold_units(args, store, device, dtype, t, rank, world)
+    policy = EnginePolicy(resident_layers=args.resident_layers, prefetch_depth=args.prefetch,
+                          loss_chunk_tokens=args.loss_chunk_tokens, max_grad_norm=t.max_grad_norm)
+    engine = Engine(cfg, layout, master, device, dtype, link, lambda slot, numel: rings.slot(rank, slot, numel),
+                    t.global_batch * t.seq_len, policy, held)
+    done_steps = args.start
+    mbs = args.micro_batch or t.micro_batch
+    micro = t.global_batch // world // mbs
     profile_step = int(os.environ.get("SLIDEDP_PROFILE_STEP", "-1"))
     stop = {"now": False}
     signal.signal(signal.SIGTERM, lambda s, f: stop.update(now=True))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher owns Ctrl-C and tells us to stop
     log.info("rank %d/%d on %s: steps %d..%d, %d micro-batch(es) of %d x %d tokens", rank, world, device,
-             args.start, args.end - 1, micro, t.micro_batch, t.seq_len)
+             args.start, args.end - 1, micro, mbs, t.seq_len)
     try:
         for step in range(args.start, args.end):
             if stop["now"]:
@@ -164,10 +202,10 @@ def run(args: argparse.Namespace) -> int:
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
             t0 = time.perf_counter()
-            link.wait_s = 0.0
+            link.waits = dict.fromkeys(link.waits, 0.0)
             h2d0 = engine.delivery.h2d_bytes
             seqs = torch.from_numpy(rank_slice(batches.batch(step), rank, world).astype(np.int64))
-            seqs = seqs.view(micro, t.micro_batch, t.seq_len + 1)
+            seqs = seqs.view(micro, mbs, t.seq_len + 1)
             if step == profile_step:
                 times = profiled(lambda: engine.run_step(step, seqs[..., :-1], seqs[..., 1:]),
                                  Path(args.job).parent / f"profile-rank{rank}-step{step}.json", device)
@@ -176,8 +214,14 @@ def run(args: argparse.Namespace) -> int:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+            done_steps = step + 1
+            at_checkpoint = args.checkpoint_every and done_steps % args.checkpoint_every == 0
+            if held and (at_checkpoint or done_steps == args.end):  # the store must hold them before a checkpoint
+                for h in held.values():
+                    h.write_back(done_steps, release=done_steps == args.end)
+            w = link.waits
             send(job_sock, WorkerStats(rank, step, time.perf_counter() - t0, times.forward_s, times.backward_s,
-                                       link.wait_s, float(engine.delivery.h2d_bytes - h2d0), peak))
+                                       w["version"], w["slot"], w["loss"], engine.delivery.h2d_bytes - h2d0, peak))
             # Between steps: the launcher may hold us for a checkpoint or tell us to stop.
             hold = args.checkpoint_every and (step + 1) % args.checkpoint_every == 0 and step + 1 < args.end
             deadline = time.monotonic() + (job.runtime.timeout_s * 10 if hold else 0)
@@ -195,6 +239,11 @@ def run(args: argparse.Namespace) -> int:
                     raise PeerTimeout(f"rank {rank} waited for the launcher past the checkpoint after step {step}")
         return 0
     finally:
+        if held and done_steps < args.end:  # stopped early: leave the store at the last completed step
+            for h in held.values():
+                h.write_back(done_steps, release=True)
+        if dist.is_initialized():
+            dist.destroy_process_group()
         reg.unregister()
         agg.close(linger=2000)
         job_sock.close(linger=2000)
@@ -214,6 +263,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cpu")
     p.add_argument("--tokens", default="", help="pre-tokenized .npy written by the launcher")
     p.add_argument("--checkpoint-every", type=int, default=0)
+    p.add_argument("--resident-layers", type=int, default=0, help="last layers kept on the device for backward")
+    p.add_argument("--prefetch", type=int, default=1)
+    p.add_argument("--loss-chunk-tokens", type=int, default=4096)
+    p.add_argument("--embedding", choices=["host", "device"], default="host")
+    p.add_argument("--dist-file", default="", help="torch.distributed rendezvous file (device-held embedding, N > 1)")
+    p.add_argument("--shared-device", action="store_true", help="ranks share one GPU (gloo instead of NCCL)")
+    p.add_argument("--micro-batch", type=int, default=0, help="sequences per micro-batch (0: the job's)")
+    p.add_argument("--gpu-budget-gib", type=float, default=0.0, help="cap this process's GPU memory (0: no cap)")
     args = p.parse_args(argv)
     slog.setup("worker", args.rank)
     try:

@@ -26,8 +26,6 @@ from slidedp.model import layers  # noqa: E402
 from slidedp.model.config import named_shape  # noqa: E402
 from slidedp.model.init import init_params  # noqa: E402
 
-HEADER = "| " + " | ".join(bench.COLUMNS)
-
 
 def _header_cells(line: str) -> list[str]:
     return [c.strip() for c in line.strip().strip("|").split("|")]

@@ -374,12 +374,17 @@ def _loss_chunks(work: Workload) -> list[int]:
     return sorted({min(c, work.local_tokens) for c in _LOSS_CHUNKS}, reverse=True)
 
 
-def _base_choices(work: Workload) -> list[Choices]:
-    deliveries = ("fp32", "bf16") if work.compute_dtype == "bf16" else ("fp32",)
+ALL_OPTIONS = {"activations": ("keep", "offload"), "embedding": ("gpu", "host"), "delivery": ("fp32", "bf16")}
+
+
+def _base_choices(work: Workload, allowed: dict[str, tuple[str, ...]] | None = None) -> list[Choices]:
+    """Every combination of the options, restricted to `allowed` (what the engine and store offer)."""
+    opts = dict(ALL_OPTIONS, **(allowed or {}))
+    deliveries = opts["delivery"] if work.compute_dtype == "bf16" else ("fp32",)
     return [
         Choices(activations=a, embedding=e, delivery=d, prefetch_depth=p,
                 chunk_rows=costs.default_chunk_rows(work.model))
-        for e in ("gpu", "host") for a in ("keep", "offload") for d in deliveries for p in (1, 2, 3)
+        for e in opts["embedding"] for a in opts["activations"] for d in deliveries for p in (1, 2, 3)
     ]
 
 
@@ -438,15 +443,18 @@ def _no_fit_error(work: Workload, budget: int) -> PlanError:
     )
 
 
-def make_plan(work: Workload, budget_bytes: int, calib: Calibration) -> Plan:
-    """The fastest predicted plan whose GPU memory fits budget_bytes (ties: the smaller memory)."""
+def make_plan(work: Workload, budget_bytes: int, calib: Calibration,
+              allowed: dict[str, tuple[str, ...]] | None = None) -> Plan:
+    """The fastest predicted plan whose GPU memory fits budget_bytes (ties: the smaller memory).
+
+    allowed restricts options (e.g. {"delivery": ("fp32",)} for a store without a bf16 shadow)."""
     if budget_bytes > calib.gpu_mem_bytes:
         raise PlanError(
             f"the GPU memory budget ({budget_bytes / GiB:.2f} GiB) exceeds the memory of {calib.device_name} "
             f"({calib.gpu_mem_bytes / GiB:.2f} GiB): lower the budget"
         )
     candidates: list[tuple[float, int, Choices]] = []
-    for base in _base_choices(work):
+    for base in _base_choices(work, allowed):
         ch = _fit(work, base, budget_bytes)
         if ch is not None:
             ch, step = _fewest_resident(work, ch, calib)

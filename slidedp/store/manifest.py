@@ -27,6 +27,7 @@ _FIXED = struct.Struct("<8sII Q 64s Q Q d")  # magic, format, header size, gener
 _MUTABLE_AT = 256  # committed_step, attached_pid, attach_token, torn (int64 each)
 _JOB_AT = 1024  # job record: u32 length + UTF-8 JSON, up to 3 KiB
 _JOB_MAX = PAGE - _JOB_AT - 4
+UPDATING, LEASED = 1, 2  # values of updating[c]: being rewritten by an updater / held on a job's GPUs
 
 
 class ManifestError(RuntimeError):
@@ -147,13 +148,21 @@ class Manifest:
     def set_torn_flag(self, value: int) -> None:
         self._ints()[3] = value
 
-    def torn_reason(self) -> str | None:
-        """Why the store cannot be trained from as it is, or None when it is at a committed step."""
+    def torn_reason(self, allow_leased: bool = False) -> str | None:
+        """Why the store cannot be trained from as it is, or None when it is at a committed step.
+
+        allow_leased: chunks a running job holds on its GPUs count as clean when their last
+        write-back is at the committed step (a checkpoint during the job).
+        """
         if self.torn_flag:
             return "a restore into it did not finish"
-        busy = np.nonzero(self.updating)[0]
+        busy = np.nonzero(self.updating == UPDATING)[0]
         if len(busy):
             return f"chunk(s) {busy[:8].tolist()} were being updated when their writer stopped"
+        leased = np.nonzero(self.updating == LEASED)[0]
+        if len(leased) and not allow_leased:
+            return (f"chunk(s) {leased[:8].tolist()} are held on a job's GPUs and were not written back "
+                    f"(the job ended without finishing)")
         step = self.committed_step
         off = np.nonzero(self.versions != step)[0]
         if len(off):

@@ -18,15 +18,18 @@ STEPS = 5
 
 # (workers, micro-batches per rank, clipping, model shape): every workers x micro-batches pair,
 # clipping on and off, tied (Qwen3) and untied (Llama) embeddings.
+# The last column: the embedding (and an untied head) held by the workers ("device", all-reduced
+# among ranks, AdamW in the worker) or on the host; and layers kept from forward to backward.
 CASES = [
-    (1, 1, 0.5, "tiny"), (1, 2, 0.0, "tiny-llama"), (1, 4, 0.5, "tiny-llama"),
-    (2, 1, 0.0, "tiny"), (2, 2, 0.5, "tiny"), (2, 4, 0.0, "tiny-llama"),
-    (3, 1, 0.5, "tiny-llama"), (3, 2, 0.0, "tiny"), (3, 4, 0.5, "tiny"),
+    (1, 1, 0.5, "tiny", "host"), (1, 2, 0.0, "tiny-llama", "device"), (1, 4, 0.5, "tiny-llama", "host"),
+    (2, 1, 0.0, "tiny", "host"), (2, 2, 0.5, "tiny", "device"), (2, 4, 0.0, "tiny-llama", "host"),
+    (3, 1, 0.5, "tiny-llama", "device"), (3, 2, 0.0, "tiny", "device"), (3, 4, 0.5, "tiny", "host"),
 ]
 
 
-def job_sets(workers: int, micro: int, clip: float, shape: str, store: str, run_dir) -> list[str]:
+def job_sets(workers: int, micro: int, clip: float, shape: str, store: str, run_dir, embedding: str = "host") -> list[str]:
     return [
+        f'memory.embedding="{embedding}"', f"memory.resident_layers={1 if embedding == 'device' else 0}",
         f"train.steps={STEPS}", f"train.global_batch={GLOBAL_BATCH}",
         f"train.micro_batch={GLOBAL_BATCH // (workers * micro)}", f"train.max_grad_norm={clip}",
         "train.warmup_steps=2", "train.weight_decay=0.1", "train.compute_dtype=\"fp32\"",
@@ -39,7 +42,7 @@ _reference_cache: dict = {}
 
 
 def reference(sets: list[str]):
-    key = tuple(s for s in sets if not s.startswith(("runtime.workers", "train.micro_batch", "store.name", "run.dir")))
+    key = tuple(s for s in sets if not s.startswith(("runtime.workers", "train.micro_batch", "store.name", "run.dir", "memory.")))
     if key not in _reference_cache:
         job = load_job(TINY, sets)
         cfg = model_config(job)
@@ -47,11 +50,11 @@ def reference(sets: list[str]):
     return _reference_cache[key]
 
 
-@pytest.mark.parametrize("workers,micro,clip,shape", CASES)
-def test_matches_reference(tmp_path, workers, micro, clip, shape):
+@pytest.mark.parametrize("workers,micro,clip,shape,embedding", CASES)
+def test_matches_reference(tmp_path, workers, micro, clip, shape, embedding):
     store = unique_store("eq")
     run_dir = tmp_path / "run"
-    sets = job_sets(workers, micro, clip, shape, store, run_dir)
+    sets = job_sets(workers, micro, clip, shape, store, run_dir, embedding)
     proc = launch(TINY, *sets, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     ref = reference(sets)

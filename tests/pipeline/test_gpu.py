@@ -18,11 +18,14 @@ LOSS_RTOL = 2e-2
 WEIGHT_RTOL = 2e-2
 
 
-@pytest.mark.parametrize("workers,dtype,shape", [(1, "bf16", "tiny"), (2, "bf16", "tiny-llama"), (1, "fp32", "tiny-llama")])
-def test_cuda_matches_reference(tmp_path, workers, dtype, shape):
+@pytest.mark.parametrize("workers,dtype,shape,embedding", [
+    (1, "bf16", "tiny", "host"), (2, "bf16", "tiny-llama", "host"), (1, "fp32", "tiny-llama", "host"),
+    (1, "bf16", "tiny", "device"), (2, "bf16", "tiny", "device"), (1, "fp32", "tiny-llama", "device"),
+])
+def test_cuda_matches_reference(tmp_path, workers, dtype, shape, embedding):
     store = unique_store("gpu")
     run_dir = tmp_path / "run"
-    sets = job_sets(workers, 2, 0.5, shape, store, run_dir)
+    sets = job_sets(workers, 2, 0.5, shape, store, run_dir, embedding)
     proc = launch(TINY, *sets, f'train.compute_dtype="{dtype}"', 'runtime.device="cuda"', cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     ref = reference(sets)

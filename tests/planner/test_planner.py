@@ -25,7 +25,7 @@ from slidedp.planner import (
 )
 from slidedp.planner import calibration as calibration_mod
 from slidedp.planner import costs
-from slidedp.planner.costs import GiB, MiB
+from slidedp.planner.costs import GiB
 
 # A 2-layer toy with round rates: every number below is worked out by hand in the comments.
 #   one layer: norms 2*64 + q 64*64 + k,v 2*(32*64) + o 64*64 + MLP 3*64*128 = 36,992 params
