@@ -48,11 +48,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--store", required=True)
     p.add_argument("--processes", type=int, default=0, help="pool size (0 = one per NUMA node)")
     p.add_argument("--threads", type=int, default=0, help="threads per process (0 = the CPUs of its node)")
+    p.add_argument("--reserve-cpus", type=int, default=0,
+                   help="leave the last N CPUs to the GPU workers: an OpenMP thread sharing a core with a busy "
+                        "worker stalls every parallel region of the fused AdamW, and the worker's kernel launches")
     args = p.parse_args(argv)
     slog.setup("updater-pool")
     lock_fd = daemonlock.acquire(args.store, "updater")  # noqa: F841 (held for the pool's lifetime)
-    count = args.processes or len(numa.nodes())
-    plan = split_cpus(numa.nodes(), count)
+    nodes = numa.reserve(numa.nodes(), args.reserve_cpus)
+    count = args.processes or len(nodes)
+    plan = split_cpus(nodes, count)
     children = [subprocess.Popen(_member_command(args.store, i, count, cpus, args.threads)) for i, cpus in enumerate(plan)]
     stop = _Stop()
 

@@ -70,10 +70,11 @@ def daemon_argv(role: str, store: str, extra: list[str] | None = None) -> list[s
     return [sys.executable, "-m", f"slidedp.daemons.{role}", "--store", store] + (extra or [])
 
 
-def ensure_daemons(store: str, updaters: int, updater_threads: int, timeout_s: float) -> list[Child]:
+def ensure_daemons(store: str, updaters: int, updater_threads: int, timeout_s: float, reserve_cpus: int = 0) -> list[Child]:
     """Start each daemon that no one runs for the store yet (the embedded default); return what we started."""
     started: list[Child] = []
-    extra = {"updater": ["--processes", str(updaters), "--threads", str(updater_threads)],
+    extra = {"updater": ["--processes", str(updaters), "--threads", str(updater_threads),
+                         "--reserve-cpus", str(reserve_cpus)],
              "aggregator": ["--timeout", str(timeout_s)]}
     for role in daemonlock.ROLES:
         if daemonlock.held(store, role):

@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import zmq
 
+from slidedp import numa
 from slidedp.config import JobConfig, job_to_dict, job_to_toml, model_config
 from slidedp.data import open_batches
 from slidedp.jobrecord import JobRecord
@@ -82,6 +83,10 @@ class JobRun:
         self.agg: zmq.Socket | None = None
         self.job_sock: zmq.Socket | None = None
         self.steps: dict[int, _Step] = {}
+        # GPU workers get cores of their own (one each, plus one for the daemons' message loops);
+        # CPU workers compute on every core, so nothing is set aside for them.
+        cores = len(os.sched_getaffinity(0))
+        self.reserved_cpus = min(self.world + 1, cores // 2) if job.runtime.device == "cuda" else 0
 
     # ---- setup ---------------------------------------------------------------------------------
     def prepare(self) -> tuple[int, int]:
@@ -99,7 +104,8 @@ class JobRun:
             np.save(self.tokens_path, np.asarray(self.batches.stream.tokens))
         log.info("data: %s, %d tokens, %d sequences of %d (%.2f s)", job.data.path, len(self.batches.stream),
                  self.batches.num_sequences, job.train.seq_len, time.perf_counter() - t0)
-        self.daemons = children.ensure_daemons(self.store, job.runtime.updaters, job.runtime.updater_threads, self.timeout)
+        self.daemons = children.ensure_daemons(self.store, job.runtime.updaters, job.runtime.updater_threads, self.timeout,
+                                               reserve_cpus=self.reserved_cpus)
         status = call(self.store, "status", timeout_s=self.timeout)
         if not status.get("exists"):
             log.info("creating store %s from %s", self.store, model_source(job))
@@ -192,6 +198,8 @@ class JobRun:
                     "--gpu-budget-gib", str(job.memory.gpu_budget_gib)]
             if device == "cuda" and self.world > count:
                 argv.append("--shared-device")
+            if self.reserved_cpus:
+                argv += ["--cpus", ",".join(map(str, numa.reserved(self.reserved_cpus)))]
             self.workers.append(children.spawn(f"worker rank {rank}", argv))
 
     def follow(self, start: int, end: int, progress: Progress) -> int:

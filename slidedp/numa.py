@@ -41,3 +41,19 @@ def gpu_node(pci_bus_id: str) -> int | None:
     except (OSError, ValueError):
         return None
     return value if value >= 0 else None
+
+
+def reserve(nodes: list[list[int]], count: int) -> list[list[int]]:
+    """The nodes' CPUs without the `count` highest-numbered ones (kept for other processes); never empty."""
+    if count <= 0:
+        return nodes
+    everything = sorted(c for node in nodes for c in node)
+    keep = set(everything[:max(1, len(everything) - count)])
+    out = [[c for c in node if c in keep] for node in nodes]
+    return [node for node in out if node] or [everything[:1]]
+
+
+def reserved(count: int) -> list[int]:
+    """The `count` highest-numbered CPUs this process may use (those `reserve` leaves out)."""
+    everything = sorted(os.sched_getaffinity(0))
+    return everything[-count:] if 0 < count < len(everything) else everything

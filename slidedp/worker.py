@@ -152,9 +152,13 @@ def run(args: argparse.Namespace) -> int:
         if args.gpu_budget_gib:
             total = torch.cuda.get_device_properties(device).total_memory
             torch.cuda.set_per_process_memory_fraction(min(1.0, args.gpu_budget_gib * 2**30 / total), device)
-    # CPU ranks share the cores; a GPU rank needs few CPU threads and must not steal the updaters' cores
+    # CPU ranks share the cores; a GPU rank needs few CPU threads, on cores the updaters leave free
+    if args.cpus:
+        from .numa import parse_cpulist
+
+        os.sched_setaffinity(0, parse_cpulist(args.cpus))
     cores = len(os.sched_getaffinity(0))
-    torch.set_num_threads(max(1, cores // world) if device.type == "cpu" else min(4, cores))
+    torch.set_num_threads(max(1, cores // world) if device.type == "cpu" else min(2, cores))
     torch.manual_seed(job.train.seed + rank)
     cfg = model_config(job)
     store = HostStore.attach(args.store)
@@ -269,6 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--embedding", choices=["host", "device"], default="host")
     p.add_argument("--dist-file", default="", help="torch.distributed rendezvous file (device-held embedding, N > 1)")
     p.add_argument("--shared-device", action="store_true", help="ranks share one GPU (gloo instead of NCCL)")
+    p.add_argument("--cpus", default="", help="pin this worker to these CPUs (kept free of updater threads)")
     p.add_argument("--micro-batch", type=int, default=0, help="sequences per micro-batch (0: the job's)")
     p.add_argument("--gpu-budget-gib", type=float, default=0.0, help="cap this process's GPU memory (0: no cap)")
     args = p.parse_args(argv)

@@ -72,6 +72,7 @@ class Segment:
             raise
         shm.close_fd()
         seg = cls(name, size, mm)
+        seg.advise_huge()
         if touch and size:
             seg.touch()
         return seg
@@ -87,7 +88,16 @@ class Segment:
             mm = mmap.mmap(shm.fd, max(size, 1))
         finally:
             shm.close_fd()
-        return cls(name, size, mm)
+        seg = cls(name, size, mm)
+        seg.advise_huge()
+        return seg
+
+    def advise_huge(self) -> None:
+        """Ask for huge pages (fewer TLB misses in AdamW's streaming passes); a no-op where tmpfs has none."""
+        try:
+            self.mm.madvise(mmap.MADV_HUGEPAGE)
+        except (AttributeError, OSError, ValueError):
+            pass
 
     @staticmethod
     def exists(name: str) -> bool:
