@@ -8,6 +8,7 @@ the socket.
 from __future__ import annotations
 
 import argparse
+import heapq
 import os
 import signal
 import sys
@@ -46,6 +47,7 @@ class UpdaterCore:
         self.rings: GradRings | None = None
         self.job: JobRecord | None = None
         self.pending: dict[int, list[Update]] = {}  # step -> updates waiting for the step's norm
+        self.ready: list[tuple[int, int, Update]] = []  # heap of updates that may run now
         self.coef: dict[int, float] = {}  # step -> clip coefficient
         self.busy_s = 0.0
 
@@ -57,6 +59,7 @@ class UpdaterCore:
         self.rings = GradRings.open(self.store_name)
         self.job = job
         self.pending.clear()
+        self.ready.clear()
         self.coef.clear()
 
     def end_job(self) -> None:
@@ -66,20 +69,35 @@ class UpdaterCore:
             self.store.close()
         self.store = self.rings = self.job = None
 
-    def on_update(self, msg: Update) -> list[Updated]:
+    def on_update(self, msg: Update) -> None:
         assert self.job is not None, "Update before JobStart"
         if msg.source != SOURCE_NONE and self.job.clip and msg.step not in self.coef:
             self.pending.setdefault(msg.step, []).append(msg)
-            return []
-        return [self.apply(msg)]
+            return
+        heapq.heappush(self.ready, (msg.step, msg.chunk, msg))
 
-    def on_norm(self, msg: Norm) -> list[Updated]:
+    def on_norm(self, msg: Norm) -> None:
         assert self.job is not None
         self.coef[msg.step] = clip_coefficient(msg.grad_norm, float(self.job.train["max_grad_norm"]))
         for old in [s for s in self.coef if s < msg.step - 4]:
             del self.coef[old]
-        # Forward order (embedding, layer 0, ...): the next forward can start while later chunks update.
-        return [self.apply(m) for m in sorted(self.pending.pop(msg.step, []), key=lambda u: u.chunk)]
+        for m in self.pending.pop(msg.step, []):
+            heapq.heappush(self.ready, (m.step, m.chunk, m))
+
+    def next(self) -> Updated | None:
+        """Apply the most urgent ready update: the oldest step, then forward order (embedding, layer 0, ...).
+
+        The next forward needs layer 0 first and its gradient comes last, so whatever backlog the
+        updater has, the chunk the GPU will ask for soonest goes first."""
+        if not self.ready:
+            return None
+        return self.apply(heapq.heappop(self.ready)[2])
+
+    def drain(self) -> list[Updated]:
+        out = []
+        while (done := self.next()) is not None:
+            out.append(done)
+        return out
 
     def _grad(self, msg: Update, chunk: Chunk) -> torch.Tensor:
         assert self.rings is not None
@@ -156,34 +174,32 @@ def serve_member(store: str, index: int, pool: int, timeout_s: float = 60.0) -> 
     last_hello = time.monotonic()
     try:
         while not stop.requested:
-            if not sock.poll(500):
-                if time.monotonic() - last_hello > 2.0 and core.job is None:
+            # Take every message waiting, then run the most urgent update; repeat.
+            if not sock.poll(0 if core.ready else 500):
+                if not core.ready and time.monotonic() - last_hello > 2.0 and core.job is None:
                     send(sock, Hello(ROLE_UPDATER, index, pool, os.getpid()))  # an aggregator restarted needs it again
                     last_hello = time.monotonic()
-                continue
-            msg = recv_dealer(sock, (Update, Norm, JobStart, JobEnd))
-            if msg is None:
-                continue
             try:
-                if isinstance(msg, Update):
-                    out = core.on_update(msg)
-                elif isinstance(msg, Norm):
-                    out = core.on_norm(msg)
-                elif isinstance(msg, JobStart):
-                    core.start_job(JobRecord.from_json(msg.text))
-                    send(sock, Ack(1, f"updater {index} ready"))
-                    log.info("job %s started", core.job.job if core.job else "?")
-                    out = []
-                else:
-                    core.end_job()
-                    send(sock, Ack(1, f"updater {index} done"))
-                    out = []
+                while sock.poll(0):
+                    msg = recv_dealer(sock, (Update, Norm, JobStart, JobEnd))
+                    if isinstance(msg, Update):
+                        core.on_update(msg)
+                    elif isinstance(msg, Norm):
+                        core.on_norm(msg)
+                    elif isinstance(msg, JobStart):
+                        core.start_job(JobRecord.from_json(msg.text))
+                        send(sock, Ack(1, f"updater {index} ready"))
+                        log.info("job %s started", core.job.job if core.job else "?")
+                    elif isinstance(msg, JobEnd):
+                        core.end_job()
+                        send(sock, Ack(1, f"updater {index} done"))
+                done = core.next()
             except Exception as e:  # a failed update would silently corrupt training: report and die
                 log.exception("update failed")
                 send(sock, Ack(0, f"updater {index}: {type(e).__name__}: {e}"))
                 return 1
-            for reply in out:
-                send(sock, reply)
+            if done is not None:
+                send(sock, done)
     finally:
         core.end_job()
         sock.close(linger=500)

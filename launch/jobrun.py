@@ -130,11 +130,12 @@ class JobRun:
         if self.plan.embedding == "device":
             held = ["embed"] + ([] if cfg.tie_word_embeddings else ["head"])
             device_chunks = tuple(c.id for c in self.layout.chunks if c.kind in held)
+        slots = job.store.grad_slots or max(3, min(16, cfg.num_layers // 3))
         record = JobRecord(job=job.run.name, store=self.store, world=self.world, train=job_to_dict(job)["train"],
-                           layout_hash=self.layout.hash(), grad_slots=job.store.grad_slots, device_chunks=device_chunks)
+                           layout_hash=self.layout.hash(), grad_slots=slots, device_chunks=device_chunks)
         att = call(self.store, "attach", timeout_s=self.timeout, job=job.run.name, pid=os.getpid(),
                    layout_hash=self.layout.hash(), model_desc=f"{cfg.family}, {cfg.num_parameters():,} parameters",
-                   world=self.world, grad_slots=job.store.grad_slots, full_reduce=record.full_reduce,
+                   world=self.world, grad_slots=slots, full_reduce=record.full_reduce,
                    reduce_slots=record.reduce_slots, hyper=job_to_dict(job)["train"])
         self.attached_token = att["token"]
         self.agg = connect_dealer(self.ctx, self.store, "agg", identity("launcher", 0))

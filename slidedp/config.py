@@ -207,10 +207,11 @@ class StoreSection(_Section):
     name: str = ""  # "" = the run name
     persist: bool = False  # false: destroyed when the job that created it ends
     shadow_bf16: bool = False
-    grad_slots: int = 3  # per rank
+    grad_slots: int = 0  # per rank; 0 = auto (a third of the layers, 3..16: room for the updaters' backlog)
 
     def validate(self) -> None:
-        self._range("grad_slots", 2)
+        if self.grad_slots == 1 or self.grad_slots < 0:
+            raise ConfigError(f"store.grad_slots must be 0 (auto) or at least 2, got {self.grad_slots}")
         if self.name:
             _check_name("store.name", self.name)
 

@@ -74,7 +74,7 @@ def test_defaults(jobdir):
     assert (job.train.min_lr_ratio, job.train.beta1, job.train.beta2, job.train.eps) == (0.1, 0.9, 0.95, 1e-8)
     assert (job.train.max_grad_norm, job.train.compute_dtype, job.train.schedule) == (1.0, "bf16", "cosine")
     assert job.memory.gpu_budget_gib == 24.0
-    assert (job.store.name, job.store.persist, job.store.grad_slots) == ("", False, 3)
+    assert (job.store.name, job.store.persist, job.store.grad_slots) == ("", False, 0)
     assert (job.checkpoint.every, job.checkpoint.keep, job.checkpoint.final, job.checkpoint.resume) == (0, 3, True, "")
     assert (job.runtime.workers, job.runtime.updaters, job.runtime.timeout_s) == (1, 0, 120.0)
     assert job.store_name == "job"
@@ -88,7 +88,7 @@ def test_round_trip_through_toml(jobdir, monkeypatch):
     monkeypatch.chdir(jobdir.parent)  # reloading elsewhere changes nothing: paths are absolute
     again = load_job(write(jobdir, text, "resolved.toml"))
     assert again == job
-    assert job_to_dict(again)["store"] == {"name": "s1", "persist": False, "shadow_bf16": False, "grad_slots": 3}
+    assert job_to_dict(again)["store"] == {"name": "s1", "persist": False, "shadow_bf16": False, "grad_slots": 0}
 
 
 def test_ints_accepted_as_floats(jobdir):
@@ -162,7 +162,7 @@ def test_wrong_type(jobdir, override, message):
         ("train.schedule='step'", "train.schedule must be one of 'cosine', 'constant', 'linear'; got 'step'"),
         ("train.compute_dtype=fp16", "train.compute_dtype must be one of 'bf16', 'fp32'; got 'fp16'"),
         ("memory.gpu_budget_gib=0", "memory.gpu_budget_gib must be > 0; got 0.0"),
-        ("store.grad_slots=1", "store.grad_slots must be >= 2; got 1"),
+        ("store.grad_slots=1", "store.grad_slots must be 0 (auto) or at least 2, got 1"),
         ("checkpoint.keep=0", "checkpoint.keep must be >= 1; got 0"),
         ("checkpoint.dtype=fp16", "checkpoint.dtype must be one of 'bf16', 'fp32'; got 'fp16'"),
         ("runtime.device=tpu", "runtime.device must be one of 'cpu', 'cuda'; got 'tpu'"),
