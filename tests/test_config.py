@@ -124,7 +124,7 @@ def test_top_level_key_rejected(jobdir):
 
 def test_unknown_key(jobdir):
     p = write(jobdir, BASE + "[memory]\ngpu_budget = 3\n")
-    assert error(p) == f"{p}: unknown key memory.gpu_budget; allowed keys in [memory]: gpu_budget_gib"
+    assert error(p) == f"{p}: unknown key memory.gpu_budget; allowed keys in [memory]: gpu_budget_gib, embedding, resident_layers"
 
 
 def test_missing_required_key(jobdir):
@@ -170,7 +170,7 @@ def test_wrong_type(jobdir, override, message):
         ("runtime.timeout_s=0", "runtime.timeout_s must be > 0; got 0.0"),
         ("data.format=csv", "data.format must be one of 'jsonl', 'npy', 'bin'; got 'csv'"),
         ("data.dtype=int8", "data.dtype must be one of 'uint16', 'uint32', 'int32', 'int64'; got 'int8'"),
-        ("model.shape=huge", "model.shape must be one of 'tiny', 'small', 'qwen3-0.6b', 'qwen3-1.7b', "
+        ("model.shape=huge", "model.shape must be one of 'tiny', 'tiny-llama', 'small', 'qwen3-0.6b', 'qwen3-1.7b', "
                              "'qwen3-4b', 'qwen3-8b', 'qwen3-14b'; got 'huge'"),
         ("model.vocab_size=-1", "model.vocab_size must be >= 0; got -1"),
         ("run.log_every=0", "run.log_every must be >= 1; got 0"),
