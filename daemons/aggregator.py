@@ -33,6 +33,7 @@ from slidedp.sdnotify import Watchdog, notify
 from slidedp.store.layout import Layout
 from slidedp.store.rings import GradRings
 from slidedp.store.store import HostStore
+from slidedp.tracing import NULL, Tracer
 from slidedp.transport import bind_router, identity, recv_router, send
 
 log = slog.get("aggregator")
@@ -78,6 +79,7 @@ class AggregatorCore:
         self.workers: set[bytes] = set()
         self.launcher: bytes | None = None
         self.device_chunks: frozenset[int] = frozenset()
+        self.tracer = NULL
 
     # ---- job -----------------------------------------------------------------------------
     def start_job(self, job: JobRecord, updaters: int) -> None:
@@ -92,12 +94,14 @@ class AggregatorCore:
         self.updaters = [identity("u", i) for i in range(updaters)]
         self.owner = assign_updaters(self.store.layout, updaters)
         self.device_chunks = frozenset(job.device_chunks)
+        self.tracer = Tracer(job.run_dir or None, "aggregator", job.trace_steps)
         self.free_reduce = [] if self.rings.full_reduce else list(range(self.rings.reduce_slots))
         self.arrivals.clear()
         self.waiting.clear()
         self.steps.clear()
 
     def end_job(self) -> None:
+        self.tracer.close()
         if self.rings is not None:
             self.rings.close()
         if self.store is not None:
@@ -181,7 +185,10 @@ class AggregatorCore:
                 for s in srcs[2:]:
                     dst.add_(s)
                 sq = float(torch.dot(dst, dst))
-            st.reduce_s += time.perf_counter() - t0
+            busy = time.perf_counter() - t0
+            st.reduce_s += busy
+            now = time.time()
+            self.tracer.event(f"sum chunk {chunk_id}", "reduce", step, now - busy, now, chunk=chunk_id, ranks=len(grads))
             out = [(identity("w", g.rank), Credit(g.rank, g.slot)) for g in grads]
             out += self._to_owner(chunk_id, Update(chunk_id, step, SOURCE_REDUCE, 0, j))
         return out + self._reduced(step, sq)
@@ -221,6 +228,8 @@ class AggregatorCore:
         if st.updated < len(self.store.layout.chunks):
             return []
         self.store.manifest.set_committed_step(step + 1)
+        now = time.time()
+        self.tracer.event(f"step {step} committed", "commit", step, now, now)
         del self.steps[step]
         if self.launcher is None:
             return []

@@ -27,6 +27,7 @@ from slidedp.store.layout import Chunk
 from slidedp.store.manifest import UPDATING
 from slidedp.store.rings import GradRings
 from slidedp.store.store import HostStore, member_view
+from slidedp.tracing import NULL, Tracer
 from slidedp.transport import connect_dealer, identity, recv_dealer, send
 
 log = slog.get("updater")
@@ -50,6 +51,7 @@ class UpdaterCore:
         self.ready: list[tuple[int, int, Update]] = []  # heap of updates that may run now
         self.coef: dict[int, float] = {}  # step -> clip coefficient
         self.busy_s = 0.0
+        self.tracer = NULL
 
     def start_job(self, job: JobRecord) -> None:
         self.end_job()
@@ -58,11 +60,13 @@ class UpdaterCore:
             raise RuntimeError(f"store {self.store_name!r} layout does not match the job's")
         self.rings = GradRings.open(self.store_name)
         self.job = job
+        self.tracer = Tracer(job.run_dir or None, f"updater{self.index}", job.trace_steps)
         self.pending.clear()
         self.ready.clear()
         self.coef.clear()
 
     def end_job(self) -> None:
+        self.tracer.close()
         if self.rings is not None:
             self.rings.close()
         if self.store is not None:
@@ -125,6 +129,9 @@ class UpdaterCore:
         m.versions[chunk.id] = msg.step + 1  # last: a reader that sees the version sees the weights
         busy = time.perf_counter() - t0
         self.busy_s += busy
+        now = time.time()
+        self.tracer.event(f"adamw chunk {chunk.id}", "adamw", msg.step, now - busy, now, chunk=chunk.id,
+                          params=chunk.numel, skipped=msg.source == SOURCE_NONE)
         return Updated(chunk.id, msg.step, msg.source, msg.rank, msg.slot, self.index, busy)
 
     def _adamw(self, chunk: Chunk, grad_flat: torch.Tensor, step: int) -> None:

@@ -132,7 +132,8 @@ class JobRun:
             device_chunks = tuple(c.id for c in self.layout.chunks if c.kind in held)
         slots = job.store.grad_slots or max(3, min(16, cfg.num_layers // 3))
         record = JobRecord(job=job.run.name, store=self.store, world=self.world, train=job_to_dict(job)["train"],
-                           layout_hash=self.layout.hash(), grad_slots=slots, device_chunks=device_chunks)
+                           layout_hash=self.layout.hash(), grad_slots=slots, device_chunks=device_chunks,
+                           run_dir=str(self.run_dir), trace_steps=job.run.traced)
         att = call(self.store, "attach", timeout_s=self.timeout, job=job.run.name, pid=os.getpid(),
                    layout_hash=self.layout.hash(), model_desc=f"{cfg.family}, {cfg.num_parameters():,} parameters",
                    world=self.world, grad_slots=slots, full_reduce=record.full_reduce,

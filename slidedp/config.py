@@ -242,9 +242,21 @@ class RunSection(_Section):
     name: str = ""  # default: the job file's stem
     dir: str = ""  # "" = runs/<name> under the current directory
     log_every: int = 1
+    trace_steps: str = ""  # steps to record in trace.json, e.g. "5" or "5,6" ("" = none)
 
     def validate(self) -> None:
         self._range("log_every", 1)
+        try:
+            steps = self.traced
+        except ValueError:
+            steps = (-1,)
+        if any(s < 0 for s in steps):
+            raise ConfigError(f"run.trace_steps must be comma-separated step numbers >= 0 (e.g. \"5,6\"), "
+                              f"got {self.trace_steps!r}")
+
+    @property
+    def traced(self) -> tuple[int, ...]:
+        return tuple(int(x) for x in self.trace_steps.split(",") if x.strip())
         if self.name:
             _check_name("run.name (default: the job file's stem; it also names the store)", self.name)
 

@@ -10,6 +10,7 @@ compute dtype is fp32).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -17,6 +18,7 @@ import torch
 
 from .store.layout import Chunk, Member
 from .store.store import member_view
+from .tracing import NULL
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,7 @@ class ParamDelivery:
         self.wait_ready = wait_ready
         self.cuda = device.type == "cuda"
         self.h2d_bytes = 0
+        self.tracer = NULL
         self._inflight: dict[tuple[str, int], tuple[torch.Tensor, torch.cuda.Event | None]] = {}
         if self.cuda:
             self.stream = torch.cuda.Stream(device)
@@ -76,9 +79,11 @@ class ParamDelivery:
         self.wait_ready(unit, step)
         src = self.master[unit.offset:unit.offset + unit.numel]
         self.h2d_bytes += src.numel() * 4
+        t0 = time.time()
         if not self.cuda:
             out = src if self.dtype == torch.float32 else src.to(self.dtype)
             self._inflight[key] = (out, None)
+            self.tracer.event(f"fetch {unit.name}", "h2d", step, t0, time.time(), bytes=src.numel() * 4)
             return
         with torch.cuda.stream(self.stream), torch.autograd.profiler.record_function(f"h2d:{unit.name}"):
             staging = torch.empty(unit.numel, dtype=torch.float32, device=self.device)
@@ -86,6 +91,9 @@ class ParamDelivery:
             out = staging if self.dtype == torch.float32 else staging.to(self.dtype)
             event = torch.cuda.Event()
             event.record(self.stream)
+        if self.tracer.on(step):  # traced step: wait for the copy so the span is its real duration
+            self.stream.synchronize()
+            self.tracer.event(f"h2d {unit.name}", "h2d", step, t0, time.time(), bytes=src.numel() * 4)
         self._inflight[key] = (out, event)
 
     def prefetch(self, unit: Unit, step: int) -> None:
@@ -119,16 +127,19 @@ class GradOut:
         self.slot_view = slot_view
         self.pending: list[_PendingGrad] = []
         self.d2h_bytes = 0
+        self.tracer = NULL
         if self.cuda:
             self.stream = torch.cuda.Stream(device)
 
-    def send(self, chunk: Chunk, grad: torch.Tensor, slot: int) -> None:
+    def send(self, chunk: Chunk, grad: torch.Tensor, slot: int, step: int = -1) -> None:
         sq = torch.dot(grad, grad)
         dst = self.slot_view(slot, chunk.numel)
         self.d2h_bytes += chunk.numel * 4
+        t0 = time.time()
         if not self.cuda:
             dst.copy_(grad)
             self.pending.append(_PendingGrad(chunk, slot, sq, None, grad))
+            self.tracer.event(f"grad chunk {chunk.id}", "d2h", step, t0, time.time(), chunk=chunk.id, slot=slot)
             return
         ready = torch.cuda.Event()
         ready.record(torch.cuda.current_stream(self.device))
@@ -140,6 +151,9 @@ class GradOut:
             done.record(self.stream)
         grad.record_stream(self.stream)
         self.pending.append(_PendingGrad(chunk, slot, sq_host, done, grad))
+        if self.tracer.on(step):
+            done.synchronize()
+            self.tracer.event(f"d2h chunk {chunk.id}", "d2h", step, t0, time.time(), chunk=chunk.id, slot=slot)
 
     def landed(self, block: bool = False) -> list[tuple[Chunk, int, float]]:
         """(chunk, slot, squared norm) of every gradient now in host memory, in issue order."""

@@ -15,8 +15,9 @@ hands out gradient slots, announces landed gradients and runs the loss agreement
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Iterator, Protocol
 
 import torch
 
@@ -25,6 +26,7 @@ from .device_state import DeviceResident
 from .loss import chunked_cross_entropy_sum
 from .model import layers as L
 from .model.config import ModelConfig
+from .tracing import NULL, Tracer
 from .store.layout import Chunk, Layout
 
 
@@ -79,6 +81,26 @@ class Engine:
         self.scale = 1.0 / global_tokens  # loss = sum of token losses / global token count
         self._rope: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._resident: dict[int, torch.Tensor] = {}
+        self.tracer: Tracer = NULL
+
+    def set_tracer(self, tracer: Tracer) -> None:
+        self.tracer = self.delivery.tracer = self.grads.tracer = tracer
+
+    @contextmanager
+    def _span(self, name: str, step: int, **args) -> Iterator[None]:
+        """A compute-track span; on a traced CUDA step the device is synchronized around it so the
+        span is the GPU's time, not the launch time (traced steps run slower for it)."""
+        if not self.tracer.on(step):
+            yield
+            return
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize(self.device)
+        t0 = time.time()
+        yield
+        if cuda:
+            torch.cuda.synchronize(self.device)
+        self.tracer.event(name, "compute", step, t0, time.time(), **args)
 
     # ---- helpers ---------------------------------------------------------------------------
     def rope(self, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -116,7 +138,7 @@ class Engine:
     def _send(self, chunk: Chunk, grad: torch.Tensor, step: int) -> None:
         for landed in self.grads.landed():
             self.link.grad_landed(*landed, step)
-        self.grads.send(chunk, grad, self.link.acquire_slot())
+        self.grads.send(chunk, grad, self.link.acquire_slot(), step)
 
     def _flush(self, step: int, block: bool) -> None:
         for landed in self.grads.landed(block=block):
@@ -149,7 +171,8 @@ class Engine:
             for layer in range(cfg.num_layers):
                 p = self._layer_params(layer, step, backward=False)
                 saved.append(xs)
-                xs = [L.decoder_layer(cfg, p, x, rope) for x in xs]
+                with self._span(f"forward layer {layer}", step, layer=layer):
+                    xs = [L.decoder_layer(cfg, p, x, rope) for x in xs]
                 del p
             self.delivery.prefetch(self.units["norm"], step)
             if not tied and "head" not in self.held:
@@ -167,16 +190,17 @@ class Engine:
         head_grad = torch.zeros(head_unit.numel, dtype=torch.float32, device=self.device)
         head_grad_2d = head_grad[:cfg.vocab_size * H].view(cfg.vocab_size, H)
         grads_out: list[torch.Tensor] = []
-        for i, x in enumerate(xs):
-            x = x.detach().requires_grad_(True)
-            h = L.final_norm(cfg, norm_w, x)
-            loss = chunked_cross_entropy_sum(h.reshape(-1, H), head_w, targets_dev[i].reshape(-1),
-                                             self.policy.loss_chunk_tokens)
-            gx, gn, gh = torch.autograd.grad(loss * self.scale, [x, norm_w, head_w])
-            loss_sum += loss.detach()
-            norm_grad[:H] += gn
-            head_grad_2d += gh
-            grads_out.append(gx)
+        with self._span("loss + head backward", step):
+            for i, x in enumerate(xs):
+                x = x.detach().requires_grad_(True)
+                h = L.final_norm(cfg, norm_w, x)
+                loss = chunked_cross_entropy_sum(h.reshape(-1, H), head_w, targets_dev[i].reshape(-1),
+                                                 self.policy.loss_chunk_tokens)
+                gx, gn, gh = torch.autograd.grad(loss * self.scale, [x, norm_w, head_w])
+                loss_sum += loss.detach()
+                norm_grad[:H] += gn
+                head_grad_2d += gh
+                grads_out.append(gx)
         del xs, head_w, norm_w
         times.forward_s = time.perf_counter() - t0
         loss_value = float(loss_sum)
@@ -202,12 +226,13 @@ class Engine:
             p = self._layer_params(layer, step, backward=True)
             leaves = list(p.values())
             acc = torch.zeros(chunk.numel, dtype=torch.float32, device=self.device)
-            for i in range(M):
-                x = saved[layer][i].detach().requires_grad_(True)
-                y = L.decoder_layer(cfg, p, x, rope)
-                got = torch.autograd.grad(y, [x] + leaves, grads_out[i])
-                grads_out[i] = got[0]
-                accumulate(acc, chunk, dict(zip(p.keys(), got[1:])), f"model.layers.{layer}.", first=(i == 0))
+            with self._span(f"backward layer {layer}", step, layer=layer):
+                for i in range(M):
+                    x = saved[layer][i].detach().requires_grad_(True)
+                    y = L.decoder_layer(cfg, p, x, rope)
+                    got = torch.autograd.grad(y, [x] + leaves, grads_out[i])
+                    grads_out[i] = got[0]
+                    accumulate(acc, chunk, dict(zip(p.keys(), got[1:])), f"model.layers.{layer}.", first=(i == 0))
             saved[layer] = []
             del p, leaves
             self._send(chunk, acc, step)
@@ -244,8 +269,9 @@ class Engine:
             self._flush(step, block=True)  # the global norm needs every host gradient out
             norm = self.link.wait_norm(step)
             coef = min(1.0, self.policy.max_grad_norm / (norm + 1e-6))
-        for name, g in grads.items():
-            self.held[name].update(g, step, coef)
+        with self._span("device AdamW (embedding/head)", step):
+            for name, g in grads.items():
+                self.held[name].update(g, step, coef)
 
     def _send_rows(self, unit: Unit, full_grad: torch.Tensor, step: int) -> None:
         """Send a unit's flat gradient as its row-block chunks (one contiguous range each)."""

@@ -24,9 +24,12 @@ class JobRecord:
     reduce_slots: int = 3
     updaters: int = 0  # processes the aggregator must hear from before the job starts (0: those connected)
     device_chunks: tuple[int, ...] = ()  # chunks the workers hold on their devices (their AdamW runs there)
+    run_dir: str = ""  # where the daemons write their trace events
+    trace_steps: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "device_chunks", tuple(self.device_chunks))
+        object.__setattr__(self, "trace_steps", tuple(self.trace_steps))
         if self.world < 1:
             raise ValueError(f"job record: world must be >= 1, got {self.world}")
         TrainSection(**self.train)  # validates

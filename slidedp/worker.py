@@ -33,6 +33,7 @@ from .protocol import (CONTROL_STOP, ROLE_WORKER, SLOT_DEVICE, Control, Credit, 
 from .store.layout import Chunk
 from .store.rings import GradRings
 from .store.store import HostStore
+from .tracing import NULL, Tracer
 from .transport import PeerTimeout, connect_dealer, identity, recv_dealer, send
 
 log = slog.get("worker")
@@ -51,6 +52,8 @@ class WorkerLink:
         self.go: dict[int, Go] = {}
         self.norms: dict[int, float] = {}
         self.waits = {"version": 0.0, "slot": 0.0, "loss": 0.0}
+        self.tracer = NULL
+        self.step = -1
         self.stop_after: int | None = None
 
     def pump(self, timeout_ms: int) -> None:
@@ -72,6 +75,7 @@ class WorkerLink:
 
     def _wait(self, done, what: str, kind: str) -> None:
         t0 = time.perf_counter()
+        wall0 = time.time()
         deadline = time.monotonic() + self.timeout_s
         while not done():
             if time.monotonic() > deadline:
@@ -79,6 +83,7 @@ class WorkerLink:
                                   f"raise runtime.timeout_s if the host is merely slow")
             self.pump(20)
         self.waits[kind] += time.perf_counter() - t0
+        self.tracer.event(f"wait {kind}", "wait", self.step, wall0, time.time(), what=what)
 
     def wait_ready(self, unit: Unit, step: int) -> None:
         versions = self.store.manifest.versions
@@ -190,6 +195,9 @@ def run(args: argparse.Namespace) -> int:
     engine = Engine(cfg, layout, master, device, dtype, link, lambda slot, numel: rings.slot(rank, slot, numel),
                     t.global_batch * t.seq_len, policy, held)
     done_steps = args.start
+    tracer = Tracer(Path(args.job).parent, f"worker{rank}", job.run.traced)
+    engine.set_tracer(tracer)
+    link.tracer = tracer
     mbs = args.micro_batch or t.micro_batch
     micro = t.global_batch // world // mbs
     profile_step = int(os.environ.get("SLIDEDP_PROFILE_STEP", "-1"))
@@ -207,6 +215,7 @@ def run(args: argparse.Namespace) -> int:
                 torch.cuda.reset_peak_memory_stats(device)
             t0 = time.perf_counter()
             link.waits = dict.fromkeys(link.waits, 0.0)
+            link.step = step
             h2d0 = engine.delivery.h2d_bytes
             seqs = torch.from_numpy(rank_slice(batches.batch(step), rank, world).astype(np.int64))
             seqs = seqs.view(micro, mbs, t.seq_len + 1)
@@ -248,6 +257,7 @@ def run(args: argparse.Namespace) -> int:
                 h.write_back(done_steps, release=True)
         if dist.is_initialized():
             dist.destroy_process_group()
+        tracer.close()
         reg.unregister()
         agg.close(linger=2000)
         job_sock.close(linger=2000)
