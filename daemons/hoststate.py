@@ -218,6 +218,23 @@ class HostStateCore:
             self.store.close()
 
 
+# Requests whose work grows with the model (touching pages, writing or reading a checkpoint,
+# creating or unmapping the gradient rings): they run under the watchdog's keepalive thread,
+# so a 100 GB store does not look hung to systemd. Each is finite: no wait on a peer.
+LONG_REQUESTS = frozenset({"create", "attach", "checkpoint", "restore", "destroy"})
+
+
+def _handle(core: HostStateCore, watchdog: Watchdog, kind: str, args: dict[str, Any]) -> dict[str, Any]:
+    if kind not in LONG_REQUESTS:
+        return core.handle(kind, args)
+    with watchdog.keepalive():
+        notify(f"STATUS={kind} of store {core.name} in progress")
+        try:
+            return core.handle(kind, args)
+        finally:
+            notify(f"STATUS=serving store {core.name}")
+
+
 class _Stop:
     requested = False
 
@@ -253,7 +270,7 @@ def serve(store_name: str, exit_when_idle: bool = False) -> int:
                 if req.name == "shutdown":
                     send(sock, Reply(1, json.dumps({"pid": os.getpid()})), to=peer)
                     break
-                result = core.handle(req.name, args)
+                result = _handle(core, watchdog, req.name, args)
                 reply = Reply(1, json.dumps(result))
             except (RequestError, StoreError, ckpt.CheckpointError, ValueError, KeyError, OSError, RuntimeError) as e:
                 msg = str(e) if not isinstance(e, KeyError) else f"missing argument {e.args[0]!r}"

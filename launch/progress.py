@@ -1,68 +1,230 @@
-"""What the user sees while a job runs: one line per step, and metrics.jsonl in the run dir."""
+"""What the user sees while a job runs: a progress line per step, and metrics.jsonl in the run dir.
+
+On a terminal, one progress bar redrawn in place; anywhere else (journald, CI, a pipe) plain
+`key=value` lines that grep and awk read. Every committed step appends one JSON object to
+<run dir>/metrics.jsonl; METRICS below is its schema, the one place that says what each key
+holds (a test checks every line of a real run against it).
+"""
 
 from __future__ import annotations
 
 import json
+import logging
 import math
+import shutil
 import sys
 import time
+from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import Any, TextIO
 
 import psutil
 
 from slidedp.protocol import StepDone, WorkerStats
 from slidedp.store.shm import list_store_segments
 
+log = logging.getLogger("slidedp.launcher")
+
+
+@dataclass(frozen=True)
+class MetricField:
+    type: type  # int, float, bool
+    meaning: str
+    nullable: bool = False
+    over_ranks: str = ""  # a WorkerStats field: how the ranks' values combine ("max" or "sum")
+
+
+# One record per committed step. Times are seconds; "busy" is time a resource worked for
+# the step, "wait_*" is time a worker stood still (exposed, not hidden behind compute).
+METRICS: dict[str, MetricField] = {
+    "step": MetricField(int, "the optimizer step that committed (0-based)"),
+    "time": MetricField(float, "wall clock (Unix seconds) when the launcher saw the step commit"),
+    "loss": MetricField(float, "mean loss over every target token of the global batch; null if not finite", True),
+    "grad_norm": MetricField(float, "global gradient norm before clipping; null if not finite", True),
+    "lr": MetricField(float, "learning rate of the step"),
+    "skipped": MetricField(bool, "the step was skipped everywhere (a rank saw a non-finite loss)"),
+    "tokens": MetricField(int, "target tokens per step (global_batch x seq_len)"),
+    "step_s": MetricField(float, "time between this commit and the previous one (the first includes start-up)"),
+    "tokens_per_s": MetricField(float, "tokens / step_s", True),
+    "worker_step_s": MetricField(float, "the slowest rank's own step time (forward to last gradient sent)"),
+    "predicted_step_s": MetricField(float, "the plan's predicted step time; null on CPU (no plan)", True),
+    "ranks": MetricField(int, "ranks whose stats arrived for the step"),
+    "forward_s": MetricField(float, "forward time, slowest rank", True, "max"),
+    "backward_s": MetricField(float, "backward time (recompute included), slowest rank", True, "max"),
+    "wait_version_s": MetricField(float, "time blocked until a chunk's update landed (updaters behind)", True, "max"),
+    "wait_slot_s": MetricField(float, "time blocked for a free gradient slot (aggregator/updaters behind)", True, "max"),
+    "wait_loss_s": MetricField(float, "time blocked on the other ranks' loss (non-finite check)", True, "max"),
+    "h2d_bytes": MetricField(int, "bytes copied host to device, all ranks", True, "sum"),
+    "gpu_peak_bytes": MetricField(int, "peak GPU memory allocated by one rank (0 on CPU)", True, "max"),
+    "update_busy_s": MetricField(float, "updater busy time of the step's chunks, summed over processes"),
+    "reduce_busy_s": MetricField(float, "aggregator busy time summing the step's gradients"),
+    "host_rss_bytes": MetricField(int, "private resident memory of the launcher and all its child processes "
+                                       "(the shared store is counted once, in shm_bytes)"),
+    "shm_bytes": MetricField(int, "bytes of the store's shared-memory segments (state, manifest, gradient rings)"),
+}
+
+
+def check_record(record: dict[str, Any]) -> list[str]:
+    """What is wrong with one metrics.jsonl record against METRICS ([] when nothing)."""
+    problems = [f"unknown key {k!r}" for k in record if k not in METRICS]
+    for key, f in METRICS.items():
+        if key not in record:
+            problems.append(f"missing key {key!r}")
+            continue
+        v = record[key]
+        if v is None:
+            if not f.nullable:
+                problems.append(f"{key} is null")
+            continue
+        ok = isinstance(v, bool) if f.type is bool else (
+            isinstance(v, (int, float) if f.type is float else f.type) and not isinstance(v, bool))
+        if not ok:
+            problems.append(f"{key} = {v!r} is not {f.type.__name__}")
+        elif f.type is float and not math.isfinite(v):
+            problems.append(f"{key} = {v!r} is not finite")
+    return problems
+
+
+def process_tree_private_bytes(pid: int | None = None) -> int:
+    """Private resident memory (RSS minus file-backed and shared pages) of a process and its descendants.
+
+    RSS alone would count the store once per process that maps it; shm_bytes counts it once.
+    """
+    try:
+        root = psutil.Process(pid)
+        procs = [root] + root.children(recursive=True)
+    except psutil.Error:
+        return 0
+    total = 0
+    for p in procs:
+        try:
+            m = p.memory_info()
+        except psutil.Error:  # exited between the listing and the read
+            continue
+        total += max(0, m.rss - getattr(m, "shared", 0))
+    return total
+
+
+def _finite(x: float) -> float | None:
+    return x if math.isfinite(x) else None
+
+
+def make_record(step: int, done: StepDone, stats: dict[int, WorkerStats], lr: float, tokens: int, step_s: float,
+                predicted_step_s: float | None, host_private: int, shm: int) -> dict[str, Any]:
+    worker_fields = {f.name for f in fields(WorkerStats)}
+    record: dict[str, Any] = {
+        "step": step, "time": time.time(), "loss": _finite(done.loss), "grad_norm": _finite(done.grad_norm),
+        "lr": lr, "skipped": bool(done.skipped), "tokens": tokens, "step_s": step_s,
+        "tokens_per_s": tokens / step_s if step_s > 0 else None,
+        "worker_step_s": max((s.step_s for s in stats.values()), default=step_s),
+        "predicted_step_s": predicted_step_s, "ranks": len(stats),
+        "update_busy_s": done.update_s, "reduce_busy_s": done.reduce_s,
+        "host_rss_bytes": host_private, "shm_bytes": shm,
+    }
+    for key, f in METRICS.items():
+        if f.over_ranks and key in worker_fields:
+            values = [getattr(s, key) for s in stats.values()]
+            record[key] = (sum(values) if f.over_ranks == "sum" else max(values)) if values else None
+    return record
+
+
+def _clock(seconds: float) -> str:
+    s = int(round(seconds))
+    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"
+
+
+def _rate(x: float | None) -> str:
+    if x is None:
+        return "-"
+    return f"{x / 1e6:.2f}M" if x >= 1e6 else f"{x / 1e3:.1f}k" if x >= 1e4 else f"{x:.0f}"
+
 
 class Progress:
-    def __init__(self, store: str, tokens_per_step: int, stream=sys.stdout) -> None:
+    """Follows the committed steps: metrics.jsonl, a progress bar (terminal) or key=value lines (anything else)."""
+
+    def __init__(self, store: str, tokens_per_step: int, stream: TextIO | None = None, log_every: int = 1) -> None:
         self.store = store
         self.tokens_per_step = tokens_per_step
-        self.stream = stream
-        self.metrics = None
-        self.t_last = time.perf_counter()
+        self.stream = stream or sys.stdout
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self.log_every = max(1, log_every)
+        self.metrics: TextIO | None = None
+        self.run_dir: Path | None = None
+        self.t_launch = self.t_begin = self.t_last = time.perf_counter()
         self.start = self.end_step = 0
+        self.first: list[float] = []
+        self.recent: list[float] = []
         self.predicted_step_s: float | None = None
+        self._bar_drawn = False
 
     def begin(self, start: int, end: int, run_dir: Path) -> None:
-        self.start, self.end_step = start, end
+        self.start, self.end_step, self.run_dir = start, end, run_dir
         self.metrics = open(run_dir / "metrics.jsonl", "a")
         self.t_begin = self.t_last = time.perf_counter()
+
+    def eta_s(self, step: int) -> float:
+        """Seconds left at the mean of the last ten step times (the first, which holds start-up, once others exist)."""
+        recent = self.recent[-10:] or self.first
+        per = sum(recent) / len(recent) if recent else 0.0
+        return max(0, self.end_step - step - 1) * per
 
     def step(self, step: int, done: StepDone, stats: dict[int, WorkerStats], lr: float) -> None:
         now = time.perf_counter()
         step_s = now - self.t_last
         self.t_last = now
+        if step == self.start:
+            log.info("first step committed %.2f s after launch (start-up, worker start and step %d)",
+                     now - self.t_launch, step)
+        if step == self.start:
+            self.first = [step_s]
+        else:
+            self.recent = (self.recent + [step_s])[-10:]
         shm = sum(size for _, size in list_store_segments().get(self.store, []))
-        worker_step = max((s.step_s for s in stats.values()), default=step_s)
-        record = {
-            "step": step, "loss": done.loss, "lr": lr,
-            "grad_norm": done.grad_norm if math.isfinite(done.grad_norm) else None,
-            "skipped": bool(done.skipped), "tokens": self.tokens_per_step,
-            "step_s": step_s, "worker_step_s": worker_step, "predicted_step_s": self.predicted_step_s,
-            "tokens_per_s": self.tokens_per_step / step_s if step_s > 0 else None,
-            "forward_s": max((s.forward_s for s in stats.values()), default=None),
-            "backward_s": max((s.backward_s for s in stats.values()), default=None),
-            "wait_version_s": max((s.wait_version_s for s in stats.values()), default=None),
-            "wait_slot_s": max((s.wait_slot_s for s in stats.values()), default=None),
-            "wait_loss_s": max((s.wait_loss_s for s in stats.values()), default=None),
-            "h2d_bytes": sum(s.h2d_bytes for s in stats.values()),
-            "gpu_peak_bytes": max((s.gpu_peak_bytes for s in stats.values()), default=0),
-            "host_rss_bytes": psutil.Process().memory_info().rss,
-            "shm_bytes": shm,
-            "update_busy_s": done.update_s,
-            "reduce_busy_s": done.reduce_s,
-        }
+        record = make_record(step, done, stats, lr, self.tokens_per_step, step_s, self.predicted_step_s,
+                             process_tree_private_bytes(), shm)
         if self.metrics is not None:
             self.metrics.write(json.dumps(record) + "\n")
             self.metrics.flush()
-        left = self.end_step - step - 1
-        eta = left * (now - self.t_begin) / max(1, step - self.start + 1)
-        print(f"step {step + 1}/{self.end_step} loss={done.loss:.4f} grad_norm={done.grad_norm:.3f} lr={lr:.2e} "
-              f"tokens/s={record['tokens_per_s']:.0f} step_s={step_s:.3f} eta={eta:.0f}s"
-              + (" SKIPPED(non-finite loss)" if done.skipped else ""), file=self.stream, flush=True)
+        eta = self.eta_s(step)
+        last = step + 1 >= self.end_step
+        if self.tty:
+            self._draw(step, record, eta, last)
+        elif done.skipped or last or (step + 1 - self.start) % self.log_every == 0:
+            self._line(step, record, eta)
+
+    def _line(self, step: int, r: dict[str, Any], eta: float) -> None:
+        def num(x: float | None, fmt: str) -> str:
+            return "nan" if x is None else format(x, fmt)
+
+        print(f"step={step + 1} steps={self.end_step} loss={num(r['loss'], '.4f')} "
+              f"grad_norm={num(r['grad_norm'], '.4f')} lr={r['lr']:.3e} tokens_per_s={num(r['tokens_per_s'], '.0f')} "
+              f"step_s={r['step_s']:.3f} eta_s={eta:.0f}" + (" skipped=1" if r["skipped"] else ""),
+              file=self.stream, flush=True)
+
+    def _draw(self, step: int, r: dict[str, Any], eta: float, last: bool) -> None:
+        done_n, total = step + 1, max(1, self.end_step)
+        loss = "nan" if r["loss"] is None else f"{r['loss']:.4f}"
+        text = (f" {done_n}/{total} loss {loss} {_rate(r['tokens_per_s'])} tok/s "
+                f"{r['step_s']:.2f} s/step ETA {_clock(eta)}")
+        width = shutil.get_terminal_size((100, 24)).columns
+        bar_w = max(10, min(40, width - len(text) - 3))
+        fill = bar_w * done_n // total
+        line = f"[{'#' * fill}{'.' * (bar_w - fill)}]{text}"[:max(20, width - 1)]
+        if r["skipped"]:  # a permanent line, then the bar again below it
+            self.stream.write(f"\r\x1b[Kstep {done_n} skipped: a rank saw a non-finite loss\n")
+        self.stream.write(f"\r\x1b[K{line}" + ("\n" if last else ""))
+        self.stream.flush()
+        self._bar_drawn = not last
 
     def end(self) -> None:
+        if self._bar_drawn:  # leave the cursor on a fresh line for what follows
+            self.stream.write("\n")
+            self.stream.flush()
+            self._bar_drawn = False
         if self.metrics is not None:
             self.metrics.close()
             self.metrics = None
+        if self.run_dir is not None and (self.run_dir / "trace").is_dir():
+            from .tracefile import merge_and_check
+
+            merge_and_check(self.run_dir)

@@ -10,12 +10,21 @@ import argparse
 import json
 import sys
 
+from slidedp.daemonlock import holder_pid
 from slidedp.store.client import StoreRequestError, call, daemon_running
 from slidedp.store.shm import list_store_segments
 
 
-def _gib(n: int) -> str:
-    return f"{n / 2**30:.3f} GiB"
+def human_bytes(n: int) -> str:
+    """1023 B, 12.0 KiB, 418.2 MiB, 83.52 GiB: readable at every store size (a tiny store is kilobytes)."""
+    if n < 1024:
+        return f"{n} B"
+    value = float(n)
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
+        value /= 1024
+        if value < 1024:
+            break
+    return f"{value:.{2 if unit in ('GiB', 'TiB') else 1}f} {unit}"
 
 
 def print_status(st: dict) -> None:
@@ -26,7 +35,9 @@ def print_status(st: dict) -> None:
     print(f"  daemon          {'running (pid %d)' % st['daemon_pid'] if st.get('daemon') else 'none running'}")
     print(f"  model           {st['model']} ({st['family']}), {st['parameters']:,} parameters, {st['chunks']} chunks")
     for kind, size in st["segments"].items():
-        print(f"  segment {kind:<9} {_gib(size)}")
+        print(f"  segment {kind:<11}{human_bytes(size):>11}  ({size:,} bytes)")
+    total = sum(st["segments"].values())
+    print(f"  {'total':<19}{human_bytes(total):>11}  ({total:,} bytes)")
     print(f"  bytes/parameter {st['bytes_per_parameter']}")
     print(f"  committed step  {st['committed_step']}")
     print(f"  state           {'TORN: ' + st['torn'] if st.get('torn') else 'clean'}")
@@ -66,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
             if not stores:
                 print("no stores")
             for name, segs in stores.items():
-                print(f"{name}\t{_gib(sum(s for _, s in segs))}\t{'daemon' if daemon_running(name) else 'no daemon'}")
+                print(f"{name}\t{human_bytes(sum(s for _, s in segs))}\t{'daemon' if daemon_running(name) else 'no daemon'}")
             return 0
         if args.cmd == "create":
             if args.model.startswith("random:"):
@@ -76,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
                 src = {"source": "hf", "path": args.model}
             st = call(args.store, "create", chunk_rows=args.chunk_rows, shadow_bf16=args.shadow_bf16, **src)
             print(f"created store {args.store} in {st['create_s']:.2f} s (page touch {st['touch_gbps']:.2f} GB/s)")
-            print_status(dict(st, daemon=daemon_running(args.store), daemon_pid=st.get("daemon_pid", 0)))
+            print_status(dict(st, daemon=daemon_running(args.store), daemon_pid=holder_pid(args.store, "hoststate")))
         elif args.cmd == "status":
             st = call(args.store, "status")
             st["daemon"] = daemon_running(args.store)
@@ -91,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"store {args.store} restored to step {out['step']}")
         elif args.cmd == "destroy":
             out = call(args.store, "destroy", force=args.force)
+            if out.get("unreadable"):
+                print(f"store {args.store} could not be read ({out['unreadable']}); removed its segments anyway")
             print(f"store {args.store} destroyed ({len(out['removed'])} segments removed)")
     except (StoreRequestError, ValueError, OSError) as e:
         print(f"slidedp-store: error: {e}", file=sys.stderr)

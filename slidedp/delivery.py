@@ -21,6 +21,9 @@ from .store.store import member_view
 from .tracing import NULL
 
 
+STAGING_ELEMENTS = 32 << 20  # fp32 staging piece for the device-side cast: 128 MiB
+
+
 @dataclass(frozen=True)
 class Unit:
     """What one fetch delivers: a contiguous range of the flat space covering whole chunks."""
@@ -67,10 +70,9 @@ class ParamDelivery:
         self.h2d_bytes = 0
         self.tracer = NULL
         self._inflight: dict[tuple[str, int], tuple[torch.Tensor, torch.cuda.Event | None]] = {}
+        self._staging: torch.Tensor | None = None
         if self.cuda:
             self.stream = torch.cuda.Stream(device)
-            self._free: list[torch.Tensor] = []
-            self._max = max_unit_numel
 
     def _issue(self, unit: Unit, step: int) -> None:
         key = (unit.name, step)
@@ -86,15 +88,28 @@ class ParamDelivery:
             self.tracer.event(f"fetch {unit.name}", "h2d", step, t0, time.time(), bytes=src.numel() * 4)
             return
         with torch.cuda.stream(self.stream), torch.autograd.profiler.record_function(f"h2d:{unit.name}"):
-            staging = torch.empty(unit.numel, dtype=torch.float32, device=self.device)
-            staging.copy_(src, non_blocking=True)
-            out = staging if self.dtype == torch.float32 else staging.to(self.dtype)
+            if self.dtype == torch.float32:
+                out = torch.empty(unit.numel, dtype=torch.float32, device=self.device)
+                out.copy_(src, non_blocking=True)
+            else:  # fp32 arrives through a fixed staging piece and is cast on the device piece by piece,
+                # so a big unit (the whole embedding) never needs a second, fp32-sized device buffer
+                out = torch.empty(unit.numel, dtype=self.dtype, device=self.device)
+                staging = self._staging_buffer()
+                for a in range(0, unit.numel, staging.numel()):
+                    k = min(staging.numel(), unit.numel - a)
+                    staging[:k].copy_(src[a:a + k], non_blocking=True)
+                    out[a:a + k].copy_(staging[:k])
             event = torch.cuda.Event()
             event.record(self.stream)
         if self.tracer.on(step):  # traced step: wait for the copy so the span is its real duration
             self.stream.synchronize()
             self.tracer.event(f"h2d {unit.name}", "h2d", step, t0, time.time(), bytes=src.numel() * 4)
         self._inflight[key] = (out, event)
+
+    def _staging_buffer(self) -> torch.Tensor:
+        if self._staging is None:  # allocated on the copy stream, reused only there: ordered by it
+            self._staging = torch.empty(STAGING_ELEMENTS, dtype=torch.float32, device=self.device)
+        return self._staging
 
     def prefetch(self, unit: Unit, step: int) -> None:
         self._issue(unit, step)

@@ -187,6 +187,9 @@ def workspace_bytes_per_token(model: ModelConfig, compute_dtype: str) -> int:
     return (4 * h + 2 * q + 2 * kv + 4 * i) * dtype_bytes(compute_dtype)
 
 
+STAGING_BYTES = (32 << 20) * 4  # slidedp.delivery.STAGING_ELEMENTS fp32
+
+
 def gpu_memory_items(
     model: ModelConfig, *, tokens: int, seq_len: int, micro_batch: int, world: int, delivery: str,
     activations: str, embedding: str, prefetch_depth: int, resident_layers: int, chunk_rows: int,
@@ -199,11 +202,13 @@ def gpu_memory_items(
     h, v = model.hidden_size, model.vocab_size
     p_layer = layer_params(model)
     p_chunk = max(p_layer, min(chunk_rows, v) * h)  # largest streamed chunk
-    # a slot holds the delivered copy and, if it differs from the compute dtype, its cast
-    slot = p_chunk * (db + (cb if db != cb else 0))
+    # a slot holds the chunk in the compute dtype; fp32 that must be cast arrives through one
+    # fixed staging piece (slidedp/delivery.py, STAGING_ELEMENTS), not a second full-size buffer
+    slot = p_chunk * max(db, cb)
+    staging = STAGING_BYTES if db != cb else 0
     act = activation_bytes(model, tokens, compute_dtype)
     items: list[tuple[str, int]] = [
-        ("parameter slots", (prefetch_depth + 1) * slot),
+        ("parameter slots", (prefetch_depth + 1) * slot + staging),
         ("resident layers", resident_layers * p_layer * cb),
         # one chunk accumulating in fp32, one draining over D2H, plus autograd's compute-dtype grad
         ("chunk gradients", p_chunk * (2 * GRAD_BYTES + cb)),

@@ -8,14 +8,16 @@ from __future__ import annotations
 
 import json
 import os
-from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any
 
 import zmq
 
 from .. import daemonlock
 from ..protocol import Reply, request
 from ..transport import request as zmq_request
+from .manifest import ManifestError
+from .shm import unlink_store
+from .store import StoreError
 
 
 class StoreRequestError(RuntimeError):
@@ -26,16 +28,29 @@ def daemon_running(store: str) -> bool:
     return daemonlock.held(store, "hoststate")
 
 
-@contextmanager
-def _in_process(store: str) -> Iterator[Any]:
+# What serving a request in this process can raise that the daemon sends back as a refusal
+# (daemons/hoststate.py `serve`): the same errors give the same StoreRequestError either way.
+_REFUSALS = (RuntimeError, ValueError, KeyError, OSError)
+
+
+def _serve_here(store: str, kind: str, args: dict[str, Any]) -> dict[str, Any]:
     from slidedp.daemons.hoststate import HostStateCore
 
     fd = daemonlock.acquire(store, "hoststate")  # keeps a daemon from starting while we work on the segments
-    core = HostStateCore(store)
     try:
-        yield core
+        try:
+            core = HostStateCore(store)
+        except (StoreError, ManifestError) as e:  # segments there but not attachable: corrupt or incomplete
+            if kind == "destroy":  # its only way out, so it must not need an attach
+                return {"removed": unlink_store(store), "unreadable": str(e)}
+            raise StoreRequestError(f"{e} (`slidedp-store destroy {store}` removes it)") from None
+        try:
+            return core.handle(kind, args)
+        except _REFUSALS as e:
+            raise StoreRequestError(str(e) if not isinstance(e, KeyError) else f"missing argument {e.args[0]!r}") from None
+        finally:
+            core.close()
     finally:
-        core.close()
         os.close(fd)
 
 
@@ -47,10 +62,4 @@ def call(store: str, kind: str, timeout_s: float = 600.0, **args: Any) -> dict[s
         if not reply.ok:
             raise StoreRequestError(reply.text)
         return json.loads(reply.text)
-    from slidedp.daemons.hoststate import RequestError
-
-    with _in_process(store) as core:
-        try:
-            return core.handle(kind, args)
-        except RequestError as e:
-            raise StoreRequestError(str(e)) from None
+    return _serve_here(store, kind, args)
