@@ -1,6 +1,7 @@
 """slidedp-launch: run a fine-tuning job.
 
     slidedp-launch [--gpus N] [--device cuda|cpu] [--set section.key=value ...] job.toml
+    slidedp-launch --dry-run job.toml   # check everything a run needs, start and create nothing
 
 Starts the store's daemons as children when none run (the embedded default), otherwise
 attaches to them; spawns one worker per rank; exits non-zero on failure.
@@ -30,6 +31,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--resume", help="'latest' or a checkpoint path (sets checkpoint.resume)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a job-file value")
     p.add_argument("--plan", action="store_true", help="print the plan (chunking, memory, predicted step time) and exit")
+    p.add_argument("--dry-run", action="store_true",
+                   help="check the job file, model, data, store space, resume checkpoint and plan; start nothing; "
+                        "exit 0 if a run would start cleanly, 1 otherwise")
     return p.parse_args(argv)
 
 
@@ -70,11 +74,19 @@ def main(argv: list[str] | None = None) -> int:
     try:
         job = load_job(args.job, overrides(args))
     except ConfigError as e:
+        if args.dry_run:
+            print(f"job        {args.job}\n{'':<11}PROBLEM: {e}\ndry run: 1 problem(s) a run would hit; nothing was "
+                  f"started or created")
+            return 1
         print(f"slidedp-launch: error: {e}", file=sys.stderr)
         return 2
+    if args.dry_run:
+        from .dryrun import dry_run
+
+        return dry_run(job, Path(args.job))
     if args.plan:
         return print_plan(job)
-    progress = Progress(job.store_name, job.train.global_batch * job.train.seq_len)
+    progress = Progress(job.store_name, job.train.global_batch * job.train.seq_len, log_every=job.run.log_every)
     return run_job(job, Path(args.job), progress)
 
 

@@ -12,7 +12,8 @@ fi
 VPY=.venv/bin/python
 if ! "$VPY" -c "import torch" 2>/dev/null; then
   echo "setup: installing ${SLIDEDP_TORCH:-torch==2.13.0}"
-  "$VPY" -m pip install -q --disable-pip-version-check "${SLIDEDP_TORCH:-torch==2.13.0}"
+  "$VPY" -m pip install -q --disable-pip-version-check "${SLIDEDP_TORCH:-torch==2.13.0}" 2>&1 | grep -v "^WARNING: Location" || true
+  "$VPY" -c "import torch" || { echo "setup: torch did not install" >&2; exit 1; }
 fi
 echo "setup: installing slidedp and its test extras"
 "$VPY" -m pip install -q --disable-pip-version-check -e ".[test,report]" 2>&1 | grep -v "^WARNING: Location" || true

@@ -107,9 +107,17 @@ class RunningJob:
             self.note_pids()
             time.sleep(0.02)
 
-    def wait_step(self, n: int, timeout: float = 120.0) -> None:
-        """Until the launcher printed `step n/...` (n steps committed)."""
-        self.wait_for(rf"^step {n}/\d+ ", timeout)
+    def wait_step(self, n: int, run_dir: Path, timeout: float = 120.0) -> None:
+        """Until run_dir/metrics.jsonl holds n lines (n steps committed and reported by the launcher)."""
+        path = run_dir / "metrics.jsonl"
+        deadline = time.monotonic() + timeout
+        while not (path.exists() and path.read_text().count("\n") >= n):
+            if self.proc.poll() is not None:
+                raise AssertionError(f"launcher exited ({self.proc.returncode}) before step {n}:\n{self.output[-6000:]}")
+            if time.monotonic() > deadline:
+                raise AssertionError(f"step {n} not reached within {timeout:.0f} s:\n{self.output[-6000:]}")
+            self.note_pids()
+            time.sleep(0.01)
 
     def wait_exit(self, timeout: float = 120.0) -> int:
         try:

@@ -1,0 +1,356 @@
+"""slidedp-launch --dry-run job.toml: check everything a run would trip over, in seconds, touching nothing.
+
+It reads what a run reads (job file, model folder, data, an existing store's manifest, the
+resume checkpoint, on CUDA the plan) but starts no daemon and creates no segment, run
+directory or checkpoint. It prints what the run would do and every problem found, each
+naming what to fix; exit status 0 when a run would start cleanly, 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator, TextIO
+
+import psutil
+
+from slidedp import daemonlock, paths
+from slidedp.config import JobConfig, model_config
+from slidedp.model.config import ModelConfig
+from slidedp.store import checkpoint as ckpt
+from slidedp.store.layout import Layout, make_layout
+from slidedp.store.manifest import Manifest
+from slidedp.store.rings import rings_bytes
+from slidedp.store.shm import SHM_DIR, list_store_segments, segment_name, shm_free_bytes
+from slidedp.store.store import segment_sizes
+
+GiB = 2**30
+# What a check can raise for bad input: ConfigError, DataError, ModelConfigError (ValueError);
+# CheckpointError, StoreError, ManifestError (RuntimeError); missing or unreadable files (OSError).
+_BAD_INPUT = (OSError, ValueError, RuntimeError, KeyError)
+
+
+def ring_slots(job: JobConfig, cfg: ModelConfig) -> int:
+    """Gradient slots per rank: store.grad_slots, or auto (as launch/jobrun.py picks them)."""
+    return job.store.grad_slots or max(3, min(16, cfg.num_layers // 3))
+
+
+def _size(n: float) -> str:
+    return f"{n / GiB:.2f} GiB" if n >= GiB / 10 else f"{n / 2**20:.1f} MiB"
+
+
+def _alive(pid: int) -> bool:
+    return pid > 0 and psutil.pid_exists(pid)
+
+
+def writable_dir(path: Path) -> str | None:
+    """Why `path` could not be created or written as a directory (None if it can)."""
+    p = path
+    while not p.exists():
+        if p.parent == p:
+            break
+        p = p.parent
+    if not p.is_dir():
+        return f"{p} is not a directory, so {path} cannot be created"
+    if not os.access(p, os.W_OK | os.X_OK):
+        return f"{p} is not writable by this user, so {path} cannot be {'written' if p == path else 'created'}"
+    return None
+
+
+def _existing_ancestor(path: Path) -> Path:
+    while not path.exists() and path.parent != path:
+        path = path.parent
+    return path
+
+
+@dataclass
+class DryRun:
+    job: JobConfig
+    job_path: Path
+    out: TextIO = sys.stdout
+    problems: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    cfg: ModelConfig | None = None
+    layout: Layout | None = None
+    start: int = 0
+
+    _topic: str = ""  # the topic whose lines are being printed
+
+    def say(self, topic: str, text: str) -> None:
+        self._topic = topic or self._topic
+        print(f"{topic:<11}{text}", file=self.out)
+
+    def _flag(self, topic: str, kind: str, text: str) -> None:
+        label = "" if topic == self._topic else topic  # a check that failed before saying anything
+        self._topic = topic
+        print(f"{label:<11}{kind}: {text}", file=self.out)
+
+    def problem(self, topic: str, text: str) -> None:
+        self.problems.append(f"{topic}: {text}")
+        self._flag(topic, "PROBLEM", text)
+
+    def warn(self, topic: str, text: str) -> None:
+        self.warnings.append(f"{topic}: {text}")
+        self._flag(topic, "warning", text)
+
+    @contextmanager
+    def check(self, topic: str) -> Iterator[None]:
+        try:
+            yield
+        except _BAD_INPUT as e:
+            self.problem(topic, str(e) or type(e).__name__)
+
+    # ---- the checks, in the order a run meets them -----------------------------------------------
+    def run_dir(self) -> None:
+        job = self.job
+        self.say("job", f"{job.run.name} ({self.job_path}); store {job.store_name!r}; run dir {job.run_dir}")
+        why = writable_dir(job.run_dir)
+        if why:
+            self.problem("job", f"{why}; set run.dir to a writable directory")
+        elif (job.run_dir / "metrics.jsonl").exists():
+            self.say("", f"{job.run_dir / 'metrics.jsonl'} exists: this run appends to it")
+
+    def model(self) -> None:
+        m = self.job.model
+        with self.check("model"):
+            cfg = model_config(self.job)
+            if m.source == "hf":
+                from slidedp.model import hf
+
+                hf.check_folder(m.path, cfg)
+            self.cfg, self.layout = cfg, make_layout(cfg)
+            what = f"random:{m.shape}" if m.source == "random" else m.path
+            self.say("model", f"{what}: {cfg.family}, {cfg.num_layers} layers, vocabulary {cfg.vocab_size:,}, "
+                              f"{cfg.num_parameters():,} parameters in {len(self.layout.chunks)} chunks")
+
+    def data(self) -> None:
+        from slidedp.data import Batches, TokenStream
+
+        if self.cfg is None:
+            self.say("data", "not checked: it needs the model's vocabulary (see the model's problem)")
+            return
+        job, t = self.job, self.job.train
+        t0 = time.perf_counter()
+        with self.check("data"):
+            stream = TokenStream.from_section(job.data, self.cfg.vocab_size)  # every id < vocab
+            batches = Batches(stream, t.seq_len, t.global_batch, job.data.shuffle, job.data.seed)
+            epochs = t.steps * t.global_batch / batches.num_sequences
+            self.say("data", f"{job.data.path} ({job.data.format}): {len(stream):,} tokens, {batches.num_sequences:,} "
+                             f"sequences of {t.seq_len}; {t.steps} steps x {t.global_batch} sequences = "
+                             f"{epochs:.2f} epoch(s) (read in {time.perf_counter() - t0:.2f} s)")
+
+    def store(self) -> None:
+        job, layout = self.job, self.layout
+        if layout is None or self.cfg is None:
+            self.say("store", "not checked: it needs the model (see the model's problem)")
+            return
+        name = job.store_name
+        world = job.runtime.workers
+        slots = ring_slots(job, self.cfg)
+        grads, reduce = rings_bytes(layout, world, slots, 3, job.train.max_grad_norm > 0)
+        segments = dict(list_store_segments().get(name, []))
+        if segments:
+            need = grads + reduce
+            with self.check("store"):
+                self._existing_store(name, segments)
+                self.say("", f"would attach and add gradient rings of {_size(need)} ({world} rank(s) x {slots} slots"
+                             f"{', a full-model reduction buffer for exact clipping' if job.train.max_grad_norm > 0 else ''})")
+        else:
+            state = sum(segment_sizes(layout, {}, job.store.shadow_bf16).values())
+            need = state + grads + reduce
+            self.say("store", f"would create store {name!r}: {_size(state)} of state ({14 if job.store.shadow_bf16 else 12} "
+                              f"bytes/parameter) + {_size(grads + reduce)} of gradient rings = {_size(need)}; "
+                              f"{'kept' if job.store.persist else 'destroyed'} after the job (store.persist)")
+        free, avail = shm_free_bytes(), psutil.virtual_memory().available
+        self.say("", f"{SHM_DIR} has {_size(free)} free; the host has {_size(avail)} of memory available")
+        if need > free:
+            self.problem("store", f"needs {_size(need)} of shared memory but {SHM_DIR} has only {_size(free)} free; "
+                                  f"enlarge it (`mount -o remount,size=<N>G {SHM_DIR}`) or choose a smaller model")
+        elif need > avail:
+            self.problem("store", f"needs {_size(need)} of memory but the host has only {_size(avail)} available")
+
+    def _existing_store(self, name: str, segments: dict[str, int]) -> None:
+        if "manifest" not in segments:
+            raise RuntimeError(f"store {name!r} exists without a manifest segment (incomplete); "
+                               f"destroy it with `slidedp-store destroy {name}`")
+        m = Manifest.open(segment_name(name, "manifest"))
+        try:
+            held, mine = m.layout, self.layout
+            assert mine is not None
+            if held.hash() != mine.hash():
+                raise RuntimeError(
+                    f"store {name!r} holds another model ({m.meta.get('source', '?')}, {held.model.family}, "
+                    f"{held.num_parameters:,} parameters) than this job ({mine.model.family}, {mine.num_parameters:,}); "
+                    f"set store.name to another store, or destroy it with `slidedp-store destroy {name}`")
+            self.start = m.committed_step
+            self.say("store", f"store {name!r} exists ({sum(segments.values()) / GiB:.2f} GiB, same model), "
+                              f"committed step {m.committed_step}")
+            pid = m.attached_pid
+            if pid and _alive(pid):
+                job = m.job().get("job", "?")
+                self.problem("store", f"store {name!r} has a job attached: {job!r} (launcher pid {pid}); wait for it to "
+                                      f"finish or stop it")
+            elif pid:
+                self.say("", f"a job of pid {pid} left without detaching; its attachment would be cleared")
+            torn = m.torn_reason(allow_leased=False)
+            if torn and not self.job.checkpoint.resume:
+                self.problem("store", f"store {name!r} is torn ({torn}); set checkpoint.resume = \"latest\" or a "
+                                      f"checkpoint path (or `slidedp-store restore {name} CHECKPOINT`)")
+            elif torn:
+                self.say("", f"store is torn ({torn}); the resume checkpoint would restore it")
+            if bool(m.meta.get("shadow")) != self.job.store.shadow_bf16:
+                self.warn("store", f"store.shadow_bf16 = {str(self.job.store.shadow_bf16).lower()} but the existing store "
+                                   f"was made {'with' if m.meta.get('shadow') else 'without'} the bf16 shadow; the store's wins")
+        finally:
+            m.close()
+
+    def resume(self) -> None:
+        job = self.job
+        want = job.checkpoint.resume
+        if not want:
+            self.say("resume", "none (checkpoint.resume = \"\")")
+            return
+        with self.check("resume"):
+            if want == "latest":
+                path = ckpt.latest_valid(job.checkpoint_dir)
+                if path is None:
+                    found = len(ckpt.list_checkpoints(job.checkpoint_dir))
+                    self.say("resume", f"latest: no valid checkpoint under {job.checkpoint_dir}"
+                                       f"{f' ({found} invalid ones skipped)' if found else ''}; would start from the "
+                                       f"store's step {self.start}")
+                    return
+            else:
+                path = Path(want)
+            record = ckpt.read_record(path, verify=True)  # every file's sha256
+            if self.layout is not None and record.get("layout_hash") != self.layout.hash():
+                raise ckpt.CheckpointError(f"checkpoint {path} was taken from another model or chunking than this job's "
+                                           f"({record.get('model', {}).get('family', '?')}); choose a checkpoint of this model")
+            self.start = int(record["step"])
+            self.say("resume", f"{path}: step {self.start}, files verified; would restore it into the store")
+            self._data_position(record)
+
+    def _data_position(self, record: dict) -> None:
+        state = (record.get("extra") or {}).get("data")
+        if not state or self.cfg is None:
+            return
+        from slidedp.data import DataError, open_batches
+
+        try:
+            open_batches(self.job, self.cfg.vocab_size).check_state(self.start, state)
+        except DataError as e:
+            self.warn("resume", str(e))
+
+    def steps(self) -> None:
+        job, t = self.job, self.job.train
+        world = job.runtime.workers
+        if self.start >= t.steps:
+            self.say("steps", f"the store would be at step {self.start} >= train.steps = {t.steps}: nothing to train")
+            return
+        micro = t.global_batch // world // t.micro_batch
+        self.say("steps", f"would train steps {self.start}..{t.steps - 1} on {world} {job.runtime.device} rank(s): "
+                          f"{micro} micro-batch(es) of {t.micro_batch} x {t.seq_len} tokens per rank, "
+                          f"{t.global_batch * t.seq_len:,} tokens per step")
+        traced = job.run.traced
+        outside = [s for s in traced if not self.start <= s < t.steps]
+        if traced:
+            self.say("", f"would trace step(s) {', '.join(map(str, traced))} into {job.run_dir / 'trace.json'}")
+        if outside:
+            self.warn("steps", f"run.trace_steps {outside} are outside the steps this run trains "
+                               f"({self.start}..{t.steps - 1}): nothing is traced for them")
+
+    def checkpoints(self) -> None:
+        job, c = self.job, self.job.checkpoint
+        if not (c.every or c.final):
+            self.say("checkpoint", "none (checkpoint.every = 0 and checkpoint.final = false)")
+            return
+        when = (f"every {c.every} steps (keeping {c.keep})" if c.every else "") + (
+            " and " if c.every and c.final else "") + ("at the end" if c.final else "")
+        self.say("checkpoint", f"{when}, into {job.checkpoint_dir} ({c.dtype} weights + fp32 moments)")
+        why = writable_dir(job.checkpoint_dir)
+        if why:
+            self.problem("checkpoint", f"{why}; set checkpoint.dir to a writable directory")
+            return
+        if self.layout is None:
+            return
+        n = self.layout.num_parameters
+        one = n * ((2 + 12) if c.dtype == "bf16" else 12)  # HF weights + moments (+ exact fp32 master with bf16)
+        free = shutil.disk_usage(_existing_ancestor(job.checkpoint_dir)).free
+        kept = (c.keep if c.every else 0) + (1 if c.final else 0)
+        if one > free:
+            self.problem("checkpoint", f"one checkpoint needs about {_size(one)} but {_existing_ancestor(job.checkpoint_dir)} "
+                                       f"has {_size(free)} free; free space or set checkpoint.dir elsewhere")
+        elif one * kept > free:
+            self.warn("checkpoint", f"{kept} checkpoint(s) of about {_size(one)} each need more than the "
+                                    f"{_size(free)} free on {_existing_ancestor(job.checkpoint_dir)}")
+
+    def daemons(self) -> None:
+        name = self.job.store_name
+        running, start = [], []
+        for role in daemonlock.ROLES:
+            lock = paths.run_dir(name, create=False) / f"{role}.lock"
+            if lock.exists() and daemonlock.held(name, role):
+                running.append(f"slidedp-{role} (pid {daemonlock.holder_pid(name, role)})")
+            else:
+                start.append(f"slidedp-{role}")
+        if running:
+            self.say("daemons", f"would attach to the running {', '.join(running)}")
+        if start:
+            self.say("daemons" if not running else "", f"would start {', '.join(start)} as child processes")
+
+    def plan(self) -> None:
+        from .planning import plan_job
+
+        job = self.job
+        if self.cfg is None:
+            self.say("plan", "not made: it needs the model")
+            return
+        with self.check("plan"):
+            if job.runtime.device != "cuda":
+                p = plan_job(job)
+                self.say("plan", f"CPU run: no plan needed (resident_layers={p.resident_layers}, "
+                                 f"embedding={p.embedding}, micro_batch={p.micro_batch})")
+                return
+            from slidedp.planner import PlanError
+
+            from .jobrun import cuda_device_count
+
+            count = cuda_device_count()
+            if count == 0:
+                raise RuntimeError("runtime.device = \"cuda\" but no CUDA device is visible to this process")
+            if job.runtime.workers > count:
+                self.warn("plan", f"{job.runtime.workers} ranks share {count} GPU(s)")
+            try:
+                p = plan_job(job)
+            except PlanError as e:
+                raise RuntimeError(f"no plan fits: {e}") from None
+            assert p.plan is not None
+            self.say("plan", p.plan.describe().replace("\n", "\n" + " " * 11))
+
+    def run(self) -> int:
+        t0 = time.perf_counter()
+        self.run_dir()
+        self.model()
+        self.data()
+        self.store()
+        self.resume()
+        self.steps()
+        self.checkpoints()
+        self.daemons()
+        self.plan()
+        took = time.perf_counter() - t0
+        if self.problems:
+            print(f"dry run: {len(self.problems)} problem(s) a run would hit ({took:.2f} s); nothing was started "
+                  f"or created", file=self.out)
+            return 1
+        print(f"dry run: no problems found{f', {len(self.warnings)} warning(s)' if self.warnings else ''} "
+              f"({took:.2f} s); nothing was started or created", file=self.out)
+        return 0
+
+
+def dry_run(job: JobConfig, job_path: Path, out: TextIO | None = None) -> int:
+    return DryRun(job, job_path, out or sys.stdout).run()
