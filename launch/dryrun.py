@@ -156,10 +156,13 @@ class DryRun:
         segments = dict(list_store_segments().get(name, []))
         if segments:
             need = grads + reduce
-            with self.check("store"):
+            try:
                 self._existing_store(name, segments)
-                self.say("", f"would attach and add gradient rings of {_size(need)} ({world} rank(s) x {slots} slots"
-                             f"{', a full-model reduction buffer for exact clipping' if job.train.max_grad_norm > 0 else ''})")
+            except _BAD_INPUT as e:  # another model or an incomplete store: its space means nothing here
+                self.problem("store", str(e))
+                return
+            self.say("", f"would attach and add gradient rings of {_size(need)} ({world} rank(s) x {slots} slots"
+                         f"{', a full-model reduction buffer for exact clipping' if job.train.max_grad_norm > 0 else ''})")
         else:
             state = sum(segment_sizes(layout, {}, job.store.shadow_bf16).values())
             need = state + grads + reduce
@@ -188,7 +191,7 @@ class DryRun:
                     f"{held.num_parameters:,} parameters) than this job ({mine.model.family}, {mine.num_parameters:,}); "
                     f"set store.name to another store, or destroy it with `slidedp-store destroy {name}`")
             self.start = m.committed_step
-            self.say("store", f"store {name!r} exists ({sum(segments.values()) / GiB:.2f} GiB, same model), "
+            self.say("store", f"store {name!r} exists ({_size(sum(segments.values()))}, same model), "
                               f"committed step {m.committed_step}")
             pid = m.attached_pid
             if pid and _alive(pid):
