@@ -24,7 +24,7 @@ import zmq
 
 from slidedp import daemonlock
 from slidedp import log as slog
-from slidedp.jobrecord import JobRecord
+from slidedp.jobrecord import JobRecord, attach_job, detach_job
 from slidedp.protocol import (ROLE_LAUNCHER, ROLE_UPDATER, ROLE_WORKER, SLOT_DEVICE, SOURCE_NONE, SOURCE_RANK_SLOT,
                               SOURCE_REDUCE,
                               Ack, Credit, Fault, Go, Grad, Hello, JobEnd, JobStart, Loss, Message, Norm, Ready,
@@ -33,7 +33,7 @@ from slidedp.sdnotify import Watchdog, notify
 from slidedp.store.layout import Layout
 from slidedp.store.rings import GradRings
 from slidedp.store.store import HostStore
-from slidedp.tracing import NULL, Tracer
+from slidedp.tracing import NULL
 from slidedp.transport import bind_router, identity, recv_router, send
 
 log = slog.get("aggregator")
@@ -84,29 +84,22 @@ class AggregatorCore:
     # ---- job -----------------------------------------------------------------------------
     def start_job(self, job: JobRecord, updaters: int) -> None:
         self.end_job()
-        self.store = HostStore.attach(self.store_name)
-        if self.store.layout.hash() != job.layout_hash:
-            raise RuntimeError(f"store {self.store_name!r} layout does not match the job's")
-        self.rings = GradRings.open(self.store_name)
+        self.store, self.rings, self.tracer = attach_job(self.store_name, job, "aggregator")
         if self.rings.world != job.world:
             raise RuntimeError(f"gradient rings are for {self.rings.world} ranks, the job has {job.world}")
         self.job = job
         self.updaters = [identity("u", i) for i in range(updaters)]
         self.owner = assign_updaters(self.store.layout, updaters)
         self.device_chunks = frozenset(job.device_chunks)
-        self.tracer = Tracer(job.run_dir or None, "aggregator", job.trace_steps)
         self.free_reduce = [] if self.rings.full_reduce else list(range(self.rings.reduce_slots))
         self.arrivals.clear()
         self.waiting.clear()
         self.steps.clear()
 
     def end_job(self) -> None:
-        self.tracer.close()
-        if self.rings is not None:
-            self.rings.close()
-        if self.store is not None:
-            self.store.close()
+        detach_job(self.store, self.rings, self.tracer)
         self.job = self.store = self.rings = None
+        self.tracer = NULL
 
     @property
     def world(self) -> int:

@@ -19,7 +19,7 @@ import zmq
 
 from slidedp import log as slog
 from slidedp import numa
-from slidedp.jobrecord import JobRecord
+from slidedp.jobrecord import JobRecord, attach_job, detach_job
 from slidedp.protocol import (ROLE_UPDATER, SOURCE_NONE, SOURCE_RANK_SLOT, Ack, Hello, JobEnd, JobStart, Norm, Update,
                               Updated)
 from slidedp.schedule import lr_at
@@ -27,7 +27,7 @@ from slidedp.store.layout import Chunk
 from slidedp.store.manifest import UPDATING
 from slidedp.store.rings import GradRings
 from slidedp.store.store import HostStore, member_view
-from slidedp.tracing import NULL, Tracer
+from slidedp.tracing import NULL
 from slidedp.transport import connect_dealer, identity, recv_dealer, send
 
 log = slog.get("updater")
@@ -55,23 +55,16 @@ class UpdaterCore:
 
     def start_job(self, job: JobRecord) -> None:
         self.end_job()
-        self.store = HostStore.attach(self.store_name)
-        if self.store.layout.hash() != job.layout_hash:
-            raise RuntimeError(f"store {self.store_name!r} layout does not match the job's")
-        self.rings = GradRings.open(self.store_name)
+        self.store, self.rings, self.tracer = attach_job(self.store_name, job, f"updater{self.index}")
         self.job = job
-        self.tracer = Tracer(job.run_dir or None, f"updater{self.index}", job.trace_steps)
         self.pending.clear()
         self.ready.clear()
         self.coef.clear()
 
     def end_job(self) -> None:
-        self.tracer.close()
-        if self.rings is not None:
-            self.rings.close()
-        if self.store is not None:
-            self.store.close()
+        detach_job(self.store, self.rings, self.tracer)
         self.store = self.rings = self.job = None
+        self.tracer = NULL
 
     def on_update(self, msg: Update) -> None:
         assert self.job is not None, "Update before JobStart"

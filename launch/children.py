@@ -2,7 +2,9 @@
 
 Children run in their own session so a Ctrl-C reaches only the launcher, which decides
 (graceful stop, then kill). PR_SET_PDEATHSIG makes them go with the launcher even if it
-is killed with -9, so a dead launcher never leaves orphans holding the store.
+is killed with -9, so a dead launcher never leaves orphans holding the store: daemons get
+SIGTERM (they finish the message in hand), workers SIGKILL (a worker mid-step would wait
+out runtime.timeout_s for peers that are gone, and its job cannot finish anyway).
 """
 
 from __future__ import annotations
@@ -22,9 +24,9 @@ log = logging.getLogger("slidedp.launcher")
 _PR_SET_PDEATHSIG = 1
 
 
-def _die_with_parent() -> None:
+def _die_with_parent(sig: int) -> None:
     try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(sig))
     except (OSError, AttributeError):
         pass
 
@@ -46,8 +48,11 @@ class Child:
         return f"{self.name} (pid {self.proc.pid}) exited with code {rc}"
 
 
-def spawn(name: str, argv: list[str], env: dict[str, str] | None = None) -> Child:
-    proc = subprocess.Popen(argv, env=env, start_new_session=True, preexec_fn=_die_with_parent, stdin=subprocess.DEVNULL)
+def spawn(name: str, argv: list[str], env: dict[str, str] | None = None,
+          on_parent_death: int = signal.SIGTERM) -> Child:
+    """Start a child in its own session that receives `on_parent_death` when the launcher dies."""
+    proc = subprocess.Popen(argv, env=env, start_new_session=True, preexec_fn=lambda: _die_with_parent(on_parent_death),
+                            stdin=subprocess.DEVNULL)
     return Child(name, proc)
 
 

@@ -23,15 +23,15 @@ from pathlib import Path
 import numpy as np
 import zmq
 
-from slidedp import numa
+from slidedp import daemonlock, numa
 from slidedp.config import JobConfig, job_to_dict, job_to_toml, model_config
-from slidedp.data import open_batches
+from slidedp.data import DataError, open_batches
 from slidedp.jobrecord import JobRecord
 from slidedp.protocol import (CONTROL_CONTINUE, CONTROL_STOP, ROLE_LAUNCHER, Ack, Control, Fault, Hello, JobEnd,
-                              JobStart, StepDone, WorkerStats)
+                              JobStart, Reply, StepDone, WorkerStats, request)
 from slidedp.schedule import lr_at
 from slidedp.store import checkpoint as ckpt
-from slidedp.store.client import StoreRequestError, call
+from slidedp.store.client import StoreRequestError, call, daemon_running
 from slidedp.store.layout import make_layout
 from slidedp.transport import bind_router, connect_dealer, identity, recv_dealer, recv_router, send
 
@@ -83,6 +83,9 @@ class JobRun:
         self.agg: zmq.Socket | None = None
         self.job_sock: zmq.Socket | None = None
         self.steps: dict[int, _Step] = {}
+        self.external: dict[str, int] = {}  # role -> pid of the daemons this launcher found running
+        self._gone: dict[str, str] = {}  # role -> how a daemon of the store died
+        self._next_lock_check = 0.0
         # GPU workers get cores of their own (one each, plus one for the daemons' message loops);
         # CPU workers compute on every core, so nothing is set aside for them.
         cores = len(os.sched_getaffinity(0))
@@ -92,7 +95,7 @@ class JobRun:
     def prepare(self) -> tuple[int, int]:
         job = self.job
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "job.resolved.toml").write_text(job_to_toml(job))
+        _write_atomic(self.run_dir / "job.resolved.toml", job_to_toml(job).encode())
         cfg = model_config(job)
         self.layout = make_layout(cfg)
         t0 = time.perf_counter()
@@ -101,17 +104,18 @@ class JobRun:
         if job.data.format == "npy":
             self.tokens_path = Path(job.data.path)
         else:
-            np.save(self.tokens_path, np.asarray(self.batches.stream.tokens))
+            _save_npy_atomic(self.tokens_path, np.asarray(self.batches.stream.tokens))
         log.info("data: %s, %d tokens, %d sequences of %d (%.2f s)", job.data.path, len(self.batches.stream),
                  self.batches.num_sequences, job.train.seq_len, time.perf_counter() - t0)
         self.daemons = children.ensure_daemons(self.store, job.runtime.updaters, job.runtime.updater_threads, self.timeout,
                                                reserve_cpus=self.reserved_cpus)
-        status = call(self.store, "status", timeout_s=self.timeout)
+        started = {c.name.removeprefix("slidedp-") for c in self.daemons}
+        self.external = {r: daemonlock.holder_pid(self.store, r) for r in daemonlock.ROLES if r not in started}
+        status = self._call("status", self.timeout)
         if not status.get("exists"):
             log.info("creating store %s from %s", self.store, model_source(job))
             t0 = time.perf_counter()
-            st = call(self.store, "create", timeout_s=max(self.timeout, 3600), shadow_bf16=job.store.shadow_bf16,
-                      **model_source(job))
+            st = self._call("create", max(self.timeout, 3600), shadow_bf16=job.store.shadow_bf16, **model_source(job))
             self.created_store = True
             log.info("store %s created: %.3f B parameters, %.2f bytes/parameter, in %.2f s", self.store,
                      st["parameters"] / 1e9, st["bytes_per_parameter"], time.perf_counter() - t0)
@@ -134,7 +138,7 @@ class JobRun:
         record = JobRecord(job=job.run.name, store=self.store, world=self.world, train=job_to_dict(job)["train"],
                            layout_hash=self.layout.hash(), grad_slots=slots, device_chunks=device_chunks,
                            run_dir=str(self.run_dir), trace_steps=job.run.traced)
-        att = call(self.store, "attach", timeout_s=self.timeout, job=job.run.name, pid=os.getpid(),
+        att = self._call("attach", self.timeout, job=job.run.name, pid=os.getpid(),
                    layout_hash=self.layout.hash(), model_desc=f"{cfg.family}, {cfg.num_parameters():,} parameters",
                    world=self.world, grad_slots=slots, full_reduce=record.full_reduce,
                    reduce_slots=record.reduce_slots, hyper=job_to_dict(job)["train"])
@@ -154,19 +158,39 @@ class JobRun:
         want = job.checkpoint.resume
         if not want:
             return
-        path = ckpt.latest_valid(job.checkpoint_dir) if want == "latest" else Path(want)
+        path = self._latest_checkpoint() if want == "latest" else Path(want)
         if path is None:
             if status.get("torn"):
-                raise JobFailed(f"store {self.store!r} is torn ({status['torn']}) and {job.checkpoint_dir} holds no valid checkpoint")
+                raise JobFailed(f"store {self.store!r} is torn ({status['torn']}) and {job.checkpoint_dir} holds no valid "
+                                f"checkpoint; destroy the store (`slidedp-store destroy {self.store}`) to start over")
             log.info("resume = latest: no checkpoint under %s yet; starting from the store's step %d",
                      job.checkpoint_dir, status["committed_step"])
             return
-        record = ckpt.read_record(path, verify=False)
+        try:
+            record = ckpt.read_record(path, verify=False)
+        except ckpt.CheckpointError as e:
+            raise JobFailed(f"checkpoint.resume: {e}") from None
+        data = (record.get("extra") or {}).get("data")
+        if data is not None:
+            try:
+                self.batches.check_state(int(record["step"]), data)
+            except DataError as e:
+                raise JobFailed(f"cannot resume from {path}: {e}") from None
         if not status.get("torn") and record["step"] == status["committed_step"] and not self.created_store:
             log.info("store already at the checkpoint's step %d; nothing to restore", record["step"])
             return
-        out = call(self.store, "restore", timeout_s=max(self.timeout, 3600), path=str(path))
+        out = self._call("restore", max(self.timeout, 3600), path=str(path))
         log.info("resumed from %s (step %d)", path, out["step"])
+
+    def _latest_checkpoint(self) -> Path | None:
+        """The newest checkpoint whose files all verify; each one skipped is logged with the reason."""
+        for p in reversed(ckpt.list_checkpoints(self.job.checkpoint_dir)):
+            try:
+                ckpt.read_record(p)
+                return p
+            except ckpt.CheckpointError as e:
+                log.warning("resume: skipping checkpoint %s: %s", p, e)
+        return None
 
     def _await_ack(self, what: str) -> Ack:
         assert self.agg is not None
@@ -176,7 +200,56 @@ class JobRun:
                 msg = recv_dealer(self.agg)
                 if isinstance(msg, Ack):
                     return msg
+            dead = self._dead_daemon(("aggregator", "updater"))
+            if dead:
+                raise JobFailed(f"{dead}; no answer from {what}")
         raise JobFailed(f"no answer from {what} within {self.timeout * 2:.0f} s")
+
+    # ---- the daemons: liveness and requests -------------------------------------------------------
+    def _dead_daemon(self, roles: tuple[str, ...] = daemonlock.ROLES) -> str | None:
+        """How one of the store's daemons (of `roles`) died, or None while they all run.
+
+        Our children report their exit status; daemons we found running (systemd's, a test's)
+        are watched through their lock, which the kernel releases when they die."""
+        for c in self.daemons:
+            role = c.name.removeprefix("slidedp-")
+            if role not in self._gone and not c.alive():
+                self._gone[role] = c.describe_exit()
+        now = time.monotonic()
+        if self.external and now >= self._next_lock_check:
+            self._next_lock_check = now + 0.5
+            for role, pid in self.external.items():
+                if role not in self._gone and not daemonlock.held(self.store, role):
+                    self._gone[role] = f"slidedp-{role} (pid {pid}, not started by this launcher) is gone"
+        return next((self._gone[r] for r in roles if r in self._gone), None)
+
+    def _call(self, kind: str, timeout_s: float, **args) -> dict:
+        """A request to the host-state daemon that fails at once, naming it, if the daemon dies meanwhile.
+
+        (store.client.call would wait out its whole timeout: up to an hour for a checkpoint.)"""
+        if not daemon_running(self.store):
+            return call(self.store, kind, timeout_s=timeout_s, **args)  # served in this process
+        sock = connect_dealer(self.ctx, self.store, "control", identity(f"launcher{os.getpid()}-{time.monotonic_ns()}-"))
+        try:
+            send(sock, request(kind, json.dumps(args)))
+            deadline = time.monotonic() + timeout_s
+            while True:
+                if sock.poll(200):
+                    reply = recv_dealer(sock, (Reply,))
+                    if isinstance(reply, Reply):
+                        if not reply.ok:
+                            raise StoreRequestError(reply.text)
+                        return json.loads(reply.text)
+                dead = self._dead_daemon(("hoststate",))
+                if dead is None and "hoststate" not in self.external and not daemon_running(self.store):
+                    dead = "slidedp-hoststate is gone"  # a daemon found running without a recorded pid
+                if dead:
+                    raise JobFailed(f"{dead}; its {kind} request was not answered")
+                if time.monotonic() > deadline:
+                    raise JobFailed(f"no reply to the {kind} request from slidedp-hoststate of store {self.store!r} "
+                                    f"within {timeout_s:.0f} s (raise runtime.timeout_s if the host is merely slow)")
+        finally:
+            sock.close(linger=0)
 
     # ---- running ---------------------------------------------------------------------------------
     def spawn_workers(self, start: int, end: int) -> None:
@@ -202,7 +275,7 @@ class JobRun:
                 argv.append("--shared-device")
             if self.reserved_cpus:
                 argv += ["--cpus", ",".join(map(str, numa.reserved(self.reserved_cpus)))]
-            self.workers.append(children.spawn(f"worker rank {rank}", argv))
+            self.workers.append(children.spawn(f"worker rank {rank}", argv, on_parent_death=signal.SIGKILL))
 
     def follow(self, start: int, end: int, progress: Progress) -> int:
         """Run steps start..end-1; returns the last committed step + 1."""
@@ -272,9 +345,9 @@ class JobRun:
             pass  # a worker that already finished
 
     def _check_children(self, committed: int, end: int, stop_at: int | None) -> None:
-        for c in self.daemons:
-            if not c.alive():
-                raise JobFailed(f"{c.describe_exit()} during step {committed}")
+        dead = self._dead_daemon()
+        if dead:
+            raise JobFailed(f"{dead} during step {committed}")
         for w in self.workers:
             if not w.alive() and w.proc.returncode != 0:
                 raise JobFailed(f"{w.describe_exit()} during step {committed}; see its log above")
@@ -284,8 +357,8 @@ class JobRun:
         job = self.job
         extra = {"job": job.run.name, "data": self.batches.state(step), "seed": job.train.seed}
         t0 = time.perf_counter()
-        out = call(self.store, "checkpoint", timeout_s=max(self.timeout, 3600), dir=str(job.checkpoint_dir),
-                   dtype=job.checkpoint.dtype, keep=job.checkpoint.keep, extra=extra)
+        out = self._call("checkpoint", max(self.timeout, 3600), dir=str(job.checkpoint_dir), dtype=job.checkpoint.dtype,
+                         keep=job.checkpoint.keep, extra=extra)
         log.info("checkpoint of step %d written to %s in %.2f s", out["step"], out["path"], time.perf_counter() - t0)
         tok = job.data.tokenizer
         if tok:  # a checkpoint folder that transformers and tokenizers can use as is
@@ -296,7 +369,11 @@ class JobRun:
 
     def teardown(self, failed: bool) -> None:
         children.stop(self.workers, timeout_s=5 if failed else 30)
-        if self.job_started and self.agg is not None:
+        dead = self._dead_daemon(("aggregator", "updater"))
+        if self.job_started and self.agg is not None and dead:
+            # the aggregator would wait for the pool's acks forever; the next JobStart resets it
+            log.warning("not ending the job on the daemons: %s", dead)
+        elif self.job_started and self.agg is not None:
             try:
                 send(self.agg, JobEnd(0, ""))
                 self._await_ack("the aggregator to end the job")
@@ -304,20 +381,33 @@ class JobRun:
                 log.warning("ending the job on the daemons: %s", e)
         if self.attached_token is not None:
             try:
-                call(self.store, "detach", timeout_s=self.timeout, token=self.attached_token)
-            except (StoreRequestError, TimeoutError) as e:
+                self._call("detach", self.timeout, token=self.attached_token)
+            except (StoreRequestError, TimeoutError, JobFailed) as e:
                 log.warning("detach: %s", e)
         if self.created_store and not self.job.store.persist:
             try:
-                call(self.store, "destroy", timeout_s=self.timeout)
+                self._call("destroy", self.timeout)
                 log.info("store %s destroyed (store.persist = false)", self.store)
-            except (StoreRequestError, TimeoutError) as e:
+            except (StoreRequestError, TimeoutError, JobFailed) as e:
                 log.warning("could not destroy store %s: %s", self.store, e)
         for s in (self.agg, self.job_sock):
             if s is not None:
                 s.close(linger=0)
         children.stop(self.daemons)
         self.ctx.term()
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    """Replace `path` by a new inode: a running job's workers keep reading (or mapping) the old one."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def _save_npy_atomic(path: Path, array: np.ndarray) -> None:
+    tmp = path.with_name(f".{path.stem}.tmp-{os.getpid()}.npy")
+    np.save(tmp, array, allow_pickle=False)
+    os.replace(tmp, path)
 
 
 def run_job(job: JobConfig, job_path: Path, progress: Progress) -> int:

@@ -198,7 +198,7 @@ class Progress:
 
         print(f"step={step + 1} steps={self.end_step} loss={num(r['loss'], '.4f')} "
               f"grad_norm={num(r['grad_norm'], '.4f')} lr={r['lr']:.3e} tokens_per_s={num(r['tokens_per_s'], '.0f')} "
-              f"step_s={r['step_s']:.3f} eta_s={eta:.0f}" + (" skipped=1" if r["skipped"] else ""),
+              f"step_s={r['step_s']:.3f} eta_s={eta:.1f}" + (" skipped=1" if r["skipped"] else ""),
               file=self.stream, flush=True)
 
     def _draw(self, step: int, r: dict[str, Any], eta: float, last: bool) -> None:

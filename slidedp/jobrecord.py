@@ -56,3 +56,30 @@ class JobRecord:
         if not isinstance(d, dict):
             raise ValueError("job record must be a JSON object")
         return cls(**d)
+
+
+def attach_job(store_name: str, job: JobRecord, process: str):
+    """What a daemon maps for a job: the store (checked against the job's layout), its gradient
+    rings, and a tracer for the job's traced steps. Returns (store, rings, tracer)."""
+    from .store.rings import GradRings
+    from .store.store import HostStore
+    from .tracing import Tracer
+
+    store = HostStore.attach(store_name)
+    try:
+        if store.layout.hash() != job.layout_hash:
+            raise RuntimeError(f"store {store_name!r} layout does not match the job's")
+        rings = GradRings.open(store_name)
+    except BaseException:
+        store.close()
+        raise
+    return store, rings, Tracer(job.run_dir or None, process, job.trace_steps)
+
+
+def detach_job(store, rings, tracer) -> None:
+    if tracer is not None:
+        tracer.close()
+    if rings is not None:
+        rings.close()
+    if store is not None:
+        store.close()

@@ -7,6 +7,7 @@ folder maps onto the store without renaming.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -92,13 +93,7 @@ class ModelConfig:
         return out
 
     def num_parameters(self) -> int:
-        total = 0
-        for _, shape in self.parameter_shapes():
-            n = 1
-            for s in shape:
-                n *= s
-            total += n
-        return total
+        return sum(math.prod(shape) for _, shape in self.parameter_shapes())
 
     @property
     def head_name(self) -> str:

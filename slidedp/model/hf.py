@@ -226,7 +226,8 @@ def check_folder(folder, cfg: ModelConfig) -> None:
 
 
 # ---- writing ---------------------------------------------------------------------------
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """Make a rename or a new file in `path` durable."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -294,7 +295,7 @@ def _replace_dir(new: Path, folder: Path) -> None:
         os.rename(folder, old)
         os.rename(new, folder)
         shutil.rmtree(old)
-    _fsync_dir(folder.parent)
+    fsync_dir(folder.parent)
 
 
 def write_folder(folder, cfg: ModelConfig, tensors: Mapping[str, Tensor] | Callable[[str], Tensor],
@@ -345,7 +346,7 @@ def write_folder(folder, cfg: ModelConfig, tensors: Mapping[str, Tensor] | Calla
             shutil.copyfile(src, tmp / Path(src).name)
             with open(tmp / Path(src).name, "rb") as f:
                 os.fsync(f.fileno())
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         _replace_dir(tmp, folder)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -16,6 +16,8 @@ What is counted, and what is deliberately not:
 
 from __future__ import annotations
 
+import math
+
 from slidedp.model.config import ModelConfig
 
 # --------------------------------------------------------------------------------------
@@ -23,13 +25,7 @@ from slidedp.model.config import ModelConfig
 
 def layer_params(model: ModelConfig) -> int:
     """Parameters of one decoder layer (every layer has the same shape)."""
-    total = 0
-    for _, shape in model.layer_parameter_shapes():
-        n = 1
-        for s in shape:
-            n *= s
-        total += n
-    return total
+    return sum(math.prod(shape) for _, shape in model.layer_parameter_shapes())
 
 
 def embedding_params(model: ModelConfig) -> int:

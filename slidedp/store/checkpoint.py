@@ -38,14 +38,6 @@ def _sha256(path: Path) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _state_members(store: HostStore, exact_master: bool) -> list[tuple[str, tuple[int, ...]]]:
     kinds = (["master"] if exact_master else []) + ["exp_avg", "exp_avg_sq"]
     return [(f"{k}.{t.name}", t.shape) for k in kinds for t in store.layout.tensors]
@@ -88,11 +80,11 @@ def write_checkpoint(store: HostStore, root: str | os.PathLike, step: int, extra
             f.flush()
             os.fsync(f.fileno())
         for d in [tmp, tmp / "model", tmp / "state"]:
-            _fsync_dir(d)
+            hf.fsync_dir(d)
         if final.exists():
             shutil.rmtree(final)
         os.rename(tmp, final)
-        _fsync_dir(root)
+        hf.fsync_dir(root)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
