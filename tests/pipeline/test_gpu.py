@@ -14,8 +14,8 @@ from .test_equivalence import GLOBAL_BATCH, STEPS, job_sets, reference
 
 pytestmark = pytest.mark.gpu
 
-LOSS_RTOL = 2e-2
-WEIGHT_RTOL = 2e-2
+LOSS_RTOL = 1e-3  # measured on the H200: at most 6e-5 over 5 steps
+WEIGHT_RTOL = 2e-2  # measured: at most 1.13e-2 (bf16 weights in compute)
 
 
 @pytest.mark.parametrize("workers,dtype,shape,embedding", [
