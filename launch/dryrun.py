@@ -78,6 +78,7 @@ class DryRun:
     cfg: ModelConfig | None = None
     layout: Layout | None = None
     start: int = 0
+    torn: str | None = None  # why the existing store cannot be trained from as it is
 
     _topic: str = ""  # the topic whose lines are being printed
 
@@ -200,7 +201,7 @@ class DryRun:
                                       f"finish or stop it")
             elif pid:
                 self.say("", f"a job of pid {pid} left without detaching; its attachment would be cleared")
-            torn = m.torn_reason(allow_leased=False)
+            torn = self.torn = m.torn_reason(allow_leased=False)
             if torn and not self.job.checkpoint.resume:
                 self.problem("store", f"store {name!r} is torn ({torn}); set checkpoint.resume = \"latest\" or a "
                                       f"checkpoint path (or `slidedp-store restore {name} CHECKPOINT`)")
@@ -221,6 +222,10 @@ class DryRun:
         with self.check("resume"):
             if want == "latest":
                 path = ckpt.latest_valid(job.checkpoint_dir)
+                if path is None and self.torn:
+                    raise ckpt.CheckpointError(f"store {job.store_name!r} is torn ({self.torn}) and {job.checkpoint_dir} "
+                                               f"holds no valid checkpoint to restore; destroy the store or name a "
+                                               f"checkpoint in checkpoint.resume")
                 if path is None:
                     found = len(ckpt.list_checkpoints(job.checkpoint_dir))
                     self.say("resume", f"latest: no valid checkpoint under {job.checkpoint_dir}"

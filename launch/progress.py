@@ -150,7 +150,7 @@ class Progress:
         self.log_every = max(1, log_every)
         self.metrics: TextIO | None = None
         self.run_dir: Path | None = None
-        self.t_launch = self.t_begin = self.t_last = time.perf_counter()
+        self.t_launch = self.t_last = time.perf_counter()
         self.start = self.end_step = 0
         self.first: list[float] = []
         self.recent: list[float] = []
@@ -160,7 +160,7 @@ class Progress:
     def begin(self, start: int, end: int, run_dir: Path) -> None:
         self.start, self.end_step, self.run_dir = start, end, run_dir
         self.metrics = open(run_dir / "metrics.jsonl", "a")
-        self.t_begin = self.t_last = time.perf_counter()
+        self.t_last = time.perf_counter()
 
     def eta_s(self, step: int) -> float:
         """Seconds left at the mean of the last ten step times (the first, which holds start-up, once others exist)."""
@@ -175,7 +175,6 @@ class Progress:
         if step == self.start:
             log.info("first step committed %.2f s after launch (start-up, worker start and step %d)",
                      now - self.t_launch, step)
-        if step == self.start:
             self.first = [step_s]
         else:
             self.recent = (self.recent + [step_s])[-10:]

@@ -221,7 +221,7 @@ def plot_timeline(plt, trace: dict[str, Any], step: int, commits: dict[int, floa
         for e in (e for e in events if (e.process, e.track) == row):
             x, w = (e.start_us - t0) / 1e3, max(e.dur_us / 1e3, span / 1000)  # the shortest still visible
             ax.broken_barh([(x, w)], (i - 0.4, 0.8), color=colors[event_kind(e.name)], edgecolor="none")
-            if w > span / 12:  # room for its name
+            if w / span * 850 > 5 * len(e.name) + 6:  # room for its name (~850 px of axis, ~5 px a character)
                 ax.text(x + w / 2, i, e.name, ha="center", va="center", fontsize=7, clip_on=True)
     if step in commits:
         c = (commits[step] * 1e6 - t0) / 1e3

@@ -253,12 +253,12 @@ class RunSection(_Section):
         if any(s < 0 for s in steps):
             raise ConfigError(f"run.trace_steps must be comma-separated step numbers >= 0 (e.g. \"5,6\"), "
                               f"got {self.trace_steps!r}")
+        if self.name:
+            _check_name("run.name (default: the job file's stem; it also names the store)", self.name)
 
     @property
     def traced(self) -> tuple[int, ...]:
         return tuple(int(x) for x in self.trace_steps.split(",") if x.strip())
-        if self.name:
-            _check_name("run.name (default: the job file's stem; it also names the store)", self.name)
 
 
 @dataclass(frozen=True)

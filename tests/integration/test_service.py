@@ -71,7 +71,11 @@ def watchdog_usec(role: str) -> int:
 
 
 class NotifySocket:
-    """systemd's notify socket: every datagram with the pid of its sender (SO_PASSCRED)."""
+    """systemd's notify socket: every datagram with the pid of its sender (SO_PASSCRED).
+
+    A thread reads it all the time, as systemd does: a unix datagram socket queues only
+    net.unix.max_dgram_qlen datagrams (10 by default) and a sender blocks while it is full.
+    """
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -79,38 +83,52 @@ class NotifySocket:
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
         self.sock.bind(str(path))
         self.received: list[tuple[int, list[str]]] = []
+        self._arrived = threading.Condition()
+        self._closed = threading.Event()
+        self._reader = threading.Thread(target=self._read, name="notify-socket", daemon=True)
+        self._reader.start()
 
-    def _read(self, timeout: float) -> None:
-        if not select.select([self.sock], [], [], timeout)[0]:
-            return
-        data, ancillary, _, _ = self.sock.recvmsg(65536, socket.CMSG_SPACE(struct.calcsize("3i")))
-        pid = -1
-        for level, kind, payload in ancillary:
-            if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS:
-                pid = struct.unpack("3i", payload[:12])[0]
-        self.received.append((pid, data.decode().split("\n")))
-
-    def drain(self) -> None:
-        while select.select([self.sock], [], [], 0)[0]:
-            self._read(0)
+    def _read(self) -> None:
+        while not self._closed.is_set():
+            if not select.select([self.sock], [], [], 0.1)[0]:
+                continue
+            data, ancillary, _, _ = self.sock.recvmsg(65536, socket.CMSG_SPACE(struct.calcsize("3i")))
+            pid = -1
+            for level, kind, payload in ancillary:
+                if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS:
+                    pid = struct.unpack("3i", payload[:12])[0]
+            with self._arrived:
+                self.received.append((pid, data.decode().split("\n")))
+                self._arrived.notify_all()
 
     def states(self, pid: int) -> list[str]:
-        self.drain()
-        return [s for p, states in self.received if p == pid for s in states]
+        with self._arrived:
+            return [s for p, states in self.received if p == pid for s in states]
+
+    def wait_for(self, pid: int, state: str, count: int, timeout: float) -> bool:
+        """Whether `pid` sent `state` at least `count` times within `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        with self._arrived:
+            while sum(s == state for p, states in self.received if p == pid for s in states) < count:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._arrived.wait(min(left, 0.5))
+        return True
 
     def wait(self, daemon: "Daemon", state: str, count: int = 1, timeout: float = 120.0) -> None:
         """Until `daemon`'s main process sent `state` `count` times; fails naming the daemon if it died."""
         deadline = time.monotonic() + timeout
-        while sum(s == state for s in self.states(daemon.pid)) < count:
+        while not self.wait_for(daemon.pid, state, count, 0.5):
             if daemon.proc.poll() is not None:
                 pytest.fail(f"{daemon.role} exited with {daemon.proc.returncode} before sending {state}:\n{daemon.log_text()}")
-            left = deadline - time.monotonic()
-            if left <= 0:
+            if time.monotonic() > deadline:
                 pytest.fail(f"{daemon.role} sent no {state} within {timeout:.0f} s; it sent {self.states(daemon.pid)}:\n"
                             f"{daemon.log_text()}")
-            self._read(min(left, 0.5))
 
     def close(self) -> None:
+        self._closed.set()
+        self._reader.join()
         self.sock.close()
 
 
@@ -126,6 +144,12 @@ class Daemon:
 
     def log_text(self) -> str:
         return self.log.read_text() if self.log.exists() else "(no log)"
+
+    def wait(self, timeout: float = 60.0) -> int:
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"{self.role} (pid {self.pid}) did not exit within {timeout:.0f} s:\n{self.log_text()}")
 
 
 @dataclass
@@ -259,7 +283,7 @@ def test_two_jobs_on_a_service_store_across_a_hoststate_crash(service: Service, 
     # The host-state daemon dies hard; the store does not. systemd would start it again: so do we.
     old = svc.daemons["hoststate"]
     old.proc.send_signal(signal.SIGKILL)
-    assert old.proc.wait(30) == -signal.SIGKILL
+    assert old.wait() == -signal.SIGKILL
     kinds = {kind for kind, _ in list_store_segments().get(store, [])}
     assert {"manifest", "master", "exp_avg", "exp_avg_sq"} <= kinds, kinds
     new = svc.start("hoststate")
@@ -312,7 +336,7 @@ def test_two_jobs_on_a_service_store_across_a_hoststate_crash(service: Service, 
     for d in svc.daemons.values():
         d.proc.terminate()
     for d in svc.daemons.values():
-        assert d.proc.wait(60) == 0, d.log_text()
+        assert d.wait() == 0, d.log_text()
         assert "STOPPING=1" in svc.notify.states(d.pid)
     assert {"manifest", "master"} <= {kind for kind, _ in list_store_segments().get(store, [])}
     gone = svc.run("slidedp-store", "destroy", store, cwd=tmp_path)
@@ -340,11 +364,8 @@ class _FakeCore:
         if kind in hoststate.LONG_REQUESTS:
             # A long request: pings must keep arriving while it blocks the serve loop.
             me = os.getpid()
-            start = sum(s == "WATCHDOG=1" for s in self.notify.states(me))
-            deadline = time.monotonic() + 60
-            while sum(s == "WATCHDOG=1" for s in self.notify.states(me)) < start + 2:
-                assert time.monotonic() < deadline, "no watchdog ping while a long request ran"
-                self.notify._read(0.5)
+            pings = sum(s == "WATCHDOG=1" for s in self.notify.states(me))
+            assert self.notify.wait_for(me, "WATCHDOG=1", pings + 2, 60), "no watchdog ping while a long request ran"
         if self.fail:
             raise hoststate.RequestError("refused")
         return {"kind": kind}

@@ -21,7 +21,7 @@ import psutil
 from slidedp import daemonlock
 from slidedp.store.shm import list_store_segments, unlink_store
 
-from ..pipeline.harness import TINY, unique_store  # noqa: F401 (re-exported)
+from pipeline.harness import TINY, unique_store  # noqa: F401 (re-exported)
 
 PY = sys.executable
 

@@ -1,4 +1,8 @@
-"""slidedp-store as a real process: every command with no daemon (served in-process) and through a running daemon."""
+"""slidedp-store: every command with no daemon (served in the CLI's process) and through a running daemon process.
+
+The command sequence runs `main()` in the test process (one torch import instead of one per
+command keeps it fast on a loaded 2-core box); the refusals run the CLI as its own process.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from slidedp.launch import store_cli
 from slidedp.launch.store_cli import human_bytes
 from slidedp.model.config import named_shape
 from slidedp.store.client import call
@@ -34,6 +39,20 @@ def ok(*args: str) -> str:
     return r.stdout
 
 
+class InProcess:
+    """slidedp-store's main() in this process, its output captured."""
+
+    def __init__(self, capsys) -> None:
+        self.capsys = capsys
+
+    def __call__(self, *args: str) -> str:
+        self.capsys.readouterr()
+        rc = store_cli.main(list(args))
+        out, err = self.capsys.readouterr()
+        assert rc == 0 and err == "", (args, rc, out, err)
+        return out
+
+
 # random:tiny as `status` shows it (layout: 106,880 parameters in 107,072 aligned floats per state segment).
 def tiny_status(name: str, daemon: str, job: str) -> str:
     return f"""store {name}
@@ -51,23 +70,23 @@ def tiny_status(name: str, daemon: str, job: str) -> str:
 """
 
 
-def session(name: str, ck: Path, daemon_pid: int | None) -> list[str]:
+def session(run, name: str, ck: Path, daemon_pid: int | None) -> list[str]:
     """Every command once, asserting each output; returns the transcript with what may differ masked."""
     daemon = f"running (pid {daemon_pid})" if daemon_pid else "none running"
     transcript = []
 
-    out = ok("create", name, "--model", "random:tiny")
+    out = run("create", name, "--model", "random:tiny")
     first, rest = out.split("\n", 1)
     assert re.fullmatch(rf"created store {name} in \d+\.\d\d s \(page touch \d+\.\d\d GB/s\)", first), first
     assert rest == tiny_status(name, daemon, "none")
-    transcript.append(rest)
+    transcript.append(rest.replace(daemon, "DAEMON"))
 
     att = call(name, "attach", job="cli-job", pid=os.getpid(), world=1)  # what a launcher does
-    out = ok("status", name)
+    out = run("status", name)
     assert out == tiny_status(name, daemon, f"cli-job (launcher pid {os.getpid()})")
     transcript.append(out.replace(daemon, "DAEMON"))
 
-    st = json.loads(ok("status", name, "--json"))
+    st = json.loads(run("status", name, "--json"))
     layout = make_layout(named_shape("tiny"))
     assert st["parameters"] == layout.num_parameters == 106_880
     assert st["segments"] == {"manifest": 12_288, "master": layout.total_numel * 4, "exp_avg": layout.total_numel * 4,
@@ -77,44 +96,47 @@ def session(name: str, ck: Path, daemon_pid: int | None) -> list[str]:
     assert st["daemon"] is bool(daemon_pid)
     call(name, "detach", token=att["token"])
 
-    out = ok("list")
+    out = run("list")
     assert f"{name}\t1.2 MiB\t{'daemon' if daemon_pid else 'no daemon'}\n" in out
     transcript.append(f"{name}\t1.2 MiB")
 
-    out = ok("checkpoint", name, str(ck))
+    out = run("checkpoint", name, str(ck))
     assert out == f"checkpoint of step 0 written to {ck / 'step-00000000'}\n"
     transcript.append(out.replace(str(ck), "CK"))
 
     s = HostStore.attach(name)
-    want = bits(s.flat("master"))
-    s.flat("master").fill_(float("nan"))  # damage the weights; the restore must bring them back
+    want = {n: bits(v) for n, v in s.tensors("master")}
+    for _, v in s.tensors("master"):
+        v.fill_(float("nan"))  # damage the weights; the restore must bring them back
     s.close()
-    out = ok("restore", name, str(ck / "step-00000000"))
+    out = run("restore", name, str(ck / "step-00000000"))
     assert out == f"store {name} restored to step 0\n"
     transcript.append(out)
     s = HostStore.attach(name)
-    assert torch.equal(bits(s.flat("master")), want)
+    assert all(torch.equal(bits(v), want[n]) for n, v in s.tensors("master"))
     s.close()
 
-    out = ok("destroy", name)
+    out = run("destroy", name)
     assert out == f"store {name} destroyed (4 segments removed)\n"
     assert shm_entries(name) == []
     transcript.append(out)
-    out = ok("status", name)
+    out = run("status", name)
     assert out == f"store {name}: does not exist\n"
     transcript.append(out)
     return transcript
 
 
-def test_cli_same_results_with_and_without_daemon(tmp_path):
+def test_cli_same_results_with_and_without_daemon(tmp_path, capsys):
     name = unique_store("cli")  # the same name in both modes: the transcripts compare line for line
     d = None
     try:
-        alone = session(name, tmp_path / "ck-alone", None)
+        alone = session(InProcess(capsys), name, tmp_path / "ck-alone", None)
         d = Daemon(name, tmp_path / "hoststate.log")
         d.wait_serving()
-        served = session(name, tmp_path / "ck-daemon", d.pid)
+        served = session(InProcess(capsys), name, tmp_path / "ck-daemon", d.pid)
         assert served == alone
+        assert ok("status", name, "--json") == json.dumps({"store": name, "exists": False, "daemon_pid": d.pid,
+                                                           "daemon": True}, indent=1) + "\n"  # as a process too
         for what in ("creating store", "checkpoint of step 0 written to", "restored", f"store {name} destroyed"):
             assert what in d.text(), what
         assert d.proc.poll() is None
@@ -152,7 +174,7 @@ def test_cli_refuses_a_store_too_big_for_dev_shm():
 def test_cli_names_a_corrupt_store_and_destroys_it():
     name = unique_store("bad")
     try:
-        ok("create", name, "--model", "random:tiny")
+        call(name, "create", source="random", shape="tiny")
         seg = Segment.open(f"/slidedp.{name}.manifest")
         seg.mm[0:8] = b"GARBAGE!"
         seg.close()

@@ -91,7 +91,8 @@ def test_plain_lines_when_not_a_terminal(tmp_path):
     assert "\r" not in out.getvalue() and "\x1b" not in out.getvalue()
 
 
-def test_bar_redrawn_in_place_on_a_terminal(tmp_path):
+def test_bar_redrawn_in_place_on_a_terminal(tmp_path, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "120")
     out = Terminal()
     run_progress(tmp_path, out, steps=4, skipped_step=2)
     text = out.getvalue()

@@ -69,7 +69,7 @@ def test_checks_name_what_is_wrong(tmp_path):
     files["updater1"].append(json.dumps({"name": "x", "ph": "X", "ts": 1, "dur": 1, "pid": "u", "tid": "t"}))
     write_run(tmp_path, files, {5: 40.0})
     out, problems = tracefile.merge(tmp_path)
-    assert problems == ["updater1.jsonl:4: not JSON", "updater1.jsonl:5: args.step = None is not a step number"]
+    assert problems == ["updater1.jsonl:3: not JSON", "updater1.jsonl:4: args.step = None is not a step number"]
     trace = json.loads(out.read_text())
     found = tracefile.validate(trace, tracefile.commit_times(tmp_path))
     assert any("grad chunk 0" in p and "duration" in p and "-1000" in p for p in found), found

@@ -1,0 +1,98 @@
+"""slidedp-report: the summary's numbers and the PNGs, from a recorded run and from a fixture."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from slidedp.launch import report
+
+from .conftest import STEPS, TRACED
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def assert_png(path) -> None:
+    data = path.read_bytes()
+    assert data[:8] == PNG_MAGIC and len(data) > 1024, f"{path}: not a PNG of more than 1 KB ({len(data)} bytes)"
+
+
+def record(step: int, step_s: float, **kw) -> dict:
+    r = {"step": step, "time": 1e9 + step, "loss": 3.0 - 0.5 * step, "grad_norm": 1.0, "lr": 1e-4, "skipped": False,
+         "tokens": 4000, "step_s": step_s, "tokens_per_s": 4000 / step_s, "worker_step_s": 1.8,
+         "predicted_step_s": 1.6, "ranks": 2, "forward_s": 0.6, "backward_s": 0.9, "wait_version_s": 0.18,
+         "wait_slot_s": 0.0, "wait_loss_s": 0.0, "h2d_bytes": 10, "gpu_peak_bytes": 3 * 2**30, "update_busy_s": 1.0,
+         "reduce_busy_s": 0.5, "host_rss_bytes": 2**30, "shm_bytes": 12 * 2**30}
+    r.update(kw)
+    return r
+
+
+def test_summary_of_a_fixture(tmp_path):
+    records = [record(0, 9.0), record(1, 2.0), record(2, 1.9, skipped=True, loss=None), record(3, 2.2), record(4, 2.0)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records) + '{"step": 5, "lo')
+    lines, pngs = report.report(tmp_path, plots=False)
+    assert pngs == []
+    text = "\n".join(lines)
+    assert "steps        0..4 (5 recorded, 1 skipped (non-finite loss))" in text
+    assert "loss         3.0000 -> 1.0000" in text
+    # median of 2.0, 1.9, 2.2, 2.0 (the first step, 9.0 s of start-up, left out)
+    assert "step         median 2.000 s over 4 step(s) (the first, with start-up, left out)" in text
+    assert "throughput   2,000 tokens/s (4,000 tokens per step)" in text
+    assert "  forward                           0.600 s    33%" in text  # of the slowest rank's 1.8 s
+    assert "  waiting for updates               0.180 s    10%" in text
+    assert "  updaters busy (AdamW)             1.000 s    50% of the step, beside the workers" in text
+    assert "plan         predicted 1.600 s per step, measured 2.000 s (1.25x the prediction)" in text
+    assert "memory       GPU peak 3.00 GiB, host private peak 1.00 GiB, shared (store + rings) 12.00 GiB" in text
+
+
+def test_pngs_of_a_fixture(tmp_path):
+    records = [record(i, 2.0 + 0.1 * i) for i in range(6)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    lines, pngs = report.report(tmp_path, tmp_path / "out")
+    assert [p.name for p in pngs] == ["loss.png", "tokens_per_s.png", "step_breakdown.png"]
+    for p in pngs:
+        assert p.parent == tmp_path / "out"
+        assert_png(p)
+
+
+def test_recorded_run(tiny_run, tmp_path, capsys):
+    assert report.main([str(tiny_run.run_dir), "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert f"steps        0..{STEPS - 1} ({STEPS} recorded)" in out
+    assert "plan         no prediction (a CPU run has no plan)" in out
+    assert f"trace        step {TRACED}: " in out and "worker0/compute" in out
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["loss.png", "step_breakdown.png", f"timeline_step{TRACED}.png", "tokens_per_s.png"]
+    for name in names:
+        assert_png(tmp_path / name)
+        assert f"wrote {tmp_path / name}" in out
+
+
+def test_untraced_step_is_refused(tiny_run, capsys):
+    assert report.main([str(tiny_run.run_dir), "--no-plots", "--step", "3"]) == 1
+    assert capsys.readouterr().err == (f"slidedp-report: error: step 3 is not traced; traced steps: {TRACED} "
+                                       "(run.trace_steps)\n")
+
+
+def test_without_matplotlib(tmp_path, monkeypatch, capsys):
+    (tmp_path / "metrics.jsonl").write_text(json.dumps(record(0, 1.0)) + "\n")
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
+    assert report.main([str(tmp_path)]) == 1
+    assert capsys.readouterr().err == ("slidedp-report: error: slidedp-report draws with matplotlib, which is not "
+                                       "installed: pip install 'slidedp[report]' (or --no-plots for the summary alone)\n")
+    assert report.main([str(tmp_path), "--no-plots"]) == 0
+    assert "step         median 1.000 s over 1 step(s)\n" in capsys.readouterr().out
+
+
+def test_not_a_run_dir(tmp_path, capsys):
+    assert report.main([str(tmp_path / "nope")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"slidedp-report: error: {tmp_path / 'nope' / 'metrics.jsonl'} not found: is ")
+
+
+@pytest.mark.parametrize("name,kind", [("adamw chunk 12", "adamw chunk"), ("fetch layer.1", "fetch layer"),
+                                       ("step 3 committed", "step committed"), ("loss + head backward", "loss + head backward")])
+def test_event_kinds(name, kind):
+    assert report.event_kind(name) == kind
