@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import time
 
 from .paths import run_dir
 
@@ -26,14 +27,22 @@ def acquire(store: str, role: str) -> int:
     """Take the role's lock for this process's lifetime; refuse if another process holds it."""
     path = _path(store, role)
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        other = path.read_text().strip() or "?"
-        os.close(fd)
-        raise AlreadyRunning(
-            f"another slidedp-{role} already serves store {store!r} (pid {other}); refusing to start a second"
-        ) from None
+    # `held()` takes the lock for an instant to test it: retry briefly so a status query
+    # racing a daemon's start does not turn it away.
+    deadline = time.monotonic() + 0.5
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            if time.monotonic() < deadline:
+                time.sleep(0.02)
+                continue
+            other = path.read_text().strip() or "?"
+            os.close(fd)
+            raise AlreadyRunning(
+                f"another slidedp-{role} already serves store {store!r} (pid {other}); refusing to start a second"
+            ) from None
     os.ftruncate(fd, 0)
     os.write(fd, f"{os.getpid()}\n".encode())
     return fd
