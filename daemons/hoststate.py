@@ -28,6 +28,7 @@ from slidedp.protocol import Reply, Request, REQUESTS
 from slidedp.sdnotify import Watchdog, notify
 from slidedp.store import checkpoint as ckpt
 from slidedp.store.layout import make_layout
+from slidedp.store.manifest import ManifestError
 from slidedp.store.rings import GradRings
 from slidedp.store.shm import list_store_segments
 from slidedp.store.store import HostStore, StoreError, fill_from_hf, fill_random
@@ -91,8 +92,8 @@ class HostStateCore:
         layout = make_layout(cfg, int(args.get("chunk_rows") or 0) or None)
         fill = fill_random(meta["init_seed"]) if args["source"] == "random" else fill_from_hf(args["path"])
         t0 = time.perf_counter()
-        log.info("creating store %s: %s, %.3f B parameters, %d chunks", self.name, meta["source"],
-                 layout.num_parameters / 1e9, len(layout.chunks))
+        log.info("creating store %s: %s, %s parameters, %d chunks", self.name, meta["source"],
+                 f"{layout.num_parameters:,}", len(layout.chunks))
         self.store = HostStore.create(self.name, layout, meta, shadow=bool(args.get("shadow_bf16")), fill=fill)
         seconds = time.perf_counter() - t0
         st = self.store.status()
@@ -241,7 +242,12 @@ class _Stop:
 
 def serve(store_name: str, exit_when_idle: bool = False) -> int:
     lock_fd = daemonlock.acquire(store_name, "hoststate")
-    core = HostStateCore(store_name)
+    try:
+        core = HostStateCore(store_name)
+    except (StoreError, ManifestError) as e:
+        log.error("cannot attach store %s: %s (`slidedp-store destroy %s` removes it)", store_name, e, store_name)
+        os.close(lock_fd)
+        return 2
     ctx = zmq.Context()
     sock = bind_router(ctx, store_name, "control")
     stop = _Stop()

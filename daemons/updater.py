@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -38,9 +39,25 @@ def split_cpus(nodes: list[list[int]], count: int) -> list[list[int]]:
     return plan
 
 
-def _member_command(store: str, index: int, pool: int, cpus: list[int], threads: int) -> list[str]:
+def _member_command(store: str, index: int, pool: int, cpus: list[int], threads: int, ready_fd: int) -> list[str]:
     return [sys.executable, "-m", "slidedp.daemons.updater_member", "--store", store, "--member", str(index),
-            "--pool", str(pool), "--cpus", ",".join(map(str, cpus)), "--threads", str(threads)]
+            "--pool", str(pool), "--cpus", ",".join(map(str, cpus)), "--threads", str(threads),
+            "--ready-fd", str(ready_fd)]
+
+
+def _await_members(children: list[subprocess.Popen], ready_r: int, timeout_s: float) -> str | None:
+    """Wait until every member has said it is up (one byte each on the pipe); the problem, or None."""
+    got, deadline = 0, time.monotonic() + timeout_s
+    while got < len(children):
+        dead = [(i, c.returncode) for i, c in enumerate(children) if c.poll() is not None]
+        if dead:
+            return f"updater member {dead[0][0]} exited with code {dead[0][1]} while starting"
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return f"only {got} of {len(children)} updater members came up within {timeout_s:.0f} s"
+        if select.select([ready_r], [], [], min(left, 0.2))[0]:
+            got += len(os.read(ready_r, 64))
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -57,7 +74,18 @@ def main(argv: list[str] | None = None) -> int:
     nodes = numa.reserve(numa.nodes(), args.reserve_cpus)
     count = args.processes or len(nodes)
     plan = split_cpus(nodes, count)
-    children = [subprocess.Popen(_member_command(args.store, i, count, cpus, args.threads)) for i, cpus in enumerate(plan)]
+    ready_r, ready_w = os.pipe()
+    children = [subprocess.Popen(_member_command(args.store, i, count, cpus, args.threads, ready_w), pass_fds=(ready_w,))
+                for i, cpus in enumerate(plan)]
+    os.close(ready_w)
+    problem = _await_members(children, ready_r, 120.0)
+    os.close(ready_r)
+    if problem:  # readiness means every member runs: say why not, and go (systemd restarts us)
+        log.error("%s; stopping the pool", problem)
+        for c in children:
+            if c.poll() is None:
+                c.terminate()
+        return 1
     stop = _Stop()
 
     def on_signal(signum, frame):

@@ -160,12 +160,15 @@ class _Stop:
     requested = False
 
 
-def serve_member(store: str, index: int, pool: int, timeout_s: float = 60.0) -> int:
+def serve_member(store: str, index: int, pool: int, timeout_s: float = 60.0, ready_fd: int = -1) -> int:
     """One member of the pool: take Update/Norm/JobStart/JobEnd from the aggregator, answer Updated/Ack."""
     core = UpdaterCore(store, index)
     ctx = zmq.Context()
     sock = connect_dealer(ctx, store, "agg", identity("u", index))
     send(sock, Hello(ROLE_UPDATER, index, pool, os.getpid()))
+    if ready_fd >= 0:  # tell the pool parent this member is up (it reports readiness for all)
+        os.write(ready_fd, b"1")
+        os.close(ready_fd)
     stop = _Stop()
     signal.signal(signal.SIGTERM, lambda s, f: setattr(stop, "requested", True))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent or launcher decides; Ctrl-C goes to the group
@@ -214,12 +217,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pool", type=int, required=True)
     p.add_argument("--cpus", default="")
     p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--ready-fd", type=int, default=-1)
     args = p.parse_args(argv)
     slog.setup("updater", args.member)
     cpus = numa.parse_cpulist(args.cpus) if args.cpus else sorted(os.sched_getaffinity(0))
     os.sched_setaffinity(0, cpus)
     torch.set_num_threads(args.threads or len(cpus))
-    return serve_member(args.store, args.member, args.pool)
+    return serve_member(args.store, args.member, args.pool, ready_fd=args.ready_fd)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ import json
 import sys
 
 from slidedp.daemonlock import holder_pid
+from slidedp import daemonlock
 from slidedp.store.client import StoreRequestError, call, daemon_running
 from slidedp.store.shm import list_store_segments
 
@@ -32,7 +33,9 @@ def print_status(st: dict) -> None:
         print(f"store {st['store']}: does not exist")
         return
     print(f"store {st['store']}")
-    print(f"  daemon          {'running (pid %d)' % st['daemon_pid'] if st.get('daemon') else 'none running'}")
+    roles = [f"{role} {'pid %d' % daemonlock.holder_pid(st['store'], role) if daemonlock.held(st['store'], role) else 'not running'}"
+             for role in daemonlock.ROLES]
+    print(f"  daemons         {', '.join(roles)}")
     print(f"  model           {st['model']} ({st['family']}), {st['parameters']:,} parameters, {st['chunks']} chunks")
     for kind, size in st["segments"].items():
         print(f"  segment {kind:<11}{human_bytes(size):>11}  ({size:,} bytes)")

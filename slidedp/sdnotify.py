@@ -50,6 +50,7 @@ def notify(*states: str) -> bool:
         return False
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as sock:
+            sock.settimeout(1.0)  # a full, unread queue must not hang the daemon (10 datagrams by default)
             sock.sendto("\n".join(states).encode(), address)
     except OSError as exc:
         _log.warning("could not notify systemd at NOTIFY_SOCKET=%r: %s", spec, exc)

@@ -16,7 +16,7 @@ from .. import daemonlock
 from ..protocol import Reply, request
 from ..transport import request as zmq_request
 from .manifest import ManifestError
-from .shm import unlink_store
+from .shm import PREFIX, SHM_DIR, unlink_store
 from .store import StoreError
 
 
@@ -62,4 +62,18 @@ def call(store: str, kind: str, timeout_s: float = 600.0, **args: Any) -> dict[s
         if not reply.ok:
             raise StoreRequestError(reply.text)
         return json.loads(reply.text)
+    owner = _segment_owner(store)
+    if owner is not None and owner != os.getuid():
+        raise StoreRequestError(
+            f"store {store!r} belongs to uid {owner} and none of its daemons is visible to this user: run the command "
+            f"as that user (e.g. `sudo -u slidedp slidedp-store ...`), so that requests go through its daemon"
+        )
     return _serve_here(store, kind, args)
+
+
+def _segment_owner(store: str) -> int | None:
+    """uid owning the store's manifest segment, or None if there is none."""
+    try:
+        return os.stat(os.path.join(SHM_DIR, f"{PREFIX}{store}.manifest")).st_uid
+    except FileNotFoundError:
+        return None

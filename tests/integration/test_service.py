@@ -269,7 +269,7 @@ def test_two_jobs_on_a_service_store_across_a_hoststate_crash(service: Service, 
     created = svc.run("slidedp-store", "create", store, "--model", "random:tiny", "--vocab-size", "512", cwd=tmp_path)
     assert created.returncode == 0, created.stdout + created.stderr
     assert created.stdout.startswith(f"created store {store} in ")
-    assert field_of(created.stdout, "daemon") == f"running (pid {svc.daemons['hoststate'].pid})"
+    assert field_of(created.stdout, "daemons") == ", ".join(f"{r} pid {svc.daemons[r].pid}" for r in ROLES)
 
     # Job A: steps 0..2 on the daemons (it starts none of its own).
     run_a = tmp_path / "a"
@@ -290,7 +290,7 @@ def test_two_jobs_on_a_service_store_across_a_hoststate_crash(service: Service, 
     svc.notify.wait(new, "READY=1")
     assert f"re-attached to store {store}: committed step 3, clean" in new.log_text()
     st = status(svc, tmp_path)
-    assert field_of(st, "daemon") == f"running (pid {new.pid})"
+    assert field_of(st, "daemons") == ", ".join(f"{r} pid {svc.daemons[r].pid}" for r in ROLES)
     assert (field_of(st, "committed step"), field_of(st, "state"), field_of(st, "attached job")) == ("3", "clean", "none")
 
     # Job B continues from the store's committed step to 6.
@@ -307,7 +307,7 @@ def test_two_jobs_on_a_service_store_across_a_hoststate_crash(service: Service, 
     assert (f"store '{store}' holds another model (random:tiny, 106,880 parameters) than this job (random:tiny-llama); "
             f"set store.name to another store, or destroy it with `slidedp-store destroy {store}`") in job_c.stderr
     st = status(svc, tmp_path)
-    assert field_of(st, "daemon") == f"running (pid {new.pid})"
+    assert field_of(st, "daemons") == ", ".join(f"{r} pid {svc.daemons[r].pid}" for r in ROLES)
     assert (field_of(st, "committed step"), field_of(st, "state"), field_of(st, "attached job")) == ("6", "clean", "none")
     assert all(d.proc.poll() is None for d in svc.daemons.values())
 

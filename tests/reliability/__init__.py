@@ -65,13 +65,13 @@ class RunningJob:
 
     @classmethod
     def start(cls, job: Path, sets: list[str], cwd: Path, store: str, extra: tuple[str, ...] = (),
-              env: dict[str, str] | None = None) -> "RunningJob":
+              env: dict[str, str] | None = None, umask: int | None = None) -> "RunningJob":
         argv = [PY, "-m", "slidedp.launch.cli", str(job), *extra]
         for s in sets:
             argv += ["--set", s]
         env = dict(os.environ, PYTHONUNBUFFERED="1", SLIDEDP_LOG_LEVEL="INFO", **(env or {}))
         proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                stdin=subprocess.DEVNULL)
+                                stdin=subprocess.DEVNULL, umask=-1 if umask is None else umask)
         run = cls(proc, store)
         run.reader = threading.Thread(target=run._read, daemon=True)
         run.reader.start()
@@ -206,22 +206,28 @@ def daemon_pids(store: str) -> dict[str, int]:
     return {r: daemonlock.holder_pid(store, r) for r in daemonlock.ROLES if daemonlock.held(store, r)}
 
 
-def start_daemons(store: str, timeout: float = 60.0, updaters: int = 1) -> list[subprocess.Popen]:
-    """The three daemons started by the test (not by a launcher), as systemd would; waits until each holds its lock."""
+def start_daemons(store: str, log_dir: Path | None = None, timeout: float = 60.0, updaters: int = 1) -> list[subprocess.Popen]:
+    """The three daemons started by the test (not by a launcher), as systemd would; waits until each holds its lock.
+
+    Their logs go to log_dir/<role>.log (or nowhere)."""
     argv = {
         "hoststate": [PY, "-m", "slidedp.daemons.hoststate", "--store", store],
         "aggregator": [PY, "-m", "slidedp.daemons.aggregator", "--store", store, "--timeout", "30"],
         "updater": [PY, "-m", "slidedp.daemons.updater", "--store", store, "--processes", str(updaters)],
     }
-    env = dict(os.environ, SLIDEDP_LOG_LEVEL="INFO")
-    procs = [subprocess.Popen(a, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                              env=env, text=True) for a in argv.values()]
+    env = dict(os.environ, SLIDEDP_LOG_LEVEL="INFO", PYTHONUNBUFFERED="1")
+    procs = []
+    for role, a in argv.items():
+        err = open(log_dir / f"{role}.log", "ab") if log_dir is not None else subprocess.DEVNULL
+        procs.append(subprocess.Popen(a, stdin=subprocess.DEVNULL, stdout=err, stderr=err, env=env))
+        if log_dir is not None:
+            err.close()
     deadline = time.monotonic() + timeout
     for role, p in zip(argv, procs):
         while not daemonlock.held(store, role):
             if p.poll() is not None or time.monotonic() > deadline:
                 stop_daemons(procs)
-                raise AssertionError(f"slidedp-{role} did not start: {p.poll()}")
+                raise AssertionError(f"slidedp-{role} did not start (exit status {p.poll()})")
             time.sleep(0.05)
     return procs
 

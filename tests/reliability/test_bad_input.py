@@ -152,6 +152,7 @@ def test_job_file_errors(tmp_path, edit, message):
     (['checkpoint.resume="/nonexistent/step-00000002"'], r"checkpoint\.resume: checkpoint '/nonexistent/step-00000002' does not exist"),
     (["train.warmup_steps=-1"], r"train\.warmup_steps must be >= 0; got -1"),
     (["train.lr=nan"], r"train\.lr must be > 0; got nan"),
+    (['checkpoint.resume="soonest"'], r"checkpoint\.resume: checkpoint '.*/soonest' does not exist"),
 ])
 def test_override_errors(sets, message):
     with pytest.raises(ConfigError, match=message):
@@ -327,6 +328,22 @@ def test_model_does_not_match_the_store(tmp_path, caplog, served):
                                                 r"\(qwen3, 106,880 parameters, layout [0-9a-f]{12}\), the job asks for "
                                                 r"layout 0123456789ab"):
         call(served.store, "attach", timeout_s=30, job="x", pid=os.getpid(), layout_hash="0123456789abcdef", world=1)
+    served.check()
+
+
+def test_resume_with_other_data_is_refused(tmp_path, caplog, served):
+    """A checkpoint records where in the data it stopped; resuming it with other data (here data.seed) would
+    silently train on other batches, so it is refused naming the keys to check, and the store is untouched."""
+    pos = {"epoch": 0, "position": 0, "seed": 0}
+    call(served.store, "checkpoint", timeout_s=60, dir=str(tmp_path / "ck"), dtype="fp32", keep=2,
+         extra={"data": pos})
+    rc, logs = run_inprocess(fast_sets(served.store, tmp_path / "run", f'checkpoint.dir="{tmp_path / "ck"}"',
+                                       'checkpoint.resume="latest"', "data.shuffle=true", "data.seed=5"), caplog)
+    assert rc == 1
+    assert re.search(r"job failed: cannot resume from .*/ck/step-\d{8}: the checkpoint's data position "
+                     r"\{'epoch': 0, 'position': 0, 'seed': 0\} does not match \{'epoch': 0, 'position': 0, 'seed': 5\} "
+                     r"for step \d+ with this data; did the data, train.global_batch, train.seq_len or data.seed change\?",
+                     logs), logs
     served.check()
 
 

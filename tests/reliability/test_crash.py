@@ -30,7 +30,8 @@ from slidedp.store.client import StoreRequestError, call
 from slidedp.store.manifest import UPDATING
 from slidedp.store.store import HostStore
 
-from . import PY, TINY, RunningJob, drop_store, fast_sets, manifest_state, unique_store, wait_gone
+from . import (PY, TINY, RunningJob, daemon_pids, drop_store, fast_sets, manifest_state, start_daemons, stop_daemons,
+               unique_store, wait_gone)
 from pipeline.harness import checkpoint_weights
 
 KINDS = ("worker", "aggregator", "updater_member", "hoststate", "launcher")
@@ -224,3 +225,41 @@ def test_kill_randomized(tmp_path, kind, reference_run):
     if report:
         with open(report, "a") as f:
             f.write(json.dumps(summary) + "\n")
+
+
+@pytest.mark.slow
+def test_launcher_killed_beside_daemons_it_did_not_start(tmp_path):
+    """Daemons someone else started (systemd; here the test) outlive a killed launcher. Its workers go with it
+    (PR_SET_PDEATHSIG); the host-state daemon releases the dead job's attachment the next time it is asked;
+    the aggregator and updaters keep the dead job's state until the next JobStart resets it; the next job resumes."""
+    store = unique_store("ext")
+    procs = start_daemons(store, tmp_path)
+    run_dir = tmp_path / "run"
+    try:
+        pids = daemon_pids(store)
+        run = RunningJob.start(TINY, fast_sets(store, run_dir, f"train.steps={STEPS}", "checkpoint.every=2"),
+                               tmp_path, store)
+        try:
+            run.wait_step(3, run_dir)
+            assert sorted(run.processes()) == ["worker"]  # the daemons are not its children
+            workers = [p.pid for p in run.processes()["worker"]]
+            run.proc.kill()
+            assert run.wait_exit(30) == -9
+            assert wait_gone(workers, 30) == []
+        finally:
+            run.cleanup()
+        assert daemon_pids(store) == pids and all(p.poll() is None for p in procs)
+        st = call(store, "status", timeout_s=30)
+        assert st["attached_pid"] == 0
+        assert f"job of pid {run.proc.pid} is gone without detaching; releasing it" in (tmp_path / "hoststate.log").read_text()
+        nxt = RunningJob.start(TINY, fast_sets(store, run_dir, f"train.steps={STEPS}", "checkpoint.every=2",
+                                               'checkpoint.resume="latest"'), tmp_path, store)
+        try:
+            assert nxt.wait_exit(240) == 0, nxt.output[-4000:]
+        finally:
+            nxt.cleanup()
+        assert re.search(r"resumed from .*/step-\d{8} \(step \d+\)", nxt.output)
+        assert manifest_state(store) == (STEPS, [STEPS] * 4, None)
+    finally:
+        stop_daemons(procs)
+        drop_store(store)

@@ -56,7 +56,7 @@ class InProcess:
 # random:tiny as `status` shows it (layout: 106,880 parameters in 107,072 aligned floats per state segment).
 def tiny_status(name: str, daemon: str, job: str) -> str:
     return f"""store {name}
-  daemon          {daemon}
+  daemons         {daemon}
   model           random:tiny (qwen3), 106,880 parameters, 4 chunks
   segment manifest      12.0 KiB  (12,288 bytes)
   segment master       418.2 KiB  (428,288 bytes)
@@ -72,7 +72,9 @@ def tiny_status(name: str, daemon: str, job: str) -> str:
 
 def session(run, name: str, ck: Path, daemon_pid: int | None) -> list[str]:
     """Every command once, asserting each output; returns the transcript with what may differ masked."""
-    daemon = f"running (pid {daemon_pid})" if daemon_pid else "none running"
+    # only the host-state daemon runs in this test; the others show as not running
+    hoststate = f"pid {daemon_pid}" if daemon_pid else "not running"
+    daemon = f"hoststate {hoststate}, aggregator not running, updater not running"
     transcript = []
 
     out = run("create", name, "--model", "random:tiny")
