@@ -144,6 +144,9 @@ class AggregatorCore:
         arrived = self.arrivals.setdefault(key, [])
         if any(g.rank == msg.rank for g in arrived):
             raise ValueError(f"duplicate Grad from rank {msg.rank} for chunk {msg.chunk} step {msg.step}")
+        assert self.rings is not None
+        if msg.slot != SLOT_DEVICE and msg.slot >= self.rings.slots:
+            raise ValueError(f"Grad slot {msg.slot} outside rank {msg.rank}'s ring of {self.rings.slots}")
         if (msg.slot == SLOT_DEVICE) != (msg.chunk in self.device_chunks):
             raise ValueError(f"Grad for chunk {msg.chunk} with slot {msg.slot}: the chunk is "
                              f"{'held on the devices' if msg.chunk in self.device_chunks else 'a host chunk'}")
@@ -334,7 +337,7 @@ def serve(store_name: str, timeout_s: float = 120.0) -> int:
                     log.error("fault from %r: %s", peer, msg.text)
                     if core.launcher is not None:
                         deliver([(core.launcher, msg)])
-            except (ValueError, RuntimeError, AssertionError, FileNotFoundError) as e:
+            except (ValueError, TypeError, IndexError, RuntimeError, AssertionError, FileNotFoundError) as e:
                 log.warning("dropped %s from %r: %s", type(msg).__name__, peer, e)
                 if isinstance(msg, JobStart):
                     deliver([(peer, Ack(0, str(e)))])

@@ -278,7 +278,8 @@ def serve(store_name: str, exit_when_idle: bool = False) -> int:
                     break
                 result = _handle(core, watchdog, req.name, args)
                 reply = Reply(1, json.dumps(result))
-            except (RequestError, StoreError, ckpt.CheckpointError, ValueError, KeyError, OSError, RuntimeError) as e:
+            except (RequestError, StoreError, ckpt.CheckpointError, ValueError, TypeError, KeyError, OSError,
+                    RuntimeError) as e:  # a bad request is answered and dropped; the daemon serves on
                 msg = str(e) if not isinstance(e, KeyError) else f"missing argument {e.args[0]!r}"
                 log.warning("%s request failed: %s", req.name, msg)
                 reply = Reply(0, msg)

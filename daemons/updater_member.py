@@ -62,6 +62,8 @@ class UpdaterCore:
         self.coef.clear()
 
     def end_job(self) -> None:
+        self.ready.clear()  # updates of an ended job must never touch the next job's store
+        self.pending.clear()
         detach_job(self.store, self.rings, self.tracer)
         self.store = self.rings = self.job = None
         self.tracer = NULL

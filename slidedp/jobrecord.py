@@ -55,7 +55,10 @@ class JobRecord:
         d = json.loads(text)
         if not isinstance(d, dict):
             raise ValueError("job record must be a JSON object")
-        return cls(**d)
+        try:
+            return cls(**d)
+        except TypeError as e:  # unknown or missing fields: a launcher of another version
+            raise ValueError(f"job record does not match this SlideDP's (another version?): {e}") from None
 
 
 def attach_job(store_name: str, job: JobRecord, process: str):

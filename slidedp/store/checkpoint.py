@@ -120,6 +120,9 @@ def read_record(path: str | os.PathLike, verify: bool = True) -> dict[str, Any]:
         raise CheckpointError(f"{path}/state.json is corrupt: {e}") from None
     if record.get("format") != FORMAT:
         raise CheckpointError(f"{path} has checkpoint format {record.get('format')}; this SlideDP reads {FORMAT}")
+    if record.get("master_in") not in ("state", "model"):
+        raise CheckpointError(f"{path}/state.json: master_in must be 'state' or 'model', got {record.get('master_in')!r} "
+                              f"(a checkpoint reads nothing outside its folder)")
     for rel, digest in record.get("files", {}).items():
         f = (path / rel).resolve()
         if path.resolve() not in f.parents:
