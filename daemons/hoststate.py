@@ -186,7 +186,12 @@ class HostStateCore:
         dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.get("dtype", "bf16")]
         step = store.manifest.committed_step
         t0 = time.perf_counter()
-        path = ckpt.write_checkpoint(store, args["dir"], step, args.get("extra") or {}, dtype, int(args.get("keep", 3)))
+        extra_files = [str(f) for f in args.get("extra_files") or []]
+        for f in extra_files:
+            if not os.path.isfile(f):
+                raise RequestError(f"checkpoint: extra file {f} does not exist")
+        path = ckpt.write_checkpoint(store, args["dir"], step, args.get("extra") or {}, dtype, int(args.get("keep", 3)),
+                                     extra_files=extra_files)
         log.info("checkpoint of step %d written to %s in %.2f s", step, path, time.perf_counter() - t0)
         return {"path": str(path), "step": step}
 

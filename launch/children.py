@@ -24,11 +24,14 @@ log = logging.getLogger("slidedp.launcher")
 _PR_SET_PDEATHSIG = 1
 
 
-def _die_with_parent(sig: int) -> None:
+def _die_with_parent(sig: int, parent: int) -> None:
+    """In the child, before exec: get `sig` when the parent dies -- or now, if it died since the fork."""
     try:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(sig))
     except (OSError, AttributeError):
-        pass
+        return
+    if os.getppid() != parent:  # the launcher died between fork and prctl: nobody would signal us
+        os.kill(os.getpid(), sig)
 
 
 @dataclass
@@ -51,8 +54,9 @@ class Child:
 def spawn(name: str, argv: list[str], env: dict[str, str] | None = None,
           on_parent_death: int = signal.SIGTERM) -> Child:
     """Start a child in its own session that receives `on_parent_death` when the launcher dies."""
-    proc = subprocess.Popen(argv, env=env, start_new_session=True, preexec_fn=lambda: _die_with_parent(on_parent_death),
-                            stdin=subprocess.DEVNULL)
+    parent = os.getpid()
+    proc = subprocess.Popen(argv, env=env, start_new_session=True, stdin=subprocess.DEVNULL,
+                            preexec_fn=lambda: _die_with_parent(on_parent_death, parent))
     return Child(name, proc)
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import signal
 import subprocess
@@ -241,8 +240,6 @@ class JobRun:
                             raise StoreRequestError(reply.text)
                         return json.loads(reply.text)
                 dead = self._dead_daemon(("hoststate",))
-                if dead is None and "hoststate" not in self.external and not daemon_running(self.store):
-                    dead = "slidedp-hoststate is gone"  # a daemon found running without a recorded pid
                 if dead:
                     raise JobFailed(f"{dead}; its {kind} request was not answered")
                 if time.monotonic() > deadline:
@@ -357,14 +354,11 @@ class JobRun:
         job = self.job
         extra = {"job": job.run.name, "data": self.batches.state(step), "seed": job.train.seed}
         t0 = time.perf_counter()
+        # the tokenizer goes into model/ (hashed with the rest) so the folder is usable as is
+        extra_files = [str(job.data.tokenizer)] if job.data.tokenizer else []
         out = self._call("checkpoint", max(self.timeout, 3600), dir=str(job.checkpoint_dir), dtype=job.checkpoint.dtype,
-                         keep=job.checkpoint.keep, extra=extra)
+                         keep=job.checkpoint.keep, extra=extra, extra_files=extra_files)
         log.info("checkpoint of step %d written to %s in %.2f s", out["step"], out["path"], time.perf_counter() - t0)
-        tok = job.data.tokenizer
-        if tok:  # a checkpoint folder that transformers and tokenizers can use as is
-            import shutil
-
-            shutil.copy(tok, Path(out["path"]) / "model" / "tokenizer.json")
         return Path(out["path"])
 
     def teardown(self, failed: bool) -> None:

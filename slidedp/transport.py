@@ -15,7 +15,7 @@ from typing import Iterator
 import zmq
 
 from .paths import socket_address
-from .protocol import Message, ProtocolError, decode
+from .protocol import MAX_TEXT, Message, ProtocolError, decode
 
 log = logging.getLogger("slidedp.transport")
 
@@ -32,6 +32,7 @@ def bind_router(ctx: zmq.Context, store: str, name: str) -> zmq.Socket:
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # sending to a vanished peer raises instead of dropping
+    sock.setsockopt(zmq.MAXMSGSIZE, MAX_TEXT + 4096)  # an oversized frame is refused, never buffered whole
     addr = socket_address(store, name)
     path = addr[len("ipc://"):]
     if os.path.exists(path):

@@ -41,6 +41,10 @@ log = slog.get("worker")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
+class WorkerStopped(RuntimeError):
+    """SIGTERM arrived while the worker waited on a peer: stop now rather than after the wait."""
+
+
 class WorkerLink:
     """The engine's view of the rest of the system: versions, slots, gradient announcements, loss agreement."""
 
@@ -54,6 +58,7 @@ class WorkerLink:
         self.waits = {"version": 0.0, "slot": 0.0, "loss": 0.0}
         self.tracer = NULL
         self.step = -1
+        self.stop_flag: dict[str, bool] = {}
         self.stop_after: int | None = None
 
     def pump(self, timeout_ms: int) -> None:
@@ -78,6 +83,8 @@ class WorkerLink:
         wall0 = time.time()
         deadline = time.monotonic() + self.timeout_s
         while not done():
+            if self.stop_flag.get("now"):
+                raise WorkerStopped(f"rank {self.rank} stopped (SIGTERM) while waiting for {what}")
             if time.monotonic() > deadline:
                 raise PeerTimeout(f"rank {self.rank} waited {self.timeout_s:.0f} s for {what}; "
                                   f"raise runtime.timeout_s if the host is merely slow")
@@ -184,7 +191,7 @@ def run(args: argparse.Namespace) -> int:
     send(agg, Hello(ROLE_WORKER, rank, world, os.getpid()))
     send(job_sock, Hello(ROLE_WORKER, rank, world, os.getpid()))
     link = WorkerLink(store, rings, rank, agg, job.runtime.timeout_s)
-    tokens = TokenStream(np.load(args.tokens, mmap_mode="r"), cfg.vocab_size, args.tokens) if args.tokens else None
+    tokens = TokenStream(np.load(args.tokens, mmap_mode="r", allow_pickle=False), cfg.vocab_size, args.tokens) if args.tokens else None
     batches = (Batches(tokens, job.train.seq_len, job.train.global_batch, job.data.shuffle, job.data.seed)
                if tokens is not None else open_batches(job, cfg.vocab_size))
     t = job.train
@@ -203,6 +210,7 @@ def run(args: argparse.Namespace) -> int:
     profile_step = int(os.environ.get("SLIDEDP_PROFILE_STEP", "-1"))
     stop = {"now": False}
     signal.signal(signal.SIGTERM, lambda s, f: stop.update(now=True))
+    link.stop_flag = stop
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher owns Ctrl-C and tells us to stop
     log.info("rank %d/%d on %s: steps %d..%d, %d micro-batch(es) of %d x %d tokens", rank, world, device,
              args.start, args.end - 1, micro, mbs, t.seq_len)
@@ -250,6 +258,9 @@ def run(args: argparse.Namespace) -> int:
                     break
                 if time.monotonic() > deadline:
                     raise PeerTimeout(f"rank {rank} waited for the launcher past the checkpoint after step {step}")
+                if stop["now"]:
+                    log.info("stopping at the checkpoint after step %d (SIGTERM)", step)
+                    return 0
         return 0
     finally:
         if held and done_steps < args.end:  # stopped early: leave the store at the last completed step
@@ -290,6 +301,9 @@ def main(argv: list[str] | None = None) -> int:
     slog.setup("worker", args.rank)
     try:
         return run(args)
+    except WorkerStopped as e:
+        log.info("%s", e)
+        return 0
     except Exception as e:
         log.exception("rank %d failed: %s", args.rank, e)
         return 1

@@ -44,7 +44,7 @@ def _state_members(store: HostStore, exact_master: bool) -> list[tuple[str, tupl
 
 
 def write_checkpoint(store: HostStore, root: str | os.PathLike, step: int, extra: dict[str, Any] | None = None,
-                     dtype: torch.dtype = torch.bfloat16, keep: int = 3) -> Path:
+                     dtype: torch.dtype = torch.bfloat16, keep: int = 3, extra_files: list[str] = ()) -> Path:
     """Write the store's state at committed step `step` under root/step-XXXXXXXX; returns the path."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
@@ -54,7 +54,7 @@ def write_checkpoint(store: HostStore, root: str | os.PathLike, step: int, extra
     t0 = time.perf_counter()
     try:
         cfg = store.layout.model
-        hf.write_folder(tmp / "model", cfg, lambda n: store.tensor("master", n), dtype=dtype)
+        hf.write_folder(tmp / "model", cfg, lambda n: store.tensor("master", n), dtype=dtype, extra_files=extra_files)
         exact_master = dtype != torch.float32
         (tmp / "state").mkdir()
 

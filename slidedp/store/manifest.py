@@ -165,6 +165,9 @@ class Manifest:
                     f"(the job ended without finishing)")
         step = self.committed_step
         off = np.nonzero(self.versions != step)[0]
+        if len(off) and (self.versions == step + 1).all():
+            return (f"every chunk finished step {step} but its commit was not recorded (the aggregator stopped); "
+                    f"restore a checkpoint, as for any interrupted step")
         if len(off):
             return (f"chunk versions are mixed ({sorted(set(self.versions.tolist()))}) around committed step {step}: "
                     f"a step stopped half-way")

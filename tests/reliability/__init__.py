@@ -60,7 +60,7 @@ class RunningJob:
     proc: subprocess.Popen
     store: str
     lines: list[str] = field(default_factory=list)
-    seen_pids: set[int] = field(default_factory=set)
+    seen: dict[int, float] = field(default_factory=dict)  # pid -> create time of every descendant seen
     reader: threading.Thread | None = None
 
     @classmethod
@@ -142,9 +142,17 @@ class RunningJob:
                 out.setdefault(k, []).append(p)
         return out
 
+    @property
+    def seen_pids(self) -> list[int]:
+        return sorted(self.seen)
+
     def note_pids(self) -> None:
         try:
-            self.seen_pids.update(p.pid for p in psutil.Process(self.proc.pid).children(recursive=True))
+            for p in psutil.Process(self.proc.pid).children(recursive=True):
+                try:
+                    self.seen.setdefault(p.pid, p.create_time())
+                except psutil.Error:
+                    pass
         except psutil.Error:
             pass
 
@@ -167,13 +175,15 @@ class RunningJob:
         """Kill (by pid) the launcher and every process it ever had; returns the pids that were still alive."""
         self.note_pids()
         left = []
-        for pid in [self.proc.pid, *sorted(self.seen_pids)]:
+        if self.proc.poll() is None:
+            left.append(self.proc.pid)
+            self.proc.kill()
+        for pid, created in sorted(self.seen.items()):
             try:
                 p = psutil.Process(pid)
-                if p.status() != psutil.STATUS_ZOMBIE and kind_of(p) is not None or pid == self.proc.pid:
-                    if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
-                        left.append(pid)
-                        p.kill()
+                if p.create_time() == created and p.status() != psutil.STATUS_ZOMBIE:  # not a reused pid
+                    left.append(pid)
+                    p.kill()
             except psutil.Error:
                 pass
         try:
