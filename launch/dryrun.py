@@ -19,6 +19,7 @@ from typing import Iterator, TextIO
 
 import psutil
 
+from slidedp import jobrecord
 from slidedp import daemonlock, paths
 from slidedp.config import JobConfig, model_config
 from slidedp.model.config import ModelConfig
@@ -36,8 +37,8 @@ _BAD_INPUT = (OSError, ValueError, RuntimeError, KeyError)
 
 
 def ring_slots(job: JobConfig, cfg: ModelConfig) -> int:
-    """Gradient slots per rank: store.grad_slots, or auto (as launch/jobrun.py picks them)."""
-    return job.store.grad_slots or max(3, min(16, cfg.num_layers // 3))
+    """Gradient slots per rank, as the launcher picks them."""
+    return jobrecord.ring_slots(job.store.grad_slots, cfg.num_layers)
 
 
 def _size(n: float) -> str:

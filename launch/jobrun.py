@@ -25,7 +25,7 @@ import zmq
 from slidedp import daemonlock, numa
 from slidedp.config import JobConfig, job_to_dict, job_to_toml, model_config
 from slidedp.data import DataError, open_batches
-from slidedp.jobrecord import JobRecord
+from slidedp.jobrecord import JobRecord, ring_slots
 from slidedp.protocol import (CONTROL_CONTINUE, CONTROL_STOP, ROLE_LAUNCHER, Ack, Control, Fault, Hello, JobEnd,
                               JobStart, Reply, StepDone, WorkerStats, request)
 from slidedp.schedule import lr_at
@@ -133,7 +133,7 @@ class JobRun:
         if self.plan.embedding == "device":
             held = ["embed"] + ([] if cfg.tie_word_embeddings else ["head"])
             device_chunks = tuple(c.id for c in self.layout.chunks if c.kind in held)
-        slots = job.store.grad_slots or max(3, min(16, cfg.num_layers // 3))
+        slots = ring_slots(job.store.grad_slots, cfg.num_layers)
         record = JobRecord(job=job.run.name, store=self.store, world=self.world, train=job_to_dict(job)["train"],
                            layout_hash=self.layout.hash(), grad_slots=slots, device_chunks=device_chunks,
                            run_dir=str(self.run_dir), trace_steps=job.run.traced)

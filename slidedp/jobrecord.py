@@ -61,6 +61,12 @@ class JobRecord:
             raise ValueError(f"job record does not match this SlideDP's (another version?): {e}") from None
 
 
+def ring_slots(grad_slots: int, num_layers: int) -> int:
+    """Gradient slots per rank: store.grad_slots, or auto (0): a third of the layers, 3..16, so the
+    backward can run ahead of the updaters by that many chunks."""
+    return grad_slots or max(3, min(16, num_layers // 3))
+
+
 def attach_job(store_name: str, job: JobRecord, process: str):
     """What a daemon maps for a job: the store (checked against the job's layout), its gradient
     rings, and a tracer for the job's traced steps. Returns (store, rings, tracer)."""
