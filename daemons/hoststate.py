@@ -10,10 +10,12 @@ owns the socket.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import signal
 import sys
+import threading
 import time
 from typing import Any
 
@@ -69,10 +71,13 @@ class HostStateCore:
         self.name = store_name
         self.store: HostStore | None = None
         self.rings: GradRings | None = None
+        self.writer: threading.Thread | None = None  # a checkpoint written while training goes on
+        self.writer_result: dict[str, Any] | None = None
         if list_store_segments().get(store_name):
             self.store = HostStore.attach(store_name)
             log.info("re-attached to store %s: committed step %d, %s", store_name, self.store.manifest.committed_step,
                      self.store.manifest.torn_reason() or "clean")
+            self.store.manifest.snapshot[:] = 0  # no checkpoint writer survives its daemon
             self._clear_stale_job()
 
     # ---- requests -------------------------------------------------------------------------
@@ -184,19 +189,64 @@ class HostStateCore:
         if torn:
             raise RequestError(f"checkpoint refused: store {self.name!r} is torn ({torn})")
         dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.get("dtype", "bf16")]
-        step = store.manifest.committed_step
-        t0 = time.perf_counter()
         extra_files = [str(f) for f in args.get("extra_files") or []]
         for f in extra_files:
             if not os.path.isfile(f):
                 raise RequestError(f"checkpoint: extra file {f} does not exist")
-        path = ckpt.write_checkpoint(store, args["dir"], step, args.get("extra") or {}, dtype, int(args.get("keep", 3)),
-                                     extra_files=extra_files)
-        log.info("checkpoint of step %d written to %s in %.2f s", step, path, time.perf_counter() - t0)
-        return {"path": str(path), "step": step}
+        self._wait_writer()  # one checkpoint at a time
+        step = store.manifest.committed_step
+        write = functools.partial(ckpt.write_checkpoint, store, args["dir"], step, args.get("extra") or {}, dtype,
+                                  int(args.get("keep", 3)), extra_files=extra_files)
+        if not args.get("background"):
+            t0 = time.perf_counter()
+            path = write()
+            log.info("checkpoint of step %d written to %s in %.2f s", step, path, time.perf_counter() - t0)
+            return {"path": str(path), "step": step}
+        # Training goes on: every chunk is marked, the writer copies them in store order and releases
+        # each as it goes; an updater about to overwrite a chunk not yet copied waits for it.
+        m = store.manifest
+        m.snapshot[:] = 1
+        self.writer_result = None
+
+        def release(chunk_id: int) -> None:
+            m.snapshot[chunk_id] = 0
+
+        def run() -> None:
+            t0 = time.perf_counter()
+            try:
+                path = write(release=release)
+                self.writer_result = {"path": str(path), "step": step}
+                log.info("checkpoint of step %d written to %s in %.2f s while training went on", step, path,
+                         time.perf_counter() - t0)
+            except Exception as e:  # reported to whoever waits for it
+                log.error("checkpoint of step %d failed: %s", step, e)
+                self.writer_result = {"error": f"checkpoint of step {step} failed: {e}"}
+            finally:
+                m.snapshot[:] = 0
+
+        self.writer = threading.Thread(target=run, name="checkpoint-writer", daemon=True)
+        self.writer.start()
+        return {"step": step, "background": True}
+
+    def _wait_writer(self) -> dict[str, Any] | None:
+        if self.writer is not None:
+            self.writer.join()
+            self.writer = None
+            return self.writer_result
+        return None
+
+    def do_checkpoint_wait(self, args: dict[str, Any]) -> dict[str, Any]:
+        """Block until the checkpoint being written in the background is complete; its path, or its error."""
+        result = self._wait_writer()
+        if result is None:
+            return {"idle": True}
+        if "error" in result:
+            raise RequestError(result["error"])
+        return result
 
     def do_restore(self, args: dict[str, Any]) -> dict[str, Any]:
         store = self._need_store()
+        self._wait_writer()
         pid = store.manifest.attached_pid
         if pid and _alive(pid) and int(args.get("token", -1)) != store.manifest.attach_token:
             raise RequestError(f"restore refused: a job (pid {pid}) is attached to store {self.name!r}")
@@ -206,6 +256,7 @@ class HostStateCore:
 
     def do_destroy(self, args: dict[str, Any]) -> dict[str, Any]:
         store = self._need_store()
+        self._wait_writer()
         pid = store.manifest.attached_pid
         if pid and _alive(pid) and not args.get("force"):
             raise RequestError(f"destroy refused: a job (pid {pid}) is attached to store {self.name!r}")
@@ -218,6 +269,7 @@ class HostStateCore:
         return {"removed": removed}
 
     def close(self) -> None:
+        self._wait_writer()
         if self.rings is not None:
             self.rings.close()
         if self.store is not None:
@@ -227,7 +279,7 @@ class HostStateCore:
 # Requests whose work grows with the model (touching pages, writing or reading a checkpoint,
 # creating or unmapping the gradient rings): they run under the watchdog's keepalive thread,
 # so a 100 GB store does not look hung to systemd. Each is finite: no wait on a peer.
-LONG_REQUESTS = frozenset({"create", "attach", "checkpoint", "restore", "destroy"})
+LONG_REQUESTS = frozenset({"create", "attach", "checkpoint", "checkpoint_wait", "restore", "destroy"})
 
 
 def _handle(core: HostStateCore, watchdog: Watchdog, kind: str, args: dict[str, Any]) -> dict[str, Any]:

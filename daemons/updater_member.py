@@ -115,6 +115,7 @@ class UpdaterCore:
             raise RuntimeError(f"chunk {chunk.id} is at version {m.versions[chunk.id]}, update is for step {msg.step}")
         t0 = time.perf_counter()
         if msg.source != SOURCE_NONE:
+            m.wait_snapshot(chunk.id)  # a checkpoint written during training copies it first
             m.updating[chunk.id] = UPDATING
             self._adamw(chunk, self._grad(msg, chunk), msg.step)
             m.adam_steps[chunk.id] += 1

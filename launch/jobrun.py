@@ -82,6 +82,7 @@ class JobRun:
         self.agg: zmq.Socket | None = None
         self.job_sock: zmq.Socket | None = None
         self.steps: dict[int, _Step] = {}
+        self.checkpoint_pending = False
         self.external: dict[str, int] = {}  # role -> pid of the daemons this launcher found running
         self._gone: dict[str, str] = {}  # role -> how a daemon of the store died
         self._next_lock_check = 0.0
@@ -312,7 +313,7 @@ class JobRun:
                 progress.step(committed, st.done, st.stats, lr_at(self.job.train, committed))
                 committed += 1
                 if self.job.checkpoint.every and committed % self.job.checkpoint.every == 0 and committed < end:
-                    self.checkpoint(committed)
+                    self.checkpoint(committed, background=True)
                     for r in range(self.world):
                         self._control(r, CONTROL_CONTINUE, committed - 1)
             self._check_children(committed, end, stop_at)
@@ -350,16 +351,31 @@ class JobRun:
                 raise JobFailed(f"{w.describe_exit()} during step {committed}; see its log above")
 
     # ---- checkpoints and teardown ------------------------------------------------------------------
-    def checkpoint(self, step: int) -> Path:
+    def checkpoint(self, step: int, background: bool = False) -> Path | None:
+        """Checkpoint the committed step. background: the daemon writes it while training goes on
+        (chunks are released as they are copied); `finish_checkpoints` collects the outcome."""
         job = self.job
         extra = {"job": job.run.name, "data": self.batches.state(step), "seed": job.train.seed}
         t0 = time.perf_counter()
         # the tokenizer goes into model/ (hashed with the rest) so the folder is usable as is
         extra_files = [str(job.data.tokenizer)] if job.data.tokenizer else []
         out = self._call("checkpoint", max(self.timeout, 3600), dir=str(job.checkpoint_dir), dtype=job.checkpoint.dtype,
-                         keep=job.checkpoint.keep, extra=extra, extra_files=extra_files)
+                         keep=job.checkpoint.keep, extra=extra, extra_files=extra_files, background=background)
+        if background:
+            self.checkpoint_pending = True
+            log.info("checkpoint of step %d started; training goes on while it is written", out["step"])
+            return None
         log.info("checkpoint of step %d written to %s in %.2f s", out["step"], out["path"], time.perf_counter() - t0)
         return Path(out["path"])
+
+    def finish_checkpoints(self) -> None:
+        """Wait for a checkpoint still being written in the background; its failure fails the job."""
+        if not self.checkpoint_pending:
+            return
+        self.checkpoint_pending = False
+        out = self._call("checkpoint_wait", max(self.timeout, 3600))
+        if "path" in out:
+            log.info("checkpoint of step %d is complete: %s", out["step"], out["path"])
 
     def teardown(self, failed: bool) -> None:
         children.stop(self.workers, timeout_s=5 if failed else 30)
@@ -428,6 +444,7 @@ def run_job(job: JobConfig, job_path: Path, progress: Progress) -> int:
             run.spawn_workers(start, end)
             committed = run.follow(start, end, progress)
             run.wait_workers()
+            run.finish_checkpoints()
             if job.checkpoint.final or run.stop_requested:
                 if job.checkpoint.every or job.checkpoint.final:
                     run.checkpoint(committed)

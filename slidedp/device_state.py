@@ -82,6 +82,8 @@ class DeviceResident:
         if self.rank != 0:
             return
         m = self.store.manifest
+        for c in self.unit.chunks:  # a checkpoint still copying the previous state comes first
+            m.wait_snapshot(c.id)
         rng = slice(self.unit.offset, self.unit.offset + self.unit.numel)
         for k, v in self.state.items():
             self.store.flat(k)[rng].copy_(v)

@@ -255,7 +255,8 @@ class WorkerStats(Message):
 
 
 # ---- control plane: requests to the host-state daemon ------------------------------------------
-REQUESTS = ("ping", "create", "attach", "detach", "status", "checkpoint", "restore", "destroy", "shutdown")
+REQUESTS = ("ping", "create", "attach", "detach", "status", "checkpoint", "restore", "destroy", "shutdown",
+            "checkpoint_wait")
 
 
 @message(20, "B")

@@ -38,14 +38,42 @@ def _sha256(path: Path) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-def _state_members(store: HostStore, exact_master: bool) -> list[tuple[str, tuple[int, ...]]]:
-    kinds = (["master"] if exact_master else []) + ["exp_avg", "exp_avg_sq"]
-    return [(f"{k}.{t.name}", t.shape) for k in kinds for t in store.layout.tensors]
+KINDS = ("master", "exp_avg", "exp_avg_sq")
+
+
+def _state_members(store: HostStore) -> list[tuple[str, tuple[int, ...]]]:
+    """Tensor by tensor in store order, all three kinds together: one pass copies each chunk once."""
+    return [(f"{k}.{t.name}", t.shape) for t in store.layout.tensors for k in KINDS]
+
+
+def _releaser(store: HostStore, release) -> "callable":
+    """get(name) for the state file: a copy of the store tensor; once a tensor's last kind is copied, the
+    chunks whose members are all copied are released (their next update may run)."""
+    layout = store.layout
+    pending = {c.id: {m.name for m in c.members} for c in layout.chunks}
+
+    def get(name: str) -> torch.Tensor:
+        kind, _, tensor = name.partition(".")
+        out = store.tensor(kind, tensor).clone()
+        if kind == KINDS[-1] and release is not None:
+            for cid, names in pending.items():
+                if tensor in names:
+                    names.discard(tensor)
+                    if not names:
+                        release(cid)
+        return out
+
+    return get
 
 
 def write_checkpoint(store: HostStore, root: str | os.PathLike, step: int, extra: dict[str, Any] | None = None,
-                     dtype: torch.dtype = torch.bfloat16, keep: int = 3, extra_files: list[str] = ()) -> Path:
-    """Write the store's state at committed step `step` under root/step-XXXXXXXX; returns the path."""
+                     dtype: torch.dtype = torch.bfloat16, keep: int = 3, extra_files: list[str] = (),
+                     release=None) -> Path:
+    """Write the store's state at committed step `step` under root/step-XXXXXXXX; returns the path.
+
+    The store is read once, chunk by chunk in store order, into state/ (fp32 master and moments);
+    `release(chunk_id)` is called as each chunk is copied, so training may go on updating the chunks
+    already copied. model/ is then written from state/, not from the store."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{step:08d}"
@@ -54,23 +82,21 @@ def write_checkpoint(store: HostStore, root: str | os.PathLike, step: int, extra
     t0 = time.perf_counter()
     try:
         cfg = store.layout.model
-        hf.write_folder(tmp / "model", cfg, lambda n: store.tensor("master", n), dtype=dtype, extra_files=extra_files)
-        exact_master = dtype != torch.float32
+        adam_steps = store.manifest.adam_steps.tolist()  # before any chunk is released
         (tmp / "state").mkdir()
-
-        def get(name: str) -> torch.Tensor:
-            kind, _, tensor = name.partition(".")
-            return store.tensor(kind, tensor)
-
-        hf._write_safetensors(tmp / "state" / hf.SINGLE_FILE, _state_members(store, exact_master), get, torch.float32)
+        hf._write_safetensors(tmp / "state" / hf.SINGLE_FILE, _state_members(store), _releaser(store, release),
+                              torch.float32)
+        index = hf.tensor_index(tmp / "state")
+        hf.write_folder(tmp / "model", cfg, lambda n: hf.load_tensor(tmp / "state", f"master.{n}", index=index),
+                        dtype=dtype, extra_files=extra_files)
         files = sorted(p for p in tmp.rglob("*") if p.is_file())
         record = {
             "format": FORMAT,
             "step": step,
             "layout_hash": store.layout.hash(),
             "model": cfg.to_dict(),
-            "adam_steps": store.manifest.adam_steps.tolist(),
-            "master_in": "state" if exact_master else "model",
+            "adam_steps": adam_steps,
+            "master_in": "state",
             "created": time.time(),
             "extra": extra or {},
             "files": {str(p.relative_to(tmp)): _sha256(p) for p in files},

@@ -21,7 +21,7 @@ from .layout import Layout
 from .shm import Segment
 
 MAGIC = b"SLIDEDP\x01"
-FORMAT = 1
+FORMAT = 2
 PAGE = 4096
 _FIXED = struct.Struct("<8sII Q 64s Q Q d")  # magic, format, header size, generation, hash, json len, chunks, created
 _MUTABLE_AT = 256  # committed_step, attached_pid, attach_token, torn (int64 each)
@@ -49,7 +49,7 @@ class Manifest:
     @staticmethod
     def size_for(layout: Layout, meta: dict[str, Any]) -> int:
         body = _body(layout, meta)
-        return PAGE + _round_up(len(body)) + _round_up(3 * 8 * len(layout.chunks))
+        return PAGE + _round_up(len(body)) + _round_up(4 * 8 * len(layout.chunks))
 
     @classmethod
     def create(cls, name: str, layout: Layout, meta: dict[str, Any], generation: int) -> "Manifest":
@@ -115,6 +115,22 @@ class Manifest:
     def updating(self) -> np.ndarray:
         """Non-zero while the chunk's master/moments are being rewritten: a crash then leaves it torn."""
         return self._array(1)
+
+    @property
+    def snapshot(self) -> np.ndarray:
+        """Non-zero while a checkpoint still has to copy the chunk: its next update waits (one writer: the
+        host-state daemon sets it for a checkpoint and clears it chunk by chunk as it copies)."""
+        return self._array(3)
+
+    def wait_snapshot(self, chunk_id: int, timeout_s: float = 3600.0) -> None:
+        """Block while a checkpoint written during training has not copied this chunk yet."""
+        deadline = time.monotonic() + timeout_s
+        snap = self.snapshot
+        while snap[chunk_id]:
+            if time.monotonic() > deadline:
+                raise ManifestError(f"the checkpoint writer (slidedp-hoststate) has not copied chunk {chunk_id} "
+                                    f"in {timeout_s:.0f} s")
+            time.sleep(0.001)
 
     @property
     def adam_steps(self) -> np.ndarray:
