@@ -158,6 +158,14 @@ def event_kind(name: str) -> str:
     return re.sub(r"\s+", " ", re.sub(r"\b\d+\b", "", name)).strip(" .") or name
 
 
+def _finish(plt, fig, path: Path) -> Path:
+    """Lay out, write and close one figure."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
 def plot_training(plt, records: list[dict[str, Any]], out: Path) -> list[Path]:
     steps = [r["step"] for r in records]
     fig, ax = plt.subplots(figsize=(8, 4.5))
@@ -168,10 +176,7 @@ def plot_training(plt, records: list[dict[str, Any]], out: Path) -> list[Path]:
         ax.legend()
     ax.set(xlabel="step", ylabel="loss", title="loss")
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    loss = out / "loss.png"
-    fig.savefig(loss, dpi=100)
-    plt.close(fig)
+    loss = _finish(plt, fig, out / "loss.png")
 
     fig, ax = plt.subplots(figsize=(8, 4.5))
     ax.plot(steps, [r.get("tokens_per_s") or float("nan") for r in records], lw=1.5, label="measured")
@@ -181,10 +186,7 @@ def plot_training(plt, records: list[dict[str, Any]], out: Path) -> list[Path]:
         ax.legend()
     ax.set(xlabel="step", ylabel="tokens/s", title="throughput")
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    tps = out / "tokens_per_s.png"
-    fig.savefig(tps, dpi=100)
-    plt.close(fig)
+    tps = _finish(plt, fig, out / "tokens_per_s.png")
 
     fig, ax = plt.subplots(figsize=(8, 4.5))
     bottom = [0.0] * len(records)
@@ -197,11 +199,7 @@ def plot_training(plt, records: list[dict[str, Any]], out: Path) -> list[Path]:
     ax.set(xlabel="step", ylabel="seconds", title="where each step's time went (slowest rank)")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3, axis="y")
-    fig.tight_layout()
-    parts = out / "step_breakdown.png"
-    fig.savefig(parts, dpi=100)
-    plt.close(fig)
-    return [loss, tps, parts]
+    return [loss, tps, _finish(plt, fig, out / "step_breakdown.png")]
 
 
 def plot_timeline(plt, trace: dict[str, Any], step: int, commits: dict[int, float], out: Path) -> Path:
@@ -234,11 +232,7 @@ def plot_timeline(plt, trace: dict[str, Any], step: int, commits: dict[int, floa
     ax.set_xlim(0, span * 1.02)
     ax.set(xlabel="ms since the step's first event", title=f"pipeline timeline of step {step}")
     ax.grid(alpha=0.3, axis="x")
-    fig.tight_layout()
-    path = out / f"timeline_step{step}.png"
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return _finish(plt, fig, out / f"timeline_step{step}.png")
 
 
 def report(run_dir: Path, out_dir: Path | None = None, step: int | None = None, plots: bool = True) -> tuple[list[str], list[Path]]:
