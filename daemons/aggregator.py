@@ -25,7 +25,7 @@ import zmq
 from slidedp import daemonlock
 from slidedp import log as slog
 from slidedp.jobrecord import JobRecord, attach_job, detach_job
-from slidedp.protocol import (ROLE_LAUNCHER, ROLE_UPDATER, ROLE_WORKER, SLOT_DEVICE, SOURCE_NONE, SOURCE_RANK_SLOT,
+from slidedp.protocol import (ROLE_LAUNCHER, ROLE_UPDATER, SLOT_DEVICE, SOURCE_NONE, SOURCE_RANK_SLOT,
                               SOURCE_REDUCE,
                               Ack, Credit, Fault, Go, Grad, Hello, JobEnd, JobStart, Loss, Message, Norm, Ready,
                               StepDone, Update, Updated)
@@ -76,7 +76,6 @@ class AggregatorCore:
         self.free_reduce: list[int] = []
         self.waiting: deque[tuple[int, int, list[Grad]]] = deque()
         self.steps: dict[int, _Step] = {}
-        self.workers: set[bytes] = set()
         self.launcher: bytes | None = None
         self.device_chunks: frozenset[int] = frozenset()
         self.tracer = NULL
@@ -300,8 +299,6 @@ def serve(store_name: str, timeout_s: float = 120.0) -> int:
                     if msg.role == ROLE_UPDATER:
                         pool = msg.size
                         present.add(msg.rank)
-                    elif msg.role == ROLE_WORKER:
-                        core.workers.add(peer)
                     elif msg.role == ROLE_LAUNCHER:
                         core.launcher = peer
                 elif isinstance(msg, JobStart):

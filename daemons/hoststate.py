@@ -26,7 +26,7 @@ import zmq
 from slidedp import log as slog
 from slidedp.model.config import ModelConfig, named_shape
 from slidedp import daemonlock
-from slidedp.protocol import Reply, Request, REQUESTS
+from slidedp.protocol import Reply, Request
 from slidedp.sdnotify import Watchdog, notify
 from slidedp.store import checkpoint as ckpt
 from slidedp.store.layout import make_layout

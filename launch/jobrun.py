@@ -286,8 +286,7 @@ class JobRun:
         last_activity = time.monotonic()
         while committed < (stop_at if stop_at is not None else end):
             if self.stop_requested and stop_at is None:
-                stop_at = committed + 1 if any(s.stats for s in self.steps.values()) or committed < end else committed
-                stop_at = min(stop_at, end)
+                stop_at = committed + 1  # the step in flight finishes; committed < end inside the loop
                 log.info("stop requested: finishing step %d, then stopping", stop_at - 1)
                 for r in range(self.world):
                     self._control(r, CONTROL_STOP, stop_at - 1)
@@ -316,7 +315,7 @@ class JobRun:
                     self.checkpoint(committed, background=True)
                     for r in range(self.world):
                         self._control(r, CONTROL_CONTINUE, committed - 1)
-            self._check_children(committed, end, stop_at)
+            self._check_children(committed)
             if time.monotonic() - last_activity > self.timeout * 3 and not any(w.alive() for w in self.workers):
                 raise JobFailed(f"the workers exited but step {committed} was never committed")
         return committed
@@ -342,7 +341,7 @@ class JobRun:
         except zmq.ZMQError:
             pass  # a worker that already finished
 
-    def _check_children(self, committed: int, end: int, stop_at: int | None) -> None:
+    def _check_children(self, committed: int) -> None:
         dead = self._dead_daemon()
         if dead:
             raise JobFailed(f"{dead} during step {committed}")

@@ -16,7 +16,7 @@ from typing import Callable
 
 import torch
 
-from .store.layout import Chunk, Member
+from .store.layout import Chunk
 from .store.store import member_view
 from .tracing import NULL
 
@@ -141,7 +141,6 @@ class GradOut:
         self.cuda = device.type == "cuda"
         self.slot_view = slot_view
         self.pending: list[_PendingGrad] = []
-        self.d2h_bytes = 0
         self.tracer = NULL
         if self.cuda:
             self.stream = torch.cuda.Stream(device)
@@ -149,7 +148,6 @@ class GradOut:
     def send(self, chunk: Chunk, grad: torch.Tensor, slot: int, step: int = -1) -> None:
         sq = torch.dot(grad, grad)
         dst = self.slot_view(slot, chunk.numel)
-        self.d2h_bytes += chunk.numel * 4
         t0 = time.time()
         if not self.cuda:
             dst.copy_(grad)
@@ -194,7 +192,3 @@ def accumulate(acc: torch.Tensor, chunk: Chunk, grads: dict[str, torch.Tensor], 
             view.copy_(g)
         else:
             view.add_(g)
-
-
-def member_rows(m: Member) -> slice:
-    return slice(m.row_start, m.row_end)

@@ -34,15 +34,6 @@ def nodes(sysfs: str = "/sys/devices/system/node") -> list[list[int]]:
     return found or [allowed]
 
 
-def gpu_node(pci_bus_id: str) -> int | None:
-    """NUMA node of a PCI device (a GPU), or None where the platform does not say."""
-    try:
-        value = int(Path(f"/sys/bus/pci/devices/{pci_bus_id.lower()}/numa_node").read_text())
-    except (OSError, ValueError):
-        return None
-    return value if value >= 0 else None
-
-
 def reserve(nodes: list[list[int]], count: int) -> list[list[int]]:
     """The nodes' CPUs without the `count` highest-numbered ones (kept for other processes); never empty."""
     if count <= 0:

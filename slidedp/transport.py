@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Iterator
 
 import zmq
 
@@ -83,17 +82,6 @@ def recv_dealer(sock: zmq.Socket, expect=None) -> Message | None:
     except ProtocolError as e:
         log.warning("dropped a bad message: %s", e)
         return None
-
-
-def drain(sock: zmq.Socket, timeout_s: float, router: bool = False) -> Iterator:
-    """Yield messages as they arrive, waiting at most timeout_s for the first."""
-    if sock.poll(int(timeout_s * 1000)):
-        while True:
-            item = recv_router(sock) if router else recv_dealer(sock)
-            if item is not None:
-                yield item
-            if not sock.poll(0):
-                return
 
 
 def request(ctx: zmq.Context, store: str, req: Message, timeout_s: float, reply_types=None) -> Message:

@@ -48,8 +48,7 @@ class WorkerStopped(RuntimeError):
 class WorkerLink:
     """The engine's view of the rest of the system: versions, slots, gradient announcements, loss agreement."""
 
-    def __init__(self, store: HostStore, rings: GradRings, rank: int, agg: zmq.Socket, timeout_s: float,
-                 owner_of: list[int] | None = None) -> None:
+    def __init__(self, store: HostStore, rings: GradRings, rank: int, agg: zmq.Socket, timeout_s: float) -> None:
         self.store, self.rings, self.rank, self.agg = store, rings, rank, agg
         self.timeout_s = timeout_s
         self.free_slots = list(range(rings.slots))

@@ -196,13 +196,5 @@ def fill_from_hf(folder: str | os.PathLike) -> Callable[[HostStore], None]:
     return fill
 
 
-def fill_from_tensors(tensors: dict[str, torch.Tensor]) -> Callable[[HostStore], None]:
-    def fill(store: HostStore) -> None:
-        for name, view in store.tensors("master"):
-            view.copy_(tensors[name])
-
-    return fill
-
-
-__all__ = ["HostStore", "StoreError", "ManifestError", "member_view", "fill_random", "fill_from_hf", "fill_from_tensors",
+__all__ = ["HostStore", "StoreError", "ManifestError", "member_view", "fill_random", "fill_from_hf",
            "segment_sizes", "STATE_KINDS"]

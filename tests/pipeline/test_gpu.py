@@ -7,10 +7,9 @@ bf16 weights and activations allow over 5 steps of a tiny model (measured, see t
 from __future__ import annotations
 
 import pytest
-import torch
 
 from .harness import TINY, checkpoint_weights, launch, metrics, rel_err, store_segments, unique_store
-from .test_equivalence import GLOBAL_BATCH, STEPS, job_sets, reference
+from .test_equivalence import STEPS, job_sets, reference
 
 pytestmark = pytest.mark.gpu
 
