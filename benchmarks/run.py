@@ -9,6 +9,14 @@ under a per-system timeout. Whatever happens to a system (out of memory, not ins
 crashed, timed out) is a row that says so. After every system the JSON file is rewritten,
 so a run cut short keeps what it measured; `--merge A.json B.json` joins runs made in
 separate commands into one table. `--device cpu --shape tiny` is the CPU smoke version.
+
+`--gpus N`: N ranks at the same global batch. SlideDP runs N workers (sharing a GPU when the
+machine has fewer), `slidedp_replicated` the same with the routes forced to replicated/host
+(what the sharded routes buy), and the FSDP2 peers run under torchrun, one process per GPU;
+ratios are then taken against GPU-resident FSDP2 (`fsdp2`).
+
+    python -m benchmarks.run --gpus 4 --shape qwen3-4b --batch 32 --seq 2048 \
+        --systems slidedp,slidedp_replicated,fsdp2,fsdp2_offload --budget-gib 24 --out ...
 """
 
 from __future__ import annotations
@@ -42,6 +50,9 @@ class System:
 
 SYSTEMS: dict[str, System] = {
     "slidedp": System("benchmarks.peers.slidedp_run"),
+    "slidedp_replicated": System("benchmarks.peers.slidedp_run",
+                                 ("--set", 'runtime.param_route="replicated"', "--set", 'runtime.grad_route="host"')),
+    "fsdp2": System("benchmarks.peers.fsdp2_offload", ("--no-offload",)),
     "gpu_resident": System("benchmarks.peers.gpu_resident", ("--loss", "full")),
     "gpu_resident_chunked": System("benchmarks.peers.gpu_resident", ("--loss", "chunked")),
     "fsdp2_offload": System("benchmarks.peers.fsdp2_offload", ("--fused",)),
@@ -49,6 +60,7 @@ SYSTEMS: dict[str, System] = {
     "deepspeed": System("benchmarks.peers.deepspeed_offload"),
 }
 DEFAULT_SYSTEMS = "slidedp,gpu_resident,gpu_resident_chunked,fsdp2_offload,deepspeed"
+MULTI_RANK = ("fsdp2", "fsdp2_offload", "fsdp2_offload_foreach")  # run under torchrun with --gpus N > 1
 COLUMNS = ("system", "config", "tokens/s", "step s", "vs GPU-resident", "GPU peak GiB", "host RSS + shm GiB", "status")
 
 
@@ -58,7 +70,8 @@ COLUMNS = ("system", "config", "tokens/s", "step s", "vs GPU-resident", "GPU pea
 def peer_argv(args: argparse.Namespace, json_path: Path) -> list[str]:
     """The flags every peer takes (benchmarks.peers.common.parser)."""
     argv = ["--shape", args.shape, "--batch", str(args.batch), "--seq", str(args.seq), "--steps", str(args.steps),
-            "--warmup", str(args.warmup), "--device", args.device, "--seed", str(args.seed), "--json", str(json_path)]
+            "--warmup", str(args.warmup), "--device", args.device, "--seed", str(args.seed), "--json", str(json_path),
+            "--gpus", str(args.gpus)]
     if args.micro_batch:
         argv += ["--micro-batch", str(args.micro_batch)]
     if args.budget_gib:
@@ -73,9 +86,18 @@ def run_system(name: str, system: System, args: argparse.Namespace, log_dir: Pat
     json_path = log_dir / f"{name}.json"
     json_path.unlink(missing_ok=True)
     extra = []
-    if name == "slidedp":  # its job file, tokens, run dir and metrics.jsonl stay beside the logs
-        extra = ["--workdir", str(log_dir / "slidedp-work"), *(a for s in args.slidedp_set for a in ("--set", s))]
-    cmd = [sys.executable, "-m", system.module, *system.args, *peer_argv(args, json_path), *extra]
+    if name.startswith("slidedp"):  # its job file, tokens, run dir and metrics.jsonl stay beside the logs
+        extra = ["--workdir", str(log_dir / f"{name}-work"), *(a for s in args.slidedp_set for a in ("--set", s))]
+    if args.gpus > 1 and name in MULTI_RANK:
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.gpus), "-m"]
+    elif args.gpus > 1 and not name.startswith("slidedp"):
+        row = {"system": name, "status": f"skipped: {name} runs on one GPU only (use fsdp2 with --gpus)",
+               "config": " ".join(system.args)}
+        say(f"=== {name}: {row['status']}")
+        return row
+    else:
+        launcher = [sys.executable, "-m"]
+    cmd = [*launcher, system.module, *system.args, *peer_argv(args, json_path), *extra]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
     say(f"=== {name}: {shlex.join(cmd)}")
@@ -169,10 +191,11 @@ def _stop_group(proc: subprocess.Popen) -> None:
 
 
 def add_ratios(rows: list[dict[str, Any]]) -> float | None:
-    """Set each row's vs_gpu_resident against the first gpu_resident* row that ran; returns its tokens/s."""
+    """Set each row's vs_gpu_resident against the first gpu_resident* row that ran (with several
+    ranks: GPU-resident FSDP2, `fsdp2`); returns its tokens/s."""
     base = next((r["tokens_per_s"] for r in rows
-                 if str(r.get("system", "")).startswith("gpu_resident") and r.get("status") == "ok"
-                 and r.get("tokens_per_s")), None)
+                 if (str(r.get("system", "")).startswith("gpu_resident") or r.get("system") == "fsdp2")
+                 and r.get("status") == "ok" and r.get("tokens_per_s")), None)
     for r in rows:
         ok = base and r.get("status") == "ok" and r.get("tokens_per_s")
         r["vs_gpu_resident"] = r["tokens_per_s"] / base if ok else None
@@ -296,6 +319,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--budget-gib", type=float, default=0.0, help="GPU memory cap for every system; 0 = none")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: the smoke version (--shape tiny)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--gpus", type=int, default=1, help="ranks: SlideDP workers, torchrun processes for FSDP2")
     p.add_argument("--exact-init", action="store_true", help="peers draw weights with slidedp.model.init (slow)")
     p.add_argument("--slidedp-set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override a key of SlideDP's job file (repeatable)")

@@ -3,7 +3,8 @@
 It is the hub of the data plane: workers, updaters and the launcher connect to its ROUTER.
 Per chunk and step it counts the ranks' gradient arrivals (no barrier, no global lock),
 sums them in fp32 into the reduction space (skipped for one rank without clipping: the
-updater reads the rank's slot directly), returns slot credits, gathers the global
+updater reads the rank's slot directly; with the reduce_scatter route the ranks summed on
+their devices and it only lays their shards side by side), returns slot credits, gathers the global
 gradient norm, agrees with every rank on a finite loss before backward, and commits a
 step once all of its chunks are updated. `AggregatorCore` is the logic; `serve` the socket.
 """
@@ -23,6 +24,7 @@ import torch
 import zmq
 
 from slidedp import daemonlock
+from slidedp.collectives import Shard
 from slidedp import log as slog
 from slidedp.jobrecord import JobRecord, attach_job, detach_job
 from slidedp.protocol import (ROLE_LAUNCHER, ROLE_UPDATER, SLOT_DEVICE, SOURCE_NONE, SOURCE_RANK_SLOT,
@@ -172,7 +174,12 @@ class AggregatorCore:
             t0 = time.perf_counter()
             dst = self.rings.reduce_slot(j, chunk)
             srcs = [self.rings.slot(g.rank, g.slot, chunk.numel) for g in grads]
-            if len(srcs) == 1:
+            if self.job.grad_route == "reduce_scatter":  # summed on the devices: lay the shards side by side
+                for g, src in zip(grads, srcs):
+                    shard = Shard(chunk.numel, self.world, g.rank)
+                    dst[shard.start:shard.end].copy_(src[shard.start:shard.end])
+                sq = sum(g.sqnorm for g in grads)
+            elif len(srcs) == 1:
                 dst.copy_(srcs[0])
                 sq = grads[0].sqnorm
             else:
@@ -183,7 +190,8 @@ class AggregatorCore:
             busy = time.perf_counter() - t0
             st.reduce_s += busy
             now = time.time()
-            self.tracer.event(f"sum chunk {chunk_id}", "reduce", step, now - busy, now, chunk=chunk_id, ranks=len(grads))
+            what = "gather" if self.job.grad_route == "reduce_scatter" else "sum"
+            self.tracer.event(f"{what} chunk {chunk_id}", "reduce", step, now - busy, now, chunk=chunk_id, ranks=len(grads))
             out = [(identity("w", g.rank), Credit(g.rank, g.slot)) for g in grads]
             out += self._to_owner(chunk_id, Update(chunk_id, step, SOURCE_REDUCE, 0, j))
         return out + self._reduced(step, sq)

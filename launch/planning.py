@@ -15,8 +15,8 @@ from slidedp.config import JobConfig, model_config
 from slidedp.planner import Calibration, Plan, Workload, make_plan
 from slidedp.planner.costs import GiB
 
-_CALIBRATE = ("import json; from slidedp.planner import load_or_calibrate; "
-              "print(json.dumps(load_or_calibrate('cuda').to_dict()))")
+_CALIBRATE = ("import json, sys; from slidedp.planner import load_or_calibrate; "
+              "print(json.dumps(load_or_calibrate('cuda', gpus=int(sys.argv[1])).to_dict()))")
 
 
 @dataclass(frozen=True)
@@ -26,6 +26,10 @@ class RunPlan:
     loss_chunk_tokens: int = 4096
     embedding: str = "host"  # "host" | "device"
     micro_batch: int = 1
+    seq_tile_tokens: int = 0
+    offload_layers: int = 0
+    param_route: str = "replicated"
+    grad_route: str = "host"
     plan: Plan | None = None
 
     @property
@@ -33,29 +37,58 @@ class RunPlan:
         return self.plan.predicted_step_s if self.plan is not None else None
 
 
-def calibration(timeout_s: float = 300.0) -> Calibration:
-    out = subprocess.run([sys.executable, "-c", _CALIBRATE], capture_output=True, text=True, timeout=timeout_s)
+def calibration(gpus: int = 1, timeout_s: float = 300.0) -> Calibration:
+    """This host's calibration; with gpus > 1 it includes the NCCL bus bandwidth among that many GPUs."""
+    out = subprocess.run([sys.executable, "-c", _CALIBRATE, str(gpus)], capture_output=True, text=True,
+                         timeout=timeout_s)
     if out.returncode != 0:
         raise RuntimeError(f"calibrating this host's GPU failed: {out.stderr.strip()[-2000:]}")
     return Calibration.from_dict(json.loads(out.stdout.strip().splitlines()[-1]))
 
 
+def _forced(value: int, planned: int) -> int:
+    """A job-file override (>= 0) or the plan's value (-1)."""
+    return planned if value < 0 else value
+
+
+def _routes(job: JobConfig, calib: Calibration) -> dict[str, tuple[str, ...]]:
+    """Routes the planner may choose: the job's, or (auto) both where the GPU links were measured."""
+    rt, world = job.runtime, job.runtime.workers
+    measured = calib.bus_gpus >= min(world, 2)
+    return {
+        "param_route": ("replicated", "sharded") if rt.param_route == "auto" and measured
+        else (rt.param_route if rt.param_route != "auto" else "replicated",),
+        "grad_route": ("host", "reduce_scatter") if rt.grad_route == "auto" and measured
+        else (rt.grad_route if rt.grad_route != "auto" else "host",),
+    }
+
+
 def plan_job(job: JobConfig, calib: Calibration | None = None) -> RunPlan:
-    mem, t = job.memory, job.train
+    mem, t, rt = job.memory, job.train, job.runtime
     forced_embedding = {"auto": None, "host": "host", "device": "device"}[mem.embedding]
-    if job.runtime.device != "cuda":
+    one = rt.workers == 1  # one rank: nothing to shard
+    if rt.device != "cuda":
         return RunPlan(resident_layers=max(0, mem.resident_layers), embedding=forced_embedding or "host",
-                       micro_batch=t.micro_batch)
-    work = Workload(model=model_config(job), global_batch=t.global_batch, seq_len=t.seq_len, world=job.runtime.workers,
+                       micro_batch=t.micro_batch, seq_tile_tokens=max(0, mem.seq_tile_tokens),
+                       offload_layers=max(0, mem.offload_layers),
+                       param_route="sharded" if rt.param_route == "sharded" and not one else "replicated",
+                       grad_route="reduce_scatter" if rt.grad_route == "reduce_scatter" and not one else "host")
+    work = Workload(model=model_config(job), global_batch=t.global_batch, seq_len=t.seq_len, world=rt.workers,
                     micro_batch=t.micro_batch, compute_dtype=t.compute_dtype, clip=t.max_grad_norm > 0,
-                    updaters=max(1, job.runtime.updaters))
+                    updaters=max(1, rt.updaters))
+    calib = calib or calibration(rt.workers)
     allowed = {
-        "activations": ("keep",),
+        "activations": ("keep", "offload") if mem.offload_layers != 0 else ("keep",),
         "delivery": ("fp32",),  # the bf16 shadow delivery needs a store made with store.shadow_bf16
         "embedding": {None: ("gpu", "host"), "host": ("host",), "device": ("gpu",)}[forced_embedding],
+        **_routes(job, calib),
     }
-    plan = make_plan(work, int(mem.gpu_budget_gib * GiB), calib or calibration(), allowed)
-    resident = plan.resident_layers if mem.resident_layers < 0 else min(mem.resident_layers, work.model.num_layers)
-    return RunPlan(resident_layers=resident, prefetch_depth=plan.prefetch_depth,
-                   loss_chunk_tokens=plan.loss_chunk_tokens, embedding="device" if plan.embedding == "gpu" else "host",
-                   micro_batch=plan.micro_batch, plan=plan)
+    plan = make_plan(work, int(mem.gpu_budget_gib * GiB), calib, allowed)
+    nl = work.model.num_layers
+    return RunPlan(resident_layers=min(_forced(mem.resident_layers, plan.resident_layers), nl),
+                   prefetch_depth=plan.prefetch_depth, loss_chunk_tokens=plan.loss_chunk_tokens,
+                   embedding="device" if plan.embedding == "gpu" else "host", micro_batch=plan.micro_batch,
+                   seq_tile_tokens=_forced(mem.seq_tile_tokens, plan.seq_tile_tokens),
+                   offload_layers=min(_forced(mem.offload_layers, plan.offload_layers), nl),
+                   param_route=plan.param_route if not one else "replicated",
+                   grad_route=plan.grad_route if not one else "host", plan=plan)

@@ -194,11 +194,15 @@ class MemorySection(_Section):
     gpu_budget_gib: float = 24.0
     embedding: str = "auto"  # "auto" (the plan decides), "host", or "device" (embedding/head held on the GPUs)
     resident_layers: int = -1  # layers kept on the GPU from forward to backward; -1: the plan decides
+    seq_tile_tokens: int = -1  # tokens per MLP/norm/head tile along the sequence; 0: untiled; -1: the plan decides
+    offload_layers: int = -1  # first layers whose saved inputs wait in pinned host memory; -1: the plan decides
 
     def validate(self) -> None:
         self._range("gpu_budget_gib", 0, lo_open=True)
         self._choice("embedding", ("auto", "host", "device"))
         self._range("resident_layers", -1)
+        self._range("seq_tile_tokens", -1)
+        self._range("offload_layers", -1)
 
 
 @dataclass(frozen=True)
@@ -269,9 +273,13 @@ class RuntimeSection(_Section):
     updaters: int = 0  # 0 = one per NUMA node
     updater_threads: int = 0  # 0 = the cores of the node
     timeout_s: float = 120.0
+    param_route: str = "auto"  # "replicated" (every rank copies whole chunks in) | "sharded" (1/N each, all-gathered)
+    grad_route: str = "auto"  # "host" (the aggregator sums the ranks) | "reduce_scatter" (summed on the devices)
 
     def validate(self) -> None:
         self._choice("device", ("cpu", "cuda"))
+        self._choice("param_route", ("auto", "replicated", "sharded"))
+        self._choice("grad_route", ("auto", "host", "reduce_scatter"))
         self._range("workers", 1)
         self._range("updaters", 0)
         self._range("updater_threads", 0)

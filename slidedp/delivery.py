@@ -6,6 +6,11 @@ and leave it in fp32, so the CPU touches each parameter once per step, inside Ad
 On CUDA, H2D runs on its own copy stream `depth` units ahead of compute and D2H on
 another; every buffer has one event. On CPU the same calls are plain (zero-copy when the
 compute dtype is fp32).
+
+Routes. `replicated`: every rank copies the whole unit in. `sharded`: each rank copies
+1/N of it and the ranks all-gather (on the copy stream, so compute waits on one event
+as before). Gradients: `host` copies the whole chunk out and the aggregator sums the
+ranks; `reduce_scatter` sums on the devices and each rank copies out its 1/N only.
 """
 
 from __future__ import annotations
@@ -15,9 +20,10 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 
+from .collectives import Group
 from .store.layout import Chunk
-from .store.store import member_view
 from .tracing import NULL
 
 
@@ -60,8 +66,9 @@ class ParamDelivery:
     """fetch(unit, step) -> the unit's parameters on the device in the compute dtype."""
 
     def __init__(self, master: torch.Tensor, device: torch.device, dtype: torch.dtype, depth: int,
-                 wait_ready: Callable[[Unit, int], None], max_unit_numel: int) -> None:
+                 wait_ready: Callable[[Unit, int], None], max_unit_numel: int, group: Group | None = None) -> None:
         self.master = master
+        self.group = group  # set: the sharded route
         self.device = device
         self.dtype = dtype
         self.depth = max(1, depth)
@@ -79,26 +86,36 @@ class ParamDelivery:
         if key in self._inflight:
             return
         self.wait_ready(unit, step)
-        src = self.master[unit.offset:unit.offset + unit.numel]
+        shard = self.group.shard(unit.numel) if self.group is not None else None
+        lo, hi = (shard.start, shard.end) if shard else (0, unit.numel)
+        src = self.master[unit.offset + lo:unit.offset + hi]
         self.h2d_bytes += src.numel() * 4
         t0 = time.time()
         if not self.cuda:
-            out = src if self.dtype == torch.float32 else src.to(self.dtype)
+            if shard is None:
+                out = src if self.dtype == torch.float32 else src.to(self.dtype)
+            else:
+                out = torch.empty(shard.padded, dtype=self.dtype)
+                out[lo:hi].copy_(src)
+                self.group.all_gather(out)  # type: ignore[union-attr]
+                out = out[:unit.numel]
             self._inflight[key] = (out, None)
             self.tracer.event(f"fetch {unit.name}", "h2d", step, t0, time.time(), bytes=src.numel() * 4)
             return
         with torch.cuda.stream(self.stream), torch.autograd.profiler.record_function(f"h2d:{unit.name}"):
+            out = torch.empty(shard.padded if shard else unit.numel, dtype=self.dtype, device=self.device)
             if self.dtype == torch.float32:
-                out = torch.empty(unit.numel, dtype=torch.float32, device=self.device)
-                out.copy_(src, non_blocking=True)
+                out[lo:hi].copy_(src, non_blocking=True)
             else:  # fp32 arrives through a fixed staging piece and is cast on the device piece by piece,
                 # so a big unit (the whole embedding) never needs a second, fp32-sized device buffer
-                out = torch.empty(unit.numel, dtype=self.dtype, device=self.device)
                 staging = self._staging_buffer()
-                for a in range(0, unit.numel, staging.numel()):
-                    k = min(staging.numel(), unit.numel - a)
+                for a in range(0, hi - lo, staging.numel()):
+                    k = min(staging.numel(), hi - lo - a)
                     staging[:k].copy_(src[a:a + k], non_blocking=True)
-                    out[a:a + k].copy_(staging[:k])
+                    out[lo + a:lo + a + k].copy_(staging[:k])
+            if shard is not None:
+                self.group.all_gather(out)  # type: ignore[union-attr]
+                out = out[:unit.numel]
             event = torch.cuda.Event()
             event.record(self.stream)
         if self.tracer.on(step):  # traced step: wait for the copy so the span is its real duration
@@ -134,36 +151,50 @@ class _PendingGrad:
 
 
 class GradOut:
-    """Copies a chunk's fp32 gradient from the device into a host slot; reports it once it has landed."""
+    """Copies a chunk's fp32 gradient (or, reduce-scattered, this rank's shard of the ranks' sum)
+    from the device into a host slot; reports it once it has landed."""
 
-    def __init__(self, device: torch.device, slot_view: Callable[[int, int], torch.Tensor]) -> None:
+    def __init__(self, device: torch.device, slot_view: Callable[[int, int], torch.Tensor],
+                 group: Group | None = None) -> None:
         self.device = device
         self.cuda = device.type == "cuda"
         self.slot_view = slot_view
+        self.group = group  # set: the reduce_scatter route
         self.pending: list[_PendingGrad] = []
         self.tracer = NULL
         if self.cuda:
             self.stream = torch.cuda.Stream(device)
 
-    def send(self, chunk: Chunk, grad: torch.Tensor, slot: int, step: int = -1) -> None:
-        sq = torch.dot(grad, grad)
+    def _payload(self, chunk: Chunk, grad: torch.Tensor, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(what leaves the device, where it lands): the whole gradient, or this rank's shard of the sum."""
         dst = self.slot_view(slot, chunk.numel)
+        if self.group is None:
+            return grad, dst
+        shard = self.group.shard(chunk.numel)
+        padded = grad if shard.padded == grad.numel() else F.pad(grad, (0, shard.padded - grad.numel()))
+        part = self.group.reduce_scatter(padded)[:shard.end - shard.start]
+        return part, dst[shard.start:shard.end]
+
+    def send(self, chunk: Chunk, grad: torch.Tensor, slot: int, step: int = -1) -> None:
         t0 = time.time()
         if not self.cuda:
-            dst.copy_(grad)
-            self.pending.append(_PendingGrad(chunk, slot, sq, None, grad))
+            part, dst = self._payload(chunk, grad, slot)
+            dst.copy_(part)
+            self.pending.append(_PendingGrad(chunk, slot, torch.dot(part, part), None, grad))
             self.tracer.event(f"grad chunk {chunk.id}", "d2h", step, t0, time.time(), chunk=chunk.id, slot=slot)
             return
         ready = torch.cuda.Event()
         ready.record(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream), torch.autograd.profiler.record_function(f"d2h:chunk{chunk.id}"):
             self.stream.wait_event(ready)
-            dst.copy_(grad, non_blocking=True)
+            part, dst = self._payload(chunk, grad, slot)
+            sq = torch.dot(part, part)
+            dst.copy_(part, non_blocking=True)
             sq_host = sq.to("cpu", non_blocking=True)
             done = torch.cuda.Event()
             done.record(self.stream)
         grad.record_stream(self.stream)
-        self.pending.append(_PendingGrad(chunk, slot, sq_host, done, grad))
+        self.pending.append(_PendingGrad(chunk, slot, sq_host, done, part))
         if self.tracer.on(step):
             done.synchronize()
             self.tracer.event(f"d2h chunk {chunk.id}", "d2h", step, t0, time.time(), chunk=chunk.id, slot=slot)
@@ -181,14 +212,3 @@ class GradOut:
             out.append((p.chunk, p.slot, float(p.sq)))
             self.pending.pop(0)
         return out
-
-
-def accumulate(acc: torch.Tensor, chunk: Chunk, grads: dict[str, torch.Tensor], strip: str, first: bool) -> None:
-    """Add per-tensor gradients (any dtype) into the chunk's flat fp32 accumulator."""
-    for m in chunk.members:
-        g = grads[m.name.removeprefix(strip)]
-        view = member_view(acc, m)
-        if first:
-            view.copy_(g)
-        else:
-            view.add_(g)

@@ -12,8 +12,8 @@ holding them leaves the store torn, never silently stale.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
+from .collectives import Group
 from .config import TrainSection
 from .delivery import Unit, unit_tensors
 from .schedule import lr_at
@@ -23,7 +23,7 @@ from .store.store import HostStore
 
 class DeviceResident:
     def __init__(self, store: HostStore, unit: Unit, device: torch.device, dtype: torch.dtype, train: TrainSection,
-                 rank: int, group: "dist.ProcessGroup | None") -> None:
+                 rank: int, group: Group | None) -> None:
         self.store, self.unit, self.device, self.dtype, self.train = store, unit, device, dtype, train
         self.rank, self.group = rank, group
         rng = slice(unit.offset, unit.offset + unit.numel)
@@ -45,12 +45,7 @@ class DeviceResident:
     def reduce(self, grad: torch.Tensor) -> float:
         """All-reduce the ranks' gradients (sum); returns the squared norm of the summed gradient."""
         if self.group is not None:
-            if grad.is_cuda and dist.get_backend(self.group) == "gloo":  # ranks sharing one GPU
-                host = grad.cpu()
-                dist.all_reduce(host, group=self.group)
-                grad.copy_(host)
-            else:
-                dist.all_reduce(grad, group=self.group)
+            self.group.all_reduce(grad)
         return float(torch.dot(grad, grad))
 
     def update(self, grad: torch.Tensor, step: int, clip_coef: float | None) -> None:

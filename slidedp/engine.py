@@ -1,12 +1,18 @@
 """The layer-major step of one rank: every local micro-batch through a chunk before the next chunk.
 
 forward   embedding rows; for each layer: wait for its version, fetch (prefetching the
-          next), run all micro-batches, keep each micro-batch's layer input
+          next), run all micro-batches, keep each micro-batch's layer input (on the device,
+          or offloaded to host memory for the first `offload_layers` layers)
 loss      final norm + chunked cross-entropy (never the full logits), and its backward at
           once; the ranks agree the loss is finite before any gradient leaves
 backward  for each layer in reverse: fetch again, recompute from the saved input, backward,
           accumulate the chunk gradient in fp32 on the device, send it out
 embedding its gradient (tied: plus the head's) goes out last
+
+Long sequences: with `seq_tile_tokens` > 0 the MLP halves of the layers and the final norm +
+head run over tiles of that many tokens (see layers.layer_backward), so the GPU holds one
+tile's MLP and logits activations; with offloaded inputs the sequence length is then bound
+by host memory and by attention's own activations.
 
 The engine knows nothing of sockets: the worker hands it a `Link` that waits on versions,
 hands out gradient slots, announces landed gradients and runs the loss agreement.
@@ -21,13 +27,16 @@ from typing import Iterator, Protocol
 
 import torch
 
-from .delivery import GradOut, ParamDelivery, Unit, accumulate, unit_tensors
+from .activations import SavedInputs
+from .collectives import Group
+from .delivery import GradOut, ParamDelivery, Unit, unit_tensors
 from .device_state import DeviceResident
-from .loss import chunked_cross_entropy_sum
+from .loss import norm_head_backward
 from .model import layers as L
 from .model.config import ModelConfig
 from .tracing import NULL, Tracer
 from .store.layout import Chunk, Layout
+from .store.store import member_view
 
 
 class Link(Protocol):
@@ -65,26 +74,37 @@ class EnginePolicy:
     prefetch_depth: int = 1
     loss_chunk_tokens: int = 4096
     max_grad_norm: float = 0.0  # > 0: device-held chunks wait for the global norm before updating
+    seq_tile_tokens: int = 0  # > 0: MLP halves and the final norm + head run over tiles of this many tokens
+    offload_layers: int = 0  # the first layers whose saved inputs wait in pinned host memory for backward
+
+    def __post_init__(self) -> None:
+        for name in ("resident_layers", "seq_tile_tokens", "offload_layers"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"EnginePolicy.{name} must be >= 0, got {getattr(self, name)}")
 
 
 class Engine:
     def __init__(self, cfg: ModelConfig, layout: Layout, master: torch.Tensor, device: torch.device,
                  dtype: torch.dtype, link: Link, slot_view, global_tokens: int, policy: EnginePolicy = EnginePolicy(),
-                 held: dict[str, DeviceResident] | None = None) -> None:
+                 held: dict[str, DeviceResident] | None = None, param_group: Group | None = None,
+                 grad_group: Group | None = None) -> None:
         self.cfg, self.layout, self.master = cfg, layout, master
         self.device, self.dtype, self.link, self.policy = device, dtype, link, policy
         self.units = units_of(layout)
         self.held = held or {}  # unit name -> its device-held state ("embed", and "head" when untied)
         self.delivery = ParamDelivery(master, device, dtype, policy.prefetch_depth, link.wait_ready,
-                                      max(u.numel for u in self.units.values()))
-        self.grads = GradOut(device, slot_view)
+                                      max(u.numel for u in self.units.values()), param_group)
+        self.grads = GradOut(device, slot_view, grad_group)  # groups set: the sharded routes
         self.scale = 1.0 / global_tokens  # loss = sum of token losses / global token count
         self._rope: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._resident: dict[int, torch.Tensor] = {}
+        if policy.offload_layers > cfg.num_layers:
+            raise ValueError(f"offload_layers ({policy.offload_layers}) exceeds the model's {cfg.num_layers} layers")
+        self.saved = SavedInputs(device, policy.offload_layers)
         self.tracer: Tracer = NULL
 
     def set_tracer(self, tracer: Tracer) -> None:
-        self.tracer = self.delivery.tracer = self.grads.tracer = tracer
+        self.tracer = self.delivery.tracer = self.grads.tracer = self.saved.tracer = tracer
 
     @contextmanager
     def _span(self, name: str, step: int, **args) -> Iterator[None]:
@@ -122,10 +142,7 @@ class Engine:
         nxt = layer - 1 if backward else layer + 1
         if 0 <= nxt < self.cfg.num_layers and not (backward and nxt in self._resident):
             self.delivery.prefetch(self.units[f"layer.{nxt}"], step)
-        params = unit_tensors(flat, unit, strip=f"model.layers.{layer}.")
-        if backward:
-            params = {k: v.detach().requires_grad_(True) for k, v in params.items()}
-        return params
+        return unit_tensors(flat, unit, strip=f"model.layers.{layer}.")
 
     def _weight(self, name: str, step: int) -> torch.Tensor:
         """The full embedding or head matrix in the compute dtype: held on the device, or fetched."""
@@ -149,8 +166,8 @@ class Engine:
         """ids, targets: [M, m, T] int64 on the CPU (M local micro-batches of m sequences)."""
         times = StepTimes(tokens=int(targets.numel()))
         t0 = time.perf_counter()
-        cfg, H = self.cfg, self.cfg.hidden_size
-        M, _, T = ids.shape
+        cfg, H, tile = self.cfg, self.cfg.hidden_size, self.policy.seq_tile_tokens
+        M, m, T = ids.shape
         rope = self.rope(T)
         ids_dev = ids.to(self.device)
         targets_dev = targets.to(self.device)
@@ -167,12 +184,13 @@ class Engine:
                 table = unit_tensors(self.master[self.units["embed"].offset:], self.units["embed"])["model.embed_tokens.weight"]
                 xs = [L.embed(table, ids[i]).to(self.device, self.dtype) for i in range(M)]
             self.delivery.prefetch(self.units["layer.0"], step)
-            saved: list[list[torch.Tensor]] = []
+            self.saved.start(step, (M, m, T, H), self.dtype)
             for layer in range(cfg.num_layers):
                 p = self._layer_params(layer, step, backward=False)
-                saved.append(xs)
+                for i, x in enumerate(xs):
+                    self.saved.save(layer, i, x)
                 with self._span(f"forward layer {layer}", step, layer=layer):
-                    xs = [L.decoder_layer(cfg, p, x, rope) for x in xs]
+                    xs = [L.layer_forward(cfg, p, x, rope, tile) for x in xs]
                 del p
             self.delivery.prefetch(self.units["norm"], step)
             if not tied and "head" not in self.held:
@@ -180,27 +198,21 @@ class Engine:
 
         # ---- loss and its backward -------------------------------------------------------------
         norm_unit, head_unit = self.units["norm"], self.units["head"]
-        norm_w = unit_tensors(self.delivery.fetch(norm_unit, step), norm_unit)["model.norm.weight"].detach().requires_grad_(True)
-        head_w = (embed_w if tied else self._weight("head", step)).detach().requires_grad_(True)
+        norm_w = unit_tensors(self.delivery.fetch(norm_unit, step), norm_unit)["model.norm.weight"]
+        head_w = embed_w if tied else self._weight("head", step)
         last = cfg.num_layers - 1
         if last not in self._resident:
             self.delivery.prefetch(self.units[f"layer.{last}"], step)
+        self.saved.prefetch(last)
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         norm_grad = torch.zeros(norm_unit.numel, dtype=torch.float32, device=self.device)
         head_grad = torch.zeros(head_unit.numel, dtype=torch.float32, device=self.device)
         head_grad_2d = head_grad[:cfg.vocab_size * H].view(cfg.vocab_size, H)
-        grads_out: list[torch.Tensor] = []
         with self._span("loss + head backward", step):
-            for i, x in enumerate(xs):
-                x = x.detach().requires_grad_(True)
-                h = L.final_norm(cfg, norm_w, x)
-                loss = chunked_cross_entropy_sum(h.reshape(-1, H), head_w, targets_dev[i].reshape(-1),
-                                                 self.policy.loss_chunk_tokens)
-                gx, gn, gh = torch.autograd.grad(loss * self.scale, [x, norm_w, head_w])
-                loss_sum += loss.detach()
-                norm_grad[:H] += gn
-                head_grad_2d += gh
-                grads_out.append(gx)
+            for i, x in enumerate(xs):  # each x becomes its own gradient, in place
+                loss_sum += norm_head_backward(x, targets_dev[i], norm_w, head_w, cfg.rms_norm_eps, self.scale, tile,
+                                               self.policy.loss_chunk_tokens, norm_grad[:H], head_grad_2d)
+        grads_out = xs
         del xs, head_w, norm_w
         times.forward_s = time.perf_counter() - t0
         loss_value = float(loss_sum)
@@ -209,6 +221,7 @@ class Engine:
         if self.link.agree_loss(step, loss_value, times.tokens, finite):
             times.skipped = True
             self._resident.clear()
+            self.saved.clear()
             return times
         t1 = time.perf_counter()
         self._send(norm_unit.chunks[0], norm_grad, step)
@@ -224,17 +237,16 @@ class Engine:
         for layer in reversed(range(cfg.num_layers)):
             chunk = self.units[f"layer.{layer}"].chunks[0]
             p = self._layer_params(layer, step, backward=True)
-            leaves = list(p.values())
+            if layer > 0:
+                self.saved.prefetch(layer - 1)  # one layer ahead of the compute that needs it
             acc = torch.zeros(chunk.numel, dtype=torch.float32, device=self.device)
+            prefix = f"model.layers.{layer}."
+            acc_views = {m.name.removeprefix(prefix): member_view(acc, m) for m in chunk.members}
             with self._span(f"backward layer {layer}", step, layer=layer):
                 for i in range(M):
-                    x = saved[layer][i].detach().requires_grad_(True)
-                    y = L.decoder_layer(cfg, p, x, rope)
-                    got = torch.autograd.grad(y, [x] + leaves, grads_out[i])
-                    grads_out[i] = got[0]
-                    accumulate(acc, chunk, dict(zip(p.keys(), got[1:])), f"model.layers.{layer}.", first=(i == 0))
-            saved[layer] = []
-            del p, leaves
+                    grads_out[i] = L.layer_backward(cfg, p, self.saved.get(layer, i), rope, grads_out[i], tile, acc_views)
+            self.saved.release(layer)
+            del p, acc_views
             self._send(chunk, acc, step)
             del acc
 

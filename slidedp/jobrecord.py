@@ -26,12 +26,15 @@ class JobRecord:
     device_chunks: tuple[int, ...] = ()  # chunks the workers hold on their devices (their AdamW runs there)
     run_dir: str = ""  # where the daemons write their trace events
     trace_steps: tuple[int, ...] = ()
+    grad_route: str = "host"  # "host": ranks' whole gradients summed here | "reduce_scatter": each rank sends its summed shard
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "device_chunks", tuple(self.device_chunks))
         object.__setattr__(self, "trace_steps", tuple(self.trace_steps))
         if self.world < 1:
             raise ValueError(f"job record: world must be >= 1, got {self.world}")
+        if self.grad_route not in ("host", "reduce_scatter"):
+            raise ValueError(f"job record: grad_route must be 'host' or 'reduce_scatter', got {self.grad_route!r}")
         TrainSection(**self.train)  # validates
 
     @property

@@ -2,13 +2,17 @@
 
 Forward and backward both walk the tokens in chunks; backward recomputes each chunk's
 logits from the saved hidden states (one extra matmul per chunk) instead of keeping them,
-so peak memory is one chunk of fp32 logits, not N x V.
+so peak memory is one chunk of fp32 logits, not N x V. `norm_head_backward` puts the final
+norm in front and walks a long sequence in tiles, so the norm's fp32 intermediates and the
+hidden states the cross-entropy keeps are one tile's, not the sequence's.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
+
+from .model.layers import rms_norm
 
 IGNORE_INDEX = -100  # targets equal to this contribute no loss and no gradient (as in F.cross_entropy)
 
@@ -77,3 +81,31 @@ def chunked_cross_entropy_sum(hidden: Tensor, weight: Tensor, targets: Tensor, c
     if chunk_tokens <= 0:
         raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
     return _ChunkedCrossEntropySum.apply(hidden, weight, targets.long(), int(chunk_tokens))
+
+
+def norm_head_backward(x: Tensor, targets: Tensor, norm_w: Tensor, head_w: Tensor, eps: float, scale: float,
+                       tile_tokens: int, chunk_tokens: int, norm_acc: Tensor, head_acc: Tensor) -> Tensor:
+    """Final RMSNorm + chunked cross-entropy of x [..., H] against targets [...], with its backward.
+
+    tile_tokens > 0: over the flattened tokens, that many at a time (0: all at once). Returns the sum
+    of token losses (fp32 scalar, no graph). x is overwritten with the gradient of scale * loss (a
+    tile's input is dead once its gradient exists); the weights' gradients are added into norm_acc
+    [H] and head_acc [V, H].
+    """
+    norm_w, head_w = norm_w.detach().requires_grad_(True), head_w.detach().requires_grad_(True)
+    h = x.shape[-1]
+    if tile_tokens <= 0:
+        pieces = [(x, targets)]
+    else:
+        flat, flat_targets = x.view(-1, h), targets.reshape(-1)
+        pieces = [(flat[s], flat_targets[s]) for s in _chunks(flat.shape[0], tile_tokens)]
+    total = torch.zeros((), dtype=torch.float32, device=x.device)
+    for xs, ts in pieces:
+        xt = xs.detach().requires_grad_(True)
+        loss = chunked_cross_entropy_sum(rms_norm(xt, norm_w, eps).reshape(-1, h), head_w, ts.reshape(-1), chunk_tokens)
+        gx, gn, gh = torch.autograd.grad(loss * scale, [xt, norm_w, head_w])
+        xs.copy_(gx)
+        total += loss.detach()
+        norm_acc += gn
+        head_acc += gh
+    return total

@@ -48,3 +48,27 @@ def reserved(count: int) -> list[int]:
     """The `count` highest-numbered CPUs this process may use (those `reserve` leaves out)."""
     everything = sorted(os.sched_getaffinity(0))
     return everything[-count:] if 0 < count < len(everything) else everything
+
+
+def pci_node(bus_id: str, sysfs: str = "/sys/bus/pci/devices") -> int | None:
+    """The NUMA node of a PCI device (a GPU's bus id, e.g. "0000:1B:00.0"); None when sysfs does not say."""
+    try:
+        node = int((Path(sysfs) / bus_id.lower() / "numa_node").read_text().strip())
+    except (OSError, ValueError):
+        return None
+    return node if node >= 0 else None
+
+
+def device_cpus(bus_id: str, preferred: list[int], node_sysfs: str = "/sys/devices/system/node",
+                pci_sysfs: str = "/sys/bus/pci/devices") -> list[int]:
+    """Where a GPU's worker should run: the preferred CPUs (those kept free of updaters) on the GPU's
+    NUMA node; else any allowed CPU of that node; else the preferred CPUs as given."""
+    node = pci_node(bus_id, pci_sysfs)
+    if node is None:
+        return preferred
+    try:
+        local = set(parse_cpulist((Path(node_sysfs) / f"node{node}" / "cpulist").read_text()))
+    except OSError:
+        return preferred
+    local &= set(os.sched_getaffinity(0))
+    return sorted(local & set(preferred)) or sorted(local) or preferred

@@ -22,12 +22,14 @@ import torch.distributed as dist
 import zmq
 
 from . import log as slog
+from .collectives import Group, join
 from .config import JobConfig, load_job, model_config
 from .data import Batches, TokenStream, open_batches, rank_slice
 from .delivery import Unit
 from .device_state import DeviceResident
 from .engine import Engine, EnginePolicy, units_of
 from .hostmem import Registration
+from .numa import device_cpus, parse_cpulist
 from .protocol import (CONTROL_STOP, ROLE_WORKER, SLOT_DEVICE, Control, Credit, Go, Grad, Hello, Loss, Norm, Ready,
                        WorkerStats)
 from .store.layout import Chunk
@@ -139,16 +141,30 @@ def profiled(fn, trace_path: Path, device: torch.device):
     return out
 
 
+def gpu_bus_id(device: torch.device) -> str | None:
+    """The GPU's PCI address as sysfs spells it ("0000:1b:00.0"), when this torch reports it."""
+    props = torch.cuda.get_device_properties(device)
+    try:
+        return f"{props.pci_domain_id:04x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
+    except AttributeError:
+        return None
+
+
+def join_group(args: argparse.Namespace, device: torch.device, rank: int, world: int) -> Group | None:
+    """The workers' process group, when something needs one: a device-held embedding or a sharded route."""
+    sharded = args.param_route == "sharded" or args.grad_route == "reduce_scatter"
+    if world == 1 or not (args.embedding == "device" or sharded):
+        return None
+    if not args.dist_file:
+        raise RuntimeError("--dist-file is required when ranks talk among themselves (device embedding, sharded routes)")
+    return join(rank, world, device, args.shared_device, args.dist_file)
+
+
 def hold_units(args: argparse.Namespace, store: HostStore, device: torch.device, dtype: torch.dtype,
-               train, rank: int, world: int) -> dict[str, DeviceResident]:
+               train, rank: int, group: Group | None) -> dict[str, DeviceResident]:
     """Lease the embedding (and an untied head) to the devices when the plan says so."""
     if args.embedding != "device":
         return {}
-    group = None
-    if world > 1:
-        backend = "nccl" if device.type == "cuda" and not args.shared_device else "gloo"
-        dist.init_process_group(backend, init_method=f"file://{args.dist_file}", rank=rank, world_size=world)
-        group = dist.group.WORLD
     units = units_of(store.layout)
     names = ["embed"] + ([] if store.layout.model.tie_word_embeddings else ["head"])
     return {n: DeviceResident(store, units[n], device, dtype, train, rank, group) for n in names}
@@ -163,11 +179,15 @@ def run(args: argparse.Namespace) -> int:
         if args.gpu_budget_gib:
             total = torch.cuda.get_device_properties(device).total_memory
             torch.cuda.set_per_process_memory_fraction(min(1.0, args.gpu_budget_gib * 2**30 / total), device)
-    # CPU ranks share the cores; a GPU rank needs few CPU threads, on cores the updaters leave free
-    if args.cpus:
-        from .numa import parse_cpulist
-
-        os.sched_setaffinity(0, parse_cpulist(args.cpus))
+    # CPU ranks share the cores; a GPU rank needs few CPU threads, on cores the updaters leave free,
+    # on its GPU's NUMA node (its pinned staging and launches stay local)
+    cpus = parse_cpulist(args.cpus) if args.cpus else sorted(os.sched_getaffinity(0))
+    bus = gpu_bus_id(device) if device.type == "cuda" else None
+    if bus:
+        cpus = device_cpus(bus, cpus)
+    if args.cpus or bus:
+        os.sched_setaffinity(0, cpus)
+        log.info("rank %d runs on CPUs %s%s", rank, cpus, f" (near GPU {bus})" if bus else "")
     cores = len(os.sched_getaffinity(0))
     torch.set_num_threads(max(1, cores // world) if device.type == "cpu" else min(2, cores))
     torch.manual_seed(job.train.seed + rank)
@@ -195,11 +215,15 @@ def run(args: argparse.Namespace) -> int:
                if tokens is not None else open_batches(job, cfg.vocab_size))
     t = job.train
     dtype = DTYPES[t.compute_dtype]
-    held = hold_units(args, store, device, dtype, t, rank, world)
+    group = join_group(args, device, rank, world)
+    held = hold_units(args, store, device, dtype, t, rank, group)
     policy = EnginePolicy(resident_layers=args.resident_layers, prefetch_depth=args.prefetch,
-                          loss_chunk_tokens=args.loss_chunk_tokens, max_grad_norm=t.max_grad_norm)
+                          loss_chunk_tokens=args.loss_chunk_tokens, max_grad_norm=t.max_grad_norm,
+                          seq_tile_tokens=args.seq_tile_tokens, offload_layers=args.offload_layers)
     engine = Engine(cfg, layout, master, device, dtype, link, lambda slot, numel: rings.slot(rank, slot, numel),
-                    t.global_batch * t.seq_len, policy, held)
+                    t.global_batch * t.seq_len, policy, held,
+                    param_group=group if args.param_route == "sharded" else None,
+                    grad_group=group if args.grad_route == "reduce_scatter" else None)
     done_steps = args.start
     tracer = Tracer(Path(args.job).parent, f"worker{rank}", job.run.traced)
     engine.set_tracer(tracer)
@@ -211,8 +235,11 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, lambda s, f: stop.update(now=True))
     link.stop_flag = stop
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher owns Ctrl-C and tells us to stop
-    log.info("rank %d/%d on %s: steps %d..%d, %d micro-batch(es) of %d x %d tokens", rank, world, device,
-             args.start, args.end - 1, micro, mbs, t.seq_len)
+    log.info("rank %d/%d on %s: steps %d..%d, %d micro-batch(es) of %d x %d tokens; params %s, grads %s; %s, "
+             "%d layer(s) offloaded", rank, world, device, args.start, args.end - 1, micro, mbs, t.seq_len,
+             "sharded" if engine.delivery.group else "replicated", "reduce_scatter" if engine.grads.group else "host",
+             f"seq tiles of {policy.seq_tile_tokens} tokens" if policy.seq_tile_tokens else "untiled",
+             policy.offload_layers)
     try:
         for step in range(args.start, args.end):
             if stop["now"]:
@@ -290,8 +317,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--resident-layers", type=int, default=0, help="last layers kept on the device for backward")
     p.add_argument("--prefetch", type=int, default=1)
     p.add_argument("--loss-chunk-tokens", type=int, default=4096)
+    p.add_argument("--seq-tile-tokens", type=int, default=0,
+                   help="run MLPs and the final norm + head over tiles of this many tokens (0: whole sequences)")
+    p.add_argument("--offload-layers", type=int, default=0,
+                   help="keep the first N layers' saved inputs in pinned host memory until backward")
     p.add_argument("--embedding", choices=["host", "device"], default="host")
     p.add_argument("--dist-file", default="", help="torch.distributed rendezvous file (device-held embedding, N > 1)")
+    p.add_argument("--param-route", choices=["replicated", "sharded"], default="replicated",
+                   help="sharded: each rank copies 1/N of a unit in and the ranks all-gather it")
+    p.add_argument("--grad-route", choices=["host", "reduce_scatter"], default="host",
+                   help="reduce_scatter: the ranks sum on the devices and each copies out 1/N")
     p.add_argument("--shared-device", action="store_true", help="ranks share one GPU (gloo instead of NCCL)")
     p.add_argument("--cpus", default="", help="pin this worker to these CPUs (kept free of updater threads)")
     p.add_argument("--micro-batch", type=int, default=0, help="sequences per micro-batch (0: the job's)")

@@ -65,6 +65,28 @@ def test_cpu_smoke_run_prints_one_table_and_writes_json(tmp_path):
     assert (tmp_path / "smoke.logs" / "gpu_resident.log").is_file()
 
 
+def test_cpu_smoke_with_two_ranks_runs_fsdp2_under_torchrun_and_slidedp_with_both_routes(tmp_path):
+    out = tmp_path / "two.json"
+    cmd = [sys.executable, "-m", "benchmarks.run", "--device", "cpu", "--gpus", "2", "--shape", "tiny", "--batch", "4",
+           "--seq", "32", "--steps", "3", "--warmup", "1", "--systems",
+           "fsdp2,slidedp,slidedp_replicated,fsdp2_offload,gpu_resident", "--out", str(out), "--timeout", "240"]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = {r["system"]: r for r in json.loads(out.read_text())["rows"]}
+    for name in ("fsdp2", "slidedp", "slidedp_replicated", "fsdp2_offload"):
+        assert rows[name]["status"] == "ok", rows[name]
+        assert rows[name]["gpus"] == 2 and rows[name]["tokens_per_step"] == 128
+        assert "on 2 ranks" in rows[name]["config"], rows[name]["config"]
+    assert "torch.distributed.run --standalone --nproc-per-node 2" in rows["fsdp2"]["command"]
+    assert rows["fsdp2"]["vs_gpu_resident"] == 1.0  # with several ranks the base is GPU-resident FSDP2
+    assert "sharded over 2 rank(s)" in rows["fsdp2"]["config"]
+    assert 'runtime.grad_route="host"' in rows["slidedp_replicated"]["command"]
+    assert rows["gpu_resident"]["status"].startswith("skipped: gpu_resident runs on one GPU only")
+    # every system trains the same model on the same global batch: the first losses agree
+    first = [rows[n]["losses"][0] for n in ("fsdp2", "fsdp2_offload")]
+    assert first[0] == pytest.approx(first[1], rel=1e-3)
+
+
 def _write_module(folder: Path, name: str, code: str) -> None:
     (folder / f"{name}.py").write_text(code)
 

@@ -166,6 +166,7 @@ def parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--budget-gib", type=float, default=0.0, help="cap GPU memory (set_per_process_memory_fraction); 0 = none")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--gpus", type=int, default=1, help="ranks (one per GPU; SlideDP may share one GPU among them)")
     p.add_argument("--exact-init", action="store_true",
                    help="draw weights with slidedp.model.init's CPU generator (slow) even on CUDA")
     p.add_argument("--json", default="", help="write the result row here")
@@ -173,13 +174,16 @@ def parser(description: str) -> argparse.ArgumentParser:
 
 
 def check_args(args: argparse.Namespace) -> None:
-    args.micro_batch = args.micro_batch or args.batch
+    args.micro_batch = args.micro_batch or args.batch // max(1, args.gpus)
     if min(args.batch, args.seq, args.steps) < 1 or args.warmup < 0:
         raise SystemExit("--batch, --seq and --steps must be >= 1 and --warmup >= 0")
     if args.steps <= args.warmup:
         raise SystemExit(f"--steps ({args.steps}) must exceed --warmup ({args.warmup}): no step would be measured")
     if args.batch % args.micro_batch:
         raise SystemExit(f"--micro-batch ({args.micro_batch}) must divide --batch ({args.batch})")
+    if args.gpus < 1 or args.batch % (args.gpus * args.micro_batch):
+        raise SystemExit(f"--batch ({args.batch}) must be a multiple of --gpus ({args.gpus}) x --micro-batch "
+                         f"({args.micro_batch})")
 
 
 def shape_of(args: argparse.Namespace) -> ModelConfig:
@@ -351,7 +355,8 @@ def is_oom(e: BaseException) -> bool:
 
 def batch_text(args: argparse.Namespace) -> str:
     micro = args.micro_batch or args.batch
-    return f"{args.batch}x{args.seq}" + (f" (micro {micro})" if micro != args.batch else "")
+    return (f"{args.batch}x{args.seq}" + (f" (micro {micro})" if micro != args.batch else "")
+            + (f" on {args.gpus} ranks" if args.gpus > 1 else ""))
 
 
 def base_row(system: str, config: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -364,6 +369,7 @@ def base_row(system: str, config: str, args: argparse.Namespace) -> dict[str, An
         "micro_batch": args.micro_batch or args.batch,
         "seq": args.seq,
         "tokens_per_step": args.batch * args.seq,
+        "gpus": args.gpus,
         "steps": args.steps,
         "warmup": args.warmup,
         "device": args.device,
@@ -433,6 +439,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def rank_and_world() -> tuple[int, int, int]:
+    """(rank, local rank, world) from torchrun's environment, or a world of one."""
+    single_process_env()
+    return int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
+
+
 def single_process_env() -> None:
     """torch.distributed env:// settings for a world of one (kept if the caller set them)."""
     for key, value in (("MASTER_ADDR", "127.0.0.1"), ("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
@@ -475,5 +487,6 @@ def run_peer(system: str, config: str, args: argparse.Namespace,
         except Exception:  # noqa: BLE001
             pass
     host.stop()
-    write_row(row, args.json)
+    if int(os.environ.get("RANK", "0")) == 0:  # under torchrun, rank 0 speaks for the job
+        write_row(row, args.json)
     return 0 if row["status"] == "ok" or row["status"].startswith("skipped") else 1

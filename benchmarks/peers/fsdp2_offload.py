@@ -1,12 +1,15 @@
-"""FSDP2 + CPUOffloadPolicy peer: PyTorch's own way to train from host memory on one GPU.
+"""FSDP2 peer: PyTorch's own way to train from host memory (CPUOffloadPolicy) or sharded on the GPUs.
 
-World size 1 (env:// init; NCCL on CUDA, gloo on CPU), `fully_shard` on every layer and on
-the root, MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32), CPUOffloadPolicy()
-(sharded fp32 parameters, gradients and AdamW state in pinned host memory), torch AdamW on
-the CPU: fused (--fused, the default) or foreach (--no-fused). The optimizer step is timed
-separately (row key optimizer_s).
+env:// init (a world of one, or torchrun's N ranks; NCCL on CUDA, gloo on CPU), `fully_shard`
+on every layer and on the root over all ranks, MixedPrecisionPolicy(param_dtype=bf16,
+reduce_dtype=fp32). --offload (the default): CPUOffloadPolicy() (sharded fp32 parameters,
+gradients and AdamW state in pinned host memory), torch AdamW on the CPU; --no-offload:
+GPU-resident FSDP2, everything sharded over the GPUs, AdamW on the GPU. AdamW fused (--fused,
+the default) or foreach (--no-fused). Each rank takes batch / N sequences; rank 0 writes the
+row. The optimizer step is timed separately (row key optimizer_s).
 
     python -m benchmarks.peers.fsdp2_offload --shape qwen3-4b --batch 8 --seq 2048 --steps 6 --warmup 2 --json OUT
+    python -m torch.distributed.run --standalone --nproc-per-node 4 -m benchmarks.peers.fsdp2_offload --gpus 4 ...
 """
 
 from __future__ import annotations
@@ -34,23 +37,27 @@ def measure(args: argparse.Namespace, row: dict[str, Any], host: common.HostMemo
     from torch.distributed.device_mesh import init_device_mesh
 
     cfg, device = common.shape_of(args), args.device
-    common.single_process_env()
+    rank, local, world = common.rank_and_world()
+    if world != args.gpus:
+        raise RuntimeError(f"--gpus {args.gpus} but {world} rank(s) started: run it under torchrun --nproc-per-node")
     if device == "cuda":
-        torch.cuda.set_device(0)
-    dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method="env://", rank=0, world_size=1)
+        torch.cuda.set_device(local)
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method="env://", rank=rank, world_size=world)
     try:
-        mesh = init_device_mesh(device, (1,))
-        model = common.DecoderLM(cfg, loss=args.loss, device="cpu")  # offloaded: the state lives on the host
+        mesh = init_device_mesh(device, (world,))
+        # built on the host: offloaded, the state stays there; else fully_shard moves each shard to its GPU
+        model = common.DecoderLM(cfg, loss=args.loss, device="cpu")
         model.init_weights(args.seed, on=common.init_on(args))
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        offload = CPUOffloadPolicy(pin_memory=device == "cuda")  # pinning needs CUDA
+        offload = {"offload_policy": CPUOffloadPolicy(pin_memory=device == "cuda")} if args.offload else {}
         for layer in model.layers:
-            fully_shard(layer, mesh=mesh, mp_policy=mp, offload_policy=offload)
-        fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=offload)
+            fully_shard(layer, mesh=mesh, mp_policy=mp, **offload)
+        fully_shard(model, mesh=mesh, mp_policy=mp, **offload)
         kind = {"fused": True} if args.fused else {"foreach": True}
         opt = torch.optim.AdamW(model.parameters(), lr=common.LR, betas=common.BETAS, eps=common.EPS,
                                 weight_decay=common.WEIGHT_DECAY, **kind)
-        ids, targets = common.random_batch(cfg, args.batch, args.seq, device, args.seed)
+        ids, targets = common.random_batch(cfg, args.batch // world, args.seq, device, args.seed + rank)
+        # the loss is the mean over the global batch: FSDP averages gradients over ranks, so scale by world
         batches, n_tokens = common.micro_batches(ids, targets, args.micro_batch), ids.numel()
         row["parameters"] = cfg.num_parameters()
         row["cpu_threads"] = torch.get_num_threads()
@@ -58,7 +65,7 @@ def measure(args: argparse.Namespace, row: dict[str, Any], host: common.HostMemo
         def step(watch: common.Stopwatch) -> float:
             total = torch.zeros((), device=device)
             for mb_ids, mb_targets in batches:
-                loss = model(mb_ids, mb_targets) / n_tokens
+                loss = model(mb_ids, mb_targets) / n_tokens  # FSDP averages over ranks: the global mean
                 loss.backward()
                 total += loss.detach()
             with watch.section("optimizer"):  # synchronized first: the offloaded grads have landed
@@ -78,12 +85,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fused", action=argparse.BooleanOptionalAction, default=True,
                    help="fused CPU AdamW (default); --no-fused: foreach, torch's default")
     p.add_argument("--loss", choices=("full", "chunked"), default="chunked")
+    p.add_argument("--offload", action=argparse.BooleanOptionalAction, default=True,
+                   help="CPUOffloadPolicy (default); --no-offload: GPU-resident FSDP2 sharded over the ranks")
     args = p.parse_args(argv)
     common.check_args(args)
-    system = "fsdp2_offload" if args.fused else "fsdp2_offload_foreach"
     opt = "fused" if args.fused else "foreach"
-    pin = "" if args.device == "cuda" else " (unpinned)"
-    config = f"{common.batch_text(args)}, bf16/fp32 reduce, CPUOffloadPolicy{pin}, CPU AdamW {opt}, {args.loss} CE"
+    if args.offload:
+        system = "fsdp2_offload" if args.fused else "fsdp2_offload_foreach"
+        pin = "" if args.device == "cuda" else " (unpinned)"
+        where = f"CPUOffloadPolicy{pin}, CPU AdamW {opt}"
+    else:
+        system, where = "fsdp2", f"sharded over {args.gpus} rank(s), GPU AdamW {opt}"
+    config = f"{common.batch_text(args)}, bf16/fp32 reduce, {where}, {args.loss} CE"
     return common.run_peer(system, config, args, lambda row, host: measure(args, row, host), needs_cuda=False)
 
 

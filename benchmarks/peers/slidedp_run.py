@@ -54,7 +54,7 @@ def job_dict(args: argparse.Namespace, data: Path, run_dir: Path, name: str) -> 
         "store": {"name": name, "persist": False},
         "checkpoint": {"final": False},
         "run": {"name": name, "dir": str(run_dir)},
-        "runtime": {"device": args.device, "workers": 1, "timeout_s": args.wait_timeout},
+        "runtime": {"device": args.device, "workers": args.gpus, "timeout_s": args.wait_timeout},
     }
     if args.budget_gib > 0:  # else SlideDP's own default budget
         job["memory"] = {"gpu_budget_gib": args.budget_gib}
@@ -257,7 +257,9 @@ def run(argv: list[str] | None = None) -> int:
     common.check_args(args)
     budget = args.budget_gib if args.budget_gib > 0 else MemorySection().gpu_budget_gib
     budget = f"budget {budget:g} GiB" + ("" if args.budget_gib > 0 else " (SlideDP's default)")
-    config = f"{common.batch_text(args)}, 1 worker, {budget}" + "".join(f", {s}" for s in args.set)
+    if any(s.replace(" ", "").startswith("memory.gpu_budget_gib=") for s in args.set):
+        budget = "budget as set below"
+    config = f"{common.batch_text(args)}, {args.gpus} worker(s), {budget}" + "".join(f", {s}" for s in args.set)
     # local_gpu=False: this process must not open a CUDA context of its own beside SlideDP's workers.
     return common.run_peer("slidedp", config, args, lambda row, host: measure(args, row, host),
                            needs_cuda=False, local_gpu=False)

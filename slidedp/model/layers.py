@@ -4,12 +4,17 @@ No module owns weights: a streaming engine holds one layer's tensors at a time a
 `decoder_layer` with them, so autograd sees plain tensors and the caller decides where they
 live. Every op follows Hugging Face's order (RMSNorm in fp32 then cast back, rope tables
 computed in fp32 then cast), so fp32 results match `transformers` to rounding.
+
+Long sequences: `layer_forward` and `layer_backward` run the post-attention norm + MLP (whose
+intermediate is several times the hidden width) over tiles of `tile_tokens` tokens, so one
+tile's MLP activations are live at a time, never the whole sequence's. Attention stays whole:
+SDPA needs every key and value of the sequence.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -104,10 +109,87 @@ def _mlp(p: Mapping[str, Tensor], h: Tensor) -> Tensor:
     return F.linear(F.silu(gate) * up, p["mlp.down_proj.weight"])
 
 
+def attention_half(cfg: ModelConfig, p: Mapping[str, Tensor], x: Tensor, rope: tuple[Tensor, Tensor]) -> Tensor:
+    """x + attention(norm(x)): the first residual block of a decoder layer."""
+    return x + _attention(cfg, p, rms_norm(x, p["input_layernorm.weight"], cfg.rms_norm_eps), rope)
+
+
+def mlp_half(cfg: ModelConfig, p: Mapping[str, Tensor], x: Tensor) -> Tensor:
+    """x + mlp(norm(x)): the second residual block, token by token independent (so it can be tiled)."""
+    return x + _mlp(p, rms_norm(x, p["post_attention_layernorm.weight"], cfg.rms_norm_eps))
+
+
+MLP_HALF_PARAMS = ("post_attention_layernorm.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
+                   "mlp.down_proj.weight")
+
+
 def decoder_layer(cfg: ModelConfig, p: Mapping[str, Tensor], x: Tensor, rope: tuple[Tensor, Tensor]) -> Tensor:
     """One pre-norm decoder layer. x [B, T, H]; p keyed by local names, on x's device and dtype."""
-    x = x + _attention(cfg, p, rms_norm(x, p["input_layernorm.weight"], cfg.rms_norm_eps), rope)
-    return x + _mlp(p, rms_norm(x, p["post_attention_layernorm.weight"], cfg.rms_norm_eps))
+    return mlp_half(cfg, p, attention_half(cfg, p, x, rope))
+
+
+def _tiles(n: int, size: int) -> Iterator[slice]:
+    for start in range(0, n, size):
+        yield slice(start, min(start + size, n))
+
+
+def layer_forward(cfg: ModelConfig, p: Mapping[str, Tensor], x: Tensor, rope: tuple[Tensor, Tensor],
+                  tile_tokens: int) -> Tensor:
+    """`decoder_layer` without autograd (call under torch.no_grad), the MLP half `tile_tokens` tokens
+    at a time (0: the whole input at once). Tiles run over the flattened [B * T] tokens."""
+    if tile_tokens <= 0:
+        return decoder_layer(cfg, p, x, rope)
+    y = attention_half(cfg, p, x, rope)
+    flat = y.view(-1, y.shape[-1])
+    w = p["post_attention_layernorm.weight"]
+    for s in _tiles(flat.shape[0], tile_tokens):  # in place: the residual stream becomes the output
+        flat[s] += _mlp(p, rms_norm(flat[s], w, cfg.rms_norm_eps))
+    return y
+
+
+def _add_into(grad_acc: Mapping[str, Tensor], names: list[str], grads: tuple[Tensor, ...]) -> None:
+    for name, g in zip(names, grads):
+        grad_acc[name].add_(g)
+
+
+def layer_backward(cfg: ModelConfig, p: Mapping[str, Tensor], x: Tensor, rope: tuple[Tensor, Tensor],
+                   grad_y: Tensor, tile_tokens: int, grad_acc: Mapping[str, Tensor]) -> Tensor:
+    """Recompute one layer from its input x and backpropagate grad_y; returns the gradient of x.
+
+    Parameter gradients are added into grad_acc (name -> a tensor of the parameter's shape, fp32 in
+    the engine), once per MLP tile, so tiles sum in grad_acc's precision. tile_tokens > 0: attention
+    is recomputed at full length with autograd, while the MLP half is recomputed and backpropagated
+    tile by tile (one tile's MLP activations live at a time). grad_y is consumed: its storage may
+    be reused for the gradient at the attention half's output.
+    """
+    x = x.detach().requires_grad_(True)
+    p = {k: v.detach().requires_grad_(True) for k, v in p.items()}
+    if tile_tokens <= 0:
+        names = list(p)
+        got = torch.autograd.grad(decoder_layer(cfg, p, x, rope), [x] + [p[n] for n in names], grad_y)
+        _add_into(grad_acc, names, got[1:])
+        return got[0]
+    mid = attention_half(cfg, p, x, rope)  # the attention graph stays alive through the MLP tiles
+    grad_mid = grad_y.contiguous()
+    _mlp_backward_tiled(cfg, p, mid.detach(), grad_mid, tile_tokens, grad_acc)
+    names = [n for n in p if n not in MLP_HALF_PARAMS]
+    got = torch.autograd.grad(mid, [x] + [p[n] for n in names], grad_mid)
+    _add_into(grad_acc, names, got[1:])
+    return got[0]
+
+
+def _mlp_backward_tiled(cfg: ModelConfig, p: Mapping[str, Tensor], mid: Tensor, grad: Tensor, tile_tokens: int,
+                        grad_acc: Mapping[str, Tensor]) -> None:
+    """Turn grad (of the layer output, in place) into the gradient of mid, the MLP half's input."""
+    names = list(MLP_HALF_PARAMS)
+    leaves = [p[n] for n in names]
+    h = mid.shape[-1]
+    mid_flat, grad_flat = mid.view(-1, h), grad.view(-1, h)
+    for s in _tiles(mid_flat.shape[0], tile_tokens):
+        xt = mid_flat[s].detach().requires_grad_(True)
+        got = torch.autograd.grad(mlp_half(cfg, p, xt), [xt] + leaves, grad_flat[s])
+        grad_flat[s] = got[0]  # the tile's upstream gradient is used up: reuse its storage
+        _add_into(grad_acc, names, got[1:])
 
 
 def final_norm(cfg: ModelConfig, weight: Tensor, x: Tensor) -> Tensor:

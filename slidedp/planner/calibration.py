@@ -52,9 +52,11 @@ class Calibration:
     gpu_tflops: float  # effective TFLOP/s of a decoder layer's matmul FLOPs in the compute dtype
     gpu_mem_bytes: int
     gpu_adamw_params_per_s: float = 1.0e11  # fused AdamW on the device (embedding kept on the GPU)
-    # GPU-to-GPU all-reduce bus bandwidth (NCCL); not measured by one process: a conservative
-    # NVLink figure, used only for an embedding kept on the GPU with more than one rank.
+    # GPU-to-GPU collective bus bandwidth (NCCL all-gather, as nccl-tests reports it), measured
+    # among `bus_gpus` GPUs; with bus_gpus = 1 it was not measured (a conservative NVLink figure,
+    # used only for an embedding kept on the GPU) and the planner offers no sharded route.
     allreduce_gbps: float = 100.0
+    bus_gpus: int = 1
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -84,6 +86,7 @@ class Calibration:
             f"both {self.bidir_gbps:.1f}; CPU AdamW {self.adamw_params_per_s / 1e9:.2f} G params/s "
             f"({self.adamw_threads} threads); reduce {self.reduce_gbps:.1f} GB/s; "
             f"GPU {self.gpu_tflops:.1f} TFLOP/s effective"
+            + (f"; GPU links {self.allreduce_gbps:.0f} GB/s among {self.bus_gpus}" if self.bus_gpus > 1 else "")
         )
 
 
@@ -251,15 +254,34 @@ def load(path: str | os.PathLike) -> Calibration:
 
 def load_or_calibrate(
     device: str = "cuda", cache_dir: str | os.PathLike | None = None, quick: bool = False, refresh: bool = False,
+    gpus: int = 1,
 ) -> Calibration:
-    """The cached calibration of this host and device, measured (and cached) if absent or unreadable."""
+    """The cached calibration of this host and device, measured (and cached) if absent or unreadable.
+    gpus > 1: also the GPU links among that many GPUs (measured once, kept in the same file)."""
     path = cache_path(device, cache_dir)
+    calib = None
     if path.exists() and not refresh:
         try:
-            return load(path)
+            calib = load(path)
         except (CalibrationError, TypeError, ValueError) as e:
             _log.warning("recalibrating: %s", e)
-    calib = calibrate(device, quick=quick)
+    if calib is None:
+        calib = calibrate(device, quick=quick)
+    elif calib.bus_gpus >= gpus or not device.startswith("cuda"):
+        return calib
+    gpus = min(gpus, _visible_gpus(device))
+    if gpus > 1 and calib.bus_gpus < gpus:
+        from slidedp.planner.links import measure_bus_gbps
+
+        calib = dataclasses.replace(calib, allreduce_gbps=measure_bus_gbps(gpus), bus_gpus=gpus)
     save(calib, path)
     _log.info("calibrated %s, cached in %s", calib.summary(), path)
     return calib
+
+
+def _visible_gpus(device: str) -> int:
+    if not device.startswith("cuda"):
+        return 1
+    import torch
+
+    return torch.cuda.device_count()

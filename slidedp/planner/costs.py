@@ -112,13 +112,16 @@ def update_bytes_per_param(delivery: str) -> int:
     return 28 + (2 if delivery == "bf16" else 0)
 
 
-def reduce_traffic_factor(world: int) -> float:
-    """Host traffic of summing `world` fp32 gradients, relative to the calibrated 2-input sum.
+def reduce_traffic_factor(world: int, grad_route: str = "host") -> float:
+    """Host traffic of the aggregator per gradient element, relative to the calibrated 2-input sum.
 
     The calibration measures out = a + b (3 buffers touched per output element); N inputs touch
-    N + 1. Returns 0 for one rank: nothing to reduce.
+    N + 1. Reduce-scattered gradients arrive summed: placing the shards touches 2. Returns 0 for
+    one rank: nothing to reduce.
     """
-    return 0.0 if world <= 1 else (world + 1) / 3.0
+    if world <= 1:
+        return 0.0
+    return 2.0 / 3.0 if grad_route == "reduce_scatter" else (world + 1) / 3.0
 
 
 def activation_bytes(model: ModelConfig, tokens: int, compute_dtype: str) -> int:
@@ -137,26 +140,32 @@ def host_updated_params(model: ModelConfig, embedding: str) -> int:
 
 def transfer_bytes(
     model: ModelConfig, *, tokens: int, delivery: str, activations: str, embedding: str,
-    resident_layers: int, compute_dtype: str = "bf16",
+    resident_layers: int, compute_dtype: str = "bf16", offload_layers: int | None = None,
+    world: int = 1, param_route: str = "replicated", grad_route: str = "host",
 ) -> dict[str, int]:
     """Bytes one rank moves over PCIe per step: {"h2d": ..., "d2h": ...}.
 
-    tokens: the rank's tokens per step (global_batch / world * seq_len).
+    tokens: the rank's tokens per step (global_batch / world * seq_len). offload_layers: how
+    many layers' inputs go out and back with activations = "offload" (None: all). The sharded
+    routes move 1/world of every chunk (the rest crosses the GPU links).
     """
     db = delivery_bytes(delivery)
     p_layer, nl, h = layer_params(model), model.num_layers, model.hidden_size
     act = activation_bytes(model, tokens, compute_dtype)
-    h2d = (2 * nl - resident_layers) * p_layer * db + h * db  # layers twice (fwd, re-fetch), final norm
-    d2h = nl * p_layer * GRAD_BYTES + h * GRAD_BYTES
+    p_in = 1.0 / world if param_route == "sharded" else 1.0
+    g_out = 1.0 / world if grad_route == "reduce_scatter" else 1.0
+    h2d = int(((2 * nl - resident_layers) * p_layer * db + h * db) * p_in)  # layers twice (fwd, re-fetch), final norm
+    d2h = int((nl * p_layer * GRAD_BYTES + h * GRAD_BYTES) * g_out)
     if activations == "offload":
-        h2d += nl * act
-        d2h += nl * act
+        k = nl if offload_layers is None else offload_layers
+        h2d += k * act
+        d2h += k * act
     if embedding == "host":
         vh = embedding_params(model)
         h2d += tokens * h * db  # forward gathers only the batch's rows
-        h2d += vh * db  # the head for the loss (tied: the embedding matrix; untied: lm_head)
-        d2h += vh * GRAD_BYTES  # the embedding's (tied: shared) gradient, whole matrix
-        d2h += head_params(model) * GRAD_BYTES  # untied head's gradient
+        h2d += int(vh * db * p_in)  # the head for the loss (tied: the embedding matrix; untied: lm_head)
+        d2h += int(vh * GRAD_BYTES * g_out)  # the embedding's (tied: shared) gradient, whole matrix
+        d2h += int(head_params(model) * GRAD_BYTES * g_out)  # untied head's gradient
     return {"h2d": h2d, "d2h": d2h}
 
 
@@ -172,15 +181,40 @@ ALLOCATOR_RESERVE = 0.10  # caching-allocator fragmentation: 10% on top of the t
 LOGIT_BYTES = 2 + 4 + 4  # per logit of a loss chunk: bf16 matmul output, fp32 copy, fp32 gradient
 
 
-def workspace_bytes_per_token(model: ModelConfig, compute_dtype: str) -> int:
-    """Transient tensors of one layer's recompute + backward, per token of a micro-batch.
+def attention_bytes_per_token(model: ModelConfig, compute_dtype: str) -> int:
+    """The attention half of a layer's recompute + backward at its peak, per token. It spans the
+    whole micro-batch (attention needs every key), tiled or not. Counted in bf16 with
+    saved_tensors_hooks on a Qwen3-8B layer: the graph (norm's fp32 copies, q/k/v before and after
+    qk-norm and rope, SDPA's output and log-sum-exp), plus the layer input, attention output and
+    gradient buffer (6H), plus the backward's dO, dq/dk/dv and flash's fp32 dq (8q + 4kv)."""
+    h, nh, nkv = model.hidden_size, model.num_heads, model.num_kv_heads
+    q, kv = nh * model.head_dim, nkv * model.head_dim
+    if model.qk_norm:
+        bf16 = 14 * h + 18 * q + 14 * kv + 8 * nh + 4 * nkv + 4
+    else:
+        bf16 = 14 * h + 12 * q + 8 * kv + 4 * nh + 4
+    return bf16 * dtype_bytes(compute_dtype) // 2
 
-    Saved for backward: normed input (H), q/k/v (q + 2kv), attention output (q), residual (H),
-    post-norm (H), gate/up/act (3I); plus the backward's largest live gradients (H + I).
-    """
-    h, i = model.hidden_size, model.intermediate_size
-    q, kv = model.num_heads * model.head_dim, model.num_kv_heads * model.head_dim
-    return (4 * h + 2 * q + 2 * kv + 4 * i) * dtype_bytes(compute_dtype)
+
+def mlp_bytes_per_token(model: ModelConfig, compute_dtype: str) -> int:
+    """The post-attention norm + MLP half, per token: saved for backward 8H + 8I (norm copies,
+    gate/up/act), backward transients up to 8H + 6I (counted in bf16). With sequence tiling only
+    one tile of it is live."""
+    return (16 * model.hidden_size + 14 * model.intermediate_size) * dtype_bytes(compute_dtype) // 2
+
+
+def workspace_bytes_per_token(model: ModelConfig, compute_dtype: str) -> int:
+    """Transient tensors of one layer's recompute + backward, per token of a micro-batch (untiled)."""
+    return attention_bytes_per_token(model, compute_dtype) + mlp_bytes_per_token(model, compute_dtype)
+
+
+def layer_workspace_bytes(model: ModelConfig, micro_batch: int, seq_len: int, seq_tile_tokens: int,
+                          compute_dtype: str) -> int:
+    """One layer's recompute + backward workspace: the attention half over the whole micro-batch,
+    the MLP half over one tile of `seq_tile_tokens` of its micro_batch x seq_len tokens (0: untiled)."""
+    tokens = micro_batch * seq_len
+    tile = tokens if seq_tile_tokens <= 0 else min(seq_tile_tokens, tokens)
+    return tokens * attention_bytes_per_token(model, compute_dtype) + tile * mlp_bytes_per_token(model, compute_dtype)
 
 
 STAGING_BYTES = (32 << 20) * 4  # slidedp.delivery.STAGING_ELEMENTS fp32
@@ -189,7 +223,7 @@ STAGING_BYTES = (32 << 20) * 4  # slidedp.delivery.STAGING_ELEMENTS fp32
 def gpu_memory_items(
     model: ModelConfig, *, tokens: int, seq_len: int, micro_batch: int, world: int, delivery: str,
     activations: str, embedding: str, prefetch_depth: int, resident_layers: int, chunk_rows: int,
-    loss_chunk_tokens: int, compute_dtype: str = "bf16",
+    loss_chunk_tokens: int, compute_dtype: str = "bf16", offload_layers: int | None = None, seq_tile_tokens: int = 0,
 ) -> list[tuple[str, int]]:
     """GPU memory of one rank, item by item (the items are summed: a bound, since not all of
     them are live at the same instant). tokens: the rank's tokens per step."""
@@ -211,11 +245,14 @@ def gpu_memory_items(
         # the current layer's input/output for all local micro-batches (their gradients in backward)
         ("hidden states", 2 * act),
     ]
-    if activations == "keep":
-        items.append(("saved layer inputs", model.num_layers * act))
-    else:
-        items.append(("offload staging", (prefetch_depth + 1) * act))
-    items.append(("layer workspace", micro_batch * seq_len * workspace_bytes_per_token(model, compute_dtype)))
+    nl = model.num_layers
+    offloaded = 0 if activations == "keep" else (nl if offload_layers is None else min(offload_layers, nl))
+    if offloaded < nl:
+        items.append(("saved layer inputs", (nl - offloaded) * act))
+    if offloaded:
+        # one layer's input draining to the host in forward, one coming back ahead in backward
+        items.append(("offload staging", 2 * act))
+    items.append(("layer workspace", layer_workspace_bytes(model, micro_batch, seq_len, seq_tile_tokens, compute_dtype)))
     items.append(("loss chunk logits", loss_chunk_tokens * v * LOGIT_BYTES))
     vh = embedding_params(model) + head_params(model)
     if embedding == "gpu":

@@ -92,15 +92,31 @@ class Choices:
     micro_batch: int | None = None  # None: the workload's
     chunk_rows: int | None = None  # None: as many rows as one decoder layer has parameters
     loss_chunk_tokens: int = 1024
+    offload_layers: int | None = None  # with activations = "offload": the first layers offloaded (None: all)
+    seq_tile_tokens: int = 0  # MLP/norm/head tile along the sequence; 0: untiled
+    param_route: str = "replicated"  # | "sharded": 1/N per rank over PCIe, all-gathered over the GPU links
+    grad_route: str = "host"  # | "reduce_scatter": summed on the GPUs, 1/N per rank over PCIe
 
     def __post_init__(self) -> None:
         if self.activations not in ("keep", "offload"):
             raise ValueError(f"activations must be 'keep' or 'offload', got {self.activations!r}")
+        if self.param_route not in ("replicated", "sharded"):
+            raise ValueError(f"param_route must be 'replicated' or 'sharded', got {self.param_route!r}")
+        if self.grad_route not in ("host", "reduce_scatter"):
+            raise ValueError(f"grad_route must be 'host' or 'reduce_scatter', got {self.grad_route!r}")
         if self.embedding not in ("host", "gpu"):
             raise ValueError(f"embedding must be 'host' or 'gpu', got {self.embedding!r}")
         costs.delivery_bytes(self.delivery)
         if not 1 <= self.prefetch_depth <= 8:
             raise ValueError(f"prefetch_depth must be between 1 and 8, got {self.prefetch_depth}")
+        if self.seq_tile_tokens < 0:
+            raise ValueError(f"seq_tile_tokens must be >= 0, got {self.seq_tile_tokens}")
+
+    def offloaded(self, num_layers: int) -> int:
+        """How many layers' inputs wait in host memory."""
+        if self.activations == "keep":
+            return 0
+        return num_layers if self.offload_layers is None else min(self.offload_layers, num_layers)
 
 
 @dataclass(frozen=True)
@@ -125,6 +141,8 @@ class Plan:
     notes: tuple[str, ...] = ()
     param_route: str = "replicated"
     grad_route: str = "host"
+    offload_layers: int = 0
+    seq_tile_tokens: int = 0
 
     @property
     def choices(self) -> Choices:
@@ -132,6 +150,8 @@ class Plan:
             activations=self.activations, embedding=self.embedding, delivery=self.delivery,
             prefetch_depth=self.prefetch_depth, resident_layers=self.resident_layers,
             micro_batch=self.micro_batch, chunk_rows=self.chunk_rows, loss_chunk_tokens=self.loss_chunk_tokens,
+            offload_layers=self.offload_layers, seq_tile_tokens=self.seq_tile_tokens, param_route=self.param_route,
+            grad_route=self.grad_route,
         )
 
     def describe(self) -> str:
@@ -150,7 +170,9 @@ class Plan:
         mb_note = "job's value" if self.micro_batch == w.micro_batch else f"job asked {w.micro_batch}"
         rows = [
             ("micro_batch", f"{self.micro_batch} ({mb_note}; {w.local_batch // self.micro_batch} per rank per step)"),
-            ("activations", self.activations),
+            ("activations", self.activations if self.activations == "keep"
+             else f"offload the first {self.offload_layers} of {m.num_layers} layers' inputs"),
+            ("seq_tile_tokens", f"{self.seq_tile_tokens:,}" if self.seq_tile_tokens else "0 (untiled)"),
             ("embedding", self.embedding),
             ("delivery", self.delivery),
             ("prefetch_depth", str(self.prefetch_depth)),
@@ -219,15 +241,31 @@ def _tasks(work: Workload, ch: Choices, calib: Calibration) -> list[_Task]:
     p_layer = costs.layer_params(m)
     tokens = work.local_tokens
     act = costs.activation_bytes(m, tokens, work.compute_dtype)
-    offload = ch.activations == "offload"
+    off = ch.offloaded(nl)
+    offload = off > 0
     k = ch.resident_layers
     fwd_in, fwd_out = _rates(calib, both=offload)
     bwd_in, bwd_out = _rates(calib, both=offload or k < nl)
+    n, bus = work.world, calib.allreduce_gbps * 1e9
+    cb = costs.dtype_bytes(work.compute_dtype)
+
+    def params_in(params: float, rate: float) -> float:
+        """Copy-stream time of `params` parameters: whole over PCIe, or 1/N over PCIe then the all-gather."""
+        if ch.param_route == "replicated" or n == 1:
+            return params * db / rate
+        return params * db / n / rate + params * cb * (n - 1) / n / bus
+
+    def grads_out(params: float, rate: float) -> float:
+        """Copy-out time of `params` fp32 gradients: whole, or the reduce-scatter then 1/N over PCIe."""
+        if ch.grad_route == "host" or n == 1:
+            return params * gb / rate
+        return params * gb / n / rate + params * gb * (n - 1) / n / bus
+
     flops = calib.gpu_tflops * 1e12
     g_fwd = tokens * costs.layer_forward_flops_per_token(m, work.seq_len) / flops
     g_loss = tokens * costs.head_step_flops_per_token(m) / flops
     upd_scale = costs.update_bytes_per_param(ch.delivery) / 28.0 / calib.adamw_params_per_s
-    red_scale = gb * costs.reduce_traffic_factor(work.world) / (calib.reduce_gbps * 1e9)
+    red_scale = gb * costs.reduce_traffic_factor(work.world, ch.grad_route) / (calib.reduce_gbps * 1e9)
 
     def job(name: str, params: float) -> _Job:
         return _Job(name, params * red_scale, params * upd_scale)
@@ -240,31 +278,31 @@ def _tasks(work: Workload, ch: Choices, calib: Calibration) -> list[_Task]:
         tasks.append(_Task("embedding rows", h2d_s=tokens * h * db / fwd_in, gate=("embedding:next",)))
     for c in range(nl):
         tasks.append(_Task(
-            f"layer {c} fwd", h2d_s=p_layer * db / fwd_in, gpu_s=g_fwd, d2h_s=act / fwd_out if offload else 0.0,
+            f"layer {c} fwd", h2d_s=params_in(p_layer, fwd_in), gpu_s=g_fwd, d2h_s=act / fwd_out if c < off else 0.0,
             gate=(f"layer {c}",),
         ))
     # ---- loss: the final norm and the head (fetched in row blocks when it lives on the host)
-    norm_in, norm_job = h * db / fwd_in, job("norm", h)
+    norm_in, norm_job = params_in(h, fwd_in), job("norm", h)
     if host_emb:
         for j, r in enumerate(rows):
             gate = ("embedding:next", f"embedding:{j}") if m.tie_word_embeddings else (f"head:{j}",)
             tasks.append(_Task(
-                f"head block {j} in", h2d_s=r * h * db / fwd_in + (norm_in if j == 0 else 0.0),
+                f"head block {j} in", h2d_s=params_in(r * h, fwd_in) + (norm_in if j == 0 else 0.0),
                 gate=gate + (("norm",) if j == 0 else ()),
             ))
-        tasks.append(_Task("loss", gpu_s=g_loss, d2h_s=h * gb / bwd_out, jobs=(norm_job,)))
+        tasks.append(_Task("loss", gpu_s=g_loss, d2h_s=grads_out(h, bwd_out), jobs=(norm_job,)))
         if not m.tie_word_embeddings:  # an untied head's gradient is complete now: out it goes
             tasks += [
-                _Task(f"head block {j} grad", d2h_s=r * h * gb / bwd_out, jobs=(job(f"head:{j}", r * h),))
+                _Task(f"head block {j} grad", d2h_s=grads_out(r * h, bwd_out), jobs=(job(f"head:{j}", r * h),))
                 for j, r in enumerate(rows)
             ]
     else:
-        tasks.append(_Task("loss", h2d_s=norm_in, gpu_s=g_loss, d2h_s=h * gb / bwd_out, gate=("norm",), jobs=(norm_job,)))
+        tasks.append(_Task("loss", h2d_s=norm_in, gpu_s=g_loss, d2h_s=grads_out(h, bwd_out), gate=("norm",), jobs=(norm_job,)))
     # ---- backward
     for c in reversed(range(nl)):
-        fetch = (0.0 if c >= nl - k else p_layer * db / bwd_in) + (act / bwd_in if offload else 0.0)
+        fetch = (0.0 if c >= nl - k else params_in(p_layer, bwd_in)) + (act / bwd_in if c < off else 0.0)
         tasks.append(_Task(
-            f"layer {c} bwd", h2d_s=fetch, gpu_s=3.0 * g_fwd, d2h_s=p_layer * gb / bwd_out,
+            f"layer {c} bwd", h2d_s=fetch, gpu_s=3.0 * g_fwd, d2h_s=grads_out(p_layer, bwd_out),
             jobs=(job(f"layer {c}", p_layer),),
         ))
     if host_emb:
@@ -275,7 +313,7 @@ def _tasks(work: Workload, ch: Choices, calib: Calibration) -> list[_Task]:
             job(f"embedding:{j}", r * h * (1 - need / v)) for j, r in enumerate(rows)
         )
         tasks += [
-            _Task(f"embedding block {j} grad", d2h_s=r * h * gb / bwd_out, jobs=emb_jobs if j == len(rows) - 1 else ())
+            _Task(f"embedding block {j} grad", d2h_s=grads_out(r * h, bwd_out), jobs=emb_jobs if j == len(rows) - 1 else ())
             for j, r in enumerate(rows)
         ]
     else:
@@ -356,7 +394,7 @@ def _memory(work: Workload, ch: Choices) -> list[tuple[str, int]]:
         world=work.world, delivery=ch.delivery, activations=ch.activations, embedding=ch.embedding,
         prefetch_depth=ch.prefetch_depth, resident_layers=ch.resident_layers,
         chunk_rows=ch.chunk_rows or costs.default_chunk_rows(work.model), loss_chunk_tokens=ch.loss_chunk_tokens,
-        compute_dtype=work.compute_dtype,
+        compute_dtype=work.compute_dtype, offload_layers=ch.offload_layers, seq_tile_tokens=ch.seq_tile_tokens,
     )
 
 
@@ -374,35 +412,67 @@ def _loss_chunks(work: Workload) -> list[int]:
     return sorted({min(c, work.local_tokens) for c in _LOSS_CHUNKS}, reverse=True)
 
 
-ALL_OPTIONS = {"activations": ("keep", "offload"), "embedding": ("gpu", "host"), "delivery": ("fp32", "bf16")}
+ALL_OPTIONS = {"activations": ("keep", "offload"), "embedding": ("gpu", "host"), "delivery": ("fp32", "bf16"),
+               "param_route": ("replicated", "sharded"), "grad_route": ("host", "reduce_scatter")}
+_SEQ_TILES = (0, 8192, 4096, 2048, 1024)  # tokens per MLP/norm/head tile; untiled first
 
 
 def _base_choices(work: Workload, allowed: dict[str, tuple[str, ...]] | None = None) -> list[Choices]:
-    """Every combination of the options, restricted to `allowed` (what the engine and store offer)."""
+    """Every combination of the options, restricted to `allowed` (what the engine and store offer).
+    One rank has no routes to choose."""
     opts = dict(ALL_OPTIONS, **(allowed or {}))
     deliveries = opts["delivery"] if work.compute_dtype == "bf16" else ("fp32",)
+    param_routes = opts["param_route"] if work.world > 1 else ("replicated",)
+    grad_routes = opts["grad_route"] if work.world > 1 else ("host",)
     return [
-        Choices(activations=a, embedding=e, delivery=d, prefetch_depth=p,
+        Choices(activations=a, embedding=e, delivery=d, prefetch_depth=p, param_route=pr, grad_route=gr,
                 chunk_rows=costs.default_chunk_rows(work.model))
         for e in opts["embedding"] for a in opts["activations"] for d in deliveries for p in (1, 2, 3)
+        for pr in param_routes for gr in grad_routes
     ]
 
 
+def _seq_tiles(work: Workload) -> list[int]:
+    """Untiled, then the tiles smaller than a micro-batch of the job's size (tiles run over its m x T tokens)."""
+    return [t for t in _SEQ_TILES if t < work.micro_batch * work.seq_len]
+
+
+def _fewest_offloaded(work: Workload, ch: Choices, budget: int) -> Choices | None:
+    """`ch` if it fits; with activations = "offload", the fewest offloaded layers (>= 1) that fit."""
+    if ch.activations == "keep":
+        return ch if _total(work, ch) <= budget else None
+    nl = work.model.num_layers
+    if _total(work, replace(ch, offload_layers=nl)) > budget:
+        return None
+    lo, hi = 1, nl
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if _total(work, replace(ch, offload_layers=mid)) <= budget:
+            hi = mid
+        else:
+            lo = mid + 1
+    return replace(ch, offload_layers=lo)
+
+
 def _fit(work: Workload, base: Choices, budget: int) -> Choices | None:
-    """The job's micro-batch if it fits (else the largest divisor that does) and the largest loss
-    chunk that fits; then, only if neither had to shrink, as many resident layers as the rest of
+    """The job's micro-batch if it fits (else the largest divisor that does), untiled if that fits
+    (else the largest sequence tile that does), the largest loss chunk that fits and the fewest
+    offloaded layers; then, only if nothing had to shrink, as many resident layers as the rest of
     the budget holds. (Spending memory freed by shrinking on resident layers would let a larger
     budget, where the job's micro-batch fits again, predict a slower step.)"""
     first = True
     for mb in _micro_batches(work):
-        for lc in _loss_chunks(work):
-            ch = replace(base, micro_batch=mb, loss_chunk_tokens=lc, resident_layers=0)
-            if _total(work, ch) <= budget:
-                k = 0
-                while first and k < work.model.num_layers and _total(work, replace(ch, resident_layers=k + 1)) <= budget:
-                    k += 1
-                return replace(ch, resident_layers=k)
-            first = False
+        for tile in _seq_tiles(work):
+            for lc in _loss_chunks(work):
+                ch = _fewest_offloaded(
+                    work, replace(base, micro_batch=mb, loss_chunk_tokens=lc, seq_tile_tokens=tile, resident_layers=0),
+                    budget)
+                if ch is not None:
+                    k = 0
+                    while first and k < work.model.num_layers and _total(work, replace(ch, resident_layers=k + 1)) <= budget:
+                        k += 1
+                    return replace(ch, resident_layers=k)
+                first = False
     return None
 
 
@@ -421,7 +491,8 @@ def _fewest_resident(work: Workload, ch: Choices, calib: Calibration) -> tuple[C
 
 def _no_fit_error(work: Workload, budget: int) -> PlanError:
     smallest = min(
-        (replace(b, micro_batch=1, loss_chunk_tokens=min(_loss_chunks(work)), prefetch_depth=1) for b in _base_choices(work)),
+        (replace(b, micro_batch=1, loss_chunk_tokens=min(_loss_chunks(work)), prefetch_depth=1,
+                 seq_tile_tokens=_seq_tiles(work)[-1]) for b in _base_choices(work)),
         key=lambda ch: _total(work, ch),
     )
     items = _memory(work, smallest)
@@ -431,21 +502,22 @@ def _no_fit_error(work: Workload, budget: int) -> PlanError:
         knob = (f"or lower the tokens per rank (global_batch / world x seq_len = {work.local_tokens:,}): "
                 f"raise world, or lower global_batch or seq_len")
     elif name == "layer workspace":
-        knob = "or lower seq_len"
+        knob = "or lower seq_len (attention spans the whole sequence; only its MLP half is tiled)"
     else:
         knob = "or use a GPU with more memory (this item scales with the model, not the batch)"
     need_gib = math.ceil(need / GiB * 100) / 100
     return PlanError(
         f"no plan fits the GPU memory budget of {budget / GiB:.2f} GiB: the smallest plan needs {need_gib:.2f} GiB "
         f"(embedding={smallest.embedding}, activations={smallest.activations}, delivery={smallest.delivery}, "
-        f"prefetch_depth=1, micro_batch=1, loss_chunk_tokens={smallest.loss_chunk_tokens}) and its largest item is "
+        f"prefetch_depth=1, micro_batch=1, seq_tile_tokens={smallest.seq_tile_tokens}, "
+        f"loss_chunk_tokens={smallest.loss_chunk_tokens}) and its largest item is "
         f"{name} ({size / GiB:.2f} GiB). Raise the budget to at least {need_gib:.2f} GiB, {knob}"
     )
 
 
 def make_plan(work: Workload, budget_bytes: int, calib: Calibration,
               allowed: dict[str, tuple[str, ...]] | None = None) -> Plan:
-    """The fastest predicted plan whose GPU memory fits budget_bytes (ties: the smaller memory).
+    """The fastest predicted plan whose GPU memory fits budget_bytes (ties: the least compromise, then the smaller memory).
 
     allowed restricts options (e.g. {"delivery": ("fp32",)} for a store without a bf16 shadow)."""
     if budget_bytes > calib.gpu_mem_bytes:
@@ -462,7 +534,15 @@ def make_plan(work: Workload, budget_bytes: int, calib: Calibration,
     if not candidates:
         raise _no_fit_error(work, budget_bytes)
     fastest = min(step for step, _, _ in candidates)
-    _, _, best = min((c for c in candidates if c[0] <= fastest * (1 + _TIE)), key=lambda c: c[1])
+    nl = work.model.num_layers
+
+    def least_compromise(c: tuple[float, int, Choices]) -> tuple:
+        """Among equally fast plans: the largest micro-batch, the largest tile, the fewest offloaded
+        layers (costs the model leaves out: smaller matmuls, more launches, host traffic), then the least memory."""
+        ch = c[2]
+        return (-(ch.micro_batch or work.micro_batch), -(ch.seq_tile_tokens or 1 << 62), ch.offloaded(nl), c[1])
+
+    _, _, best = min((c for c in candidates if c[0] <= fastest * (1 + _TIE)), key=least_compromise)
     busy, exposed, step = predict_step(work, best, calib)
     items = _memory(work, best)
     notes = []
@@ -489,6 +569,8 @@ def make_plan(work: Workload, budget_bytes: int, calib: Calibration,
         chunk_rows=best.chunk_rows or costs.default_chunk_rows(work.model), prefetch_depth=best.prefetch_depth,
         micro_batch=best.micro_batch or work.micro_batch, activations=best.activations, embedding=best.embedding,
         delivery=best.delivery, resident_layers=best.resident_layers, loss_chunk_tokens=best.loss_chunk_tokens,
+        offload_layers=best.offloaded(work.model.num_layers), seq_tile_tokens=best.seq_tile_tokens,
+        param_route=best.param_route, grad_route=best.grad_route,
         gpu_memory=tuple(items), gpu_total_bytes=sum(b for _, b in items),
         busy_s=tuple((r, busy[r]) for r in RESOURCES), exposed_s=exposed, predicted_step_s=step,
         tokens_per_s=work.tokens_per_step / step, workload=work, budget_bytes=budget_bytes, calibration=calib,

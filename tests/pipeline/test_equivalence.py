@@ -26,9 +26,24 @@ CASES = [
     (3, 1, 0.5, "tiny-llama", "device"), (3, 2, 0.0, "tiny", "device"), (3, 4, 0.5, "tiny", "host"),
 ]
 
+# The sharded routes (gloo among CPU ranks): parameters all-gathered, gradients reduce-scattered,
+# each alone and together; 3 ranks cut chunks into uneven shards (the last one short).
+# The last column: sequence tiles of 24 tokens (across the 2 sequences of a micro-batch) and
+# the first layers' saved inputs held in host memory.
+TILED = ("memory.seq_tile_tokens=24", "memory.offload_layers=1")
+ROUTE_CASES = [
+    (2, 2, 0.5, "tiny", "host", "sharded", "reduce_scatter", ()),
+    (3, 1, 0.0, "tiny-llama", "device", "sharded", "host", ()),
+    (3, 2, 0.5, "tiny-llama", "host", "replicated", "reduce_scatter", ()),
+    (3, 1, 0.5, "tiny", "host", "sharded", "reduce_scatter", TILED),
+    (2, 2, 0.5, "tiny-llama", "device", "replicated", "host", TILED),
+]
 
-def job_sets(workers: int, micro: int, clip: float, shape: str, store: str, run_dir, embedding: str = "host") -> list[str]:
+
+def job_sets(workers: int, micro: int, clip: float, shape: str, store: str, run_dir, embedding: str = "host",
+             param_route: str = "replicated", grad_route: str = "host") -> list[str]:
     return [
+        f'runtime.param_route="{param_route}"', f'runtime.grad_route="{grad_route}"',
         f'memory.embedding="{embedding}"', f"memory.resident_layers={1 if embedding == 'device' else 0}",
         f"train.steps={STEPS}", f"train.global_batch={GLOBAL_BATCH}",
         f"train.micro_batch={GLOBAL_BATCH // (workers * micro)}", f"train.max_grad_norm={clip}",
@@ -42,7 +57,7 @@ _reference_cache: dict = {}
 
 
 def reference(sets: list[str]):
-    key = tuple(s for s in sets if not s.startswith(("runtime.workers", "train.micro_batch", "store.name", "run.dir", "memory.")))
+    key = tuple(s for s in sets if not s.startswith(("runtime.", "train.micro_batch", "store.name", "run.dir", "memory.")))
     if key not in _reference_cache:
         job = load_job(TINY, sets)
         cfg = model_config(job)
@@ -50,13 +65,21 @@ def reference(sets: list[str]):
     return _reference_cache[key]
 
 
-@pytest.mark.parametrize("workers,micro,clip,shape,embedding", CASES)
-def test_matches_reference(tmp_path, workers, micro, clip, shape, embedding):
+@pytest.mark.parametrize("workers,micro,clip,shape,embedding,param_route,grad_route,extra",
+                         [c + ("replicated", "host", ()) for c in CASES] + ROUTE_CASES)
+def test_matches_reference(tmp_path, monkeypatch, workers, micro, clip, shape, embedding, param_route, grad_route,
+                           extra):
+    monkeypatch.setenv("SLIDEDP_LOG_LEVEL", "INFO")  # the workers' start-up lines name their routes
     store = unique_store("eq")
     run_dir = tmp_path / "run"
-    sets = job_sets(workers, micro, clip, shape, store, run_dir, embedding)
+    sets = job_sets(workers, micro, clip, shape, store, run_dir, embedding, param_route, grad_route) + list(extra)
     proc = launch(TINY, *sets, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    for rank in range(workers):  # each rank says which routes it runs
+        assert f"rank {rank}/{workers} on cpu" in proc.stderr + proc.stdout
+        assert f"params {param_route}, grads {grad_route}" in proc.stderr + proc.stdout
+        assert ("seq tiles of 24 tokens, 1 layer(s) offloaded" if extra else "untiled, 0 layer(s) offloaded") \
+            in proc.stderr + proc.stdout
     ref = reference(sets)
     got = metrics(run_dir)
     assert [m["step"] for m in got] == list(range(STEPS))
@@ -67,5 +90,7 @@ def test_matches_reference(tmp_path, workers, micro, clip, shape, embedding):
     weights = checkpoint_weights(run_dir / "checkpoints" / f"step-{STEPS:08d}")
     assert set(weights) == set(ref.params)
     worst = max((rel_err(weights[n], ref.params[n]), n) for n in ref.params)
-    assert worst[0] < 1e-5, worst
+    # gloo's ring sums each shard in another rank order than the aggregator; AdamW's 1/sqrt(v)
+    # magnifies those last-bit differences where a gradient is near zero
+    assert worst[0] < (2e-5 if grad_route == "reduce_scatter" else 1e-5), worst
     assert store_segments(store) == []  # the job created the store and did not persist it

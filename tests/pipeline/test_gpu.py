@@ -17,15 +17,21 @@ LOSS_RTOL = 1e-3  # measured on the H200: at most 6e-5 over 5 steps
 WEIGHT_RTOL = 2e-2  # measured: at most 1.13e-2 (bf16 weights in compute)
 
 
-@pytest.mark.parametrize("workers,dtype,shape,embedding", [
-    (1, "bf16", "tiny", "host"), (2, "bf16", "tiny-llama", "host"), (1, "fp32", "tiny-llama", "host"),
-    (1, "bf16", "tiny", "device"), (2, "bf16", "tiny", "device"), (1, "fp32", "tiny-llama", "device"),
-])
-def test_cuda_matches_reference(tmp_path, workers, dtype, shape, embedding):
+TILED = ("memory.seq_tile_tokens=24", "memory.offload_layers=2")  # tiles across sequences; inputs via the host
+SHARDED = ('runtime.param_route="sharded"', 'runtime.grad_route="reduce_scatter"')  # gloo among ranks on one GPU
+
+
+@pytest.mark.parametrize("workers,dtype,shape,embedding,extra", [
+    (1, "bf16", "tiny", "host", ()), (2, "bf16", "tiny-llama", "host", ()), (1, "fp32", "tiny-llama", "host", ()),
+    (1, "bf16", "tiny", "device", ()), (2, "bf16", "tiny", "device", ()), (1, "fp32", "tiny-llama", "device", ()),
+    (1, "fp32", "tiny", "host", TILED), (1, "bf16", "tiny-llama", "device", TILED),
+    (2, "bf16", "tiny", "host", SHARDED), (3, "fp32", "tiny-llama", "host", SHARDED + TILED),
+], ids=lambda v: ("+".join(s.split("=")[0].split(".")[1] for s in v) or "plain") if isinstance(v, tuple) else None)
+def test_cuda_matches_reference(tmp_path, workers, dtype, shape, embedding, extra):
     store = unique_store("gpu")
     run_dir = tmp_path / "run"
     sets = job_sets(workers, 2, 0.5, shape, store, run_dir, embedding)
-    proc = launch(TINY, *sets, f'train.compute_dtype="{dtype}"', 'runtime.device="cuda"', cwd=tmp_path)
+    proc = launch(TINY, *sets, f'train.compute_dtype="{dtype}"', 'runtime.device="cuda"', *extra, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     ref = reference(sets)
     got = metrics(run_dir)
@@ -37,5 +43,5 @@ def test_cuda_matches_reference(tmp_path, workers, dtype, shape, embedding):
     assert worst[0] < (1e-4 if dtype == "fp32" else WEIGHT_RTOL), worst
     assert max(m["gpu_peak_bytes"] for m in got) > 0
     assert store_segments(store) == []
-    print(f"{workers} worker(s) {dtype}: losses {[round(m['loss'], 5) for m in got]} ref {[round(x, 5) for x in ref.losses]}; "
+    print(f"{workers} worker(s) {dtype} {' '.join(extra)}: losses {[round(m['loss'], 5) for m in got]} ref {[round(x, 5) for x in ref.losses]}; "
           f"worst weight rel err {worst[0]:.2e} ({worst[1]})")

@@ -223,12 +223,13 @@ def test_refusal_names_the_budget_and_the_knob():
     # the smallest plan's largest item: the current layer's input/output for 1,048,576 tokens
     assert costs.activation_bytes(work.model, 1_048_576, "bf16") * 2 == 10 * GiB
     assert str(e.value) == (
-        "no plan fits the GPU memory budget of 24.00 GiB: the smallest plan needs 30.67 GiB (embedding=host, "
-        "activations=offload, delivery=bf16, prefetch_depth=1, micro_batch=1, loss_chunk_tokens=128) and its "
-        "largest item is hidden states (10.00 GiB). Raise the budget to at least 30.67 GiB, or lower the tokens per "
-        "rank (global_batch / world x seq_len = 1,048,576): raise world, or lower global_batch or seq_len"
+        "no plan fits the GPU memory budget of 24.00 GiB: the smallest plan needs 31.04 GiB (embedding=host, "
+        "activations=offload, delivery=bf16, prefetch_depth=1, micro_batch=1, seq_tile_tokens=1024, "
+        "loss_chunk_tokens=128) and its largest item is hidden states (10.00 GiB). Raise the budget to at least "
+        "31.04 GiB, or lower the tokens per rank (global_batch / world x seq_len = 1,048,576): raise world, or "
+        "lower global_batch or seq_len"
     )
-    assert make_plan(work, int(30.67 * GiB), H200_REFERENCE).gpu_total_bytes <= int(30.67 * GiB)
+    assert make_plan(work, int(31.04 * GiB), H200_REFERENCE).gpu_total_bytes <= int(31.04 * GiB)
     with pytest.raises(PlanError, match=r"exceeds the memory of NVIDIA H200 \(140\.40 GiB\): lower the budget"):
         make_plan(work, 200 * GiB, H200_REFERENCE)
 
@@ -237,9 +238,13 @@ def test_micro_batch_is_reduced_only_when_needed_and_said():
     work = Workload(named_shape("qwen3-1.7b"), global_batch=8, seq_len=8192, world=1, micro_batch=8)
     roomy = make_plan(work, 120 * GiB, H200_REFERENCE)
     assert roomy.micro_batch == 8 and not any("micro_batch" in n for n in roomy.notes)
-    # 8 sequences of 8,192 tokens: one layer's workspace alone is 4.75 GiB at micro_batch 8
-    assert costs.workspace_bytes_per_token(work.model, "bf16") * 8 * 8192 == int(4.75 * GiB)
-    tight = make_plan(work, 8 * GiB, H200_REFERENCE)
+    # 8 sequences of 8,192 tokens: one layer's workspace alone is 12.1 GiB at micro_batch 8, untiled
+    assert costs.workspace_bytes_per_token(work.model, "bf16") * 8 * 8192 == 13_029_867_520
+    # at 16 GiB, tiling the MLP along the sequence (and offloading inputs) keeps the job's micro-batch
+    tiled = make_plan(work, 16 * GiB, H200_REFERENCE)
+    assert tiled.micro_batch == 8 and 0 < tiled.seq_tile_tokens < 8 * 8192
+    assert not any("micro_batch" in n for n in tiled.notes)
+    tight = make_plan(work, 6 * GiB, H200_REFERENCE)
     assert tight.micro_batch < 8 and 8 % tight.micro_batch == 0
     assert f"micro_batch 8 does not fit the budget; using {tight.micro_batch} (a divisor of the 8 sequences per rank)" in tight.notes
 
@@ -302,3 +307,86 @@ def test_calibrate_cpu_quick_directly():
     cal = calibrate(device="cpu", quick=True)
     assert cal.device_name.startswith("cpu") and cal.adamw_threads >= 1
     assert cal.gpu_tflops > 0 and cal.h2d_gbps > 0 and cal.reduce_gbps > 0
+
+
+def test_routes_follow_the_transfer_formula_and_the_links():
+    """Sharded routes move 1/N over PCIe; the rest is charged to the GPU links at the bus rate."""
+    work = Workload(named_shape("qwen3-4b"), global_batch=4, seq_len=1024, world=4, micro_batch=1)
+    fast = dataclasses.replace(H200_REFERENCE, bidir_gbps=110.0, allreduce_gbps=1e9, bus_gpus=4)  # free links
+    for pr in ("replicated", "sharded"):
+        for gr in ("host", "reduce_scatter"):
+            ch = Choices(embedding="gpu", param_route=pr, grad_route=gr)
+            busy, _, _ = predict_step(work, ch, fast)
+            b = costs.transfer_bytes(work.model, tokens=work.local_tokens, delivery="fp32", activations="keep",
+                                     embedding="gpu", resident_layers=0, world=4, param_route=pr, grad_route=gr)
+            assert busy["h2d"] == pytest.approx(b["h2d"] / 55e9, rel=1e-6)
+            assert busy["d2h"] == pytest.approx(b["d2h"] / 55e9, rel=1e-6)
+    # the all-gather of a layer in bf16 at the bus rate, on top of a quarter of the PCIe copy
+    slow = dataclasses.replace(fast, allreduce_gbps=10.0)
+    p = costs.layer_params(work.model)
+    nl, h = work.model.num_layers, work.model.hidden_size
+    busy, _, _ = predict_step(work, Choices(embedding="gpu", param_route="sharded"), slow)
+    gathered = (2 * nl * p + h) * 2 * 3 / 4
+    assert busy["h2d"] == pytest.approx((2 * nl * p + h) * 4 / 4 / 55e9 + gathered / 10e9, rel=1e-6)
+    # the aggregator only places reduce-scattered shards: 2 of the sum's 3 buffer touches, and no N + 1
+    host = predict_step(work, Choices(embedding="gpu"), slow)[0]["reduce"]
+    scattered = predict_step(work, Choices(embedding="gpu", grad_route="reduce_scatter"), slow)[0]["reduce"]
+    assert scattered == pytest.approx(host * 2 / 5, rel=1e-9)  # (2/3) / ((4 + 1) / 3)
+
+
+def test_planner_picks_routes_from_the_measured_links():
+    work = Workload(named_shape("qwen3-4b"), global_batch=8, seq_len=2048, world=4, micro_batch=2)
+    nvlink = dataclasses.replace(H200_REFERENCE, allreduce_gbps=300.0, bus_gpus=4)
+    pcie_no_p2p = dataclasses.replace(H200_REFERENCE, h2d_gbps=25.0, d2h_gbps=25.0, bidir_gbps=40.0,
+                                      allreduce_gbps=3.0, bus_gpus=4)
+    fast = make_plan(work, 24 * GiB, nvlink)
+    assert (fast.param_route, fast.grad_route) == ("sharded", "reduce_scatter")
+    assert "params sharded, grads reduce_scatter" in fast.describe()
+    slow = make_plan(work, 24 * GiB, pcie_no_p2p)
+    assert (slow.param_route, slow.grad_route) == ("replicated", "host")
+    one = make_plan(dataclasses.replace(work, world=1, global_batch=2), 24 * GiB, nvlink)
+    assert (one.param_route, one.grad_route) == ("replicated", "host")
+
+
+def test_sequence_tiles_and_offload_follow_the_memory_formulas():
+    m = named_shape("qwen3-4b")
+    h, i = m.hidden_size, m.intermediate_size
+    q, kv = m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
+    # Qwen3 (qk-norm), bf16: the attention half's peak and the MLP half's, bytes per token
+    attn, mlp = 14 * h + 18 * q + 14 * kv + 8 * m.num_heads + 4 * m.num_kv_heads + 4, 16 * h + 14 * i
+    assert (costs.attention_bytes_per_token(m, "bf16"), costs.mlp_bytes_per_token(m, "bf16")) == (attn, mlp)
+    assert costs.attention_bytes_per_token(m, "fp32") == 2 * attn
+    assert costs.layer_workspace_bytes(m, 1, 65536, 0, "bf16") == 65536 * (attn + mlp)
+    # tiles run over the micro-batch's m x T tokens: one tile of 4,096 tokens whatever m is
+    assert costs.layer_workspace_bytes(m, 2, 65536, 4096, "bf16") == 2 * 65536 * attn + 4096 * mlp
+    assert costs.layer_workspace_bytes(m, 1, 1000, 4096, "bf16") == 1000 * (attn + mlp)  # a tile past the end
+    common = dict(tokens=65536, seq_len=65536, micro_batch=1, world=1, delivery="fp32", embedding="host",
+                  prefetch_depth=1, resident_layers=0, chunk_rows=costs.default_chunk_rows(m), loss_chunk_tokens=1024)
+    act = 65536 * h * 2
+    kept = dict(costs.gpu_memory_items(m, activations="keep", **common))
+    assert kept["saved layer inputs"] == m.num_layers * act and "offload staging" not in kept
+    some = dict(costs.gpu_memory_items(m, activations="offload", offload_layers=10, **common))
+    assert some["saved layer inputs"] == (m.num_layers - 10) * act and some["offload staging"] == 2 * act
+    every = dict(costs.gpu_memory_items(m, activations="offload", **common))
+    assert "saved layer inputs" not in every and every["offload staging"] == 2 * act
+    b = costs.transfer_bytes(m, tokens=65536, delivery="fp32", activations="offload", embedding="host",
+                             resident_layers=0, offload_layers=10)
+    b0 = costs.transfer_bytes(m, tokens=65536, delivery="fp32", activations="keep", embedding="host", resident_layers=0)
+    assert (b["h2d"] - b0["h2d"], b["d2h"] - b0["d2h"]) == (10 * act, 10 * act)
+
+
+def test_long_sequence_plans_tile_then_offload_as_the_budget_shrinks():
+    work = Workload(named_shape("qwen3-4b"), global_batch=1, seq_len=262144, world=1, micro_batch=1)
+    roomy = make_plan(work, 80 * GiB, H200_REFERENCE)
+    assert roomy.gpu_total_bytes <= 80 * GiB and roomy.seq_tile_tokens > 0
+    tight = make_plan(work, 60 * GiB, H200_REFERENCE)
+    assert tight.gpu_total_bytes <= 60 * GiB and tight.activations == "offload"
+    assert 0 < tight.offload_layers <= work.model.num_layers
+    assert f"offload the first {tight.offload_layers} of 36 layers' inputs" in tight.describe()
+    # the fewest offloaded layers: one fewer would not fit
+    fewer = dataclasses.replace(tight.choices, offload_layers=tight.offload_layers - 1, resident_layers=0)
+    assert tight.offload_layers == 1 or sum(b for _, b in costs.gpu_memory_items(
+        work.model, tokens=work.local_tokens, seq_len=work.seq_len, micro_batch=1, world=1, delivery=fewer.delivery,
+        activations="offload", embedding=fewer.embedding, prefetch_depth=fewer.prefetch_depth, resident_layers=0,
+        chunk_rows=fewer.chunk_rows, loss_chunk_tokens=fewer.loss_chunk_tokens, offload_layers=fewer.offload_layers,
+        seq_tile_tokens=fewer.seq_tile_tokens)) > 60 * GiB

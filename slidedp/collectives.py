@@ -1,0 +1,90 @@
+"""The workers' own collectives for the sharded routes: all-gather of parameters, reduce-scatter of gradients.
+
+A flat range of `numel` elements is cut into `world` equal shards of ceil(numel / world)
+elements; the last shard may be short or empty, so buffers handed to a collective are
+padded to `world * shard` elements and callers slice the real range back out.
+
+NCCL runs when every rank has its own GPU. Ranks that share one GPU, or run on CPU, use
+gloo; gloo's CUDA support is partial, so a CUDA tensor crosses it through host memory
+(correct, slow: only for testing N ranks on one GPU).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Rank `rank`'s part [start, end) of a flat range of `numel` elements cut into `world` shards of `size`."""
+
+    numel: int
+    world: int
+    rank: int
+
+    @property
+    def size(self) -> int:
+        return -(-self.numel // self.world)
+
+    @property
+    def padded(self) -> int:
+        return self.size * self.world
+
+    @property
+    def start(self) -> int:
+        return min(self.rank * self.size, self.numel)
+
+    @property
+    def end(self) -> int:
+        return min(self.start + self.size, self.numel)
+
+
+class Group:
+    """The job's process group as the routes use it."""
+
+    def __init__(self, rank: int, world: int, backend: str) -> None:
+        self.rank, self.world, self.backend = rank, world, backend
+        self.bounce = backend == "gloo"  # gloo: CUDA tensors go through host memory
+
+    def shard(self, numel: int) -> Shard:
+        return Shard(numel, self.world, self.rank)
+
+    def all_gather(self, padded: torch.Tensor) -> None:
+        """Each rank's shard `padded[r*size:(r+1)*size]` filled in, in place, on every rank."""
+        size = padded.numel() // self.world
+        if not self.bounce:  # NCCL gathers in place
+            dist.all_gather_into_tensor(padded, padded[self.rank * size:(self.rank + 1) * size])
+            return
+        host = padded.cpu() if padded.is_cuda else padded
+        dist.all_gather_into_tensor(host, host[self.rank * size:(self.rank + 1) * size].clone())
+        if host is not padded:
+            padded.copy_(host)
+
+    def reduce_scatter(self, padded: torch.Tensor) -> torch.Tensor:
+        """This rank's shard of the element-wise sum of every rank's `padded` (a new tensor)."""
+        size = padded.numel() // self.world
+        if self.bounce and padded.is_cuda:
+            out = torch.empty(size, dtype=padded.dtype)
+            dist.reduce_scatter_tensor(out, padded.cpu())
+            return out.to(padded.device)
+        out = torch.empty(size, dtype=padded.dtype, device=padded.device)
+        dist.reduce_scatter_tensor(out, padded)
+        return out
+
+    def all_reduce(self, tensor: torch.Tensor) -> None:
+        if self.bounce and tensor.is_cuda:
+            host = tensor.cpu()
+            dist.all_reduce(host)
+            tensor.copy_(host)
+            return
+        dist.all_reduce(tensor)
+
+
+def join(rank: int, world: int, device: torch.device, shared_device: bool, rendezvous_file: str) -> Group:
+    """Join the job's process group (NCCL for one GPU per rank, else gloo)."""
+    backend = "nccl" if device.type == "cuda" and not shared_device else "gloo"
+    dist.init_process_group(backend, init_method=f"file://{rendezvous_file}", rank=rank, world_size=world)
+    return Group(rank, world, backend)

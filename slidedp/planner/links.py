@@ -1,0 +1,92 @@
+"""The GPU links' bandwidth for the sharded routes: an all-gather among N processes, one per GPU.
+
+`measure_bus_gbps(n)` starts n processes of this module (NCCL on GPUs, gloo on CPU), times
+an all-gather of `mib` MiB per rank, and returns the bus bandwidth the way nccl-tests
+reports it: (n - 1) / n x the gathered bytes / time. It is the rate the planner charges
+for the all-gather of parameters and the reduce-scatter of gradients. Results travel as
+one JSON line on rank 0's stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+
+def measure_bus_gbps(n: int, device: str = "cuda", mib: int = 256, reps: int = 10, timeout_s: float = 240.0) -> float:
+    if n < 2:
+        raise ValueError(f"the bus bandwidth needs at least 2 processes, got {n}")
+    with tempfile.TemporaryDirectory(prefix="slidedp-links-") as tmp:
+        rendezvous = os.path.join(tmp, "rendezvous")
+        procs = [
+            subprocess.Popen([sys.executable, "-m", "slidedp.planner.links", "--rank", str(r), "--world", str(n),
+                              "--file", rendezvous, "--device", device, "--mib", str(mib), "--reps", str(reps)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for r in range(n)
+        ]
+        outs = []
+        try:
+            for p in procs:
+                outs.append(p.communicate(timeout=timeout_s))
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+        for r, (p, (_, err)) in enumerate(zip(procs, outs)):
+            if p.returncode != 0:
+                raise RuntimeError(f"measuring the GPU links: rank {r} failed: {err.strip()[-1500:]}")
+        return float(json.loads(outs[0][0].strip().splitlines()[-1])["bus_gbps"])
+
+
+def _rank_main(rank: int, world: int, rendezvous: str, device: str, mib: int, reps: int) -> float:
+    import torch
+    import torch.distributed as dist
+
+    cuda = device == "cuda"
+    if cuda:
+        torch.cuda.set_device(rank)
+    dev = torch.device(f"cuda:{rank}" if cuda else "cpu")
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
+    try:
+        shard = torch.ones((mib << 20) // 2 // world, dtype=torch.bfloat16, device=dev)
+        out = torch.empty(shard.numel() * world, dtype=torch.bfloat16, device=dev)
+
+        def sync() -> None:
+            if cuda:
+                torch.cuda.synchronize(dev)
+
+        dist.all_gather_into_tensor(out, shard)  # warm up: communicator, buffers
+        sync()
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            dist.all_gather_into_tensor(out, shard)
+        sync()
+        seconds = (time.perf_counter() - t0) / reps
+        return (world - 1) / world * out.numel() * 2 / seconds / 1e9
+    finally:
+        dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m slidedp.planner.links", description=__doc__.splitlines()[0])
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--world", type=int, required=True)
+    p.add_argument("--file", required=True, help="rendezvous file")
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    p.add_argument("--mib", type=int, default=256)
+    p.add_argument("--reps", type=int, default=10)
+    a = p.parse_args(argv)
+    gbps = _rank_main(a.rank, a.world, a.file, a.device, a.mib, a.reps)
+    if a.rank == 0:
+        print(json.dumps({"bus_gbps": gbps}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,138 @@
+"""The engine's step in-process on CPU: sequence tiling and activation offload change no number.
+
+A fake Link stands in for the daemons; gradients land in plain slot tensors, and a plain SGD
+step between engine steps makes every step's parameters depend on the previous gradients.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from slidedp.activations import SavedInputs
+from slidedp.engine import Engine, EnginePolicy
+from slidedp.model.config import NAMED_SHAPES, ModelConfig
+from slidedp.model.init import init_tensor_
+from slidedp.store.layout import Chunk, Layout, make_layout
+
+M, MB, T = 2, 2, 37  # micro-batches of MB sequences of T tokens; 7-token tiles divide neither T nor MB * T
+STEPS = 3
+LR = 0.5
+
+
+class FakeLink:
+    def __init__(self, slots: int) -> None:
+        self.slots, self.next_slot = slots, 0
+        self.landed: dict[int, tuple[int, float]] = {}  # chunk id -> (slot, squared norm)
+
+    def wait_ready(self, unit, step: int) -> None:
+        pass
+
+    def acquire_slot(self) -> int:
+        self.next_slot = (self.next_slot + 1) % self.slots
+        return self.next_slot
+
+    def grad_landed(self, chunk: Chunk, slot: int, sqnorm: float, step: int) -> None:
+        self.landed[chunk.id] = (slot, sqnorm)
+
+    def device_grad(self, chunk: Chunk, sqnorm: float, step: int) -> None:
+        raise AssertionError("no device-held chunks here")
+
+    def agree_loss(self, step: int, loss_sum: float, tokens: int, finite: bool) -> bool:
+        return False
+
+    def wait_norm(self, step: int) -> float:
+        return 0.0
+
+
+def initial_master(layout: Layout) -> torch.Tensor:
+    master = torch.zeros(layout.total_numel)
+    for span in layout.tensors:
+        init_tensor_(span.name, master[span.offset:span.offset + math.prod(span.shape)].view(span.shape), seed=11)
+    return master
+
+
+def train(cfg: ModelConfig, policy: EnginePolicy) -> tuple[list[float], list[dict[int, torch.Tensor]]]:
+    """Losses and every chunk's gradient of STEPS engine steps with SGD between them."""
+    layout = make_layout(cfg)
+    master = initial_master(layout)
+    slots = torch.zeros(len(layout.chunks), layout.max_chunk_numel)  # one slot per chunk: none reused in a step
+    link = FakeLink(len(layout.chunks))
+    engine = Engine(cfg, layout, master, torch.device("cpu"), torch.float32, link,
+                    lambda slot, numel: slots[slot, :numel], M * MB * T, policy)
+    gen = torch.Generator().manual_seed(5)
+    losses, grads = [], []
+    for step in range(STEPS):
+        seqs = torch.randint(0, cfg.vocab_size, (M, MB, T + 1), generator=gen)
+        link.landed.clear()
+        times = engine.run_step(step, seqs[..., :-1], seqs[..., 1:])
+        assert not times.skipped and sorted(link.landed) == [c.id for c in layout.chunks]
+        got = {}
+        for c in layout.chunks:
+            slot, sq = link.landed[c.id]
+            got[c.id] = slots[slot, :c.numel].clone()
+            assert sq == pytest.approx(float(got[c.id].square().sum()), rel=1e-5)
+        for c in layout.chunks:
+            master[c.offset:c.offset + c.numel] -= LR * got[c.id]
+        losses.append(times.loss_sum)
+        grads.append(got)
+    return losses, grads
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+@pytest.mark.parametrize("shape", ["tiny", "tiny-llama"])  # tied Qwen3 (qk norm), untied Llama
+def test_tiling_and_offload_match_the_plain_step(shape):
+    cfg = NAMED_SHAPES[shape]
+    base_losses, base_grads = train(cfg, EnginePolicy())
+    for policy in (EnginePolicy(seq_tile_tokens=7, offload_layers=2),
+                   EnginePolicy(seq_tile_tokens=7, offload_layers=cfg.num_layers, resident_layers=1),
+                   EnginePolicy(offload_layers=1)):
+        losses, grads = train(cfg, policy)
+        for step in range(STEPS):
+            assert abs(losses[step] - base_losses[step]) < 1e-5 * base_losses[step], (policy, step)
+            for cid, g in base_grads[step].items():
+                assert rel_err(grads[step][cid], g) < 1e-5, (policy, step, cid)
+
+
+def test_offload_only_is_exact():
+    """Offloading moves the saved inputs, it computes nothing: bit-identical gradients."""
+    cfg = NAMED_SHAPES["tiny"]
+    base_losses, base_grads = train(cfg, EnginePolicy())
+    losses, grads = train(cfg, EnginePolicy(offload_layers=cfg.num_layers))
+    assert losses == base_losses
+    assert all(torch.equal(grads[s][c], base_grads[s][c]) for s in range(STEPS) for c in base_grads[s])
+
+
+def test_saved_inputs_reuse_the_host_buffer():
+    saved = SavedInputs(torch.device("cpu"), offload_layers=2)
+    xs = [[torch.randn(MB, T, 8) for _ in range(M)] for _ in range(3)]
+    buffers = set()
+    for step in range(2):
+        saved.start(step, (M, MB, T, 8), torch.float32)
+        for layer in range(3):
+            for i, x in enumerate(xs[layer]):
+                saved.save(layer, i, x)
+        buffers.add(saved._host.data_ptr())
+        assert saved._host.shape == (2, M, MB, T, 8)
+        saved.prefetch(2)  # a kept layer: nothing to fetch
+        for layer in reversed(range(3)):
+            if layer:
+                saved.prefetch(layer - 1)
+            assert all(torch.equal(saved.get(layer, i), xs[layer][i]) for i in range(M))
+            saved.release(layer)
+    assert len(buffers) == 1
+
+
+def test_policy_is_validated():
+    with pytest.raises(ValueError, match="seq_tile_tokens"):
+        EnginePolicy(seq_tile_tokens=-1)
+    cfg = NAMED_SHAPES["tiny"]
+    layout = make_layout(cfg)
+    with pytest.raises(ValueError, match="offload_layers"):
+        Engine(cfg, layout, initial_master(layout), torch.device("cpu"), torch.float32, FakeLink(1),
+               lambda slot, numel: None, 1, EnginePolicy(offload_layers=cfg.num_layers + 1))
