@@ -7,13 +7,18 @@ launcher itself never holds a CUDA context on the workers' GPU.
 from __future__ import annotations
 
 import json
+import logging
+import statistics
 import subprocess
 import sys
 from dataclasses import dataclass
 
 from slidedp.config import JobConfig, model_config
-from slidedp.planner import Calibration, Plan, Workload, make_plan
+from slidedp.planner import Calibration, Plan, Workload, costs, make_plan
+from slidedp.planner.calibration import record_training_rate
 from slidedp.planner.costs import GiB
+
+log = logging.getLogger("slidedp.launcher")
 
 _CALIBRATE = ("import json, sys; from slidedp.planner import load_or_calibrate; "
               "print(json.dumps(load_or_calibrate('cuda', gpus=int(sys.argv[1])).to_dict()))")
@@ -92,3 +97,23 @@ def plan_job(job: JobConfig, calib: Calibration | None = None) -> RunPlan:
                    offload_layers=min(_forced(mem.offload_layers, plan.offload_layers), nl),
                    param_route=plan.param_route if not one else "replicated",
                    grad_route=plan.grad_route if not one else "host", plan=plan)
+
+
+def record_update_rate(run_plan: RunPlan, update_busy_s: list[float],
+                       cache_dir: str | None = None) -> float | None:
+    """After a planned (CUDA) run of 3 steps or more: the AdamW rate the updaters reached per process
+    (median step after the first), kept with this host's calibration for the next plan. Returns it
+    in the units the planner charges (fp32 master traffic), or None when there is nothing to learn."""
+    plan = run_plan.plan
+    if plan is None or len(update_busy_s) < 3:
+        return None
+    busy = statistics.median(update_busy_s[1:])
+    if busy <= 0:
+        return None
+    params = costs.host_updated_params(plan.workload.model, plan.embedding)
+    rate = params / busy * costs.update_bytes_per_param(plan.delivery) / 28.0
+    record_training_rate(plan.calibration, rate, plan.workload.model.num_parameters(), cache_dir)
+    log.info("updaters ran AdamW at %.2f G params/s per process in this run (bare kernel: %.2f); "
+             "the next plan of this model on this host charges it", rate / 1e9,
+             plan.calibration.adamw_params_per_s / 1e9)
+    return rate

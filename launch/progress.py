@@ -155,6 +155,7 @@ class Progress:
         self.first: list[float] = []
         self.recent: list[float] = []
         self.predicted_step_s: float | None = None
+        self.update_busy_s: list[float] = []  # per committed step: the updaters' summed AdamW time
         self._bar_drawn = False
 
     def begin(self, start: int, end: int, run_dir: Path) -> None:
@@ -181,6 +182,8 @@ class Progress:
         shm = sum(size for _, size in list_store_segments().get(self.store, []))
         record = make_record(step, done, stats, lr, self.tokens_per_step, step_s, self.predicted_step_s,
                              process_tree_private_bytes(), shm)
+        if not done.skipped:
+            self.update_busy_s.append(done.update_s)
         if self.metrics is not None:
             self.metrics.write(json.dumps(record) + "\n")
             self.metrics.flush()

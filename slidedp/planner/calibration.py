@@ -39,6 +39,9 @@ class CalibrationError(ValueError):
     pass
 
 
+_MAY_BE_ZERO = frozenset({"adamw_train_params_per_s", "adamw_train_model_params"})  # 0 = not measured yet
+
+
 @dataclass(frozen=True)
 class Calibration:
     host: str
@@ -57,10 +60,19 @@ class Calibration:
     # used only for an embedding kept on the GPU) and the planner offers no sharded route.
     allreduce_gbps: float = 100.0
     bus_gpus: int = 1
+    # the updaters' AdamW rate measured during a training run on this host, per process, and the
+    # parameter count of the model it trained: DMA, the aggregator and the workers compete with it
+    # for the host, so it is lower than the bare kernel's, by an amount that differs from model to
+    # model (measured on an H200 host: 2.26 G params/s for Qwen3-4B, at least 2.63 for Qwen3-8B, 4.11
+    # bare). The planner charges it for that model only. 0: no run yet.
+    adamw_train_params_per_s: float = 0.0
+    adamw_train_model_params: int = 0
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
+            if f.name in _MAY_BE_ZERO and value == 0:
+                continue
             if f.type in ("float", "int") and not (math.isfinite(value) and value > 0):
                 raise CalibrationError(f"calibration field {f.name} must be a positive finite number, got {value!r}")
 
@@ -87,7 +99,15 @@ class Calibration:
             f"({self.adamw_threads} threads); reduce {self.reduce_gbps:.1f} GB/s; "
             f"GPU {self.gpu_tflops:.1f} TFLOP/s effective"
             + (f"; GPU links {self.allreduce_gbps:.0f} GB/s among {self.bus_gpus}" if self.bus_gpus > 1 else "")
+            + (f"; AdamW in training {self.adamw_train_params_per_s / 1e9:.2f} G params/s "
+               f"({self.adamw_train_model_params / 1e9:.2f} B-param model)" if self.adamw_train_params_per_s else "")
         )
+
+    def update_params_per_s(self, model_params: int) -> float:
+        """The AdamW rate the planner charges for a model: the one measured training it, else the bare kernel's."""
+        if self.adamw_train_params_per_s and self.adamw_train_model_params == model_params:
+            return self.adamw_train_params_per_s
+        return self.adamw_params_per_s
 
 
 # The building blocks measured on one H200 host (BENCHMARKS.md). The reduce rate was not
@@ -230,8 +250,22 @@ def _slug(text: str) -> str:
 
 
 def cache_path(device: str, cache_dir: str | os.PathLike | None = None) -> Path:
+    return _cache_file(socket.gethostname(), _device_name(device), cache_dir)
+
+
+def _cache_file(host: str, device_name: str, cache_dir: str | os.PathLike | None) -> Path:
     root = Path(cache_dir).expanduser() if cache_dir else Path("~/.cache/slidedp").expanduser()
-    return root / f"calibration-{_slug(socket.gethostname())}-{_slug(_device_name(device))}.json"
+    return root / f"calibration-{_slug(host)}-{_slug(device_name)}.json"
+
+
+def record_training_rate(calib: Calibration, params_per_s: float, model_params: int,
+                         cache_dir: str | os.PathLike | None = None) -> Calibration:
+    """Keep the AdamW rate the updaters reached training a model with the host's calibration (the
+    file `calib` came from; no CUDA needed to find it), so the next plan of that model charges it."""
+    updated = dataclasses.replace(calib, adamw_train_params_per_s=float(params_per_s),
+                                  adamw_train_model_params=int(model_params))
+    save(updated, _cache_file(calib.host, calib.device_name, cache_dir))
+    return updated
 
 
 def save(calib: Calibration, path: str | os.PathLike) -> None:

@@ -274,8 +274,9 @@ def test_cpu_calibration_round_trips_through_the_json_cache(tmp_path, monkeypatc
     cal = load_or_calibrate("cpu", cache_dir=tmp_path, quick=True)
     for f in dataclasses.fields(cal):
         value = getattr(cal, f.name)
-        if isinstance(value, (int, float)):
+        if isinstance(value, (int, float)) and not f.name.startswith("adamw_train"):  # those: after a run
             assert math.isfinite(value) and value > 0, f.name
+    assert (cal.adamw_train_params_per_s, cal.adamw_train_model_params, cal.bus_gpus) == (0.0, 0, 1)
     files = list(tmp_path.glob("calibration-*.json"))
     assert len(files) == 1
     assert json.loads(files[0].read_text())["calibration"]["adamw_params_per_s"] == cal.adamw_params_per_s
@@ -390,3 +391,41 @@ def test_long_sequence_plans_tile_then_offload_as_the_budget_shrinks():
         activations="offload", embedding=fewer.embedding, prefetch_depth=fewer.prefetch_depth, resident_layers=0,
         chunk_rows=fewer.chunk_rows, loss_chunk_tokens=fewer.loss_chunk_tokens, offload_layers=fewer.offload_layers,
         seq_tile_tokens=fewer.seq_tile_tokens)) > 60 * GiB
+
+
+def test_a_training_run_teaches_the_planner_its_adamw_rate_for_that_model(tmp_path):
+    """The launcher keeps the updaters' measured rate with the calibration; plans of that model
+    charge it, plans of other models keep the bare kernel's rate."""
+    from slidedp.launch.planning import RunPlan, record_update_rate  # noqa: PLC0415
+
+    cal = dataclasses.replace(H200_REFERENCE, host="host-a", device_name="GPU X")
+    work = Workload(named_shape("qwen3-4b"), global_batch=8, seq_len=2048, world=1, micro_batch=2, clip=False)
+    plan = make_plan(work, 24 * GiB, cal, {"delivery": ("fp32",)})  # fp32 master: 28 B per param updated
+    host_params = costs.host_updated_params(work.model, plan.embedding)
+    busy = [9.0, host_params / 2.0e9, host_params / 2.5e9, host_params / 2.2e9]  # the first step is left out
+    rate = record_update_rate(RunPlan(plan=plan), busy, cache_dir=str(tmp_path))
+    assert rate == pytest.approx(2.2e9)
+    saved = calibration_mod.load(tmp_path / "calibration-host-a-GPU_X.json")
+    assert saved == dataclasses.replace(cal, adamw_train_params_per_s=rate,
+                                        adamw_train_model_params=work.model.num_parameters())
+    # the same model: the update costs what the run measured; another model: the bare rate
+    busy_before = dict(predict_step(work, plan.choices, cal)[0])["update"]
+    busy_after = dict(predict_step(work, plan.choices, saved)[0])["update"]
+    assert busy_after == pytest.approx(busy_before * cal.adamw_params_per_s / 2.2e9, rel=1e-9)
+    other = Workload(named_shape("qwen3-1.7b"), global_batch=8, seq_len=2048, world=1, micro_batch=2, clip=False)
+    ch = Choices(embedding="gpu")
+    assert predict_step(other, ch, saved)[0]["update"] == predict_step(other, ch, cal)[0]["update"]
+    assert "AdamW in training 2.20 G params/s (4.02 B-param model)" in saved.summary()
+    # too few steps, or no plan (a CPU run): nothing learned, nothing written
+    assert record_update_rate(RunPlan(plan=plan), busy[:2], cache_dir=str(tmp_path / "x")) is None
+    assert record_update_rate(RunPlan(), busy, cache_dir=str(tmp_path / "x")) is None
+    assert not (tmp_path / "x").exists()
+
+
+def test_gpu_links_are_measured_by_an_all_gather_among_processes():
+    """The same code as on N GPUs, with gloo among 2 CPU processes: a positive bus bandwidth."""
+    from slidedp.planner.links import measure_bus_gbps  # noqa: PLC0415
+
+    assert measure_bus_gbps(2, device="cpu", mib=8, reps=2) > 0
+    with pytest.raises(ValueError, match="at least 2 processes"):
+        measure_bus_gbps(1, device="cpu")
