@@ -23,7 +23,7 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Iterator, Protocol
+from typing import Callable, Iterator, Protocol
 
 import torch
 
@@ -41,7 +41,7 @@ from .store.store import member_view
 
 class Link(Protocol):
     def wait_ready(self, unit: Unit, step: int) -> None: ...
-    def acquire_slot(self) -> int: ...
+    def acquire_slot(self, while_waiting: Callable[[], None]) -> int: ...  # calls while_waiting as it waits
     def grad_landed(self, chunk: Chunk, slot: int, sqnorm: float, step: int) -> None: ...
     def device_grad(self, chunk: Chunk, sqnorm: float, step: int) -> None: ...  # a device-held chunk's norm
     def agree_loss(self, step: int, loss_sum: float, tokens: int, finite: bool) -> bool: ...  # True: skip the step
@@ -155,7 +155,8 @@ class Engine:
     def _send(self, chunk: Chunk, grad: torch.Tensor, step: int) -> None:
         for landed in self.grads.landed():
             self.link.grad_landed(*landed, step)
-        self.grads.send(chunk, grad, self.link.acquire_slot(), step)
+        # while waiting for a slot, keep announcing gradients that land: their credits are the free slots
+        self.grads.send(chunk, grad, self.link.acquire_slot(lambda: self._flush(step, block=False)), step)
 
     def _flush(self, step: int, block: bool) -> None:
         for landed in self.grads.landed(block=block):

@@ -15,6 +15,7 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -79,7 +80,7 @@ class WorkerLink:
             if not self.agg.poll(0):
                 return
 
-    def _wait(self, done, what: str, kind: str) -> None:
+    def _wait(self, done, what: str, kind: str, while_waiting: Callable[[], None] | None = None) -> None:
         t0 = time.perf_counter()
         wall0 = time.time()
         deadline = time.monotonic() + self.timeout_s
@@ -89,6 +90,8 @@ class WorkerLink:
             if time.monotonic() > deadline:
                 raise PeerTimeout(f"rank {self.rank} waited {self.timeout_s:.0f} s for {what}; "
                                   f"raise runtime.timeout_s if the host is merely slow")
+            if while_waiting is not None:
+                while_waiting()
             self.pump(20)
         self.waits[kind] += time.perf_counter() - t0
         self.tracer.event(f"wait {kind}", "wait", self.step, wall0, time.time(), what=what)
@@ -104,10 +107,10 @@ class WorkerLink:
             self._wait(ready, f"{unit.name} (chunks {ids[0]}..{ids[-1]}) to reach version {step} "
                               f"(the updater pool, slidedp-updater, has not updated it)", "version")
 
-    def acquire_slot(self) -> int:
+    def acquire_slot(self, while_waiting: Callable[[], None] = lambda: None) -> int:
         if not self.free_slots:
             self._wait(lambda: bool(self.free_slots),
-                       "a free gradient slot (the aggregator, slidedp-aggregator, returned none)", "slot")
+                       "a free gradient slot (the aggregator, slidedp-aggregator, returned none)", "slot", while_waiting)
         return self.free_slots.pop(0)
 
     def grad_landed(self, chunk: Chunk, slot: int, sqnorm: float, step: int) -> None:

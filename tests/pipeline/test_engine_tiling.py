@@ -30,7 +30,7 @@ class FakeLink:
     def wait_ready(self, unit, step: int) -> None:
         pass
 
-    def acquire_slot(self) -> int:
+    def acquire_slot(self, while_waiting) -> int:
         self.next_slot = (self.next_slot + 1) % self.slots
         return self.next_slot
 
