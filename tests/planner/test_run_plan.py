@@ -1,0 +1,44 @@
+"""From the job file to what the workers run: overrides, clamping and the routes the plan may take."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from slidedp.config import load_job
+from slidedp.launch.planning import plan_job
+from slidedp.planner import H200_REFERENCE
+
+from pipeline.harness import TINY
+
+CUDA = ['runtime.device="cuda"', "runtime.workers=2", "train.global_batch=8", "train.micro_batch=2"]
+
+
+def test_cpu_runs_take_the_job_files_values_clamped_to_the_model():
+    plan = plan_job(load_job(TINY, ["memory.seq_tile_tokens=24", "memory.offload_layers=99", "runtime.workers=2",
+                                    'runtime.param_route="sharded"', 'runtime.grad_route="reduce_scatter"']))
+    assert (plan.seq_tile_tokens, plan.offload_layers) == (24, 2)  # tiny has 2 layers: "more means all"
+    assert (plan.param_route, plan.grad_route) == ("sharded", "reduce_scatter")
+    one = plan_job(load_job(TINY, ['runtime.param_route="sharded"', "runtime.workers=1"]))
+    assert (one.param_route, one.grad_route, one.seq_tile_tokens, one.offload_layers) == ("replicated", "host", 0, 0)
+
+
+def test_routes_need_measured_links_unless_the_job_names_them():
+    unmeasured = plan_job(load_job(TINY, CUDA), H200_REFERENCE)
+    assert (unmeasured.param_route, unmeasured.grad_route) == ("replicated", "host")
+    forced = plan_job(load_job(TINY, CUDA + ['runtime.param_route="sharded"']), H200_REFERENCE)
+    assert (forced.param_route, forced.grad_route) == ("sharded", "host")
+    assert forced.plan is not None and forced.plan.param_route == "sharded"  # the prediction is of that route
+    nvlink = dataclasses.replace(H200_REFERENCE, allreduce_gbps=300.0, bus_gpus=2)  # links measured, and fast
+    big = CUDA + ['model.shape="qwen3-4b"', "train.seq_len=2048"]
+    measured = plan_job(load_job(TINY, big), nvlink)
+    assert (measured.param_route, measured.grad_route) == ("sharded", "reduce_scatter")
+    slow = plan_job(load_job(TINY, big), dataclasses.replace(nvlink, allreduce_gbps=2.0))
+    assert (slow.param_route, slow.grad_route) == ("replicated", "host")
+
+
+def test_cuda_overrides_are_carried_and_offload_clamped():
+    plan = plan_job(load_job(TINY, CUDA + ["memory.seq_tile_tokens=16", "memory.offload_layers=7"]), H200_REFERENCE)
+    assert (plan.seq_tile_tokens, plan.offload_layers) == (16, 2)
+    auto = plan_job(load_job(TINY, CUDA), H200_REFERENCE)
+    assert auto.plan is not None
+    assert (auto.seq_tile_tokens, auto.offload_layers) == (auto.plan.seq_tile_tokens, auto.plan.offload_layers)
