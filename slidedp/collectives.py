@@ -11,6 +11,7 @@ gloo; gloo's CUDA support is partial, so a CUDA tensor crosses it through host m
 
 from __future__ import annotations
 
+import datetime
 from dataclasses import dataclass
 
 import torch
@@ -83,8 +84,11 @@ class Group:
         dist.all_reduce(tensor)
 
 
-def join(rank: int, world: int, device: torch.device, shared_device: bool, rendezvous_file: str) -> Group:
-    """Join the job's process group (NCCL for one GPU per rank, else gloo)."""
+def join(rank: int, world: int, device: torch.device, shared_device: bool, rendezvous_file: str,
+         timeout_s: float) -> Group:
+    """Join the job's process group (NCCL for one GPU per rank, else gloo). A collective that waits
+    longer than timeout_s (runtime.timeout_s) for a rank fails instead of hanging."""
     backend = "nccl" if device.type == "cuda" and not shared_device else "gloo"
-    dist.init_process_group(backend, init_method=f"file://{rendezvous_file}", rank=rank, world_size=world)
+    dist.init_process_group(backend, init_method=f"file://{rendezvous_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=timeout_s))
     return Group(rank, world, backend)

@@ -153,14 +153,14 @@ def gpu_bus_id(device: torch.device) -> str | None:
         return None
 
 
-def join_group(args: argparse.Namespace, device: torch.device, rank: int, world: int) -> Group | None:
+def join_group(args: argparse.Namespace, device: torch.device, rank: int, world: int, timeout_s: float) -> Group | None:
     """The workers' process group, when something needs one: a device-held embedding or a sharded route."""
     sharded = args.param_route == "sharded" or args.grad_route == "reduce_scatter"
     if world == 1 or not (args.embedding == "device" or sharded):
         return None
     if not args.dist_file:
         raise RuntimeError("--dist-file is required when ranks talk among themselves (device embedding, sharded routes)")
-    return join(rank, world, device, args.shared_device, args.dist_file)
+    return join(rank, world, device, args.shared_device, args.dist_file, timeout_s)
 
 
 def hold_units(args: argparse.Namespace, store: HostStore, device: torch.device, dtype: torch.dtype,
@@ -218,7 +218,7 @@ def run(args: argparse.Namespace) -> int:
                if tokens is not None else open_batches(job, cfg.vocab_size))
     t = job.train
     dtype = DTYPES[t.compute_dtype]
-    group = join_group(args, device, rank, world)
+    group = join_group(args, device, rank, world, job.runtime.timeout_s)
     held = hold_units(args, store, device, dtype, t, rank, group)
     policy = EnginePolicy(resident_layers=args.resident_layers, prefetch_depth=args.prefetch,
                           loss_chunk_tokens=args.loss_chunk_tokens, max_grad_norm=t.max_grad_norm,

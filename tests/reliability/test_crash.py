@@ -57,11 +57,13 @@ def _expected_message(kind: str, victim: psutil.Process) -> str:
     return rf"slidedp-{kind} \(pid {victim.pid}\) was killed by signal SIGKILL"
 
 
-def crash_trial(kind: str, tmp: Path, rng: random.Random, store: str, at: int | None = None) -> Outcome:
+def crash_trial(kind: str, tmp: Path, rng: random.Random, store: str, at: int | None = None,
+                extra: tuple[str, ...] = ()) -> Outcome:
     """One job of STEPS steps, checkpoint every 2; kill -9 a process of `kind` after `at` (default: 2..8,
     random) committed steps plus a random fraction of a step."""
     run_dir = tmp / f"run-{store}"
-    run = RunningJob.start(TINY, fast_sets(store, run_dir, f"train.steps={STEPS}", "checkpoint.every=2"), tmp, store)
+    run = RunningJob.start(TINY, fast_sets(store, run_dir, f"train.steps={STEPS}", "checkpoint.every=2", *extra),
+                           tmp, store)
     try:
         at = rng.randint(2, 8) if at is None else at  # >= 2: a checkpoint exists to restore a torn store from
         run.wait_step(at, run_dir)
@@ -141,6 +143,19 @@ def test_kill_one_process(tmp_path, kind):
     store = unique_store(f"crash-{kind[:4]}")
     try:
         out = crash_trial(kind, tmp_path, random.Random(KINDS.index(kind)), store, at=2)
+        if out.torn is not None:
+            check_refused_then_restore(store, tmp_path / f"run-{store}")
+    finally:
+        drop_store(store)
+
+
+def test_kill_a_worker_whose_peer_waits_in_a_collective(tmp_path):
+    """Sharded routes: the surviving rank is inside an all-gather or reduce-scatter with the dead one;
+    the launcher still names the dead worker, stops the job and leaves nothing running."""
+    store = unique_store("crash-shard")
+    try:
+        out = crash_trial("worker", tmp_path, random.Random(7), store, at=2,
+                          extra=('runtime.param_route="sharded"', 'runtime.grad_route="reduce_scatter"'))
         if out.torn is not None:
             check_refused_then_restore(store, tmp_path / f"run-{store}")
     finally:
