@@ -1,0 +1,40 @@
+"""NUMA placement from sysfs: updater CPUs per node, and each GPU worker near its GPU."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from slidedp import numa
+
+
+def fake_sysfs(root: Path, nodes: dict[int, str], gpus: dict[str, int]) -> tuple[Path, Path]:
+    node_dir, pci_dir = root / "node", root / "pci"
+    for n, cpus in nodes.items():
+        (node_dir / f"node{n}").mkdir(parents=True)
+        (node_dir / f"node{n}" / "cpulist").write_text(cpus + "\n")
+    for bus, n in gpus.items():
+        (pci_dir / bus).mkdir(parents=True)
+        (pci_dir / bus / "numa_node").write_text(f"{n}\n")
+    return node_dir, pci_dir
+
+
+def test_parse_cpulist():
+    assert numa.parse_cpulist("0-3,8,10-11\n") == [0, 1, 2, 3, 8, 10, 11]
+    assert numa.parse_cpulist("") == []
+
+
+def test_a_worker_runs_on_its_gpus_node_preferring_the_cpus_kept_from_updaters(tmp_path, monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    node_dir, pci_dir = fake_sysfs(tmp_path, {0: "0-3", 1: "4-7"}, {"0000:1b:00.0": 0, "0000:9a:00.0": 1,
+                                                                   "0000:c0:00.0": -1})
+    kw = dict(node_sysfs=str(node_dir), pci_sysfs=str(pci_dir))
+    # the reserved CPUs 3 and 7: one on each node; each GPU's worker gets the one on its node
+    assert numa.device_cpus("0000:1B:00.0", [3, 7], **kw) == [3]  # sysfs spells the address in lower case
+    assert numa.device_cpus("0000:9a:00.0", [3, 7], **kw) == [7]
+    # no reserved CPU on the GPU's node: the node's CPUs
+    assert numa.device_cpus("0000:9a:00.0", [2, 3], **kw) == [4, 5, 6, 7]
+    # sysfs does not say (-1, or no such device): the CPUs as given
+    assert numa.device_cpus("0000:c0:00.0", [2, 3], **kw) == [2, 3]
+    assert numa.device_cpus("0000:ff:00.0", [2, 3], **kw) == [2, 3]
+    assert numa.pci_node("0000:9a:00.0", str(pci_dir)) == 1 and numa.pci_node("0000:c0:00.0", str(pci_dir)) is None
