@@ -39,7 +39,7 @@ class CalibrationError(ValueError):
     pass
 
 
-_MAY_BE_ZERO = frozenset({"adamw_train_params_per_s", "adamw_train_model_params"})  # 0 = not measured yet
+_MAY_BE_ZERO = frozenset({"adamw_train_params_per_s", "adamw_train_model_params", "h2d_total_gbps"})  # 0 = not measured yet
 
 
 @dataclass(frozen=True)
@@ -60,6 +60,9 @@ class Calibration:
     # used only for an embedding kept on the GPU) and the planner offers no sharded route.
     allreduce_gbps: float = 100.0
     bus_gpus: int = 1
+    # all `bus_gpus` GPUs copying from host memory at once, GB/s in total: what N replicated
+    # ranks share (0: not measured; each rank then gets its own h2d_gbps)
+    h2d_total_gbps: float = 0.0
     # the updaters' AdamW rate measured during a training run on this host, per process, and the
     # parameter count of the model it trained: DMA, the aggregator and the workers compete with it
     # for the host, so it is lower than the bare kernel's, by an amount that differs from model to
@@ -98,7 +101,8 @@ class Calibration:
             f"both {self.bidir_gbps:.1f}; CPU AdamW {self.adamw_params_per_s / 1e9:.2f} G params/s "
             f"({self.adamw_threads} threads); reduce {self.reduce_gbps:.1f} GB/s; "
             f"GPU {self.gpu_tflops:.1f} TFLOP/s effective"
-            + (f"; GPU links {self.allreduce_gbps:.0f} GB/s among {self.bus_gpus}" if self.bus_gpus > 1 else "")
+            + (f"; GPU links {self.allreduce_gbps:.0f} GB/s among {self.bus_gpus}, H2D of all "
+               f"{self.h2d_total_gbps:.0f} GB/s" if self.bus_gpus > 1 else "")
             + (f"; AdamW in training {self.adamw_train_params_per_s / 1e9:.2f} G params/s "
                f"({self.adamw_train_model_params / 1e9:.2f} B-param model)" if self.adamw_train_params_per_s else "")
         )
@@ -305,9 +309,11 @@ def load_or_calibrate(
         return calib
     gpus = min(gpus, _visible_gpus(device))
     if gpus > 1 and calib.bus_gpus < gpus:
-        from slidedp.planner.links import measure_bus_gbps
+        from slidedp.planner.links import measure_links
 
-        calib = dataclasses.replace(calib, allreduce_gbps=measure_bus_gbps(gpus), bus_gpus=gpus)
+        links = measure_links(gpus)
+        calib = dataclasses.replace(calib, allreduce_gbps=links["bus_gbps"], h2d_total_gbps=links["h2d_total_gbps"],
+                                    bus_gpus=gpus)
     save(calib, path)
     _log.info("calibrated %s, cached in %s", calib.summary(), path)
     return calib

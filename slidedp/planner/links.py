@@ -1,10 +1,12 @@
-"""The GPU links' bandwidth for the sharded routes: an all-gather among N processes, one per GPU.
+"""What N GPUs of one host share, for the routes: their links, and the host memory they all read.
 
-`measure_bus_gbps(n)` starts n processes of this module (NCCL on GPUs, gloo on CPU), times
-an all-gather of `mib` MiB per rank, and returns the bus bandwidth the way nccl-tests
-reports it: (n - 1) / n x the gathered bytes / time. It is the rate the planner charges
-for the all-gather of parameters and the reduce-scatter of gradients. Results travel as
-one JSON line on rank 0's stdout.
+`measure_links(n)` starts n processes of this module (NCCL on GPUs, gloo on CPU) and times
+- an all-gather of `mib` MiB per rank, reported as bus bandwidth the way nccl-tests does:
+  (n - 1) / n x the gathered bytes / time. The planner charges it for the all-gather of
+  parameters and the reduce-scatter of gradients;
+- every rank copying `mib` MiB from page-locked host memory to its GPU at the same time: the
+  host's total H2D rate, which N replicated ranks share (on CPU: a memcpy each).
+Results travel as one JSON line on rank 0's stdout.
 """
 
 from __future__ import annotations
@@ -19,6 +21,12 @@ import time
 
 
 def measure_bus_gbps(n: int, device: str = "cuda", mib: int = 256, reps: int = 10, timeout_s: float = 240.0) -> float:
+    return measure_links(n, device, mib, reps, timeout_s)["bus_gbps"]
+
+
+def measure_links(n: int, device: str = "cuda", mib: int = 256, reps: int = 10,
+                  timeout_s: float = 240.0) -> dict[str, float]:
+    """{"bus_gbps": the all-gather's bus bandwidth, "h2d_total_gbps": all ranks' H2D at once}, GB/s."""
     if n < 2:
         raise ValueError(f"the bus bandwidth needs at least 2 processes, got {n}")
     with tempfile.TemporaryDirectory(prefix="slidedp-links-") as tmp:
@@ -40,10 +48,11 @@ def measure_bus_gbps(n: int, device: str = "cuda", mib: int = 256, reps: int = 1
         for r, (p, (_, err)) in enumerate(zip(procs, outs)):
             if p.returncode != 0:
                 raise RuntimeError(f"measuring the GPU links: rank {r} failed: {err.strip()[-1500:]}")
-        return float(json.loads(outs[0][0].strip().splitlines()[-1])["bus_gbps"])
+        doc = json.loads(outs[0][0].strip().splitlines()[-1])
+        return {"bus_gbps": float(doc["bus_gbps"]), "h2d_total_gbps": float(doc["h2d_total_gbps"])}
 
 
-def _rank_main(rank: int, world: int, rendezvous: str, device: str, mib: int, reps: int) -> float:
+def _rank_main(rank: int, world: int, rendezvous: str, device: str, mib: int, reps: int) -> dict[str, float]:
     import torch
     import torch.distributed as dist
 
@@ -68,7 +77,21 @@ def _rank_main(rank: int, world: int, rendezvous: str, device: str, mib: int, re
             dist.all_gather_into_tensor(out, shard)
         sync()
         seconds = (time.perf_counter() - t0) / reps
-        return (world - 1) / world * out.numel() * 2 / seconds / 1e9
+        bus = (world - 1) / world * out.numel() * 2 / seconds / 1e9
+        # every rank's H2D at once, from its own page-locked buffer; the slowest rank's time counts
+        host = torch.ones(mib << 18, dtype=torch.float32, pin_memory=cuda)
+        dev_buf = torch.empty_like(host, device=dev)
+        dev_buf.copy_(host, non_blocking=True)
+        sync()
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            dev_buf.copy_(host, non_blocking=True)
+        sync()
+        mine = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=dev if cuda else "cpu")
+        dist.all_reduce(mine, op=dist.ReduceOp.MAX)
+        h2d_total = world * host.numel() * 4 * reps / float(mine) / 1e9
+        return {"bus_gbps": bus, "h2d_total_gbps": h2d_total}
     finally:
         dist.destroy_process_group()
 
@@ -82,9 +105,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mib", type=int, default=256)
     p.add_argument("--reps", type=int, default=10)
     a = p.parse_args(argv)
-    gbps = _rank_main(a.rank, a.world, a.file, a.device, a.mib, a.reps)
+    rates = _rank_main(a.rank, a.world, a.file, a.device, a.mib, a.reps)
     if a.rank == 0:
-        print(json.dumps({"bus_gbps": gbps}))
+        print(json.dumps(rates))
     return 0
 
 

@@ -224,10 +224,13 @@ class _Task:
     clip_gated: bool = False  # an optimizer step on the GPU: needs the global norm when clipping
 
 
-def _rates(calib: Calibration, both: bool) -> tuple[float, float]:
-    """H2D and D2H bytes/s; when a phase moves data both ways, they share the bidirectional
-    rate in proportion to their solo rates (never above a solo rate)."""
+def _rates(calib: Calibration, both: bool, ranks: int = 1) -> tuple[float, float]:
+    """H2D and D2H bytes/s of one rank; when a phase moves data both ways, they share the
+    bidirectional rate in proportion to their solo rates (never above a solo rate). With several
+    ranks copying in at once, each gets at most its share of the host's measured total."""
     h, d = calib.h2d_gbps * 1e9, calib.d2h_gbps * 1e9
+    if ranks > 1 and calib.h2d_total_gbps:
+        h = min(h, calib.h2d_total_gbps * 1e9 / ranks)
     if not both:
         return h, d
     share = calib.bidir_gbps * 1e9
@@ -244,9 +247,9 @@ def _tasks(work: Workload, ch: Choices, calib: Calibration) -> list[_Task]:
     off = ch.offloaded(nl)
     offload = off > 0
     k = ch.resident_layers
-    fwd_in, fwd_out = _rates(calib, both=offload)
-    bwd_in, bwd_out = _rates(calib, both=offload or k < nl)
     n, bus = work.world, calib.allreduce_gbps * 1e9
+    fwd_in, fwd_out = _rates(calib, both=offload, ranks=n)
+    bwd_in, bwd_out = _rates(calib, both=offload or k < nl, ranks=n)
     cb = costs.dtype_bytes(work.compute_dtype)
 
     def params_in(params: float, rate: float) -> float:

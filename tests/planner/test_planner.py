@@ -274,9 +274,10 @@ def test_cpu_calibration_round_trips_through_the_json_cache(tmp_path, monkeypatc
     cal = load_or_calibrate("cpu", cache_dir=tmp_path, quick=True)
     for f in dataclasses.fields(cal):
         value = getattr(cal, f.name)
-        if isinstance(value, (int, float)) and not f.name.startswith("adamw_train"):  # those: after a run
+        if isinstance(value, (int, float)) and f.name not in calibration_mod._MAY_BE_ZERO:
             assert math.isfinite(value) and value > 0, f.name
-    assert (cal.adamw_train_params_per_s, cal.adamw_train_model_params, cal.bus_gpus) == (0.0, 0, 1)
+    # measured later: by a training run, and among several GPUs
+    assert (cal.adamw_train_params_per_s, cal.adamw_train_model_params, cal.bus_gpus, cal.h2d_total_gbps) == (0.0, 0, 1, 0.0)
     files = list(tmp_path.glob("calibration-*.json"))
     assert len(files) == 1
     assert json.loads(files[0].read_text())["calibration"]["adamw_params_per_s"] == cal.adamw_params_per_s
@@ -423,9 +424,26 @@ def test_a_training_run_teaches_the_planner_its_adamw_rate_for_that_model(tmp_pa
 
 
 def test_gpu_links_are_measured_by_an_all_gather_among_processes():
-    """The same code as on N GPUs, with gloo among 2 CPU processes: a positive bus bandwidth."""
-    from slidedp.planner.links import measure_bus_gbps  # noqa: PLC0415
+    """The same code as on N GPUs, with gloo among 2 CPU processes: positive rates."""
+    from slidedp.planner.links import measure_links  # noqa: PLC0415
 
-    assert measure_bus_gbps(2, device="cpu", mib=8, reps=2) > 0
+    links = measure_links(2, device="cpu", mib=8, reps=2)
+    assert set(links) == {"bus_gbps", "h2d_total_gbps"} and min(links.values()) > 0
     with pytest.raises(ValueError, match="at least 2 processes"):
-        measure_bus_gbps(1, device="cpu")
+        measure_links(1, device="cpu")
+
+
+def test_replicated_ranks_share_the_hosts_measured_h2d():
+    """Four ranks that each copy whole chunks get a quarter of the host's total H2D each; sharded
+    ones copy a quarter of the bytes at that rate; without the measurement each gets its own link."""
+    work = Workload(named_shape("qwen3-4b"), global_batch=4, seq_len=1024, world=4, micro_batch=1)
+    base = dataclasses.replace(H200_REFERENCE, bidir_gbps=110.0, allreduce_gbps=1e9, bus_gpus=4)
+    shared = dataclasses.replace(base, h2d_total_gbps=60.0)
+    b = costs.transfer_bytes(work.model, tokens=work.local_tokens, delivery="fp32", activations="keep",
+                             embedding="gpu", resident_layers=0, world=4)
+    ch = Choices(embedding="gpu")
+    assert predict_step(work, ch, base)[0]["h2d"] == pytest.approx(b["h2d"] / 55e9, rel=1e-6)
+    assert predict_step(work, ch, shared)[0]["h2d"] == pytest.approx(b["h2d"] / 15e9, rel=1e-6)
+    sharded = predict_step(work, Choices(embedding="gpu", param_route="sharded"), shared)[0]["h2d"]
+    assert sharded == pytest.approx(b["h2d"] / 4 / 15e9, rel=1e-6)  # the links are free here
+    assert "H2D of all 60 GB/s" in shared.summary()
