@@ -24,8 +24,8 @@ import torch
 import zmq
 
 from slidedp import daemonlock
-from slidedp.collectives import Shard
 from slidedp import log as slog
+from slidedp.collectives import Shard
 from slidedp.jobrecord import JobRecord, attach_job, detach_job
 from slidedp.protocol import (ROLE_LAUNCHER, ROLE_UPDATER, SLOT_DEVICE, SOURCE_NONE, SOURCE_RANK_SLOT,
                               SOURCE_REDUCE,

@@ -41,7 +41,6 @@ from .progress import Progress
 log = logging.getLogger("slidedp.launcher")
 
 
-
 def worker_env() -> dict[str, str]:
     """The workers' environment: the caching allocator grows segments in place unless the user
     chose otherwise. A worker keeps hundreds of layer inputs alive across a step between
@@ -50,6 +49,7 @@ def worker_env() -> dict[str, str]:
     env = dict(os.environ)
     env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     return env
+
 
 class JobFailed(RuntimeError):
     pass

@@ -57,15 +57,17 @@ def _forced(value: int, planned: int) -> int:
 
 
 def _routes(job: JobConfig, calib: Calibration) -> dict[str, tuple[str, ...]]:
-    """Routes the planner may choose: the job's, or (auto) both where the GPU links were measured."""
-    rt, world = job.runtime, job.runtime.workers
-    measured = calib.bus_gpus >= min(world, 2)
-    return {
-        "param_route": ("replicated", "sharded") if rt.param_route == "auto" and measured
-        else (rt.param_route if rt.param_route != "auto" else "replicated",),
-        "grad_route": ("host", "reduce_scatter") if rt.grad_route == "auto" and measured
-        else (rt.grad_route if rt.grad_route != "auto" else "host",),
-    }
+    """Routes the planner may choose: the job's, or (auto) both where the GPU links were measured,
+    else the plain one."""
+    measured = calib.bus_gpus > 1
+
+    def options(chosen: str, both: tuple[str, str]) -> tuple[str, ...]:
+        if chosen != "auto":
+            return (chosen,)
+        return both if measured else both[:1]
+
+    return {"param_route": options(job.runtime.param_route, ("replicated", "sharded")),
+            "grad_route": options(job.runtime.grad_route, ("host", "reduce_scatter"))}
 
 
 def plan_job(job: JobConfig, calib: Calibration | None = None) -> RunPlan:

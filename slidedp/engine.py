@@ -36,7 +36,6 @@ from .model import layers as L
 from .model.config import ModelConfig
 from .tracing import NULL, Tracer
 from .store.layout import Chunk, Layout
-from .store.store import member_view
 
 
 class Link(Protocol):
@@ -241,8 +240,7 @@ class Engine:
             if layer > 0:
                 self.saved.prefetch(layer - 1)  # one layer ahead of the compute that needs it
             acc = torch.zeros(chunk.numel, dtype=torch.float32, device=self.device)
-            prefix = f"model.layers.{layer}."
-            acc_views = {m.name.removeprefix(prefix): member_view(acc, m) for m in chunk.members}
+            acc_views = unit_tensors(acc, self.units[f"layer.{layer}"], strip=f"model.layers.{layer}.")
             with self._span(f"backward layer {layer}", step, layer=layer):
                 for i in range(M):
                     grads_out[i] = L.layer_backward(cfg, p, self.saved.get(layer, i), rope, grads_out[i], tile, acc_views)

@@ -303,7 +303,8 @@ def load_or_calibrate(
             calib = load(path)
         except (CalibrationError, TypeError, ValueError) as e:
             _log.warning("recalibrating: %s", e)
-    if calib is None:
+    fresh = calib is None
+    if fresh:
         calib = calibrate(device, quick=quick)
     elif calib.bus_gpus >= gpus or not device.startswith("cuda"):
         return calib
@@ -314,6 +315,8 @@ def load_or_calibrate(
         links = measure_links(gpus)
         calib = dataclasses.replace(calib, allreduce_gbps=links["bus_gbps"], h2d_total_gbps=links["h2d_total_gbps"],
                                     bus_gpus=gpus)
+    elif not fresh:  # fewer GPUs visible than asked for: nothing new to keep
+        return calib
     save(calib, path)
     _log.info("calibrated %s, cached in %s", calib.summary(), path)
     return calib

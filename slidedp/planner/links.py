@@ -20,15 +20,11 @@ import tempfile
 import time
 
 
-def measure_bus_gbps(n: int, device: str = "cuda", mib: int = 256, reps: int = 10, timeout_s: float = 240.0) -> float:
-    return measure_links(n, device, mib, reps, timeout_s)["bus_gbps"]
-
-
 def measure_links(n: int, device: str = "cuda", mib: int = 256, reps: int = 10,
                   timeout_s: float = 240.0) -> dict[str, float]:
     """{"bus_gbps": the all-gather's bus bandwidth, "h2d_total_gbps": all ranks' H2D at once}, GB/s."""
     if n < 2:
-        raise ValueError(f"the bus bandwidth needs at least 2 processes, got {n}")
+        raise ValueError(f"measuring the links needs at least 2 processes, got {n}")
     with tempfile.TemporaryDirectory(prefix="slidedp-links-") as tmp:
         rendezvous = os.path.join(tmp, "rendezvous")
         procs = [

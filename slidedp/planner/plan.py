@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from typing import Callable
 
 from slidedp.model.config import ModelConfig
 from slidedp.planner import costs
@@ -440,6 +441,17 @@ def _seq_tiles(work: Workload) -> list[int]:
     return [t for t in _SEQ_TILES if t < work.micro_batch * work.seq_len]
 
 
+def _smallest(lo: int, hi: int, ok: Callable[[int], bool]) -> int:
+    """The smallest k in [lo, hi] with ok(k), for ok monotone (false, ..., false, true, ...); ok(hi) must hold."""
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if ok(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
 def _fewest_offloaded(work: Workload, ch: Choices, budget: int) -> Choices | None:
     """`ch` if it fits; with activations = "offload", the fewest offloaded layers (>= 1) that fit."""
     if ch.activations == "keep":
@@ -447,14 +459,7 @@ def _fewest_offloaded(work: Workload, ch: Choices, budget: int) -> Choices | Non
     nl = work.model.num_layers
     if _total(work, replace(ch, offload_layers=nl)) > budget:
         return None
-    lo, hi = 1, nl
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if _total(work, replace(ch, offload_layers=mid)) <= budget:
-            hi = mid
-        else:
-            lo = mid + 1
-    return replace(ch, offload_layers=lo)
+    return replace(ch, offload_layers=_smallest(1, nl, lambda k: _total(work, replace(ch, offload_layers=k)) <= budget))
 
 
 def _fit(work: Workload, base: Choices, budget: int) -> Choices | None:
@@ -482,13 +487,8 @@ def _fit(work: Workload, base: Choices, budget: int) -> Choices | None:
 def _fewest_resident(work: Workload, ch: Choices, calib: Calibration) -> tuple[Choices, float]:
     """Fewest resident layers that predict the same step as the most that fit (memory left free)."""
     best = predict_step(work, ch, calib)[2]
-    lo, hi = 0, ch.resident_layers
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if predict_step(work, replace(ch, resident_layers=mid), calib)[2] <= best * (1 + _TIE):
-            hi = mid
-        else:
-            lo = mid + 1
+    lo = _smallest(0, ch.resident_layers,
+                   lambda k: predict_step(work, replace(ch, resident_layers=k), calib)[2] <= best * (1 + _TIE))
     return replace(ch, resident_layers=lo), predict_step(work, replace(ch, resident_layers=lo), calib)[2]
 
 

@@ -282,3 +282,14 @@ def manifest_state(store: str) -> tuple[int, list[int], str | None]:
         return m.committed_step, m.versions.tolist(), m.torn_reason()
     finally:
         st.close()
+
+
+def run_uninterrupted(tmp: Path, store: str, sets: list[str], timeout: float) -> None:
+    """A job run to its end, nothing killed: the truth a crash or resume test compares against.
+    Its store is dropped afterwards; what it wrote stays under its run dir."""
+    run = RunningJob.start(TINY, sets, tmp, store)
+    try:
+        assert run.wait_exit(timeout) == 0, run.output[-4000:]
+    finally:
+        run.cleanup()
+        drop_store(store)

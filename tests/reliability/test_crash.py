@@ -30,8 +30,8 @@ from slidedp.store.client import StoreRequestError, call
 from slidedp.store.manifest import UPDATING
 from slidedp.store.store import HostStore
 
-from . import (PY, TINY, RunningJob, daemon_pids, drop_store, fast_sets, manifest_state, start_daemons, stop_daemons,
-               unique_store, wait_gone)
+from . import (PY, TINY, RunningJob, daemon_pids, drop_store, fast_sets, manifest_state, run_uninterrupted,
+               start_daemons, stop_daemons, unique_store, wait_gone)
 from pipeline.harness import checkpoint_weights
 
 KINDS = ("worker", "aggregator", "updater_member", "hoststate", "launcher")
@@ -195,13 +195,8 @@ def reference_run(tmp_path_factory):
     """The uninterrupted run, with a checkpoint after every step (the truth for every committed step)."""
     tmp = tmp_path_factory.mktemp("crash-ref")
     store = unique_store("crash-ref")
-    run = RunningJob.start(TINY, fast_sets(store, tmp / "run", f"train.steps={STEPS}", "checkpoint.every=1",
-                                           f"checkpoint.keep={STEPS + 1}"), tmp, store)
-    try:
-        assert run.wait_exit(600) == 0, run.output[-4000:]
-    finally:
-        run.cleanup()
-        drop_store(store)
+    run_uninterrupted(tmp, store, fast_sets(store, tmp / "run", f"train.steps={STEPS}", "checkpoint.every=1",
+                                            f"checkpoint.keep={STEPS + 1}"), 600)
     return tmp / "run"
 
 

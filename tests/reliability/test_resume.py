@@ -24,7 +24,7 @@ from slidedp.store.client import call
 from slidedp.store.manifest import UPDATING
 from slidedp.store.store import HostStore
 
-from . import TINY, RunningJob, drop_store, fast_sets, manifest_state, unique_store, wait_gone
+from . import TINY, RunningJob, drop_store, fast_sets, manifest_state, run_uninterrupted, unique_store, wait_gone
 from pipeline.harness import metrics
 
 STEPS = 12
@@ -55,12 +55,7 @@ def _flip_byte(path: Path, offset: int) -> None:
 def uninterrupted(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("resume-ref")
     store = unique_store("res-ref")
-    run = RunningJob.start(TINY, _sets(store, tmp / "run"), tmp, store)
-    try:
-        assert run.wait_exit(300) == 0, run.output[-4000:]
-    finally:
-        run.cleanup()
-        drop_store(store)
+    run_uninterrupted(tmp, store, _sets(store, tmp / "run"), 300)
     return tmp / "run"
 
 
