@@ -66,8 +66,8 @@ class Calibration:
     # the updaters' AdamW rate measured during a training run on this host, per process, and the
     # parameter count of the model it trained: DMA, the aggregator and the workers compete with it
     # for the host, so it is lower than the bare kernel's, by an amount that differs from model to
-    # model (measured on an H200 host: 2.26 G params/s for Qwen3-4B, at least 2.63 for Qwen3-8B, 4.11
-    # bare). The planner charges it for that model only. 0: no run yet.
+    # model (on an H200 host: 2.26 G params/s measured for Qwen3-4B; at least 2.6 for Qwen3-8B, from
+    # its step time; 4.11 bare). The planner charges it for that model only. 0: no run yet.
     adamw_train_params_per_s: float = 0.0
     adamw_train_model_params: int = 0
 
