@@ -2,9 +2,10 @@
 
 It is the hub of the data plane: workers, updaters and the launcher connect to its ROUTER.
 Per chunk and step it counts the ranks' gradient arrivals (no barrier, no global lock),
-sums them in fp32 into the reduction space (skipped for one rank without clipping: the
-updater reads the rank's slot directly; with the reduce_scatter route the ranks summed on
-their devices and it only lays their shards side by side), returns slot credits, gathers the global
+sums them in fp32 into the reduction space (skipped without clipping for one rank, whose slot
+the updater reads directly, and for the reduce_scatter route, where the ranks summed on their
+devices and the updater reads each rank's shard in its slot; with clipping those gradients are
+copied, shards side by side, since the slots must go back before the norm is known), returns slot credits, gathers the global
 gradient norm, agrees with every rank on a finite loss before backward, and commits a
 step once all of its chunks are updated. `AggregatorCore` is the logic; `serve` the socket.
 """
@@ -27,8 +28,8 @@ from slidedp import daemonlock
 from slidedp import log as slog
 from slidedp.collectives import Shard
 from slidedp.jobrecord import JobRecord, attach_job, detach_job
-from slidedp.protocol import (ROLE_LAUNCHER, ROLE_UPDATER, SLOT_DEVICE, SOURCE_NONE, SOURCE_RANK_SLOT,
-                              SOURCE_REDUCE,
+from slidedp.protocol import (ROLE_LAUNCHER, ROLE_UPDATER, SLOT_DEVICE, SOURCE_NONE, SOURCE_RANK_SHARD,
+                              SOURCE_RANK_SLOT, SOURCE_REDUCE,
                               Ack, Credit, Fault, Go, Grad, Hello, JobEnd, JobStart, Loss, Message, Norm, Ready,
                               StepDone, Update, Updated)
 from slidedp.sdnotify import Watchdog, notify
@@ -77,6 +78,7 @@ class AggregatorCore:
         self.arrivals: dict[tuple[int, int], list[Grad]] = {}
         self.free_reduce: list[int] = []
         self.waiting: deque[tuple[int, int, list[Grad]]] = deque()
+        self.shard_slots: dict[tuple[int, int], list[tuple[int, int]]] = {}  # (chunk, step) -> ranks' (rank, slot)
         self.steps: dict[int, _Step] = {}
         self.launcher: bytes | None = None
         self.device_chunks: frozenset[int] = frozenset()
@@ -95,6 +97,7 @@ class AggregatorCore:
         self.free_reduce = [] if self.rings.full_reduce else list(range(self.rings.reduce_slots))
         self.arrivals.clear()
         self.waiting.clear()
+        self.shard_slots.clear()
         self.steps.clear()
 
     def end_job(self) -> None:
@@ -166,6 +169,10 @@ class AggregatorCore:
         if self.world == 1 and not self.rings.full_reduce:
             sq = grads[0].sqnorm
             out: Outbox = self._to_owner(chunk_id, Update(chunk_id, step, SOURCE_RANK_SLOT, grads[0].rank, grads[0].slot))
+        elif self.job.grad_route == "reduce_scatter" and not self.rings.full_reduce:
+            sq = sum(g.sqnorm for g in grads)  # the shards' slots go back when the updater is done
+            self.shard_slots[(chunk_id, step)] = [(g.rank, g.slot) for g in grads]
+            out = [m for g in grads for m in self._to_owner(chunk_id, Update(chunk_id, step, SOURCE_RANK_SHARD, g.rank, g.slot))]
         else:
             if not self.rings.full_reduce and not self.free_reduce:
                 self.waiting.append((chunk_id, step, grads))
@@ -216,6 +223,8 @@ class AggregatorCore:
         out: Outbox = self._to_workers(Ready(msg.chunk, msg.step + 1))
         if msg.source == SOURCE_RANK_SLOT:
             out.append((identity("w", msg.rank), Credit(msg.rank, msg.slot)))
+        elif msg.source == SOURCE_RANK_SHARD:  # one Updated for the chunk; rank/slot unused
+            out += [(identity("w", r), Credit(r, s)) for r, s in self.shard_slots.pop((msg.chunk, msg.step))]
         elif msg.source == SOURCE_REDUCE and not self.rings.full_reduce:  # type: ignore[union-attr]
             self.free_reduce.append(msg.slot)
             if self.waiting:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import heapq
+import itertools
 import os
 import signal
 import sys
@@ -20,10 +21,11 @@ import zmq
 from slidedp import log as slog
 from slidedp import numa
 from slidedp.jobrecord import JobRecord, attach_job, detach_job
-from slidedp.protocol import (ROLE_UPDATER, SOURCE_NONE, SOURCE_RANK_SLOT, Ack, Hello, JobEnd, JobStart, Norm, Update,
-                              Updated)
+from slidedp.collectives import Shard
+from slidedp.protocol import (ROLE_UPDATER, SOURCE_NONE, SOURCE_RANK_SHARD, SOURCE_RANK_SLOT, Ack, Hello, JobEnd, JobStart,
+                              Norm, Update, Updated)
 from slidedp.schedule import lr_at
-from slidedp.store.layout import Chunk
+from slidedp.store.layout import Chunk, Member
 from slidedp.store.manifest import UPDATING
 from slidedp.store.rings import GradRings
 from slidedp.store.store import HostStore, member_view
@@ -47,8 +49,11 @@ class UpdaterCore:
         self.store: HostStore | None = None
         self.rings: GradRings | None = None
         self.job: JobRecord | None = None
-        self.pending: dict[int, list[Update]] = {}  # step -> updates waiting for the step's norm
-        self.ready: list[tuple[int, int, Update]] = []  # heap of updates that may run now
+        # A unit of work is the Updates of one chunk and step: one, or one per rank for SOURCE_RANK_SHARD.
+        self.shards: dict[tuple[int, int], list[Update]] = {}  # (chunk, step) -> the ranks' shards so far
+        self.pending: dict[int, list[tuple[Update, ...]]] = {}  # step -> work waiting for the step's norm
+        self.ready: list[tuple[int, int, int, tuple[Update, ...]]] = []  # heap of work that may run now
+        self._order = itertools.count()  # heap tie-break: work is never compared
         self.coef: dict[int, float] = {}  # step -> clip coefficient
         self.busy_s = 0.0
         self.tracer = NULL
@@ -57,6 +62,7 @@ class UpdaterCore:
         self.end_job()
         self.store, self.rings, self.tracer = attach_job(self.store_name, job, f"updater{self.index}")
         self.job = job
+        self.shards.clear()
         self.pending.clear()
         self.ready.clear()
         self.coef.clear()
@@ -64,24 +70,35 @@ class UpdaterCore:
     def end_job(self) -> None:
         self.ready.clear()  # updates of an ended job must never touch the next job's store
         self.pending.clear()
+        self.shards.clear()
         detach_job(self.store, self.rings, self.tracer)
         self.store = self.rings = self.job = None
         self.tracer = NULL
 
     def on_update(self, msg: Update) -> None:
         assert self.job is not None, "Update before JobStart"
+        work: tuple[Update, ...] = (msg,)
+        if msg.source == SOURCE_RANK_SHARD:  # the chunk runs once every rank's shard is here
+            got = self.shards.setdefault((msg.chunk, msg.step), [])
+            got.append(msg)
+            if len(got) < self.job.world:
+                return
+            work = tuple(self.shards.pop((msg.chunk, msg.step)))
         if msg.source != SOURCE_NONE and self.job.clip and msg.step not in self.coef:
-            self.pending.setdefault(msg.step, []).append(msg)
+            self.pending.setdefault(msg.step, []).append(work)
             return
-        heapq.heappush(self.ready, (msg.step, msg.chunk, msg))
+        self._push(work)
+
+    def _push(self, work: tuple[Update, ...]) -> None:
+        heapq.heappush(self.ready, (work[0].step, work[0].chunk, next(self._order), work))
 
     def on_norm(self, msg: Norm) -> None:
         assert self.job is not None
         self.coef[msg.step] = clip_coefficient(msg.grad_norm, float(self.job.train["max_grad_norm"]))
         for old in [s for s in self.coef if s < msg.step - 4]:
             del self.coef[old]
-        for m in self.pending.pop(msg.step, []):
-            heapq.heappush(self.ready, (m.step, m.chunk, m))
+        for work in self.pending.pop(msg.step, []):
+            self._push(work)
 
     def next(self) -> Updated | None:
         """Apply the most urgent ready update: the oldest step, then forward order (embedding, layer 0, ...).
@@ -90,7 +107,7 @@ class UpdaterCore:
         updater has, the chunk the GPU will ask for soonest goes first."""
         if not self.ready:
             return None
-        return self.apply(heapq.heappop(self.ready)[2])
+        return self.apply(*heapq.heappop(self.ready)[3])
 
     def drain(self) -> list[Updated]:
         out = []
@@ -98,13 +115,20 @@ class UpdaterCore:
             out.append(done)
         return out
 
-    def _grad(self, msg: Update, chunk: Chunk) -> torch.Tensor:
-        assert self.rings is not None
-        if msg.source == SOURCE_RANK_SLOT:
-            return self.rings.slot(msg.rank, msg.slot, chunk.numel)
-        return self.rings.reduce_slot(msg.slot, chunk)
+    def _grads(self, work: tuple[Update, ...], chunk: Chunk) -> list[tuple[int, int, torch.Tensor]]:
+        """Where the chunk's gradient lies: (start, end, a chunk-sized buffer valid over [start, end))."""
+        assert self.rings is not None and self.job is not None
+        n = chunk.numel
+        if work[0].source == SOURCE_RANK_SLOT:
+            return [(0, n, self.rings.slot(work[0].rank, work[0].slot, n))]
+        if work[0].source == SOURCE_RANK_SHARD:
+            shards = [(Shard(n, self.job.world, u.rank), u) for u in work]
+            return [(sh.start, sh.end, self.rings.slot(u.rank, u.slot, n)) for sh, u in shards]
+        return [(0, n, self.rings.reduce_slot(work[0].slot, chunk))]
 
-    def apply(self, msg: Update) -> Updated:
+    def apply(self, *work: Update) -> Updated:
+        """Update one chunk from `work`: its Update, or every rank's shard of it (SOURCE_RANK_SHARD)."""
+        msg = work[0]
         store, job = self.store, self.job
         assert store is not None and job is not None
         if not 0 <= msg.chunk < len(store.layout.chunks):
@@ -117,7 +141,7 @@ class UpdaterCore:
         if msg.source != SOURCE_NONE:
             m.wait_snapshot(chunk.id)  # a checkpoint written during training copies it first
             m.updating[chunk.id] = UPDATING
-            self._adamw(chunk, self._grad(msg, chunk), msg.step)
+            self._adamw(chunk, self._grads(work, chunk), msg.step)
             m.adam_steps[chunk.id] += 1
             if store.has_shadow:
                 store.refresh_shadow(chunk)
@@ -130,7 +154,7 @@ class UpdaterCore:
                           params=chunk.numel, skipped=msg.source == SOURCE_NONE)
         return Updated(chunk.id, msg.step, msg.source, msg.rank, msg.slot, self.index, busy)
 
-    def _adamw(self, chunk: Chunk, grad_flat: torch.Tensor, step: int) -> None:
+    def _adamw(self, chunk: Chunk, grads: list[tuple[int, int, torch.Tensor]], step: int) -> None:
         store, job = self.store, self.job
         assert store is not None and job is not None
         train = job.train_section
@@ -140,23 +164,39 @@ class UpdaterCore:
             coef = self.coef[step]
             if coef < 1.0:
                 scale = torch.tensor(1.0 / coef, dtype=torch.float32)  # the kernel divides grads by grad_scale
-        views = {k: store.chunk(k, chunk) for k in ("master", "exp_avg", "exp_avg_sq")}
+        views = [store.chunk(k, chunk) for k in ("master", "exp_avg", "exp_avg_sq")]
         adam_step = torch.tensor(float(store.manifest.adam_steps[chunk.id] + 1))
         for decay in (True, False):
-            members = [mb for mb in chunk.members if mb.decay == decay]
-            if not members:
+            blocks = [b for mb in chunk.members if mb.decay == decay for b in _blocks(mb, grads, views)]
+            if not blocks:
                 continue
+            params, grad, exp_avg, exp_avg_sq = (list(t) for t in zip(*blocks))
             torch._fused_adamw_(
-                [member_view(views["master"], mb) for mb in members],
-                [member_view(grad_flat, mb) for mb in members],
-                [member_view(views["exp_avg"], mb) for mb in members],
-                [member_view(views["exp_avg_sq"], mb) for mb in members],
+                params, grad, exp_avg, exp_avg_sq,
                 [],
-                [adam_step] * len(members),
+                [adam_step] * len(blocks),
                 lr=lr, beta1=train.beta1, beta2=train.beta2,
                 weight_decay=train.weight_decay if decay else 0.0, eps=train.eps,
                 amsgrad=False, maximize=False, grad_scale=scale, found_inf=None,
             )
+
+
+def _blocks(mb: Member, grads: list[tuple[int, int, torch.Tensor]],
+            views: list[torch.Tensor]) -> list[tuple[torch.Tensor, ...]]:
+    """(master, grad, exp_avg, exp_avg_sq) of member `mb` where each gradient piece covers it: the
+    member's own shape where one piece holds all of it, else flat slices of the part each holds."""
+    master, exp_avg, exp_avg_sq = views
+    lo_mb, hi_mb = mb.offset, mb.offset + mb.numel
+    out = []
+    for start, end, grad in grads:
+        lo, hi = max(lo_mb, start), min(hi_mb, end)
+        if lo >= hi:
+            continue
+        if (lo, hi) == (lo_mb, hi_mb):
+            out.append(tuple(member_view(t, mb) for t in (master, grad, exp_avg, exp_avg_sq)))
+        else:
+            out.append(tuple(t[lo:hi] for t in (master, grad, exp_avg, exp_avg_sq)))
+    return out
 
 
 class _Stop:

@@ -96,10 +96,11 @@ class JobRun:
         self.external: dict[str, int] = {}  # role -> pid of the daemons this launcher found running
         self._gone: dict[str, str] = {}  # role -> how a daemon of the store died
         self._next_lock_check = 0.0
-        # GPU workers get cores of their own (one each, plus one for the daemons' message loops);
-        # CPU workers compute on every core, so nothing is set aside for them.
+        # GPU workers get cores of their own (an OpenMP updater thread that shares a core with a busy
+        # worker stalls every parallel region of the fused AdamW); CPU workers compute on every
+        # core, so nothing is set aside for them.
         cores = len(os.sched_getaffinity(0))
-        self.reserved_cpus = min(self.world + 1, cores // 2) if job.runtime.device == "cuda" else 0
+        self.reserved_cpus = numa.reserved_count(cores, self.world) if job.runtime.device == "cuda" else 0
 
     # ---- setup ---------------------------------------------------------------------------------
     def prepare(self) -> tuple[int, int]:
@@ -284,7 +285,8 @@ class JobRun:
             if device == "cuda" and self.world > count:
                 argv.append("--shared-device")
             if self.reserved_cpus:
-                argv += ["--cpus", ",".join(map(str, numa.reserved(self.reserved_cpus)))]
+                mine = numa.worker_cpus(numa.reserved(self.reserved_cpus), self.world, rank)
+                argv += ["--cpus", ",".join(map(str, mine))]
             self.workers.append(children.spawn(f"worker rank {rank}", argv, env=worker_env(),
                                                on_parent_death=signal.SIGKILL))
 

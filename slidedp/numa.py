@@ -50,6 +50,23 @@ def reserved(count: int) -> list[int]:
     return everything[-count:] if 0 < count < len(everything) else everything
 
 
+def worker_cpus(reserved_cpus: list[int], world: int, rank: int) -> list[int]:
+    """Rank `rank`'s CPUs among those kept from the updaters: an equal share of all but the last one
+    (the daemons' message loops), so that no two workers' launch threads share a core while there
+    are cores enough; with too few, ranks take one each, round robin."""
+    pool = reserved_cpus[:-1] if len(reserved_cpus) > world else reserved_cpus
+    per = len(pool) // world
+    return pool[rank * per:(rank + 1) * per] if per else [pool[rank % len(pool)]]
+
+
+def reserved_count(cores: int, world: int) -> int:
+    """CPUs to keep from the updaters for `world` GPU workers: two each where the host has 8 per GPU
+    or more (a worker's launch thread and its copy and NCCL helpers), else one; plus one for the
+    daemons' message loops; never more than half the cores."""
+    per_worker = 2 if cores >= 8 * world else 1
+    return min(world * per_worker + 1, cores // 2)
+
+
 def pci_node(bus_id: str, sysfs: str = "/sys/bus/pci/devices") -> int | None:
     """The NUMA node of a PCI device (a GPU's bus id, e.g. "0000:1B:00.0"); None when sysfs does not say."""
     try:

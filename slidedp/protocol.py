@@ -157,12 +157,17 @@ class Ready(Message):
     version: int
 
 
-SOURCE_RANK_SLOT, SOURCE_REDUCE, SOURCE_NONE = 0, 1, 2  # NONE: the step was skipped
+# Where an Update's gradient lies: one rank's slot (one rank), the aggregator's reduction space
+# (a sum), nowhere (the step was skipped), or rank `rank`'s shard of the chunk in that rank's slot
+# (reduce-scattered on the devices: the updater takes one Update per rank and reads every shard
+# where it lies).
+SOURCE_RANK_SLOT, SOURCE_REDUCE, SOURCE_NONE, SOURCE_RANK_SHARD = 0, 1, 2, 3
 
 
 @message(7, "iqBii")
 class Update(Message):
-    """Aggregator -> updater: the summed gradient of `chunk` for `step` is in (source, rank, slot)."""
+    """Aggregator -> updater: the summed gradient of `chunk` for `step` (or, for SOURCE_RANK_SHARD,
+    rank `rank`'s shard of it) is in (source, rank, slot)."""
     chunk: int
     step: int
     source: int

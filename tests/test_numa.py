@@ -38,3 +38,19 @@ def test_a_worker_runs_on_its_gpus_node_preferring_the_cpus_kept_from_updaters(t
     assert numa.device_cpus("0000:c0:00.0", [2, 3], **kw) == [2, 3]
     assert numa.device_cpus("0000:ff:00.0", [2, 3], **kw) == [2, 3]
     assert numa.pci_node("0000:9a:00.0", str(pci_dir)) == 1 and numa.pci_node("0000:c0:00.0", str(pci_dir)) is None
+
+
+def test_each_gpu_worker_gets_cores_of_its_own():
+    # the 2-GPU host of the benchmark: 32 cores, one node; before, both workers shared CPUs 29-31
+    kept = list(range(32 - numa.reserved_count(32, 2), 32))
+    assert kept == [27, 28, 29, 30, 31]
+    assert [numa.worker_cpus(kept, 2, r) for r in range(2)] == [[27, 28], [29, 30]]  # 31: the daemons
+    # one GPU on 16 cores: two for the worker, one for the daemons, 13 for the updaters
+    assert numa.reserved_count(16, 1) == 3 and numa.worker_cpus([13, 14, 15], 1, 0) == [13, 14]
+    # 8 GPUs on 128 cores: 17 kept, two each
+    kept = list(range(111, 128))
+    shares = [numa.worker_cpus(kept, 8, r) for r in range(8)]
+    assert all(len(s) == 2 for s in shares) and len({c for s in shares for c in s}) == 16 and 127 not in shares[-1]
+    # too few cores: half of them at most, one each, round robin
+    assert numa.reserved_count(6, 4) == 3
+    assert [numa.worker_cpus([3, 4, 5], 4, r) for r in range(4)] == [[3], [4], [5], [3]]

@@ -112,16 +112,17 @@ def update_bytes_per_param(delivery: str) -> int:
     return 28 + (2 if delivery == "bf16" else 0)
 
 
-def reduce_traffic_factor(world: int, grad_route: str = "host") -> float:
+def reduce_traffic_factor(world: int, grad_route: str = "host", clip: bool = False) -> float:
     """Host traffic of the aggregator per gradient element, relative to the calibrated 2-input sum.
 
     The calibration measures out = a + b (3 buffers touched per output element); N inputs touch
-    N + 1. Reduce-scattered gradients arrive summed: placing the shards touches 2. Returns 0 for
-    one rank: nothing to reduce.
+    N + 1. One rank's gradient, and reduce-scattered gradients (summed on the devices), are read
+    by the updaters where they lie: nothing, unless exact clipping keeps every gradient in the
+    reduction space until the norm is known (a copy: 2 touched).
     """
-    if world <= 1:
-        return 0.0
-    return 2.0 / 3.0 if grad_route == "reduce_scatter" else (world + 1) / 3.0
+    if world <= 1 or grad_route == "reduce_scatter":
+        return 2.0 / 3.0 if clip else 0.0
+    return (world + 1) / 3.0
 
 
 def activation_bytes(model: ModelConfig, tokens: int, compute_dtype: str) -> int:

@@ -269,7 +269,7 @@ def _tasks(work: Workload, ch: Choices, calib: Calibration) -> list[_Task]:
     g_fwd = tokens * costs.layer_forward_flops_per_token(m, work.seq_len) / flops
     g_loss = tokens * costs.head_step_flops_per_token(m) / flops
     upd_scale = costs.update_bytes_per_param(ch.delivery) / 28.0 / calib.update_params_per_s(m.num_parameters())
-    red_scale = gb * costs.reduce_traffic_factor(work.world, ch.grad_route) / (calib.reduce_gbps * 1e9)
+    red_scale = gb * costs.reduce_traffic_factor(work.world, ch.grad_route, work.clip) / (calib.reduce_gbps * 1e9)
 
     def job(name: str, params: float) -> _Job:
         return _Job(name, params * red_scale, params * upd_scale)

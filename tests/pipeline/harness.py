@@ -22,6 +22,22 @@ def unique_store(prefix: str = "t") -> str:
     return f"{prefix}-{uuid.uuid4().hex[:8]}"
 
 
+def attached_job_record(store: str, world: int, clip: bool, **record: object):
+    """A created store (tiny shape, in this process) with a job attached (rings made), and its job record,
+    for driving a daemon's core in-process. `record` overrides JobRecord fields (e.g. grad_route)."""
+    from slidedp.config import job_to_dict, load_job
+    from slidedp.jobrecord import JobRecord
+    from slidedp.store.client import call
+
+    call(store, "create", source="random", shape="tiny", vocab_size=512, init_seed=0)
+    st = call(store, "status")
+    train = job_to_dict(load_job(TINY, [f"train.max_grad_norm={1.0 if clip else 0.0}"]))["train"]
+    job = JobRecord("j", store, world, train, st["layout_hash"], **record)  # type: ignore[arg-type]
+    call(store, "attach", job="j", pid=os.getpid(), world=world, grad_slots=3, full_reduce=job.full_reduce,
+         reduce_slots=3, layout_hash=st["layout_hash"])
+    return job
+
+
 def launch(job: Path, *sets: str, cwd: Path, timeout: float = 240, extra: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
     argv = [sys.executable, "-m", "slidedp.launch.cli", str(job), *extra]
     for s in sets:

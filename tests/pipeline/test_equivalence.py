@@ -34,7 +34,7 @@ TILED = ("memory.seq_tile_tokens=24", "memory.offload_layers=1")
 ROUTE_CASES = [
     (2, 2, 0.5, "tiny", "host", "sharded", "reduce_scatter", ()),
     (3, 1, 0.0, "tiny-llama", "device", "sharded", "host", ()),
-    (3, 2, 0.5, "tiny-llama", "host", "replicated", "reduce_scatter", ()),
+    (3, 2, 0.0, "tiny-llama", "host", "replicated", "reduce_scatter", ()),  # shards updated in the ranks' slots
     (3, 1, 0.5, "tiny", "host", "sharded", "reduce_scatter", TILED),
     (2, 2, 0.5, "tiny-llama", "device", "replicated", "host", TILED),
 ]

@@ -23,6 +23,8 @@ from slidedp.protocol import _REGISTRY, MAX_TEXT, Ack, Grad, JobStart, ProtocolE
 from slidedp.store.client import call
 from slidedp.transport import recv_dealer, send
 
+from pipeline.harness import attached_job_record
+
 from . import TINY, RunningJob, daemon_pids, drop_store, fast_sets, start_daemons, stop_daemons, unique_store
 
 _EXAMPLES = {  # one valid instance of each message type with fixed fields, for truncating and padding
@@ -197,26 +199,12 @@ def test_a_job_trains_through_garbage(daemons, tmp_path):
 
 
 # ---- decodable messages with fields out of range, driven through the daemons' cores ----------------------
-def _job_core_setup(store: str, world: int, clip: bool):
-    """A created store with a job attached (rings made), and its job record, for driving a daemon's core in-process."""
-    from slidedp.config import job_to_dict, load_job
-    from slidedp.jobrecord import JobRecord
-
-    call(store, "create", source="random", shape="tiny", vocab_size=512, init_seed=0)
-    st = call(store, "status")
-    train = job_to_dict(load_job(TINY, [f"train.max_grad_norm={1.0 if clip else 0.0}"]))["train"]
-    record = JobRecord("j", store, world, train, st["layout_hash"])
-    call(store, "attach", job="j", pid=os.getpid(), world=world, grad_slots=3, full_reduce=record.full_reduce,
-         reduce_slots=3, layout_hash=st["layout_hash"])
-    return record
-
-
 def test_aggregator_rejects_a_grad_slot_outside_the_ring():
     from slidedp.daemons.aggregator import AggregatorCore
 
     store = unique_store("msgslot")
     try:
-        record = _job_core_setup(store, world=1, clip=True)
+        record = attached_job_record(store, world=1, clip=True)
         core = AggregatorCore(store)
         core.start_job(record, 1)
         try:
@@ -234,7 +222,7 @@ def test_updater_drops_queued_updates_when_the_job_ends():
 
     store = unique_store("msgend")
     try:
-        record = _job_core_setup(store, world=1, clip=False)
+        record = attached_job_record(store, world=1, clip=False)
         core = UpdaterCore(store, 0)
         core.start_job(record)
         core.on_update(Update(0, 0, SOURCE_NONE, 0, 0))  # ready to run...

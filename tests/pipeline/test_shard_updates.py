@@ -1,0 +1,94 @@
+"""Reduce-scattered gradients are updated where they lie.
+
+With the reduce_scatter route and no clipping, each rank's slot holds its shard of the summed
+gradient. The aggregator copies nothing: it hands the chunk's updater one Update per rank, the
+updater runs AdamW once every shard is there (each shard read in its rank's slot), and only then
+do the ranks get their slots back. Driven in-process on a real store and real rings.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from slidedp.collectives import Shard
+from slidedp.daemons.aggregator import AggregatorCore
+from slidedp.daemons.updater_member import UpdaterCore
+from slidedp.protocol import SOURCE_RANK_SHARD, Credit, Grad, Ready, Update
+from slidedp.schedule import lr_at
+from slidedp.transport import identity
+
+from reliability import drop_store
+from .harness import attached_job_record, unique_store
+
+KINDS = ("master", "exp_avg", "exp_avg_sq")
+
+
+def _expected(store, chunk, grad: torch.Tensor, lr: float, train) -> dict[str, torch.Tensor]:
+    """torch.optim.AdamW's first step on every member of the chunk, from the store's current state."""
+    out = {k: store.chunk(k, chunk).clone() for k in KINDS}
+    for mb in chunk.members:
+        sl = slice(mb.offset, mb.offset + mb.numel)
+        p = torch.nn.Parameter(out["master"][sl].clone())
+        p.grad = grad[sl].clone()
+        opt = torch.optim.AdamW([p], lr=lr, betas=(train.beta1, train.beta2), eps=train.eps,
+                                weight_decay=train.weight_decay if mb.decay else 0.0, foreach=False)
+        opt.step()
+        state = opt.state[p]
+        out["master"][sl], out["exp_avg"][sl], out["exp_avg_sq"][sl] = p.detach(), state["exp_avg"], state["exp_avg_sq"]
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_updater_reads_each_ranks_shard_in_its_slot(world):
+    store_name = unique_store("shards")
+    try:
+        record = attached_job_record(store_name, world, clip=False, grad_route="reduce_scatter")
+        agg, upd = AggregatorCore(store_name), UpdaterCore(store_name, 0)
+        agg.start_job(record, 1)
+        upd.start_job(record)
+        try:
+            store, rings = agg.store, agg.rings
+            chunk = max(store.layout.chunks, key=lambda c: len(c.members))  # shards cut across members
+            assert len(chunk.members) > world
+            full = torch.randn(chunk.numel, generator=torch.Generator().manual_seed(world))
+            want = _expected(store, chunk, full, lr_at(record.train_section, 0), record.train_section)
+            slots = [(2 * r + 1) % rings.slots for r in range(world)]  # each rank another slot
+            out = []
+            for r in range(world):
+                sh = Shard(chunk.numel, world, r)
+                buf = rings.slot(r, slots[r], chunk.numel)
+                buf.fill_(math.nan)  # outside its shard a rank's slot holds nothing the update may read
+                buf[sh.start:sh.end] = full[sh.start:sh.end]
+                out += agg.on_grad(Grad(r, chunk.id, 0, slots[r], float(full[sh.start:sh.end].square().sum())))
+            updates = [m for _, m in out if isinstance(m, Update)]
+            assert [(u.source, u.rank, u.slot) for u in updates] == [(SOURCE_RANK_SHARD, r, slots[r]) for r in range(world)]
+            assert not [m for _, m in out if isinstance(m, Credit)]  # the slots stay taken until the update
+            assert agg.steps[0].reduce_s == 0.0  # nothing copied
+            assert agg.steps[0].sqnorm == pytest.approx(float(full.square().sum()), rel=1e-5)
+
+            for u in updates[:-1]:  # the chunk waits for every rank's shard
+                upd.on_update(u)
+                assert upd.next() is None
+                assert store.manifest.versions[chunk.id] == 0
+            upd.on_update(updates[-1])
+            done = upd.next()
+            assert done is not None and upd.next() is None
+            assert store.manifest.versions[chunk.id] == 1 and store.manifest.adam_steps[chunk.id] == 1
+            for k in KINDS:
+                got = store.chunk(k, chunk)
+                assert torch.isfinite(got).all(), k
+                torch.testing.assert_close(got, want[k], rtol=1e-6, atol=1e-9, msg=k)
+
+            back = agg.on_updated(done)
+            credits = sorted((to, m.rank, m.slot) for to, m in back if isinstance(m, Credit))
+            assert credits == [(identity("w", r), r, slots[r]) for r in range(world)]
+            assert sorted(to for to, m in back if isinstance(m, Ready)) == [identity("w", r) for r in range(world)]
+            assert not agg.shard_slots
+        finally:
+            upd.end_job()
+            agg.end_job()
+    finally:
+        drop_store(store_name)
