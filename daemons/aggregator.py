@@ -90,6 +90,8 @@ class AggregatorCore:
         self.store, self.rings, self.tracer = attach_job(self.store_name, job, "aggregator")
         if self.rings.world != job.world:
             raise RuntimeError(f"gradient rings are for {self.rings.world} ranks, the job has {job.world}")
+        if job.world > 1 and job.grad_route == "host" and not self.rings.full_reduce and not self.rings.reduce_slots:
+            raise RuntimeError(f"the job sums {job.world} ranks' gradients here but its rings have no reduction slots")
         self.job = job
         self.updaters = [identity("u", i) for i in range(updaters)]
         self.owner = assign_updaters(self.store.layout, updaters)

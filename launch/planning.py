@@ -105,9 +105,18 @@ def record_update_rate(run_plan: RunPlan, update_busy_s: list[float],
                        cache_dir: str | None = None) -> float | None:
     """After a planned (CUDA) run of 3 steps or more: the AdamW rate the updaters reached per process
     (median step after the first), kept with this host's calibration for the next plan. Returns it
-    in the units the planner charges (fp32 master traffic), or None when there is nothing to learn."""
+    in the units the planner charges (fp32 master traffic), or None when there is nothing to learn.
+
+    A run whose aggregator summed the ranks' gradients teaches nothing: those sums compete with
+    the updaters for host memory, and the planner charges them as work of their own (on 2 H200s,
+    summing both ranks' gradients on the host slowed the updaters from 3.16 to 1.33 G params/s,
+    a rate that would then have been charged to every plan of the model)."""
     plan = run_plan.plan
     if plan is None or len(update_busy_s) < 3:
+        return None
+    w = plan.workload
+    if w.world > 1 and run_plan.grad_route == "host":
+        log.info("updaters' AdamW rate not kept: the aggregator summed gradients beside them in this run")
         return None
     busy = statistics.median(update_busy_s[1:])
     if busy <= 0:

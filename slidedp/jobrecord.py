@@ -64,6 +64,13 @@ class JobRecord:
             raise ValueError(f"job record does not match this SlideDP's (another version?): {e}") from None
 
 
+def reduction_slots(world: int, grad_route: str) -> int:
+    """Chunk-sized slots the aggregator sums into (without clipping, which uses a full-model buffer):
+    3 where it sums several ranks' whole gradients on the host; none for one rank or for
+    reduce-scattered gradients, which the updaters read where they lie."""
+    return 3 if world > 1 and grad_route == "host" else 0
+
+
 def ring_slots(grad_slots: int, num_layers: int) -> int:
     """Gradient slots per rank: store.grad_slots, or auto (0): a third of the layers, 3..16, so the
     backward can run ahead of the updaters by that many chunks."""

@@ -254,6 +254,10 @@ def run(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=3000.0, help="seconds before the launcher is stopped")
     p.add_argument("--wait-timeout", type=float, default=600.0, help="runtime.timeout_s of the job (every wait)")
     args = p.parse_args(argv)
+    for s in args.set:  # a micro-batch set for SlideDP is the one its row reports
+        key, _, value = s.replace(" ", "").partition("=")
+        if key == "train.micro_batch":
+            args.micro_batch = int(value)
     common.check_args(args)
     budget = args.budget_gib if args.budget_gib > 0 else MemorySection().gpu_budget_gib
     budget = f"budget {budget:g} GiB" + ("" if args.budget_gib > 0 else " (SlideDP's default)")

@@ -92,3 +92,19 @@ def test_updater_reads_each_ranks_shard_in_its_slot(world):
             agg.end_job()
     finally:
         drop_store(store_name)
+
+
+def test_reduction_slots_only_where_the_aggregator_sums():
+    from slidedp.jobrecord import reduction_slots
+    from slidedp.store.rings import rings_bytes
+
+    assert [reduction_slots(w, r) for w, r in ((1, "host"), (2, "host"), (4, "host"), (4, "reduce_scatter"))] == [0, 3, 3, 0]
+    # what that saves on Qwen3-4B with 4 ranks: 3 chunk-sized fp32 slots, about 1.1 GiB of shared memory
+    from slidedp.model.config import named_shape
+    from slidedp.store.layout import make_layout
+
+    layout = make_layout(named_shape("qwen3-4b"))
+    _, summed = rings_bytes(layout, 4, 12, reduction_slots(4, "host"), False)
+    _, sharded = rings_bytes(layout, 4, 12, reduction_slots(4, "reduce_scatter"), False)
+    assert summed - sharded == 3 * layout.max_chunk_numel * 4
+    assert 1.0 < (summed - sharded) / 2**30 < 1.3

@@ -423,6 +423,13 @@ def test_a_training_run_teaches_the_planner_its_adamw_rate_for_that_model(tmp_pa
     # too few steps, or no plan (a CPU run): nothing learned, nothing written
     assert record_update_rate(RunPlan(plan=plan), busy[:2], cache_dir=str(tmp_path / "x")) is None
     assert record_update_rate(RunPlan(), busy, cache_dir=str(tmp_path / "x")) is None
+    # two ranks whose gradients the aggregator summed beside the updaters: nothing learned either;
+    # reduce-scattered ones (nothing summed on the host) teach the rate
+    two = dataclasses.replace(work, global_batch=16, world=2)
+    for route, learned in (("host", False), ("reduce_scatter", True)):
+        plan2 = make_plan(two, 24 * GiB, cal, {"delivery": ("fp32",), "grad_route": (route,)})
+        got = record_update_rate(RunPlan(plan=plan2, grad_route=route), busy, cache_dir=str(tmp_path / route))
+        assert (got is not None) == learned and (tmp_path / route).exists() == learned
     assert not (tmp_path / "x").exists()
 
 
@@ -459,3 +466,17 @@ def test_replicated_ranks_share_the_hosts_measured_h2d():
 ])
 def test_aggregator_traffic_follows_the_gradient_route(world, route, clip, factor):
     assert costs.reduce_traffic_factor(world, route, clip) == pytest.approx(factor)
+
+
+def test_among_nearly_equal_plans_the_larger_matmuls_win():
+    """65,536 tokens per step (Qwen3-4B, 24 GiB): a plan 1.2% slower by the model's count runs
+    whole 1,024-token loss chunks, untiled, with 2 GiB to spare; the strictly fastest ran 128-token
+    chunks in tiles at 23.96 GiB, and on the H200 took 8.17 s per step where 5.58 s was predicted."""
+    work = Workload(named_shape("qwen3-4b"), global_batch=32, seq_len=2048, world=1, micro_batch=2, clip=False)
+    plan = make_plan(work, 24 * GiB, H200_REFERENCE, {"delivery": ("fp32",)})
+    assert (plan.loss_chunk_tokens, plan.seq_tile_tokens, plan.offload_layers) == (1024, 0, 0)
+    assert plan.gpu_total_bytes <= 22 * GiB
+    tight = Choices(embedding="gpu", micro_batch=2, seq_tile_tokens=2048, loss_chunk_tokens=128,
+                    chunk_rows=costs.default_chunk_rows(work.model))
+    fastest = predict_step(work, tight, H200_REFERENCE)[2]
+    assert fastest < plan.predicted_step_s <= fastest * 1.02
