@@ -32,11 +32,12 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from benchmarks.teed import run_teed
 
 ROOT = Path(__file__).resolve().parents[1]
 GIB = 2**30
@@ -102,8 +103,10 @@ def run_system(name: str, system: System, args: argparse.Namespace, log_dir: Pat
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
     say(f"=== {name}: {shlex.join(cmd)}")
     t0 = time.monotonic()
-    rc, timed_out, tail = _run(cmd, env, args.timeout, log_dir / f"{name}.log", prefix=f"[{name}] ",
-                               echo=not args.quiet)
+    lines: collections.deque[str] = collections.deque(maxlen=80)
+    rc, timed_out = run_teed(cmd, ROOT, env, args.timeout, log_dir / f"{name}.log", lines, prefix=f"[{name}] ",
+                             echo=not args.quiet)
+    tail = "".join(lines)
     wall = time.monotonic() - t0
     row = _read_row(json_path)
     if row is None or timed_out:  # it wrote no row, or one from when it was stopped
@@ -141,50 +144,6 @@ def _read_row(path: Path) -> dict[str, Any] | None:
     except (OSError, ValueError):
         return None
     return row if isinstance(row, dict) and "status" in row else None
-
-
-def _run(cmd: list[str], env: dict[str, str], timeout: float, log_path: Path, prefix: str,
-         echo: bool) -> tuple[int | None, bool, str]:
-    """Run cmd in its own process group; tee its output to log_path (and stderr); kill the group on timeout."""
-    tail: collections.deque[str] = collections.deque(maxlen=80)
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            errors="replace", start_new_session=True)
-    timed_out = threading.Event()
-
-    def stop() -> None:
-        timed_out.set()
-        _stop_group(proc)
-
-    timer = threading.Timer(timeout, stop)
-    timer.start()
-    try:
-        with open(log_path, "w") as log:
-            for line in proc.stdout:  # type: ignore[union-attr]
-                log.write(line)
-                log.flush()
-                tail.append(line)
-                if echo:
-                    sys.stderr.write(prefix + line)
-        rc = proc.wait()
-    finally:
-        timer.cancel()
-        if proc.poll() is None:  # interrupted ourselves: leave no orphan on the GPU
-            _stop_group(proc)
-    return rc, timed_out.is_set(), "".join(tail)
-
-
-def _stop_group(proc: subprocess.Popen) -> None:
-    """SIGTERM the child's process group (SlideDP's peer stops its launcher on it), SIGKILL after 30 s."""
-    for sig, grace in ((signal.SIGTERM, 30.0), (signal.SIGKILL, 10.0)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(grace)
-            return
-        except subprocess.TimeoutExpired:
-            continue
 
 
 # ---- the table ---------------------------------------------------------------------------------

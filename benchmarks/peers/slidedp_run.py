@@ -18,10 +18,8 @@ import json
 import os
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -29,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks.peers import common
+from benchmarks.teed import run_teed
 from slidedp.config import MemorySection
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -135,50 +134,6 @@ def reduce_metrics(records: list[dict[str, Any]], warmup: int, row: dict[str, An
         row["metrics_missing_keys"] = missing
 
 
-def run_launcher(cmd: list[str], cwd: Path, env: dict[str, str], timeout: float, log_path: Path,
-                 tail: collections.deque[str]) -> tuple[int | None, str]:
-    """Run the launcher in its own process group, echo and log its output (last lines kept in `tail`).
-
-    Returns (exit code, or None when it ran past `timeout`; the last lines of its output).
-    """
-    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            errors="replace", start_new_session=True)
-    timed_out = threading.Event()
-
-    def on_timeout() -> None:
-        timed_out.set()
-        _stop(proc)
-
-    timer = threading.Timer(timeout, on_timeout)
-    timer.start()
-    try:
-        with open(log_path, "w") as log:
-            for line in proc.stdout:  # type: ignore[union-attr]
-                log.write(line)
-                tail.append(line)
-                sys.stderr.write(line)
-        rc = proc.wait()
-    finally:
-        timer.cancel()
-        if proc.poll() is None:  # we are being stopped ourselves: take the launcher with us
-            _stop(proc)
-    return (None if timed_out.is_set() else rc), "".join(tail)
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    """SIGTERM the launcher's process group (it stops its daemons and workers), SIGKILL after 20 s."""
-    for sig, grace in ((signal.SIGTERM, 20.0), (signal.SIGKILL, 5.0)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(grace)
-            return
-        except subprocess.TimeoutExpired:
-            continue
-
-
 def remove_leftover_segments(store: str) -> list[str]:
     """This job's store segments still in /dev/shm after the launcher exited (persist = false)."""
     left = sorted(glob.glob(f"{common.SHM}/slidedp.{store}.*"))
@@ -211,7 +166,8 @@ def measure(args: argparse.Namespace, row: dict[str, Any], host: common.HostMemo
     common.log(f"running {row['command']} (in {work})")
     lines: collections.deque[str] = collections.deque(maxlen=60)
     try:
-        rc, tail = run_launcher(cmd, work, env, args.timeout, work / "launcher.log", lines)
+        rc, timed_out = run_teed(cmd, work, env, args.timeout, work / "launcher.log", lines, grace_s=20.0)
+        rc, tail = (None if timed_out else rc), "".join(lines)
     except Terminated:
         row["output_tail"] = "".join(lines)
         raise Terminated(f"stopped by SIGTERM; the launcher's last output: {common.last_line(''.join(lines))}") from None
