@@ -35,7 +35,7 @@ from slidedp.store.layout import make_layout
 from slidedp.transport import bind_router, connect_dealer, identity, recv_dealer, recv_router, send
 
 from . import children
-from .planning import plan_job, record_update_rate
+from .planning import plan_job, record_training
 from .progress import Progress
 
 log = logging.getLogger("slidedp.launcher")
@@ -459,7 +459,7 @@ def run_job(job: JobConfig, job_path: Path, progress: Progress) -> int:
             run.spawn_workers(start, end)
             committed = run.follow(start, end, progress)
             run.wait_workers()
-            record_update_rate(run.plan, progress.update_busy_s)
+            record_training(run.plan, progress.update_busy_s, progress.gpu_side_s)
             run.finish_checkpoints()
             if job.checkpoint.final or run.stop_requested:
                 if job.checkpoint.every or job.checkpoint.final:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from slidedp.config import JobConfig, model_config
 from slidedp.planner import Calibration, Plan, Workload, costs, make_plan
-from slidedp.planner.calibration import record_training_rate
+from slidedp.planner.calibration import record_training as record_training_measured
 from slidedp.planner.costs import GiB
 
 log = logging.getLogger("slidedp.launcher")
@@ -101,11 +101,10 @@ def plan_job(job: JobConfig, calib: Calibration | None = None) -> RunPlan:
                    grad_route=plan.grad_route if not one else "host", plan=plan)
 
 
-def record_update_rate(run_plan: RunPlan, update_busy_s: list[float],
-                       cache_dir: str | None = None) -> float | None:
-    """After a planned (CUDA) run of 3 steps or more: the AdamW rate the updaters reached per process
-    (median step after the first), kept with this host's calibration for the next plan. Returns it
-    in the units the planner charges (fp32 master traffic), or None when there is nothing to learn.
+def learned_update_rate(run_plan: RunPlan, update_busy_s: list[float]) -> float | None:
+    """The AdamW rate the updaters reached per process in a planned (CUDA) run of 3 steps or more
+    (median step after the first), in the units the planner charges (fp32 master traffic); None
+    when there is nothing to learn.
 
     A run whose aggregator summed the ranks' gradients teaches nothing: those sums compete with
     the updaters for host memory, and the planner charges them as work of their own (on 2 H200s,
@@ -121,10 +120,43 @@ def record_update_rate(run_plan: RunPlan, update_busy_s: list[float],
     busy = statistics.median(update_busy_s[1:])
     if busy <= 0:
         return None
-    params = costs.host_updated_params(plan.workload.model, plan.embedding)
-    rate = params / busy * costs.update_bytes_per_param(plan.delivery) / 28.0
-    record_training_rate(plan.calibration, rate, plan.workload.model.num_parameters(), cache_dir)
-    log.info("updaters ran AdamW at %.2f G params/s per process in this run (bare kernel: %.2f); "
-             "the next plan of this model on this host charges it", rate / 1e9,
-             plan.calibration.adamw_params_per_s / 1e9)
-    return rate
+    params = costs.host_updated_params(w.model, plan.embedding)
+    return params / busy * costs.update_bytes_per_param(plan.delivery) / 28.0
+
+
+def learned_gpu_scale(run_plan: RunPlan, gpu_side_s: list[float]) -> float | None:
+    """The workers' GPU-side step time (their step less their waits for the host; median step after
+    the first) over the plan's GPU time at the bare matmul rate; None when there is nothing to learn."""
+    plan = run_plan.plan
+    if plan is None or len(gpu_side_s) < 3:
+        return None
+    measured = statistics.median(gpu_side_s[1:])
+    w = plan.workload
+    used = plan.calibration.gpu_scale(w.model.num_parameters(), plan.micro_batch * w.seq_len)
+    planned = dict(plan.busy_s)["gpu"] / used
+    return measured / planned if measured > 0 and planned > 0 else None
+
+
+def record_training(run_plan: RunPlan, update_busy_s: list[float], gpu_side_s: list[float],
+                    cache_dir: str | None = None) -> Calibration | None:
+    """After a planned (CUDA) run: keep the updaters' AdamW rate and the GPU time the run measured
+    with this host's calibration, for the next plan of that model. Returns the calibration kept,
+    or None when there was nothing to learn."""
+    plan = run_plan.plan
+    if plan is None:
+        return None
+    params = plan.workload.model.num_parameters()
+    measured: dict[str, float] = {}
+    rate = learned_update_rate(run_plan, update_busy_s)
+    if rate is not None:
+        measured.update(adamw_train_params_per_s=rate, adamw_train_model_params=params)
+        log.info("updaters ran AdamW at %.2f G params/s per process in this run (bare kernel: %.2f); "
+                 "the next plan of this model on this host charges it", rate / 1e9,
+                 plan.calibration.adamw_params_per_s / 1e9)
+    scale = learned_gpu_scale(run_plan, gpu_side_s)
+    if scale is not None:
+        micro_tokens = plan.micro_batch * plan.workload.seq_len
+        measured.update(gpu_train_scale=scale, gpu_train_model_params=params, gpu_train_micro_tokens=micro_tokens)
+        log.info("the GPU work took %.2fx what the matmul rate gives; the next plan of this model at %d-token "
+                 "micro-batches on this host charges it", scale, micro_tokens)
+    return record_training_measured(plan.calibration, cache_dir, **measured) if measured else None

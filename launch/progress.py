@@ -156,6 +156,7 @@ class Progress:
         self.recent: list[float] = []
         self.predicted_step_s: float | None = None
         self.update_busy_s: list[float] = []  # per committed step: the updaters' summed AdamW time
+        self.gpu_side_s: list[float] = []  # per committed step: the slowest rank's step less its waits for the host
         self._bar_drawn = False
 
     def begin(self, start: int, end: int, run_dir: Path) -> None:
@@ -184,6 +185,8 @@ class Progress:
                              process_tree_private_bytes(), shm)
         if not done.skipped:
             self.update_busy_s.append(done.update_s)
+            waits = sum(record.get(k) or 0.0 for k in ("wait_version_s", "wait_slot_s", "wait_loss_s"))
+            self.gpu_side_s.append(record["worker_step_s"] - waits)
         if self.metrics is not None:
             self.metrics.write(json.dumps(record) + "\n")
             self.metrics.flush()

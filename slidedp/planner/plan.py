@@ -329,7 +329,9 @@ def _tasks(work: Workload, ch: Choices, calib: Calibration) -> list[_Task]:
         vh = costs.embedding_params(m) + costs.head_params(m)
         allreduce = 2 * (work.world - 1) / work.world * vh * gb / (calib.allreduce_gbps * 1e9)
         tasks.append(_Task("embedding AdamW (GPU)", gpu_s=vh / calib.gpu_adamw_params_per_s + allreduce, clip_gated=True))
-    return tasks
+    # what a run of this model at this micro-batch size measured of its GPU work, against the rates above
+    scale = calib.gpu_scale(m.num_parameters(), (ch.micro_batch or work.micro_batch) * work.seq_len)
+    return [replace(t, gpu_s=t.gpu_s * scale) for t in tasks] if scale != 1.0 else tasks
 
 
 def _period(tasks: list[_Task], depth: int, updaters: int, clip: bool) -> float:

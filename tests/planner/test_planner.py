@@ -400,17 +400,17 @@ def test_long_sequence_plans_tile_then_offload_as_the_budget_shrinks():
 def test_a_training_run_teaches_the_planner_its_adamw_rate_for_that_model(tmp_path):
     """The launcher keeps the updaters' measured rate with the calibration; plans of that model
     charge it, plans of other models keep the bare kernel's rate."""
-    from slidedp.launch.planning import RunPlan, record_update_rate  # noqa: PLC0415
+    from slidedp.launch.planning import RunPlan, learned_update_rate, record_training  # noqa: PLC0415
 
     cal = dataclasses.replace(H200_REFERENCE, host="host-a", device_name="GPU X")
     work = Workload(named_shape("qwen3-4b"), global_batch=8, seq_len=2048, world=1, micro_batch=2, clip=False)
     plan = make_plan(work, 24 * GiB, cal, {"delivery": ("fp32",)})  # fp32 master: 28 B per param updated
     host_params = costs.host_updated_params(work.model, plan.embedding)
     busy = [9.0, host_params / 2.0e9, host_params / 2.5e9, host_params / 2.2e9]  # the first step is left out
-    rate = record_update_rate(RunPlan(plan=plan), busy, cache_dir=str(tmp_path))
-    assert rate == pytest.approx(2.2e9)
-    saved = calibration_mod.load(tmp_path / "calibration-host-a-GPU_X.json")
-    assert saved == dataclasses.replace(cal, adamw_train_params_per_s=rate,
+    saved = record_training(RunPlan(plan=plan), busy, [], cache_dir=str(tmp_path))
+    assert saved is not None and saved.adamw_train_params_per_s == pytest.approx(2.2e9)
+    assert saved == calibration_mod.load(tmp_path / "calibration-host-a-GPU_X.json")
+    assert saved == dataclasses.replace(cal, adamw_train_params_per_s=saved.adamw_train_params_per_s,
                                         adamw_train_model_params=work.model.num_parameters())
     # the same model: the update costs what the run measured; another model: the bare rate
     busy_before = dict(predict_step(work, plan.choices, cal)[0])["update"]
@@ -421,16 +421,42 @@ def test_a_training_run_teaches_the_planner_its_adamw_rate_for_that_model(tmp_pa
     assert predict_step(other, ch, saved)[0]["update"] == predict_step(other, ch, cal)[0]["update"]
     assert "AdamW in training 2.20 G params/s (4.02 B-param model)" in saved.summary()
     # too few steps, or no plan (a CPU run): nothing learned, nothing written
-    assert record_update_rate(RunPlan(plan=plan), busy[:2], cache_dir=str(tmp_path / "x")) is None
-    assert record_update_rate(RunPlan(), busy, cache_dir=str(tmp_path / "x")) is None
+    assert record_training(RunPlan(plan=plan), busy[:2], [], cache_dir=str(tmp_path / "x")) is None
+    assert record_training(RunPlan(), busy, busy, cache_dir=str(tmp_path / "x")) is None
     # two ranks whose gradients the aggregator summed beside the updaters: nothing learned either;
     # reduce-scattered ones (nothing summed on the host) teach the rate
     two = dataclasses.replace(work, global_batch=16, world=2)
     for route, learned in (("host", False), ("reduce_scatter", True)):
         plan2 = make_plan(two, 24 * GiB, cal, {"delivery": ("fp32",), "grad_route": (route,)})
-        got = record_update_rate(RunPlan(plan=plan2, grad_route=route), busy, cache_dir=str(tmp_path / route))
-        assert (got is not None) == learned and (tmp_path / route).exists() == learned
+        assert (learned_update_rate(RunPlan(plan=plan2, grad_route=route), busy) is not None) == learned
     assert not (tmp_path / "x").exists()
+
+
+def test_a_training_run_teaches_the_planner_its_gpu_time_for_that_model_and_micro_batch(tmp_path):
+    """The workers' GPU-side time over the plan's: the next plan of that model at that micro-batch
+    size charges the GPU work that much longer; other micro-batch sizes keep the matmul rate."""
+    from slidedp.launch.planning import RunPlan, record_training  # noqa: PLC0415
+
+    cal = dataclasses.replace(H200_REFERENCE, host="host-b", device_name="GPU Y")
+    work = Workload(named_shape("qwen3-4b"), global_batch=8, seq_len=2048, world=1, micro_batch=2, clip=False)
+    plan = make_plan(work, 24 * GiB, cal, {"delivery": ("fp32",)})
+    gpu = dict(plan.busy_s)["gpu"]
+    side = [30.0, 1.18 * gpu, 1.22 * gpu, 1.20 * gpu]  # the first step (start-up) is left out
+    saved = record_training(RunPlan(plan=plan), [], side, cache_dir=str(tmp_path))
+    assert saved is not None and saved.adamw_train_params_per_s == 0.0  # no update times: no rate
+    assert (saved.gpu_train_scale, saved.gpu_train_micro_tokens) == (pytest.approx(1.20), 2 * 2048)
+    assert saved.gpu_scale(work.model.num_parameters(), 4096) == pytest.approx(1.20)
+    assert saved.gpu_scale(work.model.num_parameters(), 8192) == 1.0
+    assert dict(predict_step(work, plan.choices, saved)[0])["gpu"] == pytest.approx(1.20 * gpu, rel=1e-9)
+    assert "GPU time in training 1.20x the matmul rate's (4.02 B-param model, 4,096-token micro-batches)" \
+        in saved.summary()
+    # a second run planned with the learned factor teaches the factor over the bare rate again, not a product
+    plan2 = make_plan(work, 24 * GiB, saved, {"delivery": ("fp32",)})
+    again = record_training(RunPlan(plan=plan2), [], [30.0] + [1.25 * gpu] * 3, cache_dir=str(tmp_path))
+    assert again is not None and again.gpu_train_scale == pytest.approx(1.25)
+    bigger = dataclasses.replace(work, micro_batch=8)
+    ch = Choices(embedding="gpu", micro_batch=8)
+    assert predict_step(bigger, ch, saved)[0]["gpu"] == predict_step(bigger, ch, cal)[0]["gpu"]
 
 
 def test_gpu_links_are_measured_by_an_all_gather_among_processes():
