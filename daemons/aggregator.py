@@ -226,7 +226,10 @@ class AggregatorCore:
         if msg.source == SOURCE_RANK_SLOT:
             out.append((identity("w", msg.rank), Credit(msg.rank, msg.slot)))
         elif msg.source == SOURCE_RANK_SHARD:  # one Updated for the chunk; rank/slot unused
-            out += [(identity("w", r), Credit(r, s)) for r, s in self.shard_slots.pop((msg.chunk, msg.step))]
+            slots = self.shard_slots.pop((msg.chunk, msg.step), None)
+            if slots is None:
+                raise ValueError(f"Updated for chunk {msg.chunk} step {msg.step} from shards that were never handed out")
+            out += [(identity("w", r), Credit(r, s)) for r, s in slots]
         elif msg.source == SOURCE_REDUCE and not self.rings.full_reduce:  # type: ignore[union-attr]
             self.free_reduce.append(msg.slot)
             if self.waiting:

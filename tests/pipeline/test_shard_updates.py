@@ -87,6 +87,8 @@ def test_updater_reads_each_ranks_shard_in_its_slot(world):
             assert credits == [(identity("w", r), r, slots[r]) for r in range(world)]
             assert sorted(to for to, m in back if isinstance(m, Ready)) == [identity("w", r) for r in range(world)]
             assert not agg.shard_slots
+            with pytest.raises(ValueError, match="never handed out"):  # a second Updated: logged and dropped
+                agg.on_updated(done)
         finally:
             upd.end_job()
             agg.end_job()
