@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from slidedp.config import JobConfig, model_config
 from slidedp.planner import Calibration, Plan, Workload, costs, make_plan
-from slidedp.planner.calibration import record_training as record_training_measured
+from slidedp.planner.calibration import gpu_shape, record_training as record_training_measured
 from slidedp.planner.costs import GiB
 
 log = logging.getLogger("slidedp.launcher")
@@ -124,15 +124,19 @@ def learned_update_rate(run_plan: RunPlan, update_busy_s: list[float]) -> float 
     return params / busy * costs.update_bytes_per_param(plan.delivery) / 28.0
 
 
+def _gpu_shape(plan: Plan) -> str:
+    return gpu_shape(plan.micro_batch * plan.workload.seq_len, plan.loss_chunk_tokens, plan.seq_tile_tokens)
+
+
 def learned_gpu_scale(run_plan: RunPlan, gpu_side_s: list[float]) -> float | None:
     """The workers' GPU-side step time (their step less their waits for the host; median step after
-    the first) over the plan's GPU time at the bare matmul rate; None when there is nothing to learn."""
+    the first) over the plan's GPU time from the calibrated rates; None when there is nothing to
+    learn (too few steps, no plan, or the job overrode the plan's sequence tiles)."""
     plan = run_plan.plan
-    if plan is None or len(gpu_side_s) < 3:
+    if plan is None or len(gpu_side_s) < 3 or run_plan.seq_tile_tokens != plan.seq_tile_tokens:
         return None
     measured = statistics.median(gpu_side_s[1:])
-    w = plan.workload
-    used = plan.calibration.gpu_scale(w.model.num_parameters(), plan.micro_batch * w.seq_len)
+    used = plan.calibration.gpu_scale(plan.workload.model.num_parameters(), _gpu_shape(plan))
     planned = dict(plan.busy_s)["gpu"] / used
     return measured / planned if measured > 0 and planned > 0 else None
 
@@ -155,8 +159,7 @@ def record_training(run_plan: RunPlan, update_busy_s: list[float], gpu_side_s: l
                  plan.calibration.adamw_params_per_s / 1e9)
     scale = learned_gpu_scale(run_plan, gpu_side_s)
     if scale is not None:
-        micro_tokens = plan.micro_batch * plan.workload.seq_len
-        measured.update(gpu_train_scale=scale, gpu_train_model_params=params, gpu_train_micro_tokens=micro_tokens)
-        log.info("the GPU work took %.2fx what the matmul rate gives; the next plan of this model at %d-token "
-                 "micro-batches on this host charges it", scale, micro_tokens)
+        measured.update(gpu_train_scale=scale, gpu_train_model_params=params, gpu_train_shape=_gpu_shape(plan))
+        log.info("the GPU work took %.2fx what the calibrated rates give; the next plan of this model with %s "
+                 "on this host charges it", scale, _gpu_shape(plan))
     return record_training_measured(plan.calibration, cache_dir, **measured) if measured else None

@@ -40,7 +40,7 @@ class CalibrationError(ValueError):
 
 
 _MAY_BE_ZERO = frozenset({"adamw_train_params_per_s", "adamw_train_model_params", "h2d_total_gbps",
-                          "gpu_train_scale", "gpu_train_model_params", "gpu_train_micro_tokens"})  # 0 = not measured yet
+                          "gpu_train_scale", "gpu_train_model_params"})  # 0 = not measured yet
 
 
 @dataclass(frozen=True)
@@ -72,13 +72,13 @@ class Calibration:
     adamw_train_params_per_s: float = 0.0
     adamw_train_model_params: int = 0
     # the workers' GPU-side step time measured training a model (their step less their waits for
-    # the host) over the plan's GPU time for it from the rates above, for that model and micro-batch
-    # size in tokens: what the matmul rate leaves out (casts, norms, attention, launches, the
-    # size of the matmuls). On an H200, Qwen3-4B at 4,096-token micro-batches: 1.666 s measured for
+    # the host) over the plan's GPU time for it from the rates above, for that model and the
+    # shape of its GPU work (`gpu_shape`: micro-batch, loss chunk and tile sizes): what the matmul
+    # rate leaves out (casts, norms, attention, launches, the size of the matmuls). On an H200, Qwen3-4B at 4,096-token micro-batches: 1.666 s measured for
     # 1.386 s planned, 1.20x. 0: no run yet.
     gpu_train_scale: float = 0.0
     gpu_train_model_params: int = 0
-    gpu_train_micro_tokens: int = 0
+    gpu_train_shape: str = ""
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -114,15 +114,15 @@ class Calibration:
                f"{self.h2d_total_gbps:.0f} GB/s" if self.bus_gpus > 1 else "")
             + (f"; AdamW in training {self.adamw_train_params_per_s / 1e9:.2f} G params/s "
                f"({self.adamw_train_model_params / 1e9:.2f} B-param model)" if self.adamw_train_params_per_s else "")
-            + (f"; GPU time in training {self.gpu_train_scale:.2f}x the matmul rate's "
-               f"({self.gpu_train_model_params / 1e9:.2f} B-param model, {self.gpu_train_micro_tokens:,}-token "
-               f"micro-batches)" if self.gpu_train_scale else "")
+            + (f"; GPU time in training {self.gpu_train_scale:.2f}x the rates' "
+               f"({self.gpu_train_model_params / 1e9:.2f} B-param model, {self.gpu_train_shape})"
+               if self.gpu_train_scale else "")
         )
 
-    def gpu_scale(self, model_params: int, micro_tokens: int) -> float:
-        """How much longer the GPU work takes than the matmul rate says: the factor a run of this model
-        at this micro-batch size measured, else 1."""
-        if self.gpu_train_scale and (self.gpu_train_model_params, self.gpu_train_micro_tokens) == (model_params, micro_tokens):
+    def gpu_scale(self, model_params: int, shape: str) -> float:
+        """How much longer the GPU work takes than the rates say: the factor a run of this model with
+        GPU work of this shape (`gpu_shape`) measured, else 1."""
+        if self.gpu_train_scale and (self.gpu_train_model_params, self.gpu_train_shape) == (model_params, shape):
             return self.gpu_train_scale
         return 1.0
 
@@ -270,6 +270,12 @@ def calibrate(device: str = "cuda", quick: bool = False) -> Calibration:
 
 def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", text).strip("_") or "unknown"
+
+
+def gpu_shape(micro_tokens: int, loss_chunk_tokens: int, seq_tile_tokens: int) -> str:
+    """What sizes a step's matmuls, as a calibration keeps it with the GPU time a run measured."""
+    tiles = f"tiles of {seq_tile_tokens:,}" if seq_tile_tokens else "untiled"
+    return f"{micro_tokens:,}-token micro-batches, {loss_chunk_tokens:,}-token loss chunks, {tiles}"
 
 
 def cache_path(device: str, cache_dir: str | os.PathLike | None = None) -> Path:

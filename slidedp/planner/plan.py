@@ -30,7 +30,7 @@ from typing import Callable
 
 from slidedp.model.config import ModelConfig
 from slidedp.planner import costs
-from slidedp.planner.calibration import Calibration
+from slidedp.planner.calibration import Calibration, gpu_shape
 from slidedp.planner.costs import GiB
 
 RESOURCES = ("gpu", "h2d", "d2h", "reduce", "update")
@@ -330,7 +330,8 @@ def _tasks(work: Workload, ch: Choices, calib: Calibration) -> list[_Task]:
         allreduce = 2 * (work.world - 1) / work.world * vh * gb / (calib.allreduce_gbps * 1e9)
         tasks.append(_Task("embedding AdamW (GPU)", gpu_s=vh / calib.gpu_adamw_params_per_s + allreduce, clip_gated=True))
     # what a run of this model at this micro-batch size measured of its GPU work, against the rates above
-    scale = calib.gpu_scale(m.num_parameters(), (ch.micro_batch or work.micro_batch) * work.seq_len)
+    scale = calib.gpu_scale(m.num_parameters(), gpu_shape((ch.micro_batch or work.micro_batch) * work.seq_len,
+                                                          ch.loss_chunk_tokens, ch.seq_tile_tokens))
     return [replace(t, gpu_s=t.gpu_s * scale) for t in tasks] if scale != 1.0 else tasks
 
 

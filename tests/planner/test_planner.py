@@ -432,31 +432,40 @@ def test_a_training_run_teaches_the_planner_its_adamw_rate_for_that_model(tmp_pa
     assert not (tmp_path / "x").exists()
 
 
-def test_a_training_run_teaches_the_planner_its_gpu_time_for_that_model_and_micro_batch(tmp_path):
-    """The workers' GPU-side time over the plan's: the next plan of that model at that micro-batch
-    size charges the GPU work that much longer; other micro-batch sizes keep the matmul rate."""
+def test_a_training_run_teaches_the_planner_its_gpu_time_for_that_model_and_shape(tmp_path):
+    """The workers' GPU-side time over the plan's: the next plan of that model with GPU work of the
+    same shape (micro-batch, loss chunk and tile sizes) charges it that much longer; plans of another
+    shape keep the calibrated rates."""
     from slidedp.launch.planning import RunPlan, record_training  # noqa: PLC0415
+    from slidedp.planner.calibration import gpu_shape  # noqa: PLC0415
 
     cal = dataclasses.replace(H200_REFERENCE, host="host-b", device_name="GPU Y")
     work = Workload(named_shape("qwen3-4b"), global_batch=8, seq_len=2048, world=1, micro_batch=2, clip=False)
     plan = make_plan(work, 24 * GiB, cal, {"delivery": ("fp32",)})
+    shape = gpu_shape(4096, plan.loss_chunk_tokens, plan.seq_tile_tokens)
+    assert shape == "4,096-token micro-batches, 1,024-token loss chunks, untiled"
     gpu = dict(plan.busy_s)["gpu"]
     side = [30.0, 1.18 * gpu, 1.22 * gpu, 1.20 * gpu]  # the first step (start-up) is left out
-    saved = record_training(RunPlan(plan=plan), [], side, cache_dir=str(tmp_path))
+    ran = RunPlan(plan=plan, seq_tile_tokens=plan.seq_tile_tokens)
+    saved = record_training(ran, [], side, cache_dir=str(tmp_path))
     assert saved is not None and saved.adamw_train_params_per_s == 0.0  # no update times: no rate
-    assert (saved.gpu_train_scale, saved.gpu_train_micro_tokens) == (pytest.approx(1.20), 2 * 2048)
-    assert saved.gpu_scale(work.model.num_parameters(), 4096) == pytest.approx(1.20)
-    assert saved.gpu_scale(work.model.num_parameters(), 8192) == 1.0
+    assert (saved.gpu_train_scale, saved.gpu_train_shape) == (pytest.approx(1.20), shape)
+    assert saved.gpu_scale(work.model.num_parameters(), shape) == pytest.approx(1.20)
+    assert saved.gpu_scale(work.model.num_parameters(), gpu_shape(4096, 128, 2048)) == 1.0
     assert dict(predict_step(work, plan.choices, saved)[0])["gpu"] == pytest.approx(1.20 * gpu, rel=1e-9)
-    assert "GPU time in training 1.20x the matmul rate's (4.02 B-param model, 4,096-token micro-batches)" \
-        in saved.summary()
-    # a second run planned with the learned factor teaches the factor over the bare rate again, not a product
+    assert f"GPU time in training 1.20x the rates' (4.02 B-param model, {shape})" in saved.summary()
+    # a second run planned with the learned factor teaches the factor over the bare rates again, not a product
     plan2 = make_plan(work, 24 * GiB, saved, {"delivery": ("fp32",)})
-    again = record_training(RunPlan(plan=plan2), [], [30.0] + [1.25 * gpu] * 3, cache_dir=str(tmp_path))
+    again = record_training(RunPlan(plan=plan2, seq_tile_tokens=plan2.seq_tile_tokens), [], [30.0] + [1.25 * gpu] * 3,
+                            cache_dir=str(tmp_path))
     assert again is not None and again.gpu_train_scale == pytest.approx(1.25)
+    # another micro-batch size: the calibrated rates alone
     bigger = dataclasses.replace(work, micro_batch=8)
     ch = Choices(embedding="gpu", micro_batch=8)
     assert predict_step(bigger, ch, saved)[0]["gpu"] == predict_step(bigger, ch, cal)[0]["gpu"]
+    # a job that overrode the plan's tiles ran GPU work of another shape than planned: nothing learned
+    assert record_training(RunPlan(plan=plan, seq_tile_tokens=1024), [], side, cache_dir=str(tmp_path / "y")) is None
+    assert not (tmp_path / "y").exists()
 
 
 def test_gpu_links_are_measured_by_an_all_gather_among_processes():
