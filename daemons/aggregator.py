@@ -342,7 +342,13 @@ def serve(store_name: str, timeout_s: float = 120.0) -> int:
                     elif pending is not None and pending.sent:
                         pending.acks.add(index)
                         if len(pending.acks) == pending.pool:
-                            core.start_job(pending.record, pending.pool)
+                            try:
+                                core.start_job(pending.record, pending.pool)
+                            except (RuntimeError, ValueError, OSError) as e:  # the launcher reports why
+                                log.error("job %s not started: %s", pending.record.job, e)
+                                deliver([(pending.launcher, Ack(0, f"aggregator: {e}"))])
+                                pending = None
+                                continue
                             deliver([(pending.launcher, Ack(1, f"job started with {pending.pool} updater(s)"))])
                             log.info("job %s started: %d rank(s), %d updater(s)", pending.record.job,
                                      pending.record.world, pending.pool)

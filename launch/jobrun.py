@@ -286,8 +286,9 @@ class JobRun:
             if device == "cuda" and self.world > count:
                 argv.append("--shared-device")
             if self.reserved_cpus:
-                mine = numa.worker_cpus(numa.reserved(self.reserved_cpus), self.world, rank)
-                argv += ["--cpus", ",".join(map(str, mine))]
+                kept = numa.reserved(self.reserved_cpus)
+                argv += ["--cpus", ",".join(map(str, numa.worker_cpus(kept, self.world, rank))),
+                         "--kept-cpus", ",".join(map(str, kept))]
             self.workers.append(children.spawn(f"worker rank {rank}", argv, env=worker_env(),
                                                on_parent_death=signal.SIGKILL))
 

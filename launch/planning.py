@@ -109,7 +109,9 @@ def learned_update_rate(run_plan: RunPlan, update_busy_s: list[float]) -> float 
     A run whose aggregator summed the ranks' gradients teaches nothing: those sums compete with
     the updaters for host memory, and the planner charges them as work of their own (on 2 H200s,
     summing both ranks' gradients on the host slowed the updaters from 3.16 to 1.33 G params/s,
-    a rate that would then have been charged to every plan of the model)."""
+    a rate that would then have been charged to every plan of the model). A run whose aggregator
+    only copied gradients (exact clipping) still teaches it: a copy is a third of a 2-way sum's
+    traffic and no other run of a clipped job would ever teach the rate."""
     plan = run_plan.plan
     if plan is None or len(update_busy_s) < 3:
         return None
@@ -125,19 +127,30 @@ def learned_update_rate(run_plan: RunPlan, update_busy_s: list[float]) -> float 
 
 
 def _gpu_shape(plan: Plan) -> str:
-    return gpu_shape(plan.micro_batch * plan.workload.seq_len, plan.loss_chunk_tokens, plan.seq_tile_tokens)
+    w = plan.workload
+    return gpu_shape(plan.micro_batch * w.seq_len, plan.loss_chunk_tokens, plan.seq_tile_tokens, w.world,
+                     f"params {plan.param_route}, grads {plan.grad_route}")
 
 
 def learned_gpu_scale(run_plan: RunPlan, gpu_side_s: list[float]) -> float | None:
-    """The workers' GPU-side step time (their step less their waits for the host; median step after
-    the first) over the plan's GPU time from the calibrated rates; None when there is nothing to
-    learn (too few steps, no plan, or the job overrode the plan's sequence tiles)."""
+    """The workers' GPU-side step time (each rank's step less its waits for the host; the slowest
+    rank; median step after the first) over the plan's GPU time from the calibrated rates.
+
+    None when there is nothing to learn: too few steps or no plan; a job that overrode the plan's
+    tiles, resident or offloaded layers (its GPU work or its copies are not the plan's); a plan that
+    expected copies to show (exposed time over a quarter of the GPU time), where the workers' time
+    holds copy stalls that are not GPU work."""
     plan = run_plan.plan
-    if plan is None or len(gpu_side_s) < 3 or run_plan.seq_tile_tokens != plan.seq_tile_tokens:
+    if plan is None or len(gpu_side_s) < 3:
+        return None
+    if (run_plan.seq_tile_tokens, run_plan.resident_layers, run_plan.offload_layers) != \
+            (plan.seq_tile_tokens, plan.resident_layers, plan.offload_layers):
+        return None
+    gpu = dict(plan.busy_s)["gpu"]
+    if plan.exposed_s > 0.25 * gpu:
         return None
     measured = statistics.median(gpu_side_s[1:])
-    used = plan.calibration.gpu_scale(plan.workload.model.num_parameters(), _gpu_shape(plan))
-    planned = dict(plan.busy_s)["gpu"] / used
+    planned = gpu / plan.calibration.gpu_scale(plan.workload.model.num_parameters(), _gpu_shape(plan))
     return measured / planned if measured > 0 and planned > 0 else None
 
 
@@ -159,7 +172,8 @@ def record_training(run_plan: RunPlan, update_busy_s: list[float], gpu_side_s: l
                  plan.calibration.adamw_params_per_s / 1e9)
     scale = learned_gpu_scale(run_plan, gpu_side_s)
     if scale is not None:
-        measured.update(gpu_train_scale=scale, gpu_train_model_params=params, gpu_train_shape=_gpu_shape(plan))
+        factors = plan.calibration.with_gpu_factor(params, _gpu_shape(plan), scale)
+        measured.update(gpu_train_factors=factors.gpu_train_factors, gpu_train_model_params=params)
         log.info("the GPU work took %.2fx what the calibrated rates give; the next plan of this model with %s "
                  "on this host charges it", scale, _gpu_shape(plan))
     return record_training_measured(plan.calibration, cache_dir, **measured) if measured else None

@@ -105,6 +105,11 @@ def process_tree_private_bytes(pid: int | None = None) -> int:
     return total
 
 
+def gpu_side(stats: WorkerStats) -> float:
+    """A rank's own step less its own waits for the host (updates, gradient slots, the loss)."""
+    return stats.step_s - stats.wait_version_s - stats.wait_slot_s - stats.wait_loss_s
+
+
 def _finite(x: float) -> float | None:
     return x if math.isfinite(x) else None
 
@@ -185,8 +190,8 @@ class Progress:
                              process_tree_private_bytes(), shm)
         if not done.skipped:
             self.update_busy_s.append(done.update_s)
-            waits = sum(record.get(k) or 0.0 for k in ("wait_version_s", "wait_slot_s", "wait_loss_s"))
-            self.gpu_side_s.append(record["worker_step_s"] - waits)
+            if stats:
+                self.gpu_side_s.append(max(gpu_side(s) for s in stats.values()))
         if self.metrics is not None:
             self.metrics.write(json.dumps(record) + "\n")
             self.metrics.flush()

@@ -77,9 +77,10 @@ def pci_node(bus_id: str, sysfs: str = "/sys/bus/pci/devices") -> int | None:
 
 
 def device_cpus(bus_id: str, preferred: list[int], node_sysfs: str = "/sys/devices/system/node",
-                pci_sysfs: str = "/sys/bus/pci/devices") -> list[int]:
-    """Where a GPU's worker should run: the preferred CPUs (those kept free of updaters) on the GPU's
-    NUMA node; else any allowed CPU of that node; else the preferred CPUs as given."""
+                pci_sysfs: str = "/sys/bus/pci/devices", kept: list[int] | None = None) -> list[int]:
+    """Where a GPU's worker should run: its preferred CPUs (its share of those kept free of
+    updaters) on the GPU's NUMA node; else the `kept` CPUs of that node; else any allowed CPU of
+    that node; else the preferred CPUs as given."""
     node = pci_node(bus_id, pci_sysfs)
     if node is None:
         return preferred
@@ -88,4 +89,4 @@ def device_cpus(bus_id: str, preferred: list[int], node_sysfs: str = "/sys/devic
     except OSError:
         return preferred
     local &= set(os.sched_getaffinity(0))
-    return sorted(local & set(preferred)) or sorted(local) or preferred
+    return sorted(local & set(preferred)) or sorted(local & set(kept or [])) or sorted(local) or preferred

@@ -187,7 +187,7 @@ def run(args: argparse.Namespace) -> int:
     cpus = parse_cpulist(args.cpus) if args.cpus else sorted(os.sched_getaffinity(0))
     bus = gpu_bus_id(device) if device.type == "cuda" else None
     if bus:
-        cpus = device_cpus(bus, cpus)
+        cpus = device_cpus(bus, cpus, kept=parse_cpulist(args.kept_cpus) if args.kept_cpus else None)
     if args.cpus or bus:
         os.sched_setaffinity(0, cpus)
         log.info("rank %d runs on CPUs %s%s", rank, cpus, f" (near GPU {bus})" if bus else "")
@@ -331,7 +331,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--grad-route", choices=["host", "reduce_scatter"], default="host",
                    help="reduce_scatter: the ranks sum on the devices and each copies out 1/N")
     p.add_argument("--shared-device", action="store_true", help="ranks share one GPU (gloo instead of NCCL)")
-    p.add_argument("--cpus", default="", help="pin this worker to these CPUs (kept free of updater threads)")
+    p.add_argument("--cpus", default="", help="pin this worker to these CPUs (its share of those kept free of updater threads)")
+    p.add_argument("--kept-cpus", default="",
+                   help="all CPUs kept free of updater threads: used on the GPU's NUMA node when --cpus has none there")
     p.add_argument("--micro-batch", type=int, default=0, help="sequences per micro-batch (0: the job's)")
     p.add_argument("--gpu-budget-gib", type=float, default=0.0, help="cap this process's GPU memory (0: no cap)")
     args = p.parse_args(argv)

@@ -32,8 +32,11 @@ def test_a_worker_runs_on_its_gpus_node_preferring_the_cpus_kept_from_updaters(t
     # the reserved CPUs 3 and 7: one on each node; each GPU's worker gets the one on its node
     assert numa.device_cpus("0000:1B:00.0", [3, 7], **kw) == [3]  # sysfs spells the address in lower case
     assert numa.device_cpus("0000:9a:00.0", [3, 7], **kw) == [7]
+    # the worker's own share is on the other node: the kept CPUs of its GPU's node, not the updaters'
+    assert numa.device_cpus("0000:9a:00.0", [3], kept=[3, 6, 7], **kw) == [6, 7]
     # no reserved CPU on the GPU's node: the node's CPUs
     assert numa.device_cpus("0000:9a:00.0", [2, 3], **kw) == [4, 5, 6, 7]
+    assert numa.device_cpus("0000:9a:00.0", [2, 3], kept=[2, 3], **kw) == [4, 5, 6, 7]
     # sysfs does not say (-1, or no such device): the CPUs as given
     assert numa.device_cpus("0000:c0:00.0", [2, 3], **kw) == [2, 3]
     assert numa.device_cpus("0000:ff:00.0", [2, 3], **kw) == [2, 3]

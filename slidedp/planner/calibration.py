@@ -12,6 +12,7 @@ The cache is JSON (never pickle), one file per host and device name, under ~/.ca
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -40,7 +41,7 @@ class CalibrationError(ValueError):
 
 
 _MAY_BE_ZERO = frozenset({"adamw_train_params_per_s", "adamw_train_model_params", "h2d_total_gbps",
-                          "gpu_train_scale", "gpu_train_model_params"})  # 0 = not measured yet
+                          "gpu_train_model_params"})  # 0 = not measured yet
 
 
 @dataclass(frozen=True)
@@ -71,15 +72,14 @@ class Calibration:
     # its step time; 4.11 bare). The planner charges it for that model only. 0: no run yet.
     adamw_train_params_per_s: float = 0.0
     adamw_train_model_params: int = 0
-    # the workers' GPU-side step time measured training a model (their step less their waits for
-    # the host) over the plan's GPU time for it from the rates above, for that model and the
-    # shape of its GPU work (`gpu_shape`: micro-batch, loss chunk and tile sizes): what the matmul
-    # rate leaves out (casts, norms, attention, launches, the size of the matmuls). On an H200,
-    # Qwen3-4B in 4,096-token micro-batches with 1,024-token loss chunks: 1.667 s measured for
-    # 1.386 s planned, 1.20x. 0: no run yet.
-    gpu_train_scale: float = 0.0
+    # the workers' GPU-side step time measured training a model (each rank's step less its waits
+    # for the host) over the plan's GPU time for it from the rates above: what the matmul rate
+    # leaves out (casts, norms, attention, launches, the size of the matmuls). A JSON object,
+    # shape of the GPU work (`gpu_shape`) -> factor, for the model of `gpu_train_model_params`
+    # parameters. On an H200, Qwen3-4B in 4,096-token micro-batches with 1,024-token loss chunks:
+    # 1.667 s measured for 1.386 s planned, 1.20x. "": no run yet.
+    gpu_train_factors: str = ""
     gpu_train_model_params: int = 0
-    gpu_train_shape: str = ""
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -115,17 +115,25 @@ class Calibration:
                f"{self.h2d_total_gbps:.0f} GB/s" if self.bus_gpus > 1 else "")
             + (f"; AdamW in training {self.adamw_train_params_per_s / 1e9:.2f} G params/s "
                f"({self.adamw_train_model_params / 1e9:.2f} B-param model)" if self.adamw_train_params_per_s else "")
-            + (f"; GPU time in training {self.gpu_train_scale:.2f}x the rates' "
-               f"({self.gpu_train_model_params / 1e9:.2f} B-param model, {self.gpu_train_shape})"
-               if self.gpu_train_scale else "")
+            + "".join(f"; GPU time in training {f:.2f}x the rates' ({self.gpu_train_model_params / 1e9:.2f} "
+                      f"B-param model, {shape})" for shape, f in _factors(self.gpu_train_factors).items())
         )
 
     def gpu_scale(self, model_params: int, shape: str) -> float:
         """How much longer the GPU work takes than the rates say: the factor a run of this model with
-        GPU work of this shape (`gpu_shape`) measured, else 1."""
-        if self.gpu_train_scale and (self.gpu_train_model_params, self.gpu_train_shape) == (model_params, shape):
-            return self.gpu_train_scale
-        return 1.0
+        GPU work of this shape (`gpu_shape`) measured; for a shape no run measured, the largest
+        factor measured for the model (so an unmeasured plan never looks faster for being
+        unmeasured); 1 for a model no run measured."""
+        factors = _factors(self.gpu_train_factors)
+        if not factors or model_params != self.gpu_train_model_params:
+            return 1.0
+        return factors.get(shape, max(factors.values()))
+
+    def with_gpu_factor(self, model_params: int, shape: str, factor: float) -> "Calibration":
+        """This calibration with `factor` measured for `shape` (kept beside the model's other shapes)."""
+        kept = _factors(self.gpu_train_factors) if model_params == self.gpu_train_model_params else {}
+        return dataclasses.replace(self, gpu_train_factors=json.dumps({**kept, shape: float(factor)}, sort_keys=True),
+                                   gpu_train_model_params=int(model_params))
 
     def update_params_per_s(self, model_params: int) -> float:
         """The AdamW rate the planner charges for a model: the one measured training it, else the bare kernel's."""
@@ -273,10 +281,25 @@ def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", text).strip("_") or "unknown"
 
 
-def gpu_shape(micro_tokens: int, loss_chunk_tokens: int, seq_tile_tokens: int) -> str:
-    """What sizes a step's matmuls, as a calibration keeps it with the GPU time a run measured."""
+def gpu_shape(micro_tokens: int, loss_chunk_tokens: int, seq_tile_tokens: int, ranks: int = 1,
+              routes: str = "") -> str:
+    """What sizes a step's GPU work, as a calibration keeps it with the GPU time a run measured."""
     tiles = f"tiles of {seq_tile_tokens:,}" if seq_tile_tokens else "untiled"
-    return f"{micro_tokens:,}-token micro-batches, {loss_chunk_tokens:,}-token loss chunks, {tiles}"
+    where = f"{ranks} ranks, {routes}" if ranks > 1 else "1 rank"
+    return f"{micro_tokens:,}-token micro-batches, {loss_chunk_tokens:,}-token loss chunks, {tiles}, {where}"
+
+
+@functools.lru_cache(maxsize=64)
+def _factors(text: str) -> dict[str, float]:
+    """`gpu_train_factors` read: {} when empty or not an object of positive numbers."""
+    try:
+        d = json.loads(text) if text else {}
+    except ValueError:
+        return {}
+    if not isinstance(d, dict):
+        return {}
+    return {str(k): float(v) for k, v in d.items()
+            if isinstance(v, (int, float)) and math.isfinite(v) and v > 0}
 
 
 def cache_path(device: str, cache_dir: str | os.PathLike | None = None) -> Path:

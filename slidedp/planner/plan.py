@@ -330,8 +330,9 @@ def _tasks(work: Workload, ch: Choices, calib: Calibration) -> list[_Task]:
         allreduce = 2 * (work.world - 1) / work.world * vh * gb / (calib.allreduce_gbps * 1e9)
         tasks.append(_Task("embedding AdamW (GPU)", gpu_s=vh / calib.gpu_adamw_params_per_s + allreduce, clip_gated=True))
     # what a run of this model at this micro-batch size measured of its GPU work, against the rates above
-    scale = calib.gpu_scale(m.num_parameters(), gpu_shape((ch.micro_batch or work.micro_batch) * work.seq_len,
-                                                          ch.loss_chunk_tokens, ch.seq_tile_tokens))
+    scale = calib.gpu_scale(m.num_parameters(), gpu_shape(
+        (ch.micro_batch or work.micro_batch) * work.seq_len, ch.loss_chunk_tokens, ch.seq_tile_tokens, work.world,
+        f"params {ch.param_route}, grads {ch.grad_route}"))
     return [replace(t, gpu_s=t.gpu_s * scale) for t in tasks] if scale != 1.0 else tasks
 
 

@@ -434,37 +434,45 @@ def test_a_training_run_teaches_the_planner_its_adamw_rate_for_that_model(tmp_pa
 
 def test_a_training_run_teaches_the_planner_its_gpu_time_for_that_model_and_shape(tmp_path):
     """The workers' GPU-side time over the plan's: the next plan of that model with GPU work of the
-    same shape (micro-batch, loss chunk and tile sizes) charges it that much longer; plans of another
-    shape keep the calibrated rates."""
+    same shape (micro-batch, loss chunk and tile sizes, ranks and routes) charges it that much
+    longer; a shape no run measured is charged the model's largest factor, so that it never looks
+    faster for being unmeasured; another model keeps the calibrated rates."""
     from slidedp.launch.planning import RunPlan, record_training  # noqa: PLC0415
     from slidedp.planner.calibration import gpu_shape  # noqa: PLC0415
 
+    def as_planned(p, **kw):
+        return RunPlan(plan=p, seq_tile_tokens=p.seq_tile_tokens, resident_layers=p.resident_layers,
+                       offload_layers=p.offload_layers, **kw)
+
     cal = dataclasses.replace(H200_REFERENCE, host="host-b", device_name="GPU Y")
     work = Workload(named_shape("qwen3-4b"), global_batch=8, seq_len=2048, world=1, micro_batch=2, clip=False)
+    params = work.model.num_parameters()
     plan = make_plan(work, 24 * GiB, cal, {"delivery": ("fp32",)})
     shape = gpu_shape(4096, plan.loss_chunk_tokens, plan.seq_tile_tokens)
-    assert shape == "4,096-token micro-batches, 1,024-token loss chunks, untiled"
+    assert shape == "4,096-token micro-batches, 1,024-token loss chunks, untiled, 1 rank"
+    assert plan.exposed_s <= 0.25 * dict(plan.busy_s)["gpu"]  # a GPU-bound plan: its run teaches
     gpu = dict(plan.busy_s)["gpu"]
     side = [30.0, 1.18 * gpu, 1.22 * gpu, 1.20 * gpu]  # the first step (start-up) is left out
-    ran = RunPlan(plan=plan, seq_tile_tokens=plan.seq_tile_tokens)
-    saved = record_training(ran, [], side, cache_dir=str(tmp_path))
+    saved = record_training(as_planned(plan), [], side, cache_dir=str(tmp_path))
     assert saved is not None and saved.adamw_train_params_per_s == 0.0  # no update times: no rate
-    assert (saved.gpu_train_scale, saved.gpu_train_shape) == (pytest.approx(1.20), shape)
-    assert saved.gpu_scale(work.model.num_parameters(), shape) == pytest.approx(1.20)
-    assert saved.gpu_scale(work.model.num_parameters(), gpu_shape(4096, 128, 2048)) == 1.0
+    assert json.loads(saved.gpu_train_factors) == {shape: pytest.approx(1.20)}
+    assert saved == calibration_mod.load(tmp_path / "calibration-host-b-GPU_Y.json")
     assert dict(predict_step(work, plan.choices, saved)[0])["gpu"] == pytest.approx(1.20 * gpu, rel=1e-9)
     assert f"GPU time in training 1.20x the rates' (4.02 B-param model, {shape})" in saved.summary()
     # a second run planned with the learned factor teaches the factor over the bare rates again, not a product
     plan2 = make_plan(work, 24 * GiB, saved, {"delivery": ("fp32",)})
-    again = record_training(RunPlan(plan=plan2, seq_tile_tokens=plan2.seq_tile_tokens), [], [30.0] + [1.25 * gpu] * 3,
-                            cache_dir=str(tmp_path))
-    assert again is not None and again.gpu_train_scale == pytest.approx(1.25)
-    # another micro-batch size: the calibrated rates alone
-    bigger = dataclasses.replace(work, micro_batch=8)
-    ch = Choices(embedding="gpu", micro_batch=8)
-    assert predict_step(bigger, ch, saved)[0]["gpu"] == predict_step(bigger, ch, cal)[0]["gpu"]
-    # a job that overrode the plan's tiles ran GPU work of another shape than planned: nothing learned
+    again = record_training(as_planned(plan2), [], [30.0] + [1.25 * gpu] * 3, cache_dir=str(tmp_path))
+    assert again is not None and json.loads(again.gpu_train_factors) == {shape: pytest.approx(1.25)}
+    # another shape measured beside it is kept beside it; an unmeasured shape gets the larger of the two
+    other = gpu_shape(4096, 128, 2048)
+    both = again.with_gpu_factor(params, other, 1.45)
+    assert (both.gpu_scale(params, shape), both.gpu_scale(params, other)) == (pytest.approx(1.25), 1.45)
+    assert both.gpu_scale(params, gpu_shape(16384, 1024, 0)) == 1.45
+    assert both.gpu_scale(named_shape("qwen3-1.7b").num_parameters(), shape) == 1.0
+    assert json.loads(both.with_gpu_factor(1, shape, 1.1).gpu_train_factors) == {shape: 1.1}  # another model: anew
+    # nothing learned: a job that overrode the plan's tiles or layers, or too few steps
     assert record_training(RunPlan(plan=plan, seq_tile_tokens=1024), [], side, cache_dir=str(tmp_path / "y")) is None
+    assert record_training(as_planned(plan), [], side[:2], cache_dir=str(tmp_path / "y")) is None
     assert not (tmp_path / "y").exists()
 
 
