@@ -65,13 +65,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--store", required=True)
     p.add_argument("--processes", type=int, default=0, help="pool size (0 = one per NUMA node)")
     p.add_argument("--threads", type=int, default=0, help="threads per process (0 = the CPUs of its node)")
-    p.add_argument("--reserve-cpus", type=int, default=0,
+    p.add_argument("--reserve-cpus", type=int, default=-1,
                    help="leave the last N CPUs to the GPU workers: an OpenMP thread sharing a core with a busy "
-                        "worker stalls every parallel region of the fused AdamW, and the worker's kernel launches")
+                        "worker stalls every parallel region of the fused AdamW, and the worker's kernel launches "
+                        "(-1, the default: what a job on every GPU of this host needs, as the launcher reserves it; "
+                        "0 with no GPU)")
     args = p.parse_args(argv)
     slog.setup("updater-pool")
     lock_fd = daemonlock.acquire(args.store, "updater")  # noqa: F841 (held for the pool's lifetime)
-    nodes = numa.reserve(numa.nodes(), args.reserve_cpus)
+    reserve = args.reserve_cpus
+    if reserve < 0:  # a service started before any job: make room for a job on every GPU
+        gpus = numa.gpu_count()
+        reserve = numa.reserved_count(len(os.sched_getaffinity(0)), gpus) if gpus else 0
+    nodes = numa.reserve(numa.nodes(), reserve)
     count = args.processes or len(nodes)
     plan = split_cpus(nodes, count)
     ready_r, ready_w = os.pipe()

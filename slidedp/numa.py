@@ -67,6 +67,20 @@ def reserved_count(cores: int, world: int) -> int:
     return min(world * per_worker + 1, cores // 2)
 
 
+def gpu_count(pci_sysfs: str = "/sys/bus/pci/devices") -> int:
+    """NVIDIA GPUs on this host, from sysfs (vendor 0x10de, a display or 3D controller), without CUDA."""
+    count = 0
+    for dev in Path(pci_sysfs).glob("*"):
+        try:
+            vendor = (dev / "vendor").read_text().strip().lower()
+            klass = (dev / "class").read_text().strip().lower()
+        except OSError:
+            continue
+        if vendor == "0x10de" and klass.startswith(("0x0300", "0x0302")):
+            count += 1
+    return count
+
+
 def pci_node(bus_id: str, sysfs: str = "/sys/bus/pci/devices") -> int | None:
     """The NUMA node of a PCI device (a GPU's bus id, e.g. "0000:1B:00.0"); None when sysfs does not say."""
     try:

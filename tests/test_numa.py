@@ -57,3 +57,18 @@ def test_each_gpu_worker_gets_cores_of_its_own():
     # too few cores: half of them at most, one each, round robin
     assert numa.reserved_count(6, 4) == 3
     assert [numa.worker_cpus([3, 4, 5], 4, r) for r in range(4)] == [[3], [4], [5], [3]]
+
+
+def test_gpus_are_counted_from_sysfs_for_an_updater_started_as_a_service(tmp_path):
+    """slidedp-updater run by systemd, before any job, keeps CPUs for a job on every GPU; it counts
+    NVIDIA display and 3D controllers in sysfs (no CUDA in the updater)."""
+    pci = tmp_path / "pci"
+    for bus, vendor, klass in (("0000:1b:00.0", "0x10de", "0x030200"), ("0000:9a:00.0", "0x10de", "0x030000"),
+                               ("0000:1c:00.0", "0x10de", "0x068000"),  # an NVSwitch bridge: not a GPU
+                               ("0000:00:02.0", "0x8086", "0x030000")):  # another vendor's display controller
+        (pci / bus).mkdir(parents=True)
+        (pci / bus / "vendor").write_text(vendor + "\n")
+        (pci / bus / "class").write_text(klass + "\n")
+    (pci / "0000:00:1f.0").mkdir()  # unreadable: skipped
+    assert numa.gpu_count(str(pci)) == 2
+    assert numa.gpu_count(str(tmp_path / "none")) == 0
