@@ -393,6 +393,8 @@ def test_long_requests_keep_the_watchdog_fed(notify_here: NotifySocket) -> None:
     for kind in ("create", "attach", "checkpoint", "restore", "destroy"):
         assert hoststate._handle(core, watchdog, kind, {}) == {"kind": kind}
     assert core.keepalive_seen == [True] * 5
+    # the last datagram may still be queued for the reader thread: wait for the 5th "serving"
+    assert notify_here.wait_for(os.getpid(), "STATUS=serving store demo", 5, 30)
     statuses = [s for s in notify_here.states(os.getpid()) if s.startswith("STATUS=")]
     assert statuses[:2] == ["STATUS=create of store demo in progress", "STATUS=serving store demo"]
     assert statuses[-1] == "STATUS=serving store demo"
