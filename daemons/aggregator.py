@@ -27,7 +27,7 @@ import zmq
 from slidedp import daemonlock
 from slidedp import log as slog
 from slidedp.collectives import Shard
-from slidedp.jobrecord import JobRecord, attach_job, detach_job
+from slidedp.jobrecord import JobRecord, attach_job, detach_job, reduction_slots
 from slidedp.protocol import (ROLE_LAUNCHER, ROLE_UPDATER, SLOT_DEVICE, SOURCE_NONE, SOURCE_RANK_SHARD,
                               SOURCE_RANK_SLOT, SOURCE_REDUCE,
                               Ack, Credit, Fault, Go, Grad, Hello, JobEnd, JobStart, Loss, Message, Norm, Ready,
@@ -90,8 +90,9 @@ class AggregatorCore:
         self.store, self.rings, self.tracer = attach_job(self.store_name, job, "aggregator")
         if self.rings.world != job.world:
             raise RuntimeError(f"gradient rings are for {self.rings.world} ranks, the job has {job.world}")
-        if job.world > 1 and job.grad_route == "host" and not self.rings.full_reduce and not self.rings.reduce_slots:
-            raise RuntimeError(f"the job sums {job.world} ranks' gradients here but its rings have no reduction slots")
+        if not self.rings.full_reduce and self.rings.reduce_slots < reduction_slots(job.world, job.grad_route):
+            raise RuntimeError(f"the job sums {job.world} ranks' gradients here but its rings have "
+                               f"{self.rings.reduce_slots} reduction slots")
         self.job = job
         self.updaters = [identity("u", i) for i in range(updaters)]
         self.owner = assign_updaters(self.store.layout, updaters)

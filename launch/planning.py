@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 from slidedp.config import JobConfig, model_config
 from slidedp.planner import Calibration, Plan, Workload, costs, make_plan
-from slidedp.planner.calibration import gpu_shape, record_training as record_training_measured
+from slidedp.planner.calibration import record_training as record_training_measured
+from slidedp.planner.plan import gpu_work_shape
 from slidedp.planner.costs import GiB
 
 log = logging.getLogger("slidedp.launcher")
@@ -126,12 +127,6 @@ def learned_update_rate(run_plan: RunPlan, update_busy_s: list[float]) -> float 
     return params / busy * costs.update_bytes_per_param(plan.delivery) / 28.0
 
 
-def _gpu_shape(plan: Plan) -> str:
-    w = plan.workload
-    return gpu_shape(plan.micro_batch * w.seq_len, plan.loss_chunk_tokens, plan.seq_tile_tokens, w.world,
-                     f"params {plan.param_route}, grads {plan.grad_route}")
-
-
 def learned_gpu_scale(run_plan: RunPlan, gpu_side_s: list[float]) -> float | None:
     """The workers' GPU-side step time (each rank's step less its waits for the host; the slowest
     rank; median step after the first) over the plan's GPU time from the calibrated rates.
@@ -150,7 +145,8 @@ def learned_gpu_scale(run_plan: RunPlan, gpu_side_s: list[float]) -> float | Non
     if plan.exposed_s > 0.25 * gpu:
         return None
     measured = statistics.median(gpu_side_s[1:])
-    planned = gpu / plan.calibration.gpu_scale(plan.workload.model.num_parameters(), _gpu_shape(plan))
+    shape = gpu_work_shape(plan.workload, plan.choices)
+    planned = gpu / plan.calibration.gpu_scale(plan.workload.model.num_parameters(), shape)
     return measured / planned if measured > 0 and planned > 0 else None
 
 
@@ -172,8 +168,9 @@ def record_training(run_plan: RunPlan, update_busy_s: list[float], gpu_side_s: l
                  plan.calibration.adamw_params_per_s / 1e9)
     scale = learned_gpu_scale(run_plan, gpu_side_s)
     if scale is not None:
-        factors = plan.calibration.with_gpu_factor(params, _gpu_shape(plan), scale)
+        shape = gpu_work_shape(plan.workload, plan.choices)
+        factors = plan.calibration.with_gpu_factor(params, shape, scale)
         measured.update(gpu_train_factors=factors.gpu_train_factors, gpu_train_model_params=params)
         log.info("the GPU work took %.2fx what the calibrated rates give; the next plan of this model with %s "
-                 "on this host charges it", scale, _gpu_shape(plan))
+                 "on this host charges it", scale, shape)
     return record_training_measured(plan.calibration, cache_dir, **measured) if measured else None

@@ -37,7 +37,7 @@ RESOURCES = ("gpu", "h2d", "d2h", "reduce", "update")
 _STEPS = 8  # simulated steps; the period is averaged over the last _AVERAGE of them
 _AVERAGE = 4
 _LOSS_CHUNKS = (1024, 512, 256, 128)  # tokens per logits chunk, largest that fits first
-_TIE = 1e-9  # relative: predictions this close count as equal (then the smaller memory wins)
+_TIE = 1e-9  # relative: resident layers that change a prediction by less than this buy nothing
 # Plans predicted within 2% of the fastest count as equally fast when choosing among them: the
 # model's own error is larger, and what it leaves out (smaller matmuls, launches, host traffic)
 # decides instead. At 65,536 tokens on one H200 (24 GiB), the strictly fastest plan, 1 ms ahead,
@@ -329,11 +329,15 @@ def _tasks(work: Workload, ch: Choices, calib: Calibration) -> list[_Task]:
         vh = costs.embedding_params(m) + costs.head_params(m)
         allreduce = 2 * (work.world - 1) / work.world * vh * gb / (calib.allreduce_gbps * 1e9)
         tasks.append(_Task("embedding AdamW (GPU)", gpu_s=vh / calib.gpu_adamw_params_per_s + allreduce, clip_gated=True))
-    # what a run of this model at this micro-batch size measured of its GPU work, against the rates above
-    scale = calib.gpu_scale(m.num_parameters(), gpu_shape(
-        (ch.micro_batch or work.micro_batch) * work.seq_len, ch.loss_chunk_tokens, ch.seq_tile_tokens, work.world,
-        f"params {ch.param_route}, grads {ch.grad_route}"))
+    # what a run of this model with GPU work of this shape measured of it, against the rates above
+    scale = calib.gpu_scale(m.num_parameters(), gpu_work_shape(work, ch))
     return [replace(t, gpu_s=t.gpu_s * scale) for t in tasks] if scale != 1.0 else tasks
+
+
+def gpu_work_shape(work: Workload, ch: Choices) -> str:
+    """The shape of a plan's GPU work, as a calibration keeps the GPU time a run of it measured."""
+    return gpu_shape((ch.micro_batch or work.micro_batch) * work.seq_len, ch.loss_chunk_tokens, ch.seq_tile_tokens,
+                     work.world, f"params {ch.param_route}, grads {ch.grad_route}")
 
 
 def _period(tasks: list[_Task], depth: int, updaters: int, clip: bool) -> float:
