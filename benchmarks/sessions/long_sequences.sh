@@ -10,14 +10,10 @@ set -u
 out=$1 systems=$2
 shift 2
 store=slidedp-longseq
-committed() {
-  python3 -c "from slidedp.store.store import HostStore as S; s=S.attach('$store'); print(s.manifest.committed_step); s.close()" \
-    2>/dev/null || echo 0
-}
 for T in "$@"; do
   steps=2 warm=1
   [ "$T" -ge 262144 ] && { steps=1; warm=0; }
-  total=$(( $(committed) + steps ))
+  total=$(( $(bash "$(dirname "$0")/committed_step.sh" "$store") + steps ))
   python3 -m benchmarks.run --shape qwen3-4b --batch 1 --seq "$T" --steps $steps --warmup $warm \
     --systems "$systems" --slidedp-set memory.gpu_budget_gib=80 --slidedp-set store.persist=true \
     --slidedp-set "store.name=\"$store\"" --slidedp-set train.steps=$total --timeout 560 \

@@ -14,8 +14,7 @@ shift 4
 store=slidedp-multigpu steps=${STEPS:-8} warm=${WARMUP:-3} shape=${SHAPE:-qwen3-4b}
 parts=()
 for system in ${systems//,/ }; do
-  committed=$(python3 -c "from slidedp.store.store import HostStore as S; s=S.attach('$store'); print(s.manifest.committed_step); s.close()" \
-    2>/dev/null || echo 0)
+  committed=$(bash "$(dirname "$0")/committed_step.sh" "$store")
   part="$out/$shape-${gpus}gpu-b$batch-$system.json"
   python3 -m benchmarks.run --gpus "$gpus" --shape "$shape" --batch "$batch" --seq 2048 --steps $steps --warmup $warm \
     --systems "$system" --slidedp-set memory.gpu_budget_gib=24 --slidedp-set train.micro_batch=2 \
