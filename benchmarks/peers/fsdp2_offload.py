@@ -57,7 +57,6 @@ def measure(args: argparse.Namespace, row: dict[str, Any], host: common.HostMemo
         opt = torch.optim.AdamW(model.parameters(), lr=common.LR, betas=common.BETAS, eps=common.EPS,
                                 weight_decay=common.WEIGHT_DECAY, **kind)
         ids, targets = common.random_batch(cfg, args.batch // world, args.seq, device, args.seed + rank)
-        # the loss is the mean over the global batch: FSDP averages gradients over ranks, so scale by world
         batches, n_tokens = common.micro_batches(ids, targets, args.micro_batch), ids.numel()
         row["parameters"] = cfg.num_parameters()
         row["cpu_threads"] = torch.get_num_threads()

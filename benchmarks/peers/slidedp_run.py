@@ -210,14 +210,13 @@ def run(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=3000.0, help="seconds before the launcher is stopped")
     p.add_argument("--wait-timeout", type=float, default=600.0, help="runtime.timeout_s of the job (every wait)")
     args = p.parse_args(argv)
-    for s in args.set:  # a micro-batch set for SlideDP is the one its row reports
-        key, _, value = s.replace(" ", "").partition("=")
-        if key == "train.micro_batch":
-            args.micro_batch = int(value)
+    sets = dict(s.replace(" ", "").partition("=")[::2] for s in args.set)  # SECTION.KEY -> VALUE
+    if "train.micro_batch" in sets:  # a micro-batch set for SlideDP is the one its row reports
+        args.micro_batch = int(sets["train.micro_batch"])
     common.check_args(args)
     budget = args.budget_gib if args.budget_gib > 0 else MemorySection().gpu_budget_gib
     budget = f"budget {budget:g} GiB" + ("" if args.budget_gib > 0 else " (SlideDP's default)")
-    if any(s.replace(" ", "").startswith("memory.gpu_budget_gib=") for s in args.set):
+    if "memory.gpu_budget_gib" in sets:
         budget = "budget as set below"
     config = f"{common.batch_text(args)}, {args.gpus} worker(s), {budget}" + "".join(f", {s}" for s in args.set)
     # local_gpu=False: this process must not open a CUDA context of its own beside SlideDP's workers.
