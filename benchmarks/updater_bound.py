@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import mmap
 import os
 import statistics
 import subprocess
@@ -26,6 +25,8 @@ import uuid
 from pathlib import Path
 
 import torch
+
+from slidedp.store.shm import Segment
 
 GIB = 1 << 30
 
@@ -43,19 +44,9 @@ def _thp() -> dict[str, str]:
     return out
 
 
-def _shm_tensor(numel: int) -> tuple[torch.Tensor, str, mmap.mmap]:
-    name = f"/dev/shm/slidedp-bound-{uuid.uuid4().hex[:8]}"
-    fd = os.open(name, os.O_CREAT | os.O_RDWR | os.O_EXCL, 0o600)
-    os.posix_fallocate(fd, 0, numel * 4)
-    mm = mmap.mmap(fd, numel * 4)
-    os.close(fd)
-    try:
-        mm.madvise(mmap.MADV_HUGEPAGE)
-    except (AttributeError, OSError):
-        pass
-    t = torch.frombuffer(mm, dtype=torch.float32, count=numel)
-    t.zero_()
-    return t, name, mm
+def _shm_segment(nbytes: int) -> Segment:
+    """A POSIX shared-memory segment made as the store makes its own (0600, huge pages asked for, touched)."""
+    return Segment.create(f"/slidedp-bound-{uuid.uuid4().hex[:8]}", nbytes)
 
 
 def _rate(state: list[torch.Tensor], chunk: int, reps: int) -> float:
@@ -73,13 +64,10 @@ def _rate(state: list[torch.Tensor], chunk: int, reps: int) -> float:
     return n / statistics.median(times[1:]) / 1e9
 
 
-def _copier(gpu: int, path: str, nbytes: int, cpu: int) -> None:
+def _copier(gpu: int, name: str, nbytes: int, cpu: int) -> None:
     """One GPU's DMA: H2D and D2H of `nbytes` each, back to back, from registered shared memory."""
     os.sched_setaffinity(0, [cpu])
-    fd = os.open(path, os.O_RDWR)
-    mm = mmap.mmap(fd, nbytes * 2)
-    os.close(fd)
-    host = torch.frombuffer(mm, dtype=torch.uint8, count=nbytes * 2)
+    host = Segment.open(name).tensor(torch.uint8, 0, nbytes * 2)
     torch.cuda.set_device(gpu)
     rc = torch.cuda.cudart().cudaHostRegister(host.data_ptr(), host.numel(), 0)
     assert int(rc) == 0, f"cudaHostRegister: {rc}"
@@ -132,20 +120,21 @@ def main(argv: list[str] | None = None) -> int:
     anon = [torch.rand(n), torch.rand(n), torch.zeros(n), torch.zeros(n)]
     run("anon", anon, [])
     del anon
-    shm = [_shm_tensor(n) for _ in range(4)]
-    state = [t for t, _, _ in shm]
+    shm = [_shm_segment(n * 4) for _ in range(4)]
+    state = [seg.tensor(torch.float32) for seg in shm]
     state[0].uniform_(), state[1].uniform_()
     result["thp_after_shm"] = _thp()
     print(json.dumps(result["thp_after_shm"]))
     run("shm", state, [])
     if a.gpus:
         nbytes = 1 << 30
-        paths, procs = [], []
+        buffers, procs = [], []
         for gpu in range(a.gpus):
-            t, path, mm = _shm_tensor(nbytes // 2)  # 2 x nbytes of uint8: the H2D source and the D2H target
-            paths.append((t, path, mm))
-            procs.append(subprocess.Popen([sys.executable, "-m", "benchmarks.updater_bound", "--copier", str(gpu), path,
-                                           str(nbytes // 2), str(cpus[-1 - gpu])], stdout=subprocess.PIPE, text=True))
+            seg = _shm_segment(nbytes)  # halves: the H2D source and the D2H target
+            buffers.append(seg)
+            procs.append(subprocess.Popen([sys.executable, "-m", "benchmarks.updater_bound", "--copier", str(gpu),
+                                           seg.name, str(nbytes // 2), str(cpus[-1 - gpu])], stdout=subprocess.PIPE,
+                                          text=True))
         for pr in procs:
             assert pr.stdout is not None and pr.stdout.readline().strip() == "ready"
         try:
@@ -156,10 +145,10 @@ def main(argv: list[str] | None = None) -> int:
                 out = pr.communicate()[0].strip().splitlines()
                 print(out[-1] if out else "copier said nothing")
                 result.setdefault("copies", []).append(out[-3:])
-        for _, path, _ in paths:
-            os.unlink(path)
-    for _, path, _ in shm:
-        os.unlink(path)
+        for seg in buffers:
+            seg.unlink()
+    for seg in shm:
+        seg.unlink()
     if a.json:
         Path(a.json).write_text(json.dumps(result, indent=1))
     return 0
