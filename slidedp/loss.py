@@ -12,14 +12,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .model.layers import rms_norm
+from .model.layers import rms_norm, token_slices
 
 IGNORE_INDEX = -100  # targets equal to this contribute no loss and no gradient (as in F.cross_entropy)
-
-
-def _chunks(n: int, size: int):
-    for start in range(0, n, size):
-        yield slice(start, min(start + size, n))
 
 
 class _ChunkedCrossEntropySum(torch.autograd.Function):
@@ -28,7 +23,7 @@ class _ChunkedCrossEntropySum(torch.autograd.Function):
         n = hidden.shape[0]
         lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        for s in _chunks(n, chunk_tokens):
+        for s in token_slices(n, chunk_tokens):
             logits = (hidden[s] @ weight.T).float()
             lse[s] = torch.logsumexp(logits, dim=-1)
             tgt = targets[s]
@@ -46,7 +41,7 @@ class _ChunkedCrossEntropySum(torch.autograd.Function):
         grad_h = torch.empty_like(hidden) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
         g_out = grad_out.float()
-        for s in _chunks(hidden.shape[0], ctx.chunk_tokens):
+        for s in token_slices(hidden.shape[0], ctx.chunk_tokens):
             h = hidden[s]
             tgt = targets[s]
             valid = tgt != IGNORE_INDEX
@@ -98,7 +93,7 @@ def norm_head_backward(x: Tensor, targets: Tensor, norm_w: Tensor, head_w: Tenso
         pieces = [(x, targets)]
     else:
         flat, flat_targets = x.view(-1, h), targets.reshape(-1)
-        pieces = [(flat[s], flat_targets[s]) for s in _chunks(flat.shape[0], tile_tokens)]
+        pieces = [(flat[s], flat_targets[s]) for s in token_slices(flat.shape[0], tile_tokens)]
     total = torch.zeros((), dtype=torch.float32, device=x.device)
     for xs, ts in pieces:
         xt = xs.detach().requires_grad_(True)

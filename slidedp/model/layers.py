@@ -128,7 +128,8 @@ def decoder_layer(cfg: ModelConfig, p: Mapping[str, Tensor], x: Tensor, rope: tu
     return mlp_half(cfg, p, attention_half(cfg, p, x, rope))
 
 
-def _tiles(n: int, size: int) -> Iterator[slice]:
+def token_slices(n: int, size: int) -> Iterator[slice]:
+    """[0, n) in consecutive slices of `size` (the last one short): tiles, loss chunks."""
     for start in range(0, n, size):
         yield slice(start, min(start + size, n))
 
@@ -142,7 +143,7 @@ def layer_forward(cfg: ModelConfig, p: Mapping[str, Tensor], x: Tensor, rope: tu
     y = attention_half(cfg, p, x, rope)
     flat = y.view(-1, y.shape[-1])
     w = p["post_attention_layernorm.weight"]
-    for s in _tiles(flat.shape[0], tile_tokens):  # in place: the residual stream becomes the output
+    for s in token_slices(flat.shape[0], tile_tokens):  # in place: the residual stream becomes the output
         flat[s] += _mlp(p, rms_norm(flat[s], w, cfg.rms_norm_eps))
     return y
 
@@ -185,7 +186,7 @@ def _mlp_backward_tiled(cfg: ModelConfig, p: Mapping[str, Tensor], mid: Tensor, 
     leaves = [p[n] for n in names]
     h = mid.shape[-1]
     mid_flat, grad_flat = mid.view(-1, h), grad.view(-1, h)
-    for s in _tiles(mid_flat.shape[0], tile_tokens):
+    for s in token_slices(mid_flat.shape[0], tile_tokens):
         xt = mid_flat[s].detach().requires_grad_(True)
         got = torch.autograd.grad(mlp_half(cfg, p, xt), [xt] + leaves, grad_flat[s])
         grad_flat[s] = got[0]  # the tile's upstream gradient is used up: reuse its storage
