@@ -28,7 +28,7 @@ from slidedp.schedule import lr_at
 from slidedp.store.layout import Chunk, Member
 from slidedp.store.manifest import UPDATING
 from slidedp.store.rings import GradRings
-from slidedp.store.store import HostStore, member_view
+from slidedp.store.store import STATE_KINDS, HostStore, member_view
 from slidedp.tracing import NULL
 from slidedp.transport import connect_dealer, identity, recv_dealer, send
 
@@ -164,7 +164,7 @@ class UpdaterCore:
             coef = self.coef[step]
             if coef < 1.0:
                 scale = torch.tensor(1.0 / coef, dtype=torch.float32)  # the kernel divides grads by grad_scale
-        views = [store.chunk(k, chunk) for k in ("master", "exp_avg", "exp_avg_sq")]
+        views = [store.chunk(k, chunk) for k in STATE_KINDS]
         adam_step = torch.tensor(float(store.manifest.adam_steps[chunk.id] + 1))
         for decay in (True, False):
             blocks = [b for mb in chunk.members if mb.decay == decay for b in _blocks(mb, grads, views)]

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from ..model import hf
-from .store import HostStore
+from .store import STATE_KINDS, HostStore
 
 _NAME = re.compile(r"^step-(\d{8})$")
 FORMAT = 1
@@ -38,12 +38,9 @@ def _sha256(path: Path) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-KINDS = ("master", "exp_avg", "exp_avg_sq")
-
-
 def _state_members(store: HostStore) -> list[tuple[str, tuple[int, ...]]]:
     """Tensor by tensor in store order, all three kinds together: one pass copies each chunk once."""
-    return [(f"{k}.{t.name}", t.shape) for t in store.layout.tensors for k in KINDS]
+    return [(f"{k}.{t.name}", t.shape) for t in store.layout.tensors for k in STATE_KINDS]
 
 
 def _releaser(store: HostStore, release) -> "callable":
@@ -55,7 +52,7 @@ def _releaser(store: HostStore, release) -> "callable":
     def get(name: str) -> torch.Tensor:
         kind, _, tensor = name.partition(".")
         out = store.tensor(kind, tensor).clone()
-        if kind == KINDS[-1] and release is not None:
+        if kind == STATE_KINDS[-1] and release is not None:
             for cid, names in pending.items():
                 if tensor in names:
                     names.discard(tensor)

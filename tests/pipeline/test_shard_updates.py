@@ -18,17 +18,15 @@ from slidedp.daemons.aggregator import AggregatorCore
 from slidedp.daemons.updater_member import UpdaterCore
 from slidedp.protocol import SOURCE_RANK_SHARD, Credit, Grad, Ready, Update
 from slidedp.schedule import lr_at
+from slidedp.store.store import STATE_KINDS
 from slidedp.transport import identity
 
 from reliability import drop_store
 from .harness import attached_job_record, unique_store
 
-KINDS = ("master", "exp_avg", "exp_avg_sq")
-
-
 def _expected(store, chunk, grad: torch.Tensor, lr: float, train) -> dict[str, torch.Tensor]:
     """torch.optim.AdamW's first step on every member of the chunk, from the store's current state."""
-    out = {k: store.chunk(k, chunk).clone() for k in KINDS}
+    out = {k: store.chunk(k, chunk).clone() for k in STATE_KINDS}
     for mb in chunk.members:
         sl = slice(mb.offset, mb.offset + mb.numel)
         p = torch.nn.Parameter(out["master"][sl].clone())
@@ -77,7 +75,7 @@ def test_updater_reads_each_ranks_shard_in_its_slot(world):
             done = upd.next()
             assert done is not None and upd.next() is None
             assert store.manifest.versions[chunk.id] == 1 and store.manifest.adam_steps[chunk.id] == 1
-            for k in KINDS:
+            for k in STATE_KINDS:
                 got = store.chunk(k, chunk)
                 assert torch.isfinite(got).all(), k
                 torch.testing.assert_close(got, want[k], rtol=1e-6, atol=1e-9, msg=k)

@@ -18,6 +18,7 @@ from slidedp.daemons.hoststate import HostStateCore
 from slidedp.model import hf
 from slidedp.store import checkpoint as ckpt
 from slidedp.store.shm import unlink_store
+from slidedp.store.store import STATE_KINDS
 
 from . import unique_store
 
@@ -30,7 +31,7 @@ def test_background_checkpoint_is_the_state_of_its_step(tmp_path):
         store = core.store
         for kind in ("exp_avg", "exp_avg_sq"):
             store.flat(kind).copy_(torch.randn(store.layout.total_numel))
-        before = {k: store.flat(k).clone() for k in ckpt.KINDS}
+        before = {k: store.flat(k).clone() for k in STATE_KINDS}
 
         out = core.do_checkpoint({"dir": str(tmp_path / "ck"), "dtype": "fp32", "background": True})
         assert out == {"step": 0, "background": True}
@@ -40,7 +41,7 @@ def test_background_checkpoint_is_the_state_of_its_step(tmp_path):
         def updater() -> None:  # what slidedp-updater does before it writes a chunk
             for chunk in reversed(store.layout.chunks):
                 m.wait_snapshot(chunk.id, timeout_s=60)
-                for kind in ckpt.KINDS:
+                for kind in STATE_KINDS:
                     store.chunk(kind, chunk).add_(1.0)
 
         t = threading.Thread(target=updater)
@@ -56,13 +57,13 @@ def test_background_checkpoint_is_the_state_of_its_step(tmp_path):
         assert record["master_in"] == "state"
         for span in store.layout.tensors:
             n = math.prod(span.shape)
-            for kind in ckpt.KINDS:
+            for kind in STATE_KINDS:
                 want = before[kind][span.offset:span.offset + n].view(span.shape)
                 assert torch.equal(hf.load_tensor(path / "state", f"{kind}.{span.name}"), want), (kind, span.name)
             # the Hugging Face folder is written from the copy, not from the store that moved on
             want = before["master"][span.offset:span.offset + n].view(span.shape)
             assert torch.equal(hf.load_tensor(path / "model", span.name), want), span.name
-        for kind in ckpt.KINDS:  # and every rewrite landed in the store afterwards
+        for kind in STATE_KINDS:  # and every rewrite landed in the store afterwards
             assert torch.equal(store.flat(kind), before[kind] + 1.0)
         assert core.do_checkpoint_wait({}) == {"idle": True}
     finally:
