@@ -12,16 +12,14 @@ from slidedp.model import layers
 from slidedp.model.config import NAMED_SHAPES, ModelConfig
 from slidedp.model.init import init_params
 
+from .test_layers import rel_err
+
 SHAPES = {
     "qk_norm": NAMED_SHAPES["tiny"],  # Qwen3
     "attention_bias": dataclasses.replace(NAMED_SHAPES["tiny-llama"], family="qwen2", attention_bias=True),
 }
 B, T = 2, 37
 TILES = [8, 37, 200]  # 8 divides neither T nor B * T; 37 is one sequence; 200 covers everything
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).norm() / b.norm()).item()
 
 
 def layer_inputs(cfg: ModelConfig):

@@ -17,6 +17,8 @@ from slidedp.model.config import NAMED_SHAPES, ModelConfig
 from slidedp.model.init import init_tensor_
 from slidedp.store.layout import Chunk, Layout, make_layout
 
+from .harness import rel_err
+
 M, MB, T = 2, 2, 37  # micro-batches of MB sequences of T tokens; 7-token tiles divide neither T nor MB * T
 STEPS = 3
 LR = 0.5
@@ -79,10 +81,6 @@ def train(cfg: ModelConfig, policy: EnginePolicy) -> tuple[list[float], list[dic
         losses.append(times.loss_sum)
         grads.append(got)
     return losses, grads
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
 @pytest.mark.parametrize("shape", ["tiny", "tiny-llama"])  # tied Qwen3 (qk norm), untied Llama
