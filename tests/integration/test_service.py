@@ -83,6 +83,7 @@ class NotifySocket:
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
         self.sock.bind(str(path))
         self.received: list[tuple[int, list[str]]] = []
+        self._syncs = 0  # markers sent by sync()
         self._arrived = threading.Condition()
         self._closed = threading.Event()
         self._reader = threading.Thread(target=self._read, name="notify-socket", daemon=True)
@@ -104,6 +105,15 @@ class NotifySocket:
     def states(self, pid: int) -> list[str]:
         with self._arrived:
             return [s for p, states in self.received if p == pid for s in states]
+
+    def sync(self, timeout: float = 30.0) -> None:
+        """Until every datagram this process sent before has been read: a unix datagram socket keeps one
+        sender's datagrams in order, so once a marker sent now is read, all earlier ones are."""
+        self._syncs += 1
+        marker = f"TEST_SYNC={self._syncs}"
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as out:
+            out.sendto(marker.encode(), str(self.path))
+        assert self.wait_for(os.getpid(), marker, 1, timeout), "the notify socket's reader fell behind"
 
     def wait_for(self, pid: int, state: str, count: int, timeout: float) -> bool:
         """Whether `pid` sent `state` at least `count` times within `timeout` seconds."""
@@ -393,8 +403,7 @@ def test_long_requests_keep_the_watchdog_fed(notify_here: NotifySocket) -> None:
     for kind in ("create", "attach", "checkpoint", "restore", "destroy"):
         assert hoststate._handle(core, watchdog, kind, {}) == {"kind": kind}
     assert core.keepalive_seen == [True] * 5
-    # the last datagram may still be queued for the reader thread: wait for the 5th "serving"
-    assert notify_here.wait_for(os.getpid(), "STATUS=serving store demo", 5, 30)
+    notify_here.sync()  # the last datagrams may still be queued for the reader thread
     statuses = [s for s in notify_here.states(os.getpid()) if s.startswith("STATUS=")]
     assert statuses[:2] == ["STATUS=create of store demo in progress", "STATUS=serving store demo"]
     assert statuses[-1] == "STATUS=serving store demo"
@@ -403,6 +412,7 @@ def test_long_requests_keep_the_watchdog_fed(notify_here: NotifySocket) -> None:
     for kind in ("ping", "status", "detach"):
         assert hoststate._handle(core, watchdog, kind, {}) == {"kind": kind}
     assert core.keepalive_seen[5:] == [False] * 3
+    notify_here.sync()
     assert len([s for s in notify_here.states(os.getpid()) if s.startswith("STATUS=")]) == count
 
 
@@ -411,6 +421,7 @@ def test_a_refused_long_request_stops_the_keepalive(notify_here: NotifySocket) -
     with pytest.raises(hoststate.RequestError, match="refused"):
         hoststate._handle(core, sdnotify.Watchdog(), "checkpoint", {})
     assert not any(t.name == "slidedp-watchdog" for t in threading.enumerate())
+    notify_here.sync()
     assert [s for s in notify_here.states(os.getpid()) if s.startswith("STATUS=")][-1] == "STATUS=serving store demo"
 
 
