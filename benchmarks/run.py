@@ -226,6 +226,8 @@ def environment(rows: list[dict[str, Any]]) -> dict[str, Any]:
         commit = done.stdout.strip() if done.returncode == 0 else None
     except (OSError, subprocess.SubprocessError):
         commit = None
+    # a copied working tree may carry a stale .git: the session names the commit it copied
+    commit = os.environ.get("SLIDEDP_CODE_COMMIT") or commit
     gpu = next((r["device_name"] for r in rows if r.get("device_name") and r.get("device") == "cuda"), None)
     torch_version = next((r["torch"] for r in rows if r.get("torch")), None)
     if torch_version is None:

@@ -167,6 +167,7 @@ class TrainSection(_Section):
     max_grad_norm: float = 1.0  # 0 disables clipping
     seed: int = 0
     compute_dtype: str = "bf16"
+    compile: str = "auto"  # the layers' pointwise kernels through torch.compile: auto (on CUDA), on, off
 
     def validate(self) -> None:
         for name in ("steps", "global_batch", "micro_batch", "seq_len"):
@@ -182,6 +183,7 @@ class TrainSection(_Section):
         self._range("max_grad_norm", 0)
         self._range("seed", 0)
         self._choice("compute_dtype", ("bf16", "fp32"))
+        self._choice("compile", ("auto", "on", "off"))
         if self.global_batch % self.micro_batch:
             raise ConfigError(
                 f"train.micro_batch ({self.micro_batch}) must divide train.global_batch ({self.global_batch})"

@@ -141,7 +141,7 @@ class Engine:
         nxt = layer - 1 if backward else layer + 1
         if 0 <= nxt < self.cfg.num_layers and not (backward and nxt in self._resident):
             self.delivery.prefetch(self.units[f"layer.{nxt}"], step)
-        return unit_tensors(flat, unit, strip=f"model.layers.{layer}.")
+        return L.fuse_projections(unit_tensors(flat, unit, strip=f"model.layers.{layer}."))
 
     def _weight(self, name: str, step: int) -> torch.Tensor:
         """The full embedding or head matrix in the compute dtype: held on the device, or fetched."""
@@ -240,7 +240,7 @@ class Engine:
             if layer > 0:
                 self.saved.prefetch(layer - 1)  # one layer ahead of the compute that needs it
             acc = torch.zeros(chunk.numel, dtype=torch.float32, device=self.device)
-            acc_views = unit_tensors(acc, self.units[f"layer.{layer}"], strip=f"model.layers.{layer}.")
+            acc_views = L.fuse_projections(unit_tensors(acc, self.units[f"layer.{layer}"], strip=f"model.layers.{layer}."))
             with self._span(f"backward layer {layer}", step, layer=layer):
                 for i in range(M):
                     grads_out[i] = L.layer_backward(cfg, p, self.saved.get(layer, i), rope, grads_out[i], tile, acc_views)

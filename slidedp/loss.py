@@ -2,7 +2,9 @@
 
 Forward and backward both walk the tokens in chunks; backward recomputes each chunk's
 logits from the saved hidden states (one extra matmul per chunk) instead of keeping them,
-so peak memory is one chunk of fp32 logits, not N x V. `norm_head_backward` puts the final
+so peak memory is one chunk of fp32 logits, not N x V. Where forward and backward run
+together (the engine's loss), `cross_entropy_sum_and_grad` turns each chunk's logits into
+their gradient at once and needs no recompute. `norm_head_backward` puts the final
 norm in front and walks a long sequence in tiles, so the norm's fp32 intermediates and the
 hidden states the cross-entropy keeps are one tile's, not the sequence's.
 """
@@ -12,7 +14,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .model.layers import rms_norm, token_slices
+from .model import layers
+from .model.layers import token_slices
 
 IGNORE_INDEX = -100  # targets equal to this contribute no loss and no gradient (as in F.cross_entropy)
 
@@ -24,12 +27,8 @@ class _ChunkedCrossEntropySum(torch.autograd.Function):
         lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         for s in token_slices(n, chunk_tokens):
-            logits = (hidden[s] @ weight.T).float()
-            lse[s] = torch.logsumexp(logits, dim=-1)
-            tgt = targets[s]
-            valid = tgt != IGNORE_INDEX
-            picked = logits.gather(1, tgt.clamp(min=0).unsqueeze(1)).squeeze(1)
-            total += torch.where(valid, lse[s] - picked, 0.0).sum()
+            lse[s], loss = _chunk_loss((hidden[s] @ weight.T).float(), targets[s])
+            total += loss
         ctx.save_for_backward(hidden, weight, targets, lse)
         ctx.chunk_tokens = chunk_tokens
         return total
@@ -43,21 +42,69 @@ class _ChunkedCrossEntropySum(torch.autograd.Function):
         g_out = grad_out.float()
         for s in token_slices(hidden.shape[0], ctx.chunk_tokens):
             h = hidden[s]
-            tgt = targets[s]
-            valid = tgt != IGNORE_INDEX
-            # d(lse - logit[t]) / d logits = softmax - onehot(t), scaled by the upstream grad
-            g = torch.exp((h @ weight.T).float() - lse[s, None])
-            g.scatter_add_(1, tgt.clamp(min=0).unsqueeze(1), -torch.ones_like(g[:, :1]))
-            g *= torch.where(valid, g_out, 0.0).unsqueeze(1)
-            g = g.to(hidden.dtype)
+            g = _logit_grad_((h @ weight.T).float(), lse[s], targets[s], g_out).to(hidden.dtype)
             if need_h:
                 grad_h[s] = g @ weight
             if need_w:
-                if g.dtype == torch.float32:
-                    grad_w.addmm_(g.T, h)
-                else:  # matmul in the compute dtype, accumulation across chunks in fp32
-                    grad_w += (g.T @ h).float()
+                add_matmul_(grad_w, g.T, h)
         return grad_h, (grad_w.to(weight.dtype) if need_w else None), None, None
+
+
+def _logit_grad_(logits: Tensor, lse: Tensor, targets: Tensor, g_out: Tensor) -> Tensor:
+    """In place: fp32 logits [n, V] become d(g_out * sum(lse - logit[target])) / d logits,
+    softmax - onehot(target) scaled by g_out (0 on IGNORE_INDEX rows)."""
+    logits.sub_(lse[:, None]).exp_()
+    logits.scatter_add_(1, targets.clamp(min=0).unsqueeze(1), -torch.ones_like(logits[:, :1]))
+    return logits.mul_(torch.where(targets != IGNORE_INDEX, g_out, 0.0).unsqueeze(1))
+
+
+def _chunk_loss(logits: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
+    """(log-sum-exp per row, sum of the rows' losses) of fp32 logits; IGNORE_INDEX rows add nothing."""
+    lse = torch.logsumexp(logits, dim=-1)
+    picked = logits.gather(1, targets.clamp(min=0).unsqueeze(1)).squeeze(1)
+    return lse, torch.where(targets != IGNORE_INDEX, lse - picked, 0.0).sum()
+
+
+_OUT_DTYPE_MATMUL = [True]  # torch.addmm(..., out_dtype=) on CUDA; cleared at the first refusal
+
+
+def add_matmul_(acc: Tensor, a: Tensor, b: Tensor) -> None:
+    """acc += a @ b, with acc fp32 and a, b perhaps in a lower precision: the products in a's
+    dtype, the sum kept in acc's (on CUDA in one GEMM that reads and writes acc in fp32)."""
+    if a.dtype == acc.dtype:
+        acc.addmm_(a, b)
+        return
+    if acc.is_cuda and _OUT_DTYPE_MATMUL[0]:
+        try:
+            torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+            return
+        except (RuntimeError, TypeError):  # an older torch: no fp32 output for low-precision inputs
+            _OUT_DTYPE_MATMUL[0] = False
+    acc += (a @ b).to(acc.dtype)
+
+
+def cross_entropy_sum_and_grad(hidden: Tensor, weight: Tensor, targets: Tensor, chunk_tokens: int, scale: float,
+                               weight_grad_acc: Tensor) -> tuple[Tensor, Tensor]:
+    """Forward and backward of the chunked cross-entropy at once, for a caller that needs both now.
+
+    Returns (sum of token losses, fp32 scalar; gradient of scale * that sum with respect to hidden,
+    in hidden's dtype) and adds the gradient with respect to weight into weight_grad_acc (fp32
+    [V, H]). Each chunk's logits are made once and turned into their gradient in place: no
+    recompute, one GEMM fewer per chunk than forward + backward through autograd.
+    """
+    grad_h = torch.empty_like(hidden)
+    total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    g_out = torch.tensor(scale, dtype=torch.float32, device=hidden.device)
+    for s in token_slices(hidden.shape[0], chunk_tokens):
+        h, tgt = hidden[s], targets[s]
+        logits = (h @ weight.T).float()
+        lse, loss = _chunk_loss(logits, tgt)
+        total += loss
+        g = _logit_grad_(logits, lse, tgt, g_out).to(hidden.dtype)
+        del logits
+        grad_h[s] = g @ weight
+        add_matmul_(weight_grad_acc, g.T, h)
+    return total, grad_h
 
 
 def chunked_cross_entropy_sum(hidden: Tensor, weight: Tensor, targets: Tensor, chunk_tokens: int = 4096) -> Tensor:
@@ -85,9 +132,9 @@ def norm_head_backward(x: Tensor, targets: Tensor, norm_w: Tensor, head_w: Tenso
     tile_tokens > 0: over the flattened tokens, that many at a time (0: all at once). Returns the sum
     of token losses (fp32 scalar, no graph). x is overwritten with the gradient of scale * loss (a
     tile's input is dead once its gradient exists); the weights' gradients are added into norm_acc
-    [H] and head_acc [V, H].
+    [H] and head_acc [V, H] (the head's straight from each chunk's GEMM, in head_acc's precision).
     """
-    norm_w, head_w = norm_w.detach().requires_grad_(True), head_w.detach().requires_grad_(True)
+    norm_w, head_w = norm_w.detach().requires_grad_(True), head_w.detach()
     h = x.shape[-1]
     if tile_tokens <= 0:
         pieces = [(x, targets)]
@@ -97,10 +144,11 @@ def norm_head_backward(x: Tensor, targets: Tensor, norm_w: Tensor, head_w: Tenso
     total = torch.zeros((), dtype=torch.float32, device=x.device)
     for xs, ts in pieces:
         xt = xs.detach().requires_grad_(True)
-        loss = chunked_cross_entropy_sum(rms_norm(xt, norm_w, eps).reshape(-1, h), head_w, ts.reshape(-1), chunk_tokens)
-        gx, gn, gh = torch.autograd.grad(loss * scale, [xt, norm_w, head_w])
+        normed = layers.rms_norm(xt, norm_w, eps).reshape(-1, h)  # looked up at call: compile_kernels swaps it
+        loss, grad_normed = cross_entropy_sum_and_grad(normed.detach(), head_w, ts.reshape(-1).long(), chunk_tokens,
+                                                       scale, head_acc)
+        gx, gn = torch.autograd.grad(normed, [xt, norm_w], grad_normed)
         xs.copy_(gx)
-        total += loss.detach()
+        total += loss
         norm_acc += gn
-        head_acc += gh
     return total

@@ -30,6 +30,7 @@ from .delivery import Unit
 from .device_state import DeviceResident
 from .engine import Engine, EnginePolicy, units_of
 from .hostmem import Registration
+from .model import layers as L
 from .numa import device_cpus, parse_cpulist
 from .protocol import (CONTROL_STOP, ROLE_WORKER, SLOT_DEVICE, Control, Credit, Go, Grad, Hello, Loss, Norm, Ready,
                        WorkerStats)
@@ -218,6 +219,9 @@ def run(args: argparse.Namespace) -> int:
                if tokens is not None else open_batches(job, cfg.vocab_size))
     t = job.train
     dtype = DTYPES[t.compute_dtype]
+    if L.compiled_kernels_wanted(t.compile, device):
+        L.compile_kernels(fallback=t.compile == "auto")
+        log.info("the layers' pointwise kernels run through torch.compile (train.compile = %r)", t.compile)
     group = join_group(args, device, rank, world, job.runtime.timeout_s)
     held = hold_units(args, store, device, dtype, t, rank, group)
     policy = EnginePolicy(resident_layers=args.resident_layers, prefetch_depth=args.prefetch,

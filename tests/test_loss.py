@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from slidedp.loss import chunked_cross_entropy_sum
+from slidedp.loss import IGNORE_INDEX, add_matmul_, chunked_cross_entropy_sum, cross_entropy_sum_and_grad
 
 
 def _inputs(n: int = 37, h: int = 16, v: int = 50, dtype=torch.float32, seed: int = 0):
@@ -100,3 +100,43 @@ def test_bad_inputs():
         chunked_cross_entropy_sum(hidden, weight, targets[1:])
     with pytest.raises(ValueError, match="chunk_tokens must be positive, got 0"):
         chunked_cross_entropy_sum(hidden, weight, targets, chunk_tokens=0)
+
+
+@pytest.mark.parametrize("chunk", [5, 37])
+def test_forward_and_backward_at_once_matches_cross_entropy(chunk):
+    """cross_entropy_sum_and_grad: the loss, the hidden gradient of scale * loss, and the weight
+    gradient added onto what the accumulator already held, with ignored targets skipped."""
+    hidden, weight, targets = _inputs()
+    targets[3] = targets[20] = IGNORE_INDEX
+    keep = targets != IGNORE_INDEX
+    h = hidden.detach().requires_grad_(True)
+    w = weight.detach().requires_grad_(True)
+    ref_loss = F.cross_entropy(h[keep] @ w.T, targets[keep], reduction="sum")
+    (ref_loss * 0.25).backward()
+    acc = torch.full(weight.shape, 0.5)
+    loss, grad_h = cross_entropy_sum_and_grad(hidden.detach(), weight.detach(), targets, chunk, 0.25, acc)
+    assert abs(loss.item() - ref_loss.item()) <= 1e-6 * abs(ref_loss.item())
+    assert _rel(grad_h, h.grad) < 1e-6
+    assert grad_h[3].abs().max() == 0
+    assert _rel(acc - 0.5, w.grad) < 1e-6
+
+
+def test_forward_and_backward_at_once_in_bf16_keeps_the_weight_gradient_in_fp32():
+    hidden, weight, targets = _inputs(n=64, h=32, v=80, dtype=torch.bfloat16)
+    _, ref_gh, ref_gw = _reference(hidden, weight, targets, grad_scale=1.0 / 64)
+    acc = torch.zeros(weight.shape, dtype=torch.float32)
+    _, grad_h = cross_entropy_sum_and_grad(hidden.detach(), weight.detach(), targets, 16, 1.0 / 64, acc)
+    assert grad_h.dtype == torch.bfloat16 and acc.dtype == torch.float32
+    assert _rel(grad_h, ref_gh) < 2e-2 and _rel(acc, ref_gw) < 2e-2
+
+
+def test_add_matmul_accumulates_low_precision_products_in_fp32():
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(8, 32, generator=g), torch.randn(32, 4, generator=g)
+    acc = torch.ones(8, 4)
+    add_matmul_(acc, a.bfloat16(), b.bfloat16())
+    assert acc.dtype == torch.float32
+    assert _rel(acc, 1 + a.bfloat16().float() @ b.bfloat16().float()) < 1e-2
+    acc32 = torch.ones(8, 4)
+    add_matmul_(acc32, a, b)
+    assert torch.allclose(acc32, 1 + a @ b, rtol=1e-6, atol=1e-6)

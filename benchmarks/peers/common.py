@@ -234,11 +234,18 @@ def timed_steps(step: Callable[[Stopwatch], float | None], steps: int, device: s
     returns the step's loss (a float) or None. Each step is timed between two synchronizations.
     """
     times, sections, losses = [], [], []
+    profile_step, _, profile_path = os.environ.get("BENCH_PROFILE", "").partition(":")
     for i in range(steps):
         watch = Stopwatch(device)
         sync(device)
         t0 = time.perf_counter()
-        loss = step(watch)
+        if profile_path and i == int(profile_step):  # BENCH_PROFILE=STEP:PATH writes that step's trace
+            with torch.profiler.profile() as prof:
+                loss = step(watch)
+                sync(device)
+            prof.export_chrome_trace(profile_path)
+        else:
+            loss = step(watch)
         sync(device)
         times.append(time.perf_counter() - t0)
         sections.append(watch.totals)

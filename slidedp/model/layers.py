@@ -26,6 +26,46 @@ from slidedp.model.config import ModelConfig
 _SDPA_GQA = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 5)
 
 
+# Fused projection names: one [rows, hidden] matrix over neighbouring weights (fuse_projections).
+QKV = "self_attn.qkv_proj.weight"
+GATE_UP = "mlp.gate_up_proj.weight"
+_FUSIONS = ((QKV, ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight")),
+            (GATE_UP, ("mlp.gate_proj.weight", "mlp.up_proj.weight")))
+
+
+def _adjacent_rows(ts: list[Tensor]) -> Tensor | None:
+    """One [sum of rows, cols] view over 2-D tensors that lie back to back in one buffer, else None."""
+    first = ts[0]
+    offset = first.storage_offset()
+    for t in ts:
+        if (t.dim() != 2 or not t.is_contiguous() or t.shape[1] != first.shape[1] or t.dtype != first.dtype
+                or t.device != first.device or t.storage_offset() != offset
+                or t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()):
+            return None
+        offset += t.numel()
+    rows = sum(t.shape[0] for t in ts)
+    return first.as_strided((rows, first.shape[1]), (first.shape[1], 1), first.storage_offset())
+
+
+def fuse_projections(p: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """p with q/k/v (and gate/up) replaced by one view each where they lie back to back in one buffer.
+
+    A streamed layer's tensors are views of one flat chunk whose layout keeps q, k, v and gate, up
+    adjacent (no biases between them), so one GEMM replaces three (two) at no copy; the gradient
+    of the fused view lands in the same places of a gradient buffer of the same layout. Where the
+    tensors are not adjacent (biases, separate tensors) p is returned as it is.
+    """
+    out = dict(p)
+    for fused, names in _FUSIONS:
+        if all(n in out for n in names):
+            view = _adjacent_rows([out[n] for n in names])
+            if view is not None:
+                for n in names:
+                    del out[n]
+                out[fused] = view
+    return out
+
+
 def _inv_freq(cfg: ModelConfig) -> Tensor:
     d = cfg.head_dim
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float) / d))
@@ -85,7 +125,11 @@ def _attention(cfg: ModelConfig, p: Mapping[str, Tensor], h: Tensor, rope: tuple
         bias = p[f"self_attn.{name}.bias"] if cfg.attention_bias else None
         return F.linear(h, p[f"self_attn.{name}.weight"], bias).view(b, t, heads, d)
 
-    q, k, v = proj("q_proj", nh), proj("k_proj", nkv), proj("v_proj", nkv)
+    if QKV in p:  # one GEMM for the three projections (see fuse_projections)
+        q, k, v = F.linear(h, p[QKV]).split((nh * d, nkv * d, nkv * d), dim=-1)
+        q, k, v = q.view(b, t, nh, d), k.view(b, t, nkv, d), v.view(b, t, nkv, d)
+    else:
+        q, k, v = proj("q_proj", nh), proj("k_proj", nkv), proj("v_proj", nkv)
     if cfg.qk_norm:  # Qwen3: per-head RMSNorm before rope
         q = rms_norm(q, p["self_attn.q_norm.weight"], cfg.rms_norm_eps)
         k = rms_norm(k, p["self_attn.k_norm.weight"], cfg.rms_norm_eps)
@@ -103,10 +147,17 @@ def _attention(cfg: ModelConfig, p: Mapping[str, Tensor], h: Tensor, rope: tuple
     return F.linear(o, p["self_attn.o_proj.weight"])
 
 
+def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
+    return F.silu(gate) * up
+
+
 def _mlp(p: Mapping[str, Tensor], h: Tensor) -> Tensor:
-    gate = F.linear(h, p["mlp.gate_proj.weight"])
-    up = F.linear(h, p["mlp.up_proj.weight"])
-    return F.linear(F.silu(gate) * up, p["mlp.down_proj.weight"])
+    if GATE_UP in p:
+        gate, up = F.linear(h, p[GATE_UP]).chunk(2, dim=-1)
+    else:
+        gate = F.linear(h, p["mlp.gate_proj.weight"])
+        up = F.linear(h, p["mlp.up_proj.weight"])
+    return F.linear(silu_mul(gate, up), p["mlp.down_proj.weight"])
 
 
 def attention_half(cfg: ModelConfig, p: Mapping[str, Tensor], x: Tensor, rope: tuple[Tensor, Tensor]) -> Tensor:
@@ -119,7 +170,7 @@ def mlp_half(cfg: ModelConfig, p: Mapping[str, Tensor], x: Tensor) -> Tensor:
     return x + _mlp(p, rms_norm(x, p["post_attention_layernorm.weight"], cfg.rms_norm_eps))
 
 
-MLP_HALF_PARAMS = ("post_attention_layernorm.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
+MLP_HALF_PARAMS = ("post_attention_layernorm.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", GATE_UP,
                    "mlp.down_proj.weight")
 
 
@@ -182,7 +233,7 @@ def layer_backward(cfg: ModelConfig, p: Mapping[str, Tensor], x: Tensor, rope: t
 def _mlp_backward_tiled(cfg: ModelConfig, p: Mapping[str, Tensor], mid: Tensor, grad: Tensor, tile_tokens: int,
                         grad_acc: Mapping[str, Tensor]) -> None:
     """Turn grad (of the layer output, in place) into the gradient of mid, the MLP half's input."""
-    names = list(MLP_HALF_PARAMS)
+    names = [n for n in MLP_HALF_PARAMS if n in p]
     leaves = [p[n] for n in names]
     h = mid.shape[-1]
     mid_flat, grad_flat = mid.view(-1, h), grad.view(-1, h)
@@ -214,3 +265,27 @@ def forward_hidden(cfg: ModelConfig, params: Mapping[str, Tensor], ids: Tensor) 
 def forward_logits(cfg: ModelConfig, params: Mapping[str, Tensor], ids: Tensor) -> Tensor:
     """Full logits [B, T, V]: for tests and the reference trainer, never the streaming path."""
     return F.linear(forward_hidden(cfg, params, ids), params[cfg.head_name])
+
+
+_EAGER = {"rms_norm": rms_norm, "_apply_rope": _apply_rope, "silu_mul": silu_mul}
+
+
+def compile_kernels(enable: bool = True, backend: str = "inductor", fallback: bool = False) -> None:
+    """Run the layers' pointwise pieces (RMSNorm, rope, SiLU * up) as torch.compile'd kernels.
+
+    Each piece is a chain of memory-bound ops in eager mode (RMSNorm alone is seven passes over
+    its input); compiled, each becomes one or two fused kernels, forward and backward. GEMMs and
+    attention stay eager. Process-wide: the worker calls it once before its first step.
+    fallback: a piece that fails to compile runs eagerly (torch logs why) instead of raising.
+    """
+    import torch._dynamo
+
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    torch._dynamo.config.suppress_errors = fallback
+    for name, fn in _EAGER.items():
+        globals()[name] = torch.compile(fn, backend=backend, dynamic=False) if enable else fn
+
+
+def compiled_kernels_wanted(setting: str, device: torch.device) -> bool:
+    """train.compile: "on", "off", or "auto" (on for CUDA devices, where the pointwise chains cost)."""
+    return setting == "on" or (setting == "auto" and device.type == "cuda")
