@@ -146,6 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--loss-chunk", type=int, default=1024)
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--compile", action="store_true", help="also time torch.compile'd kernels")
+    ap.add_argument("--no-eager", action="store_true", help="skip the eager layer cases")
+    ap.add_argument("--no-loss", action="store_true", help="skip the loss cases")
     ap.add_argument("--json", default="")
     args = ap.parse_args(argv)
     cfg = named_shape(args.shape)
@@ -155,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         rows[name] = seconds
         print(f"{name:60s} {seconds * 1e3:9.2f} ms", flush=True)
 
-    for m in args.micro:
+    for m in [] if args.no_eager else args.micro:
         put(f"layer m={m} separate", layer_case(cfg, m, args.seq, args.tokens, False, args.repeat))
         put(f"layer m={m} fused", layer_case(cfg, m, args.seq, args.tokens, True, args.repeat))
         put(f"layer m={m} peer (fp32 weights, autocast, checkpoint)", peer_layer_case(cfg, m, args.seq, args.tokens, args.repeat))
@@ -163,13 +165,14 @@ def main(argv: list[str] | None = None) -> int:
         L.compile_kernels()
         for m in args.micro:
             put(f"layer m={m} fused + compiled kernels", layer_case(cfg, m, args.seq, args.tokens, True, args.repeat))
+            put(f"layer m={m} separate + compiled kernels", layer_case(cfg, m, args.seq, args.tokens, False, args.repeat))
         L.compile_kernels(False)
         eager_layer = L.decoder_layer
         L.decoder_layer = torch.compile(eager_layer, dynamic=False)  # the whole layer as one graph
         for m in args.micro:
             put(f"layer m={m} fused + compiled whole layer", layer_case(cfg, m, args.seq, args.tokens, True, args.repeat))
         L.decoder_layer = eager_layer
-    for name, s in loss_cases(cfg, args.micro[0], args.seq, args.tokens, args.loss_chunk, args.repeat).items():
+    for name, s in {} if args.no_loss else loss_cases(cfg, args.micro[0], args.seq, args.tokens, args.loss_chunk, args.repeat).items():
         put(name, s)
     layers_total = {k: v * cfg.num_layers for k, v in rows.items() if k.startswith("layer")}
     print("per step (x %d layers):" % cfg.num_layers)
