@@ -83,7 +83,7 @@ def plan_job(job: JobConfig, calib: Calibration | None = None) -> RunPlan:
                        grad_route="reduce_scatter" if rt.grad_route == "reduce_scatter" and not one else "host")
     work = Workload(model=model_config(job), global_batch=t.global_batch, seq_len=t.seq_len, world=rt.workers,
                     micro_batch=t.micro_batch, compute_dtype=t.compute_dtype, clip=t.max_grad_norm > 0,
-                    updaters=max(1, rt.updaters))
+                    updaters=max(1, rt.updaters), compiled=t.compile in ("auto", "on"))
     calib = calib or calibration(rt.workers)
     allowed = {
         "activations": ("keep", "offload") if mem.offload_layers != 0 else ("keep",),

@@ -222,7 +222,7 @@ def test_bad_overrides(jobdir):
     assert error(p, ["train.stepz=3"]).endswith("unknown key train.stepz; allowed keys in [train]: steps, "
                                                  "global_batch, micro_batch, seq_len, lr, min_lr_ratio, warmup_steps, "
                                                  "schedule, weight_decay, beta1, beta2, eps, max_grad_norm, seed, "
-                                                 "compute_dtype")
+                                                 "compute_dtype, compile")
 
 
 def test_overrides_parse_toml_values_else_strings(jobdir, monkeypatch):

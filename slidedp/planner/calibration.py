@@ -135,9 +135,13 @@ class Calibration:
         return dataclasses.replace(self, gpu_train_factors=json.dumps({**kept, shape: float(factor)}, sort_keys=True),
                                    gpu_train_model_params=int(model_params))
 
+    def update_rate_learned(self, model_params: int) -> bool:
+        """Whether a run of this model on this host measured the updaters' rate in training."""
+        return bool(self.adamw_train_params_per_s) and self.adamw_train_model_params == model_params
+
     def update_params_per_s(self, model_params: int) -> float:
         """The AdamW rate the planner charges for a model: the one measured training it, else the bare kernel's."""
-        if self.adamw_train_params_per_s and self.adamw_train_model_params == model_params:
+        if self.update_rate_learned(model_params):
             return self.adamw_train_params_per_s
         return self.adamw_params_per_s
 

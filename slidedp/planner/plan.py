@@ -18,8 +18,10 @@ simulated and the steady-state period is the predicted step time. Ranks are symm
 one rank stands for all; `world` enters through the per-rank batch and the reduction.
 
 What the model leaves out (so the measured step may be a little longer): host memory
-bandwidth shared by DMA, aggregator and updaters; kernel-launch and Python overheads; the
-efficiency loss of small micro-batches; messages and version polling.
+bandwidth shared by DMA, aggregator and updaters (a run on the host measures the updaters'
+rate in training, and the next plan charges that instead of the bare kernel's);
+kernel-launch and Python overheads; the efficiency loss of small micro-batches; messages
+and version polling.
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ class Workload:
     compute_dtype: str = "bf16"
     clip: bool = True  # exact global-norm gradient clipping (max_grad_norm > 0)
     updaters: int = 1  # CPU updater processes (K)
+    compiled: bool = False  # the worker runs the layers' pointwise kernels compiled (train.compile)
 
     def __post_init__(self) -> None:
         for name in ("global_batch", "seq_len", "world", "micro_batch", "updaters"):
@@ -272,6 +275,8 @@ def _tasks(work: Workload, ch: Choices, calib: Calibration) -> list[_Task]:
 
     flops = calib.gpu_tflops * 1e12
     g_fwd = tokens * costs.layer_forward_flops_per_token(m, work.seq_len) / flops
+    if work.compiled:
+        g_fwd /= costs.COMPILED_LAYER_SPEEDUP
     g_loss = tokens * costs.head_step_flops_per_token(m) / flops
     upd_scale = costs.update_bytes_per_param(ch.delivery) / 28.0 / calib.update_params_per_s(m.num_parameters())
     red_scale = gb * costs.reduce_traffic_factor(work.world, ch.grad_route, work.clip) / (calib.reduce_gbps * 1e9)

@@ -83,6 +83,13 @@ def test_toy_prediction_embedding_on_gpu():
     assert exposed == pytest.approx(H + U + H - 0.1, rel=1e-9)
 
 
+def test_compiled_layers_are_charged_the_measured_speedup():
+    """train.compile: each layer's forward and recompute + backward at COMPILED_LAYER_SPEEDUP times the
+    eager rate; the loss and the GPU AdamW stay as they were."""
+    busy, _, _ = predict_step(toy(compiled=True), Choices(embedding="gpu"), TOY_CAL)
+    assert busy["gpu"] == pytest.approx((2 * 1 + 2 * 3) / costs.COMPILED_LAYER_SPEEDUP + G_LOSS + 0.1, rel=1e-12)
+
+
 def test_toy_prediction_embedding_on_host():
     busy, exposed, step = predict_step(toy(), Choices(embedding="host"), TOY_CAL)
     rows_in = 64 * 64 * 4 / 1e6  # the batch's 64 embedding rows, fp32
