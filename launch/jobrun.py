@@ -25,7 +25,7 @@ import zmq
 from slidedp import daemonlock, numa
 from slidedp.config import JobConfig, job_to_dict, job_to_toml, model_config
 from slidedp.data import DataError, open_batches
-from slidedp.jobrecord import JobRecord, reduction_slots, ring_slots
+from slidedp.jobrecord import JobRecord, held_chunk_ids, held_unit_names, reduction_slots, ring_slots
 from slidedp.protocol import (CONTROL_CONTINUE, CONTROL_STOP, ROLE_LAUNCHER, Ack, Control, Fault, Hello, JobEnd,
                               JobStart, Reply, StepDone, WorkerStats, request)
 from slidedp.schedule import lr_at
@@ -141,10 +141,8 @@ class JobRun:
         self.plan = plan_job(job)
         if self.plan.plan is not None:
             log.info("plan: %s", self.plan.plan.describe().replace("\n", "\n    "))
-        device_chunks = ()
-        if self.plan.embedding == "device":
-            held = ["embed"] + ([] if cfg.tie_word_embeddings else ["head"])
-            device_chunks = tuple(c.id for c in self.layout.chunks if c.kind in held)
+        device_chunks = held_chunk_ids(
+            self.layout, held_unit_names(cfg, self.plan.embedding == "device", self.plan.device_layers))
         slots = ring_slots(job.store.grad_slots, cfg.num_layers)
         record = JobRecord(job=job.run.name, store=self.store, world=self.world, train=job_to_dict(job)["train"],
                            layout_hash=self.layout.hash(), grad_slots=slots, device_chunks=device_chunks,
@@ -282,7 +280,7 @@ class JobRun:
                     "--embedding", plan.embedding, "--dist-file", str(dist_file), "--micro-batch", str(plan.micro_batch),
                     "--gpu-budget-gib", str(job.memory.gpu_budget_gib), "--seq-tile-tokens", str(plan.seq_tile_tokens),
                     "--offload-layers", str(plan.offload_layers), "--param-route", plan.param_route,
-                    "--grad-route", plan.grad_route]
+                    "--grad-route", plan.grad_route, "--device-layers", str(plan.device_layers)]
             if device == "cuda" and self.world > count:
                 argv.append("--shared-device")
             if self.reserved_cpus:

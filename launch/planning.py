@@ -34,6 +34,7 @@ class RunPlan:
     micro_batch: int = 1
     seq_tile_tokens: int = 0
     offload_layers: int = 0
+    device_layers: int = 0  # the first layers held on the devices with their AdamW state
     param_route: str = "replicated"
     grad_route: str = "host"
     plan: Plan | None = None
@@ -79,6 +80,7 @@ def plan_job(job: JobConfig, calib: Calibration | None = None) -> RunPlan:
         return RunPlan(resident_layers=max(0, mem.resident_layers), embedding=forced_embedding or "host",
                        micro_batch=t.micro_batch, seq_tile_tokens=max(0, mem.seq_tile_tokens),
                        offload_layers=min(max(0, mem.offload_layers), model_config(job).num_layers),
+                       device_layers=min(max(0, mem.device_layers), model_config(job).num_layers),
                        param_route="sharded" if rt.param_route == "sharded" and not one else "replicated",
                        grad_route="reduce_scatter" if rt.grad_route == "reduce_scatter" and not one else "host")
     work = Workload(model=model_config(job), global_batch=t.global_batch, seq_len=t.seq_len, world=rt.workers,
@@ -91,13 +93,14 @@ def plan_job(job: JobConfig, calib: Calibration | None = None) -> RunPlan:
         "embedding": {None: ("gpu", "host"), "host": ("host",), "device": ("gpu",)}[forced_embedding],
         **_routes(job, calib),
     }
-    plan = make_plan(work, int(mem.gpu_budget_gib * GiB), calib, allowed)
+    plan = make_plan(work, int(mem.gpu_budget_gib * GiB), calib, allowed, allow_device_layers=mem.device_layers < 0)
     nl = work.model.num_layers
     return RunPlan(resident_layers=min(_forced(mem.resident_layers, plan.resident_layers), nl),
                    prefetch_depth=plan.prefetch_depth, loss_chunk_tokens=plan.loss_chunk_tokens,
                    embedding="device" if plan.embedding == "gpu" else "host", micro_batch=plan.micro_batch,
                    seq_tile_tokens=_forced(mem.seq_tile_tokens, plan.seq_tile_tokens),
                    offload_layers=min(_forced(mem.offload_layers, plan.offload_layers), nl),
+                   device_layers=min(_forced(mem.device_layers, plan.device_layers), nl),
                    param_route=plan.param_route if not one else "replicated",
                    grad_route=plan.grad_route if not one else "host", plan=plan)
 
@@ -132,14 +135,14 @@ def learned_gpu_scale(run_plan: RunPlan, gpu_side_s: list[float]) -> float | Non
     rank; median step after the first) over the plan's GPU time from the calibrated rates.
 
     None when there is nothing to learn: too few steps or no plan; a job that overrode the plan's
-    tiles, resident or offloaded layers (its GPU work or its copies are not the plan's); a plan that
+    tiles, resident, offloaded or device-held layers (its GPU work or its copies are not the plan's); a plan that
     expected copies to show (exposed time over a quarter of the GPU time), where the workers' time
     holds copy stalls that are not GPU work."""
     plan = run_plan.plan
     if plan is None or len(gpu_side_s) < 3:
         return None
-    if (run_plan.seq_tile_tokens, run_plan.resident_layers, run_plan.offload_layers) != \
-            (plan.seq_tile_tokens, plan.resident_layers, plan.offload_layers):
+    if (run_plan.seq_tile_tokens, run_plan.resident_layers, run_plan.offload_layers, run_plan.device_layers) != \
+            (plan.seq_tile_tokens, plan.resident_layers, plan.offload_layers, plan.device_layers):
         return None
     gpu = dict(plan.busy_s)["gpu"]
     if plan.exposed_s > 0.25 * gpu:

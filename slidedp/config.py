@@ -198,9 +198,11 @@ class MemorySection(_Section):
     resident_layers: int = -1  # layers kept on the GPU from forward to backward; -1: the plan decides
     seq_tile_tokens: int = -1  # tokens per MLP/norm/head tile along the sequence; 0: untiled; -1: the plan decides
     offload_layers: int = -1  # first layers whose saved inputs wait in pinned host memory; -1: the plan decides
+    device_layers: int = -1  # first layers held on the GPUs with their AdamW state, updated there; -1: the plan decides
 
     def validate(self) -> None:
         self._range("gpu_budget_gib", 0, lo_open=True)
+        self._range("device_layers", -1)
         self._choice("embedding", ("auto", "host", "device"))
         self._range("resident_layers", -1)
         self._range("seq_tile_tokens", -1)

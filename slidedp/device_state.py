@@ -1,4 +1,5 @@
-"""Chunks held on the device for a whole job: the embedding (and an untied head) with their AdamW state.
+"""Chunks held on the device for a whole job: the embedding (and an untied head), and the first decoder
+layers, with their AdamW state.
 
 The embedding's gradient is complete last in backward and the next forward needs it first,
 so on the host its update is the exposed tail. Where the GPU budget allows, the planner
@@ -6,7 +7,9 @@ leases these chunks to the workers instead: every rank holds the fp32 master and
 moments on its device (replicated; gradients all-reduced among ranks), updates them with
 the fused AdamW on the device, and rank 0 writes them back to the store at checkpoints and
 at the end. While leased, the store marks the chunks (updating = LEASED): a job that dies
-holding them leaves the store torn, never silently stale.
+holding them leaves the store torn, never silently stale. The first decoder layers are the
+same tail in the middle of the model: held, the next forward starts without waiting for the
+host, and the updaters have that much less to do.
 """
 
 from __future__ import annotations
@@ -38,9 +41,9 @@ class DeviceResident:
             for i in ids:
                 store.manifest.updating[i] = LEASED
 
-    def tensors(self) -> dict[str, torch.Tensor]:
-        """The unit's tensors in the compute dtype (views of the device copy)."""
-        return unit_tensors(self.weight, self.unit)
+    def tensors(self, strip: str = "") -> dict[str, torch.Tensor]:
+        """The unit's tensors in the compute dtype (views of the device copy), keyed by name minus `strip`."""
+        return unit_tensors(self.weight, self.unit, strip)
 
     def reduce(self, grad: torch.Tensor) -> float:
         """All-reduce the ranks' gradients (sum); returns the squared norm of the summed gradient."""

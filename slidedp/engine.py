@@ -8,6 +8,9 @@ loss      final norm + chunked cross-entropy (never the full logits), and its ba
 backward  for each layer in reverse: fetch again, recompute from the saved input, backward,
           accumulate the chunk gradient in fp32 on the device, send it out
 embedding its gradient (tied: plus the head's) goes out last
+held      units the plan leases to the device (the first `device_layers` layers, a device
+          embedding/head) come from their device copy, never wait for the host, and keep their
+          gradient on the device; after backward it is reduced among ranks and updated there
 
 Long sequences: with `seq_tile_tokens` > 0 the MLP halves of the layers and the final norm +
 head run over tiles of that many tokens (see layers.layer_backward), so the GPU holds one
@@ -90,7 +93,7 @@ class Engine:
         self.cfg, self.layout, self.master = cfg, layout, master
         self.device, self.dtype, self.link, self.policy = device, dtype, link, policy
         self.units = units_of(layout)
-        self.held = held or {}  # unit name -> its device-held state ("embed", and "head" when untied)
+        self.held = held or {}  # unit name -> its device-held state ("layer.0".., "embed", "head" when untied)
         self.delivery = ParamDelivery(master, device, dtype, policy.prefetch_depth, link.wait_ready,
                                       max(u.numel for u in self.units.values()), param_group)
         self.grads = GradOut(device, slot_view, grad_group)  # groups set: the sharded routes
@@ -130,18 +133,26 @@ class Engine:
     def _is_resident(self, layer: int) -> bool:
         return layer >= self.cfg.num_layers - self.policy.resident_layers
 
+    def _fetched(self, layer: int, backward: bool) -> bool:
+        """Whether the layer comes from the host in this pass (not held, not kept from the forward)."""
+        return f"layer.{layer}" not in self.held and not (backward and layer in self._resident)
+
     def _layer_params(self, layer: int, step: int, backward: bool) -> dict[str, torch.Tensor]:
-        unit = self.units[f"layer.{layer}"]
-        if backward and layer in self._resident:
-            flat = self._resident.pop(layer)
+        unit, strip = self.units[f"layer.{layer}"], f"model.layers.{layer}."
+        if unit.name in self.held:
+            p = self.held[unit.name].tensors(strip)
         else:
-            flat = self.delivery.fetch(unit, step)
-            if not backward and self._is_resident(layer):
-                self._resident[layer] = flat
+            if backward and layer in self._resident:
+                flat = self._resident.pop(layer)
+            else:
+                flat = self.delivery.fetch(unit, step)
+                if not backward and self._is_resident(layer):
+                    self._resident[layer] = flat
+            p = unit_tensors(flat, unit, strip=strip)
         nxt = layer - 1 if backward else layer + 1
-        if 0 <= nxt < self.cfg.num_layers and not (backward and nxt in self._resident):
+        if 0 <= nxt < self.cfg.num_layers and self._fetched(nxt, backward):
             self.delivery.prefetch(self.units[f"layer.{nxt}"], step)
-        return L.fuse_projections(unit_tensors(flat, unit, strip=f"model.layers.{layer}."))
+        return L.fuse_projections(p)
 
     def _weight(self, name: str, step: int) -> torch.Tensor:
         """The full embedding or head matrix in the compute dtype: held on the device, or fetched."""
@@ -183,7 +194,8 @@ class Engine:
                 self.link.wait_ready(self.units["embed"], step)
                 table = unit_tensors(self.master[self.units["embed"].offset:], self.units["embed"])["model.embed_tokens.weight"]
                 xs = [L.embed(table, ids[i]).to(self.device, self.dtype) for i in range(M)]
-            self.delivery.prefetch(self.units["layer.0"], step)
+            if self._fetched(0, backward=False):
+                self.delivery.prefetch(self.units["layer.0"], step)
             self.saved.start(step, (M, m, T, H), self.dtype)
             for layer in range(cfg.num_layers):
                 p = self._layer_params(layer, step, backward=False)
@@ -201,7 +213,7 @@ class Engine:
         norm_w = unit_tensors(self.delivery.fetch(norm_unit, step), norm_unit)["model.norm.weight"]
         head_w = embed_w if tied else self._weight("head", step)
         last = cfg.num_layers - 1
-        if last not in self._resident:
+        if self._fetched(last, backward=True):
             self.delivery.prefetch(self.units[f"layer.{last}"], step)
         self.saved.prefetch(last)
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
@@ -246,7 +258,10 @@ class Engine:
                     grads_out[i] = L.layer_backward(cfg, p, self.saved.get(layer, i), rope, grads_out[i], tile, acc_views)
             self.saved.release(layer)
             del p, acc_views
-            self._send(chunk, acc, step)
+            if f"layer.{layer}" in self.held:  # reduced, reported and updated on the device after backward
+                held_grads[f"layer.{layer}"] = acc
+            else:
+                self._send(chunk, acc, step)
             del acc
 
         # ---- embedding: scatter the input gradients into rows (tied: onto the head's gradient) ----

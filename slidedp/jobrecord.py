@@ -64,6 +64,28 @@ class JobRecord:
             raise ValueError(f"job record does not match this SlideDP's (another version?): {e}") from None
 
 
+def held_unit_names(model, embedding_on_device: bool, device_layers: int) -> list[str]:
+    """The units a job holds on its devices: the first `device_layers` decoder layers (their grads
+    come last in backward and the next forward needs them first: on the host they are the tail),
+    and the embedding (plus an untied head) where the plan puts it on the device."""
+    if not 0 <= device_layers <= model.num_layers:
+        raise ValueError(f"device_layers must be between 0 and the model's {model.num_layers} layers, got {device_layers}")
+    names = [f"layer.{i}" for i in range(device_layers)]
+    if embedding_on_device:
+        names += ["embed"] + ([] if model.tie_word_embeddings else ["head"])
+    return names
+
+
+def held_chunk_ids(layout, names: list[str]) -> tuple[int, ...]:
+    """The chunk ids of held units by name ("layer.3", "embed", "head"), for the job record."""
+    ids = []
+    for c in layout.chunks:
+        unit = f"layer.{c.layer}" if c.kind == "layer" else c.kind
+        if unit in names:
+            ids.append(c.id)
+    return tuple(ids)
+
+
 def reduction_slots(world: int, grad_route: str) -> int:
     """Chunk-sized slots the aggregator sums into (without clipping, which uses a full-model buffer):
     3 where it sums several ranks' whole gradients on the host; none for one rank or for

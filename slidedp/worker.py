@@ -28,6 +28,7 @@ from .config import JobConfig, load_job, model_config
 from .data import Batches, TokenStream, open_batches, rank_slice
 from .delivery import Unit
 from .device_state import DeviceResident
+from .jobrecord import held_unit_names
 from .engine import Engine, EnginePolicy, units_of
 from .hostmem import Registration
 from .model import layers as L
@@ -155,9 +156,9 @@ def gpu_bus_id(device: torch.device) -> str | None:
 
 
 def join_group(args: argparse.Namespace, device: torch.device, rank: int, world: int, timeout_s: float) -> Group | None:
-    """The workers' process group, when something needs one: a device-held embedding or a sharded route."""
+    """The workers' process group, when something needs one: device-held units or a sharded route."""
     sharded = args.param_route == "sharded" or args.grad_route == "reduce_scatter"
-    if world == 1 or not (args.embedding == "device" or sharded):
+    if world == 1 or not (args.embedding == "device" or args.device_layers > 0 or sharded):
         return None
     if not args.dist_file:
         raise RuntimeError("--dist-file is required when ranks talk among themselves (device embedding, sharded routes)")
@@ -166,11 +167,9 @@ def join_group(args: argparse.Namespace, device: torch.device, rank: int, world:
 
 def hold_units(args: argparse.Namespace, store: HostStore, device: torch.device, dtype: torch.dtype,
                train, rank: int, group: Group | None) -> dict[str, DeviceResident]:
-    """Lease the embedding (and an untied head) to the devices when the plan says so."""
-    if args.embedding != "device":
-        return {}
+    """Lease the plan's device-held units (the first layers, the embedding and an untied head) to the devices."""
     units = units_of(store.layout)
-    names = ["embed"] + ([] if store.layout.model.tie_word_embeddings else ["head"])
+    names = held_unit_names(store.layout.model, args.embedding == "device", args.device_layers)
     return {n: DeviceResident(store, units[n], device, dtype, train, rank, group) for n in names}
 
 
@@ -243,10 +242,11 @@ def run(args: argparse.Namespace) -> int:
     link.stop_flag = stop
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher owns Ctrl-C and tells us to stop
     log.info("rank %d/%d on %s: steps %d..%d, %d micro-batch(es) of %d x %d tokens; params %s, grads %s; %s, "
-             "%d layer(s) offloaded", rank, world, device, args.start, args.end - 1, micro, mbs, t.seq_len,
-             "sharded" if engine.delivery.group else "replicated", "reduce_scatter" if engine.grads.group else "host",
+             "%d layer(s) offloaded; held on the device: %s", rank, world, device, args.start, args.end - 1, micro, mbs,
+             t.seq_len, "sharded" if engine.delivery.group else "replicated",
+             "reduce_scatter" if engine.grads.group else "host",
              f"seq tiles of {policy.seq_tile_tokens} tokens" if policy.seq_tile_tokens else "untiled",
-             policy.offload_layers)
+             policy.offload_layers, ", ".join(held) or "nothing")
     try:
         for step in range(args.start, args.end):
             if stop["now"]:
@@ -329,6 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--offload-layers", type=int, default=0,
                    help="keep the first N layers' saved inputs in pinned host memory until backward")
     p.add_argument("--embedding", choices=["host", "device"], default="host")
+    p.add_argument("--device-layers", type=int, default=0, help="the first layers held on the device (updated there)")
     p.add_argument("--dist-file", default="", help="torch.distributed rendezvous file (device-held embedding, N > 1)")
     p.add_argument("--param-route", choices=["replicated", "sharded"], default="replicated",
                    help="sharded: each rank copies 1/N of a unit in and the ranks all-gather it")

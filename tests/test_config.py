@@ -125,7 +125,7 @@ def test_top_level_key_rejected(jobdir):
 def test_unknown_key(jobdir):
     p = write(jobdir, BASE + "[memory]\ngpu_budget = 3\n")
     assert error(p) == (f"{p}: unknown key memory.gpu_budget; allowed keys in [memory]: gpu_budget_gib, embedding, "
-                        f"resident_layers, seq_tile_tokens, offload_layers")
+                        f"resident_layers, seq_tile_tokens, offload_layers, device_layers")
 
 
 def test_missing_required_key(jobdir):

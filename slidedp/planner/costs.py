@@ -231,6 +231,7 @@ def gpu_memory_items(
     model: ModelConfig, *, tokens: int, seq_len: int, micro_batch: int, world: int, delivery: str,
     activations: str, embedding: str, prefetch_depth: int, resident_layers: int, chunk_rows: int,
     loss_chunk_tokens: int, compute_dtype: str = "bf16", offload_layers: int | None = None, seq_tile_tokens: int = 0,
+    device_layers: int = 0,
 ) -> list[tuple[str, int]]:
     """GPU memory of one rank, item by item (the items are summed: a bound, since not all of
     them are live at the same instant). tokens: the rank's tokens per step."""
@@ -261,6 +262,8 @@ def gpu_memory_items(
         items.append(("offload staging", 2 * act))
     items.append(("layer workspace", layer_workspace_bytes(model, micro_batch, seq_len, seq_tile_tokens, compute_dtype)))
     items.append(("loss chunk logits", loss_chunk_tokens * v * LOGIT_BYTES))
+    if device_layers:  # like a device embedding: fp32 master, moments and gradient, and the compute-dtype copy
+        items.append(("device-held layers", device_layers * p_layer * (16 + cb)))
     vh = embedding_params(model) + head_params(model)
     if embedding == "gpu":
         # fp32 master + exp_avg + exp_avg_sq + fp32 grad, and the compute-dtype copy

@@ -98,6 +98,7 @@ class Choices:
     delivery: str = "fp32"  # what crosses PCIe to the GPU: fp32 master | bf16 shadow
     prefetch_depth: int = 1
     resident_layers: int = 0  # last layers kept on the GPU from forward to backward
+    device_layers: int = 0  # first layers held on the GPU with their AdamW state (no copies, GPU AdamW)
     micro_batch: int | None = None  # None: the workload's
     chunk_rows: int | None = None  # None: as many rows as one decoder layer has parameters
     loss_chunk_tokens: int = 1024
@@ -120,6 +121,8 @@ class Choices:
             raise ValueError(f"prefetch_depth must be between 1 and 8, got {self.prefetch_depth}")
         if self.seq_tile_tokens < 0:
             raise ValueError(f"seq_tile_tokens must be >= 0, got {self.seq_tile_tokens}")
+        if self.device_layers < 0:
+            raise ValueError(f"device_layers must be >= 0, got {self.device_layers}")
 
     def offloaded(self, num_layers: int) -> int:
         """How many layers' inputs wait in host memory."""
@@ -152,6 +155,7 @@ class Plan:
     grad_route: str = "host"
     offload_layers: int = 0
     seq_tile_tokens: int = 0
+    device_layers: int = 0
 
     @property
     def choices(self) -> Choices:
@@ -160,7 +164,7 @@ class Plan:
             prefetch_depth=self.prefetch_depth, resident_layers=self.resident_layers,
             micro_batch=self.micro_batch, chunk_rows=self.chunk_rows, loss_chunk_tokens=self.loss_chunk_tokens,
             offload_layers=self.offload_layers, seq_tile_tokens=self.seq_tile_tokens, param_route=self.param_route,
-            grad_route=self.grad_route,
+            grad_route=self.grad_route, device_layers=self.device_layers,
         )
 
     def describe(self) -> str:
@@ -186,6 +190,7 @@ class Plan:
             ("delivery", self.delivery),
             ("prefetch_depth", str(self.prefetch_depth)),
             ("resident_layers", f"{self.resident_layers} of {m.num_layers}"),
+            ("device_layers", f"{self.device_layers} of {m.num_layers}" + (" (AdamW on the GPU)" if self.device_layers else "")),
             ("chunk_rows", f"{self.chunk_rows:,}"),
             ("loss_chunk_tokens", f"{self.loss_chunk_tokens:,}"),
             ("routes", f"params {self.param_route}, grads {self.grad_route}"),
@@ -290,10 +295,11 @@ def _tasks(work: Workload, ch: Choices, calib: Calibration) -> list[_Task]:
     # ---- forward
     if host_emb:
         tasks.append(_Task("embedding rows", h2d_s=tokens * h * db / fwd_in, gate=("embedding:next",)))
+    held = min(ch.device_layers, nl)  # layers 0..held-1 never leave the GPU: no copies, no host update
     for c in range(nl):
         tasks.append(_Task(
-            f"layer {c} fwd", h2d_s=params_in(p_layer, fwd_in), gpu_s=g_fwd, d2h_s=act / fwd_out if c < off else 0.0,
-            gate=(f"layer {c}",),
+            f"layer {c} fwd", h2d_s=params_in(p_layer, fwd_in) if c >= held else 0.0, gpu_s=g_fwd,
+            d2h_s=act / fwd_out if c < off else 0.0, gate=(f"layer {c}",) if c >= held else (),
         ))
     # ---- loss: the final norm and the head (fetched in row blocks when it lives on the host)
     norm_in, norm_job = params_in(h, fwd_in), job("norm", h)
@@ -314,10 +320,10 @@ def _tasks(work: Workload, ch: Choices, calib: Calibration) -> list[_Task]:
         tasks.append(_Task("loss", h2d_s=norm_in, gpu_s=g_loss, d2h_s=grads_out(h, bwd_out), gate=("norm",), jobs=(norm_job,)))
     # ---- backward
     for c in reversed(range(nl)):
-        fetch = (0.0 if c >= nl - k else params_in(p_layer, bwd_in)) + (act / bwd_in if c < off else 0.0)
+        fetch = (0.0 if c >= nl - k or c < held else params_in(p_layer, bwd_in)) + (act / bwd_in if c < off else 0.0)
         tasks.append(_Task(
-            f"layer {c} bwd", h2d_s=fetch, gpu_s=3.0 * g_fwd, d2h_s=grads_out(p_layer, bwd_out),
-            jobs=(job(f"layer {c}", p_layer),),
+            f"layer {c} bwd", h2d_s=fetch, gpu_s=3.0 * g_fwd, d2h_s=grads_out(p_layer, bwd_out) if c >= held else 0.0,
+            jobs=(job(f"layer {c}", p_layer),) if c >= held else (),
         ))
     if host_emb:
         # the whole embedding gradient leaves the GPU; the updater first updates the rows the
@@ -330,10 +336,11 @@ def _tasks(work: Workload, ch: Choices, calib: Calibration) -> list[_Task]:
             _Task(f"embedding block {j} grad", d2h_s=grads_out(r * h, bwd_out), jobs=emb_jobs if j == len(rows) - 1 else ())
             for j, r in enumerate(rows)
         ]
-    else:
-        vh = costs.embedding_params(m) + costs.head_params(m)
-        allreduce = 2 * (work.world - 1) / work.world * vh * gb / (calib.allreduce_gbps * 1e9)
-        tasks.append(_Task("embedding AdamW (GPU)", gpu_s=vh / calib.gpu_adamw_params_per_s + allreduce, clip_gated=True))
+    gpu_held = held * p_layer + (0 if host_emb else costs.embedding_params(m) + costs.head_params(m))
+    if gpu_held:  # the device-held units: gradients all-reduced among ranks, AdamW on the GPU, after backward
+        allreduce = 2 * (work.world - 1) / work.world * gpu_held * gb / (calib.allreduce_gbps * 1e9)
+        tasks.append(_Task("device-held AdamW (GPU)", gpu_s=gpu_held / calib.gpu_adamw_params_per_s + allreduce,
+                           clip_gated=True))
     # what a run of this model with GPU work of this shape measured of it, against the rates above
     scale = calib.gpu_scale(m.num_parameters(), gpu_work_shape(work, ch))
     return [replace(t, gpu_s=t.gpu_s * scale) for t in tasks] if scale != 1.0 else tasks
@@ -417,6 +424,7 @@ def _memory(work: Workload, ch: Choices) -> list[tuple[str, int]]:
         prefetch_depth=ch.prefetch_depth, resident_layers=ch.resident_layers,
         chunk_rows=ch.chunk_rows or costs.default_chunk_rows(work.model), loss_chunk_tokens=ch.loss_chunk_tokens,
         compute_dtype=work.compute_dtype, offload_layers=ch.offload_layers, seq_tile_tokens=ch.seq_tile_tokens,
+        device_layers=ch.device_layers,
     )
 
 
@@ -536,11 +544,35 @@ def _no_fit_error(work: Workload, budget: int) -> PlanError:
     )
 
 
+def _with_device_layers(work: Workload, ch: Choices, budget: int, calib: Calibration) -> Choices:
+    """The chosen plan with its first layers held on the GPU where that predicts a faster step.
+
+    A held layer takes its AdamW state onto the GPU (16 B per parameter more than a resident
+    layer) and gives the host its copies and its update, and the next forward its wait for the
+    host (layer 0 is the tail). Room is made by dropping resident layers first (their cost is a
+    re-fetch in backward); more held layers are tried while they fit, and the fewest that predict
+    the fastest step are kept, with the resident layers that the rest of the budget holds."""
+    nl = work.model.num_layers
+    best, best_step = ch, predict_step(work, ch, calib)[2]
+    for d in range(1, nl + 1):
+        k = min(ch.resident_layers, nl - d)
+        while k > 0 and _total(work, replace(ch, device_layers=d, resident_layers=k)) > budget:
+            k -= 1
+        cand = replace(ch, device_layers=d, resident_layers=k)
+        if _total(work, cand) > budget:
+            break  # each held layer needs more memory than the last: none beyond fits either
+        cand, step = _fewest_resident(work, cand, calib)
+        if step < best_step * (1 - _TIE):
+            best, best_step = cand, step
+    return best
+
+
 def make_plan(work: Workload, budget_bytes: int, calib: Calibration,
-              allowed: dict[str, tuple[str, ...]] | None = None) -> Plan:
+              allowed: dict[str, tuple[str, ...]] | None = None, allow_device_layers: bool = True) -> Plan:
     """The fastest predicted plan whose GPU memory fits budget_bytes (ties: the least compromise, then the smaller memory).
 
-    allowed restricts options (e.g. {"delivery": ("fp32",)} for a store without a bf16 shadow)."""
+    allowed restricts options (e.g. {"delivery": ("fp32",)} for a store without a bf16 shadow);
+    allow_device_layers=False keeps every layer's AdamW on the host (a job that sets memory.device_layers)."""
     if budget_bytes > calib.gpu_mem_bytes:
         raise PlanError(
             f"the GPU memory budget ({budget_bytes / GiB:.2f} GiB) exceeds the memory of {calib.device_name} "
@@ -566,6 +598,8 @@ def make_plan(work: Workload, budget_bytes: int, calib: Calibration,
                 ch.offloaded(nl), c[0], c[1])
 
     _, _, best = min((c for c in candidates if c[0] <= fastest * (1 + _EQUAL)), key=least_compromise)
+    if allow_device_layers:
+        best = _with_device_layers(work, best, budget_bytes, calib)
     busy, exposed, step = predict_step(work, best, calib)
     items = _memory(work, best)
     notes = []
@@ -593,7 +627,7 @@ def make_plan(work: Workload, budget_bytes: int, calib: Calibration,
         micro_batch=best.micro_batch or work.micro_batch, activations=best.activations, embedding=best.embedding,
         delivery=best.delivery, resident_layers=best.resident_layers, loss_chunk_tokens=best.loss_chunk_tokens,
         offload_layers=best.offloaded(work.model.num_layers), seq_tile_tokens=best.seq_tile_tokens,
-        param_route=best.param_route, grad_route=best.grad_route,
+        param_route=best.param_route, grad_route=best.grad_route, device_layers=best.device_layers,
         gpu_memory=tuple(items), gpu_total_bytes=sum(b for _, b in items),
         busy_s=tuple((r, busy[r]) for r in RESOURCES), exposed_s=exposed, predicted_step_s=step,
         tokens_per_s=work.tokens_per_step / step, workload=work, budget_bytes=budget_bytes, calibration=calib,

@@ -37,6 +37,12 @@ ROUTE_CASES = [
     (3, 2, 0.0, "tiny-llama", "host", "replicated", "reduce_scatter", ()),  # shards updated in the ranks' slots
     (3, 1, 0.5, "tiny", "host", "sharded", "reduce_scatter", TILED),
     (2, 2, 0.5, "tiny-llama", "device", "replicated", "host", TILED),
+    # the first layers held by the workers with their AdamW state (updated there, all-reduced among
+    # ranks): one of two with clipping, both of two (every layer) beside a device embedding, and
+    # beside the sharded routes
+    (1, 2, 0.5, "tiny", "host", "replicated", "host", ("memory.device_layers=1",)),
+    (2, 2, 0.0, "tiny-llama", "device", "replicated", "host", ("memory.device_layers=2",)),
+    (3, 1, 0.5, "tiny", "host", "sharded", "reduce_scatter", ("memory.device_layers=1",)),
 ]
 
 
@@ -78,8 +84,11 @@ def test_matches_reference(tmp_path, monkeypatch, workers, micro, clip, shape, e
     for rank in range(workers):  # each rank says which routes it runs
         assert f"rank {rank}/{workers} on cpu" in proc.stderr + proc.stdout
         assert f"params {param_route}, grads {grad_route}" in proc.stderr + proc.stdout
-        assert ("seq tiles of 24 tokens, 1 layer(s) offloaded" if extra else "untiled, 0 layer(s) offloaded") \
+        assert ("seq tiles of 24 tokens, 1 layer(s) offloaded" if extra == TILED else "untiled, 0 layer(s) offloaded") \
             in proc.stderr + proc.stdout
+        held = [f"layer.{i}" for i in range(int(next((e.split("=")[1] for e in extra if "device_layers" in e), 0)))]
+        held += (["embed"] + ([] if shape == "tiny" else ["head"])) if embedding == "device" else []
+        assert f"held on the device: {', '.join(held) or 'nothing'}" in proc.stderr + proc.stdout
     ref = reference(sets)
     got = metrics(run_dir)
     assert [m["step"] for m in got] == list(range(STEPS))

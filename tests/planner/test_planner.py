@@ -83,6 +83,47 @@ def test_toy_prediction_embedding_on_gpu():
     assert exposed == pytest.approx(H + U + H - 0.1, rel=1e-9)
 
 
+def test_a_device_held_first_layer_leaves_the_host_and_the_tail():
+    """device_layers=1: layer 0 is neither copied in (twice) nor out, the host does not update it,
+    the GPU runs its AdamW (P params at 163,840/s) after backward, and the next forward no longer
+    waits for it: the tail (H + U + H) is gone and the step is the GPU's busy time."""
+    busy, exposed, step = predict_step(toy(), Choices(embedding="gpu", device_layers=1), TOY_CAL)
+    held_adamw = P / 163_840
+    assert busy == pytest.approx({
+        "gpu": 8 + G_LOSS + 0.1 + held_adamw, "h2d": 2 * H + NORM_IO, "d2h": H + NORM_IO, "reduce": 0.0,
+        "update": U + NORM_U,
+    }, rel=1e-12)
+    assert step == pytest.approx(busy["gpu"], rel=1e-12) and exposed == pytest.approx(0.0, abs=1e-12)
+    # without it the step was the GPU's 8 + G_LOSS + 0.1 plus the exposed tail H + U + H - 0.1
+    assert predict_step(toy(), Choices(embedding="gpu"), TOY_CAL)[2] - step == pytest.approx(H + U + H - 0.1 - held_adamw)
+
+
+def test_device_held_layers_memory_and_the_planners_choice():
+    """Each held layer costs its parameters x (16 + 2) B on the GPU. Where the host update bounds the
+    step (a slow CPU), the planner holds layers while they fit, dropping resident layers first."""
+    q4 = named_shape("qwen3-4b")
+    work = Workload(q4, global_batch=8, seq_len=2048, world=1, micro_batch=2, clip=False)
+    items = dict(costs.gpu_memory_items(q4, tokens=16_384, seq_len=2048, micro_batch=2, world=1, delivery="fp32",
+                                        activations="keep", embedding="gpu", prefetch_depth=1, resident_layers=0,
+                                        chunk_rows=costs.default_chunk_rows(q4), loss_chunk_tokens=1024,
+                                        device_layers=3))
+    assert items["device-held layers"] == 3 * costs.layer_params(q4) * 18
+    slow_cpu = dataclasses.replace(H200_REFERENCE, adamw_params_per_s=1.5e9)
+    plan = make_plan(work, 40 * GiB, slow_cpu, {"delivery": ("fp32",)})
+    assert plan.device_layers > 0 and plan.gpu_total_bytes <= 40 * GiB
+    without = make_plan(work, 40 * GiB, slow_cpu, {"delivery": ("fp32",)}, allow_device_layers=False)
+    assert without.device_layers == 0 and plan.predicted_step_s < without.predicted_step_s
+    # one more held layer would not fit
+    more = dataclasses.replace(plan.choices, device_layers=plan.device_layers + 1, resident_layers=0)
+    assert sum(b for _, b in costs.gpu_memory_items(
+        q4, tokens=16_384, seq_len=2048, micro_batch=plan.micro_batch, world=1, delivery="fp32",
+        activations=plan.activations, embedding=plan.embedding, prefetch_depth=plan.prefetch_depth, resident_layers=0,
+        chunk_rows=plan.chunk_rows, loss_chunk_tokens=plan.loss_chunk_tokens, offload_layers=plan.offload_layers,
+        seq_tile_tokens=plan.seq_tile_tokens, device_layers=more.device_layers)) > 40 * GiB \
+        or plan.device_layers == q4.num_layers
+    assert f"device_layers         {plan.device_layers} of 36 (AdamW on the GPU)" in plan.describe()
+
+
 def test_compiled_layers_are_charged_the_measured_speedup():
     """train.compile: each layer's forward and recompute + backward at COMPILED_LAYER_SPEEDUP times the
     eager rate; the loss and the GPU AdamW stay as they were."""
@@ -449,7 +490,7 @@ def test_a_training_run_teaches_the_planner_its_gpu_time_for_that_model_and_shap
 
     def as_planned(p, **kw):
         return RunPlan(plan=p, seq_tile_tokens=p.seq_tile_tokens, resident_layers=p.resident_layers,
-                       offload_layers=p.offload_layers, **kw)
+                       offload_layers=p.offload_layers, device_layers=p.device_layers, **kw)
 
     cal = dataclasses.replace(H200_REFERENCE, host="host-b", device_name="GPU Y")
     work = Workload(named_shape("qwen3-4b"), global_batch=8, seq_len=2048, world=1, micro_batch=2, clip=False)
@@ -523,7 +564,8 @@ def test_among_nearly_equal_plans_the_larger_matmuls_win():
     whole 1,024-token loss chunks, untiled, with 2 GiB to spare; the strictly fastest ran 128-token
     chunks in tiles at 23.96 GiB, and on the H200 took 8.17 s per step where 5.58 s was predicted."""
     work = Workload(named_shape("qwen3-4b"), global_batch=32, seq_len=2048, world=1, micro_batch=2, clip=False)
-    plan = make_plan(work, 24 * GiB, H200_REFERENCE, {"delivery": ("fp32",)})
+    # (the spare memory may then hold layers on the GPU: see the device-held layers' test)
+    plan = make_plan(work, 24 * GiB, H200_REFERENCE, {"delivery": ("fp32",)}, allow_device_layers=False)
     assert (plan.loss_chunk_tokens, plan.seq_tile_tokens, plan.offload_layers) == (1024, 0, 0)
     assert plan.gpu_total_bytes <= 22 * GiB
     tight = Choices(embedding="gpu", micro_batch=2, seq_tile_tokens=2048, loss_chunk_tokens=128,

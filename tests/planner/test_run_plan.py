@@ -42,3 +42,14 @@ def test_cuda_overrides_are_carried_and_offload_clamped():
     auto = plan_job(load_job(TINY, CUDA), H200_REFERENCE)
     assert auto.plan is not None
     assert (auto.seq_tile_tokens, auto.offload_layers) == (auto.plan.seq_tile_tokens, auto.plan.offload_layers)
+
+
+def test_device_layers_are_the_jobs_value_or_the_plans():
+    """memory.device_layers: on CPU the job's value (clamped to the model, -1 = none); on CUDA a value
+    >= 0 is carried as given (and the plan is made without held layers), -1 takes the plan's."""
+    assert plan_job(load_job(TINY, ["memory.device_layers=5"])).device_layers == 2  # tiny has 2 layers
+    assert plan_job(load_job(TINY, [])).device_layers == 0
+    forced = plan_job(load_job(TINY, CUDA + ["memory.device_layers=1"]), H200_REFERENCE)
+    assert forced.device_layers == 1 and forced.plan is not None and forced.plan.device_layers == 0
+    auto = plan_job(load_job(TINY, CUDA), H200_REFERENCE)
+    assert auto.plan is not None and auto.device_layers == auto.plan.device_layers
