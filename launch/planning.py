@@ -126,7 +126,7 @@ def learned_update_rate(run_plan: RunPlan, update_busy_s: list[float]) -> float 
     busy = statistics.median(update_busy_s[1:])
     if busy <= 0:
         return None
-    params = costs.host_updated_params(w.model, plan.embedding)
+    params = costs.host_updated_params(w.model, plan.embedding, run_plan.device_layers)
     return params / busy * costs.update_bytes_per_param(plan.delivery) / 28.0
 
 

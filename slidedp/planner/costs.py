@@ -136,10 +136,10 @@ def activation_bytes(model: ModelConfig, tokens: int, compute_dtype: str) -> int
     return tokens * model.hidden_size * dtype_bytes(compute_dtype)
 
 
-def host_updated_params(model: ModelConfig, embedding: str) -> int:
-    """Parameters the CPU updates per step: every layer and the final norm, plus the
-    embedding (and an untied head) when they live on the host."""
-    n = model.num_layers * layer_params(model) + model.hidden_size
+def host_updated_params(model: ModelConfig, embedding: str, device_layers: int = 0) -> int:
+    """Parameters the CPU updates per step: every layer not held on the device and the final
+    norm, plus the embedding (and an untied head) when they live on the host."""
+    n = (model.num_layers - min(device_layers, model.num_layers)) * layer_params(model) + model.hidden_size
     if embedding == "host":
         n += embedding_params(model) + head_params(model)
     return n

@@ -18,8 +18,9 @@ simulated and the steady-state period is the predicted step time. Ranks are symm
 one rank stands for all; `world` enters through the per-rank batch and the reduction.
 
 What the model leaves out (so the measured step may be a little longer): host memory
-bandwidth shared by DMA, aggregator and updaters (a run on the host measures the updaters'
-rate in training, and the next plan charges that instead of the bare kernel's);
+bandwidth shared by DMA, aggregator and updaters (charged as a fixed share of the bare AdamW
+rate, Calibration.adamw_train_fraction, until a run on the host has measured the updaters' rate
+in training, which the next plan charges instead);
 kernel-launch and Python overheads; the efficiency loss of small micro-batches; messages
 and version polling.
 """

@@ -39,6 +39,7 @@ TOY_CAL = Calibration(
     host="toy", device_name="toy", h2d_gbps=1e-3, d2h_gbps=1e-3, bidir_gbps=2e-3,  # 1 MB/s each way, no sharing loss
     adamw_params_per_s=1e5, adamw_threads=1, reduce_gbps=1e-3, gpu_tflops=4.849664e-6, gpu_mem_bytes=1 << 40,
     gpu_adamw_params_per_s=163_840,  # tied embedding 256*64 = 16,384 params -> 0.1 s
+    adamw_train_fraction=1.0,  # the bare rate: round numbers
 )
 P = 36_992
 G_LOSS = 6 * 256 * 64 * 64 / 4_849_664  # loss: 3 x 2VH per token, in layer-forward seconds
@@ -65,6 +66,10 @@ def test_cost_formulas_by_hand():
     assert costs.default_chunk_rows(q4) == 100_930_816 // 2560
     assert costs.row_blocks(10, 4) == [4, 4, 2]
     assert costs.update_bytes_per_param("fp32") == 28 and costs.update_bytes_per_param("bf16") == 30
+    # what the host updates: layers not held on the device, the final norm, a host embedding
+    assert costs.host_updated_params(TOY, "gpu") == 2 * P + 64
+    assert costs.host_updated_params(TOY, "gpu", device_layers=1) == P + 64
+    assert costs.host_updated_params(TOY, "host", device_layers=5) == 64 + 256 * 64
 
 
 def test_toy_prediction_embedding_on_gpu():
@@ -463,7 +468,7 @@ def test_a_training_run_teaches_the_planner_its_adamw_rate_for_that_model(tmp_pa
     # the same model: the update costs what the run measured; another model: the bare rate
     busy_before = dict(predict_step(work, plan.choices, cal)[0])["update"]
     busy_after = dict(predict_step(work, plan.choices, saved)[0])["update"]
-    assert busy_after == pytest.approx(busy_before * cal.adamw_params_per_s / 2.2e9, rel=1e-9)
+    assert busy_after == pytest.approx(busy_before * cal.adamw_params_per_s * cal.adamw_train_fraction / 2.2e9, rel=1e-9)
     other = Workload(named_shape("qwen3-1.7b"), global_batch=8, seq_len=2048, world=1, micro_batch=2, clip=False)
     ch = Choices(embedding="gpu")
     assert predict_step(other, ch, saved)[0]["update"] == predict_step(other, ch, cal)[0]["update"]
