@@ -44,13 +44,16 @@ log = slog.get("aggregator")
 Outbox = list[tuple[bytes, Message]]
 
 
-def assign_updaters(layout: Layout, count: int) -> list[int]:
-    """Chunk -> updater index: contiguous ranges of about equal parameter count (NUMA locality, balance)."""
-    total = sum(c.numel for c in layout.chunks)
+def assign_updaters(layout: Layout, count: int, device_chunks: frozenset[int] = frozenset()) -> list[int]:
+    """Chunk -> updater index: contiguous ranges of about equal count of the parameters the host
+    updates (NUMA locality, balance); chunks held on the devices weigh nothing, since no updater
+    touches them, so holding the first layers shortens every updater's share, not the first's."""
+    weight = [0 if c.id in device_chunks else c.numel for c in layout.chunks]
+    total = max(1, sum(weight))
     out, acc = [], 0
-    for c in layout.chunks:
+    for w in weight:
         out.append(min(count - 1, acc * count // total))
-        acc += c.numel
+        acc += w
     return out
 
 
@@ -95,8 +98,8 @@ class AggregatorCore:
                                f"{self.rings.reduce_slots} reduction slots")
         self.job = job
         self.updaters = [identity("u", i) for i in range(updaters)]
-        self.owner = assign_updaters(self.store.layout, updaters)
         self.device_chunks = frozenset(job.device_chunks)
+        self.owner = assign_updaters(self.store.layout, updaters, self.device_chunks)
         self.free_reduce = [] if self.rings.full_reduce else list(range(self.rings.reduce_slots))
         self.arrivals.clear()
         self.waiting.clear()

@@ -93,14 +93,15 @@ def plan_job(job: JobConfig, calib: Calibration | None = None) -> RunPlan:
         "embedding": {None: ("gpu", "host"), "host": ("host",), "device": ("gpu",)}[forced_embedding],
         **_routes(job, calib),
     }
-    plan = make_plan(work, int(mem.gpu_budget_gib * GiB), calib, allowed, allow_device_layers=mem.device_layers < 0)
+    plan = make_plan(work, int(mem.gpu_budget_gib * GiB), calib, allowed,
+                     device_layers=None if mem.device_layers < 0 else mem.device_layers)
     nl = work.model.num_layers
     return RunPlan(resident_layers=min(_forced(mem.resident_layers, plan.resident_layers), nl),
                    prefetch_depth=plan.prefetch_depth, loss_chunk_tokens=plan.loss_chunk_tokens,
                    embedding="device" if plan.embedding == "gpu" else "host", micro_batch=plan.micro_batch,
                    seq_tile_tokens=_forced(mem.seq_tile_tokens, plan.seq_tile_tokens),
                    offload_layers=min(_forced(mem.offload_layers, plan.offload_layers), nl),
-                   device_layers=min(_forced(mem.device_layers, plan.device_layers), nl),
+                   device_layers=plan.device_layers,  # the job's value, made to fit, or the plan's
                    param_route=plan.param_route if not one else "replicated",
                    grad_route=plan.grad_route if not one else "host", plan=plan)
 

@@ -137,7 +137,9 @@ class Engine:
         """Whether the layer comes from the host in this pass (not held, not kept from the forward)."""
         return f"layer.{layer}" not in self.held and not (backward and layer in self._resident)
 
-    def _layer_params(self, layer: int, step: int, backward: bool) -> dict[str, torch.Tensor]:
+    def _layer_params(self, layer: int, step: int, backward: bool, prefetch: bool = True) -> dict[str, torch.Tensor]:
+        """The layer's tensors (held, kept from the forward, or fetched), and the next layer's copy
+        started (prefetch=False: the caller starts it with _prefetch_next)."""
         unit, strip = self.units[f"layer.{layer}"], f"model.layers.{layer}."
         if unit.name in self.held:
             p = self.held[unit.name].tensors(strip)
@@ -149,10 +151,14 @@ class Engine:
                 if not backward and self._is_resident(layer):
                     self._resident[layer] = flat
             p = unit_tensors(flat, unit, strip=strip)
+        if prefetch:
+            self._prefetch_next(layer, step, backward)
+        return L.fuse_projections(p)
+
+    def _prefetch_next(self, layer: int, step: int, backward: bool) -> None:
         nxt = layer - 1 if backward else layer + 1
         if 0 <= nxt < self.cfg.num_layers and self._fetched(nxt, backward):
             self.delivery.prefetch(self.units[f"layer.{nxt}"], step)
-        return L.fuse_projections(p)
 
     def _weight(self, name: str, step: int) -> torch.Tensor:
         """The full embedding or head matrix in the compute dtype: held on the device, or fetched."""
@@ -198,11 +204,16 @@ class Engine:
                 self.delivery.prefetch(self.units["layer.0"], step)
             self.saved.start(step, (M, m, T, H), self.dtype)
             for layer in range(cfg.num_layers):
-                p = self._layer_params(layer, step, backward=False)
+                # a held layer's compute is queued before the next layer's copy is started: that
+                # copy may wait for the host's update of it, and the GPU works meanwhile
+                held = f"layer.{layer}" in self.held
+                p = self._layer_params(layer, step, backward=False, prefetch=not held)
                 for i, x in enumerate(xs):
                     self.saved.save(layer, i, x)
                 with self._span(f"forward layer {layer}", step, layer=layer):
                     xs = [L.layer_forward(cfg, p, x, rope, tile) for x in xs]
+                if held:
+                    self._prefetch_next(layer, step, backward=False)
                 del p
             self.delivery.prefetch(self.units["norm"], step)
             if not tied and "head" not in self.held:
@@ -295,7 +306,7 @@ class Engine:
             self._flush(step, block=True)  # the global norm needs every host gradient out
             norm = self.link.wait_norm(step)
             coef = min(1.0, self.policy.max_grad_norm / (norm + 1e-6))
-        with self._span("device AdamW (embedding/head)", step):
+        with self._span("device AdamW (held units)", step):
             for name, g in grads.items():
                 self.held[name].update(g, step, coef)
 

@@ -161,7 +161,7 @@ def join_group(args: argparse.Namespace, device: torch.device, rank: int, world:
     if world == 1 or not (args.embedding == "device" or args.device_layers > 0 or sharded):
         return None
     if not args.dist_file:
-        raise RuntimeError("--dist-file is required when ranks talk among themselves (device embedding, sharded routes)")
+        raise RuntimeError("--dist-file is required when ranks talk among themselves (device-held units, sharded routes)")
     return join(rank, world, device, args.shared_device, args.dist_file, timeout_s)
 
 

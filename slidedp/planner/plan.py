@@ -264,7 +264,8 @@ def _tasks(work: Workload, ch: Choices, calib: Calibration) -> list[_Task]:
     k = ch.resident_layers
     n, bus = work.world, calib.allreduce_gbps * 1e9
     fwd_in, fwd_out = _rates(calib, both=offload, ranks=n)
-    bwd_in, bwd_out = _rates(calib, both=offload or k < nl, ranks=n)
+    held = min(ch.device_layers, nl)  # layers 0..held-1 never leave the GPU: no copies, no host update
+    bwd_in, bwd_out = _rates(calib, both=offload or k + held < nl, ranks=n)  # backward re-fetches, if any
     cb = costs.dtype_bytes(work.compute_dtype)
 
     def params_in(params: float, rate: float) -> float:
@@ -296,7 +297,6 @@ def _tasks(work: Workload, ch: Choices, calib: Calibration) -> list[_Task]:
     # ---- forward
     if host_emb:
         tasks.append(_Task("embedding rows", h2d_s=tokens * h * db / fwd_in, gate=("embedding:next",)))
-    held = min(ch.device_layers, nl)  # layers 0..held-1 never leave the GPU: no copies, no host update
     for c in range(nl):
         tasks.append(_Task(
             f"layer {c} fwd", h2d_s=params_in(p_layer, fwd_in) if c >= held else 0.0, gpu_s=g_fwd,
@@ -545,22 +545,27 @@ def _no_fit_error(work: Workload, budget: int) -> PlanError:
     )
 
 
+def _holding(work: Workload, ch: Choices, d: int, budget: int) -> Choices | None:
+    """ch with its first d layers held on the GPU, resident layers dropped (last first) until it fits; None if it cannot."""
+    k = min(ch.resident_layers, work.model.num_layers - d)
+    while k > 0 and _total(work, replace(ch, device_layers=d, resident_layers=k)) > budget:
+        k -= 1
+    cand = replace(ch, device_layers=d, resident_layers=k)
+    return cand if _total(work, cand) <= budget else None
+
+
 def _with_device_layers(work: Workload, ch: Choices, budget: int, calib: Calibration) -> Choices:
     """The chosen plan with its first layers held on the GPU where that predicts a faster step.
 
     A held layer takes its AdamW state onto the GPU (16 B per parameter more than a resident
     layer) and gives the host its copies and its update, and the next forward its wait for the
-    host (layer 0 is the tail). Room is made by dropping resident layers first (their cost is a
-    re-fetch in backward); more held layers are tried while they fit, and the fewest that predict
-    the fastest step are kept, with the resident layers that the rest of the budget holds."""
-    nl = work.model.num_layers
+    host (layer 0 is the tail). Room is made by dropping resident layers (their cost is a re-fetch
+    in backward); more held layers are tried while they fit, and the fewest that predict the
+    fastest step are kept, with the fewest resident layers that predict the same."""
     best, best_step = ch, predict_step(work, ch, calib)[2]
-    for d in range(1, nl + 1):
-        k = min(ch.resident_layers, nl - d)
-        while k > 0 and _total(work, replace(ch, device_layers=d, resident_layers=k)) > budget:
-            k -= 1
-        cand = replace(ch, device_layers=d, resident_layers=k)
-        if _total(work, cand) > budget:
+    for d in range(1, work.model.num_layers + 1):
+        cand = _holding(work, ch, d, budget)
+        if cand is None:
             break  # each held layer needs more memory than the last: none beyond fits either
         cand, step = _fewest_resident(work, cand, calib)
         if step < best_step * (1 - _TIE):
@@ -568,12 +573,28 @@ def _with_device_layers(work: Workload, ch: Choices, budget: int, calib: Calibra
     return best
 
 
+def _forced_device_layers(work: Workload, ch: Choices, d: int, budget: int, calib: Calibration) -> Choices:
+    """The job's memory.device_layers, made to fit by dropping resident layers, or a PlanError."""
+    d = min(d, work.model.num_layers)
+    cand = _holding(work, ch, d, budget)
+    if cand is None:
+        need = _total(work, replace(ch, device_layers=d, resident_layers=0))
+        held = dict(_memory(work, replace(ch, device_layers=d)))["device-held layers"] if d else 0
+        raise PlanError(
+            f"memory.device_layers = {d} does not fit the GPU memory budget of {budget / GiB:.2f} GiB: the plan "
+            f"with them needs {need / GiB:.2f} GiB (the held layers {held / GiB:.2f} GiB); lower memory.device_layers "
+            f"(-1 lets the plan choose) or raise memory.gpu_budget_gib"
+        )
+    return _fewest_resident(work, cand, calib)[0]
+
+
 def make_plan(work: Workload, budget_bytes: int, calib: Calibration,
-              allowed: dict[str, tuple[str, ...]] | None = None, allow_device_layers: bool = True) -> Plan:
+              allowed: dict[str, tuple[str, ...]] | None = None, device_layers: int | None = None) -> Plan:
     """The fastest predicted plan whose GPU memory fits budget_bytes (ties: the least compromise, then the smaller memory).
 
     allowed restricts options (e.g. {"delivery": ("fp32",)} for a store without a bf16 shadow);
-    allow_device_layers=False keeps every layer's AdamW on the host (a job that sets memory.device_layers)."""
+    device_layers: None lets the plan hold its first layers on the GPU where that is faster, a number
+    holds exactly that many (the job's memory.device_layers; 0 keeps every layer's AdamW on the host)."""
     if budget_bytes > calib.gpu_mem_bytes:
         raise PlanError(
             f"the GPU memory budget ({budget_bytes / GiB:.2f} GiB) exceeds the memory of {calib.device_name} "
@@ -599,8 +620,10 @@ def make_plan(work: Workload, budget_bytes: int, calib: Calibration,
                 ch.offloaded(nl), c[0], c[1])
 
     _, _, best = min((c for c in candidates if c[0] <= fastest * (1 + _EQUAL)), key=least_compromise)
-    if allow_device_layers:
+    if device_layers is None:
         best = _with_device_layers(work, best, budget_bytes, calib)
+    elif device_layers > 0:
+        best = _forced_device_layers(work, best, device_layers, budget_bytes, calib)
     busy, exposed, step = predict_step(work, best, calib)
     items = _memory(work, best)
     notes = []

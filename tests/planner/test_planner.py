@@ -116,7 +116,7 @@ def test_device_held_layers_memory_and_the_planners_choice():
     slow_cpu = dataclasses.replace(H200_REFERENCE, adamw_params_per_s=1.5e9)
     plan = make_plan(work, 40 * GiB, slow_cpu, {"delivery": ("fp32",)})
     assert plan.device_layers > 0 and plan.gpu_total_bytes <= 40 * GiB
-    without = make_plan(work, 40 * GiB, slow_cpu, {"delivery": ("fp32",)}, allow_device_layers=False)
+    without = make_plan(work, 40 * GiB, slow_cpu, {"delivery": ("fp32",)}, device_layers=0)
     assert without.device_layers == 0 and plan.predicted_step_s < without.predicted_step_s
     # one more held layer would not fit
     more = dataclasses.replace(plan.choices, device_layers=plan.device_layers + 1, resident_layers=0)
@@ -570,7 +570,7 @@ def test_among_nearly_equal_plans_the_larger_matmuls_win():
     chunks in tiles at 23.96 GiB, and on the H200 took 8.17 s per step where 5.58 s was predicted."""
     work = Workload(named_shape("qwen3-4b"), global_batch=32, seq_len=2048, world=1, micro_batch=2, clip=False)
     # (the spare memory may then hold layers on the GPU: see the device-held layers' test)
-    plan = make_plan(work, 24 * GiB, H200_REFERENCE, {"delivery": ("fp32",)}, allow_device_layers=False)
+    plan = make_plan(work, 24 * GiB, H200_REFERENCE, {"delivery": ("fp32",)}, device_layers=0)
     assert (plan.loss_chunk_tokens, plan.seq_tile_tokens, plan.offload_layers) == (1024, 0, 0)
     assert plan.gpu_total_bytes <= 22 * GiB
     tight = Choices(embedding="gpu", micro_batch=2, seq_tile_tokens=2048, loss_chunk_tokens=128,

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
+
 from slidedp.config import load_job
 from slidedp.launch.planning import plan_job
-from slidedp.planner import H200_REFERENCE
+from slidedp.planner import H200_REFERENCE, PlanError
 
 from pipeline.harness import TINY
 
@@ -46,10 +48,15 @@ def test_cuda_overrides_are_carried_and_offload_clamped():
 
 def test_device_layers_are_the_jobs_value_or_the_plans():
     """memory.device_layers: on CPU the job's value (clamped to the model, -1 = none); on CUDA a value
-    >= 0 is carried as given (and the plan is made without held layers), -1 takes the plan's."""
+    >= 0 is planned with (resident layers dropped to make room; its memory in the plan's table), or
+    refused when it cannot fit; -1 takes the plan's."""
     assert plan_job(load_job(TINY, ["memory.device_layers=5"])).device_layers == 2  # tiny has 2 layers
     assert plan_job(load_job(TINY, [])).device_layers == 0
     forced = plan_job(load_job(TINY, CUDA + ["memory.device_layers=1"]), H200_REFERENCE)
-    assert forced.device_layers == 1 and forced.plan is not None and forced.plan.device_layers == 0
+    assert forced.device_layers == 1 and forced.plan is not None and forced.plan.device_layers == 1
+    assert "device-held layers" in dict(forced.plan.gpu_memory)
+    big = ['model.shape="qwen3-4b"', "train.seq_len=2048", "memory.gpu_budget_gib=24"]
+    with pytest.raises(PlanError, match=r"memory.device_layers = 20 does not fit the GPU memory budget of 24.00 GiB"):
+        plan_job(load_job(TINY, CUDA + big + ["memory.device_layers=20"]), H200_REFERENCE)
     auto = plan_job(load_job(TINY, CUDA), H200_REFERENCE)
     assert auto.plan is not None and auto.device_layers == auto.plan.device_layers
