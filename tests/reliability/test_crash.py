@@ -162,6 +162,24 @@ def test_kill_a_worker_whose_peer_waits_in_a_collective(tmp_path):
         drop_store(store)
 
 
+def test_kill_a_worker_holding_layers_leaves_the_store_torn_naming_them(tmp_path):
+    """memory.device_layers: the first layer lives on the workers for the job; a dead worker takes its
+    current state with it, so the store says which chunk was held and not written back (never stale
+    weights passing for current ones) and refuses jobs until a checkpoint is restored."""
+    store = unique_store("crash-held")
+    try:
+        out = crash_trial("worker", tmp_path, random.Random(11), store, at=2, extra=("memory.device_layers=1",))
+        layer0 = HostStore.attach(store)
+        try:
+            chunk = layer0.layout.layer_chunk(0).id
+        finally:
+            layer0.close()
+        assert out.torn is not None and re.match(rf"chunk\(s\) \[{chunk}\] are held on a job's GPUs", out.torn), out.torn
+        assert check_refused_then_restore(store, tmp_path / f"run-{store}") >= 2
+    finally:
+        drop_store(store)
+
+
 def test_torn_store_refuses_a_job_until_restored(tmp_path):
     """A store torn mid-update: slidedp-launch refuses it naming the fix; `slidedp-store restore` fixes it."""
     store = unique_store("torn")
