@@ -14,8 +14,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from . import log as slog
 from .model import layers
 from .model.layers import token_slices
+
+_log = slog.get("loss")
 
 IGNORE_INDEX = -100  # targets equal to this contribute no loss and no gradient (as in F.cross_entropy)
 
@@ -70,7 +73,8 @@ _OUT_DTYPE_MATMUL = [True]  # torch.addmm(..., out_dtype=) on CUDA; cleared at t
 
 def add_matmul_(acc: Tensor, a: Tensor, b: Tensor) -> None:
     """acc += a @ b, with acc fp32 and a, b perhaps in a lower precision: the products in a's
-    dtype, the sum kept in acc's (on CUDA in one GEMM that reads and writes acc in fp32)."""
+    dtype, the sum kept in acc's (on CUDA in one GEMM that reads and writes acc in fp32; where
+    torch lacks that, each product is rounded to a's dtype before the fp32 add, and a warning says so)."""
     if a.dtype == acc.dtype:
         acc.addmm_(a, b)
         return
@@ -78,11 +82,17 @@ def add_matmul_(acc: Tensor, a: Tensor, b: Tensor) -> None:
         try:
             torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
             return
-        except (RuntimeError, TypeError):  # an older torch: no fp32 output for low-precision inputs
+        except torch.OutOfMemoryError:
+            raise
+        except (RuntimeError, TypeError) as e:  # an older torch: no fp32 output for low-precision inputs
             _OUT_DTYPE_MATMUL[0] = False
+            _log.warning("torch.addmm(out_dtype=%s) is not available here (%s); gradients accumulated with "
+                         "add_matmul_ now round each product to %s first", acc.dtype, str(e).splitlines()[0][:200],
+                         a.dtype)
     acc += (a @ b).to(acc.dtype)
 
 
+@torch.no_grad()  # the logits are rewritten in place: nothing here is for autograd
 def cross_entropy_sum_and_grad(hidden: Tensor, weight: Tensor, targets: Tensor, chunk_tokens: int, scale: float,
                                weight_grad_acc: Tensor) -> tuple[Tensor, Tensor]:
     """Forward and backward of the chunked cross-entropy at once, for a caller that needs both now.
@@ -94,7 +104,8 @@ def cross_entropy_sum_and_grad(hidden: Tensor, weight: Tensor, targets: Tensor, 
     """
     grad_h = torch.empty_like(hidden)
     total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-    g_out = torch.tensor(scale, dtype=torch.float32, device=hidden.device)
+    # a fill on the device: torch.tensor(scale, device=...) would copy from the host and wait for the stream
+    g_out = torch.full((), scale, dtype=torch.float32, device=hidden.device)
     for s in token_slices(hidden.shape[0], chunk_tokens):
         h, tgt = hidden[s], targets[s]
         logits = (h @ weight.T).float()

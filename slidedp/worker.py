@@ -220,7 +220,8 @@ def run(args: argparse.Namespace) -> int:
     dtype = DTYPES[t.compute_dtype]
     if L.compiled_kernels_wanted(t.compile, device):
         L.compile_kernels(fallback=t.compile == "auto")
-        log.info("the layers' pointwise kernels run through torch.compile (train.compile = %r)", t.compile)
+        log.info("the layers' pointwise kernels go through torch.compile at first use (train.compile = %r%s)", t.compile,
+                 ": eager where compiling fails" if t.compile == "auto" else "")
     group = join_group(args, device, rank, world, job.runtime.timeout_s)
     held = hold_units(args, store, device, dtype, t, rank, group)
     policy = EnginePolicy(resident_layers=args.resident_layers, prefetch_depth=args.prefetch,

@@ -53,10 +53,13 @@ def fuse_projections(p: Mapping[str, Tensor]) -> dict[str, Tensor]:
     A streamed layer's tensors are views of one flat chunk whose layout keeps q, k, v and gate, up
     adjacent (no biases between them), so one GEMM replaces three (two) at no copy; the gradient
     of the fused view lands in the same places of a gradient buffer of the same layout. Where the
-    tensors are not adjacent (biases, separate tensors) p is returned as it is.
+    tensors are not adjacent (biases between them, separate tensors), or have biases at all, they
+    stay as they are.
     """
     out = dict(p)
     for fused, names in _FUSIONS:
+        if any(n.replace(".weight", ".bias") in out for n in names):
+            continue  # the fused GEMM has no bias
         if all(n in out for n in names):
             view = _adjacent_rows([out[n] for n in names])
             if view is not None:
@@ -270,18 +273,31 @@ def forward_logits(cfg: ModelConfig, params: Mapping[str, Tensor], ids: Tensor) 
 _EAGER = {"rms_norm": rms_norm, "_apply_rope": _apply_rope, "silu_mul": silu_mul}
 
 
+_DYNAMO_SETTINGS: dict[str, object] = {}  # dynamo's settings before compile_kernels changed them
+
+
 def compile_kernels(enable: bool = True, backend: str = "inductor", fallback: bool = False) -> None:
     """Run the layers' pointwise pieces (RMSNorm, rope, SiLU * up) as torch.compile'd kernels.
 
     Each piece is a chain of memory-bound ops in eager mode (RMSNorm alone is seven passes over
     its input); compiled, each becomes one or two fused kernels, forward and backward. GEMMs and
-    attention stay eager. Process-wide: the worker calls it once before its first step.
-    fallback: a piece that fails to compile runs eagerly (torch logs why) instead of raising.
+    attention stay eager. Process-wide: the worker calls it once before its first step (they
+    compile at first use). fallback: a piece that fails to compile runs eagerly (torch logs why)
+    instead of raising. enable=False restores the eager pieces and dynamo's settings.
     """
     import torch._dynamo
 
-    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-    torch._dynamo.config.suppress_errors = fallback
+    cfg = torch._dynamo.config
+    if enable:
+        _DYNAMO_SETTINGS.setdefault("cache_size_limit", cfg.cache_size_limit)
+        _DYNAMO_SETTINGS.setdefault("suppress_errors", cfg.suppress_errors)
+        # one graph per piece, shape and grad mode: 18 for a tiled Qwen3 layer and its loss
+        cfg.cache_size_limit = max(cfg.cache_size_limit, 64)
+        cfg.suppress_errors = fallback
+    else:
+        for name, value in _DYNAMO_SETTINGS.items():
+            setattr(cfg, name, value)
+        _DYNAMO_SETTINGS.clear()
     for name, fn in _EAGER.items():
         globals()[name] = torch.compile(fn, backend=backend, dynamic=False) if enable else fn
 

@@ -6,6 +6,7 @@ import dataclasses
 
 import pytest
 import torch
+import torch._dynamo
 
 from slidedp.delivery import unit_tensors
 from slidedp.engine import units_of
@@ -52,6 +53,15 @@ def test_separate_or_biased_tensors_stay_unfused():
     assert layers.GATE_UP in fused
     separate = layers.layer_params(init_params(QWEN3, seed=3), 1)  # each its own storage
     assert layers.fuse_projections(separate).keys() == separate.keys()
+    # q, k, v back to back with their biases kept elsewhere: the fused GEMM would drop the biases
+    d, h = QWEN2.head_dim, QWEN2.hidden_size
+    rows = (QWEN2.num_heads * d, QWEN2.num_kv_heads * d, QWEN2.num_kv_heads * d)
+    flat = torch.zeros(sum(rows) * h)
+    weights = dict(zip(("q", "k", "v"), flat.split([r * h for r in rows])))
+    p = {f"self_attn.{n}_proj.weight": w.view(r, h) for (n, w), r in zip(weights.items(), rows)}
+    assert layers.QKV in layers.fuse_projections(p)  # adjacent, no biases: fused
+    p.update({f"self_attn.{n}_proj.bias": torch.zeros(r) for n, r in zip("qkv", rows)})
+    assert layers.QKV not in layers.fuse_projections(p)
 
 
 @pytest.mark.parametrize("cfg", [QWEN3, QWEN2], ids=["qwen3", "qwen2-bias"])
@@ -102,13 +112,15 @@ def test_compiled_kernels_give_the_eager_layer(monkeypatch):
 
     eager = run()
     eager_norm = layers.rms_norm
+    before = (torch._dynamo.config.cache_size_limit, torch._dynamo.config.suppress_errors)
     try:
         layers.compile_kernels(backend="aot_eager")
-        assert layers.rms_norm is not eager_norm
+        assert layers.rms_norm is not eager_norm and torch._dynamo.config.cache_size_limit >= 64
         compiled = run()
     finally:
         layers.compile_kernels(False)
     assert layers.rms_norm is eager_norm
+    assert (torch._dynamo.config.cache_size_limit, torch._dynamo.config.suppress_errors) == before
     for got, ref in zip(compiled, eager):
         assert rel_err(got, ref) < 1e-6
 
