@@ -77,10 +77,11 @@ def plan_job(job: JobConfig, calib: Calibration | None = None) -> RunPlan:
     forced_embedding = {"auto": None, "host": "host", "device": "device"}[mem.embedding]
     one = rt.workers == 1  # one rank: nothing to shard
     if rt.device != "cuda":
+        nl = model_config(job).num_layers
         return RunPlan(resident_layers=max(0, mem.resident_layers), embedding=forced_embedding or "host",
                        micro_batch=t.micro_batch, seq_tile_tokens=max(0, mem.seq_tile_tokens),
-                       offload_layers=min(max(0, mem.offload_layers), model_config(job).num_layers),
-                       device_layers=min(max(0, mem.device_layers), model_config(job).num_layers),
+                       offload_layers=min(max(0, mem.offload_layers), nl),
+                       device_layers=min(max(0, mem.device_layers), nl),
                        param_route="sharded" if rt.param_route == "sharded" and not one else "replicated",
                        grad_route="reduce_scatter" if rt.grad_route == "reduce_scatter" and not one else "host")
     work = Workload(model=model_config(job), global_batch=t.global_batch, seq_len=t.seq_len, world=rt.workers,

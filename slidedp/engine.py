@@ -38,7 +38,7 @@ from .loss import norm_head_backward
 from .model import layers as L
 from .model.config import ModelConfig
 from .tracing import NULL, Tracer
-from .store.layout import Chunk, Layout
+from .store.layout import Chunk, Layout, unit_name
 
 
 class Link(Protocol):
@@ -61,10 +61,12 @@ class StepTimes:
 
 
 def units_of(layout: Layout) -> dict[str, Unit]:
-    units = {"embed": Unit("embed", tuple(layout.chunks_of("embed"))), "norm": Unit("norm", tuple(layout.chunks_of("norm")))}
-    for c in layout.chunks_of("layer"):
-        units[f"layer.{c.layer}"] = Unit(f"layer.{c.layer}", (c,))
-    units["head"] = units["embed"] if layout.model.tie_word_embeddings else Unit("head", tuple(layout.chunks_of("head")))
+    groups: dict[str, list[Chunk]] = {}
+    for c in layout.chunks:
+        groups.setdefault(unit_name(c), []).append(c)
+    units = {name: Unit(name, tuple(chunks)) for name, chunks in groups.items()}
+    if layout.model.tie_word_embeddings:
+        units["head"] = units["embed"]
     return units
 
 

@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from .config import TrainSection
+from .store.layout import unit_name
 
 
 @dataclass(frozen=True)
@@ -78,12 +79,7 @@ def held_unit_names(model, embedding_on_device: bool, device_layers: int) -> lis
 
 def held_chunk_ids(layout, names: list[str]) -> tuple[int, ...]:
     """The chunk ids of held units by name ("layer.3", "embed", "head"), for the job record."""
-    ids = []
-    for c in layout.chunks:
-        unit = f"layer.{c.layer}" if c.kind == "layer" else c.kind
-        if unit in names:
-            ids.append(c.id)
-    return tuple(ids)
+    return tuple(c.id for c in layout.chunks if unit_name(c) in names)
 
 
 def reduction_slots(world: int, grad_route: str) -> int:

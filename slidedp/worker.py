@@ -331,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="keep the first N layers' saved inputs in pinned host memory until backward")
     p.add_argument("--embedding", choices=["host", "device"], default="host")
     p.add_argument("--device-layers", type=int, default=0, help="the first layers held on the device (updated there)")
-    p.add_argument("--dist-file", default="", help="torch.distributed rendezvous file (device-held embedding, N > 1)")
+    p.add_argument("--dist-file", default="", help="torch.distributed rendezvous file (device-held units or sharded routes, N > 1)")
     p.add_argument("--param-route", choices=["replicated", "sharded"], default="replicated",
                    help="sharded: each rank copies 1/N of a unit in and the ranks all-gather it")
     p.add_argument("--grad-route", choices=["host", "reduce_scatter"], default="host",

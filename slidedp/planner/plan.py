@@ -579,7 +579,7 @@ def _forced_device_layers(work: Workload, ch: Choices, d: int, budget: int, cali
     cand = _holding(work, ch, d, budget)
     if cand is None:
         need = _total(work, replace(ch, device_layers=d, resident_layers=0))
-        held = dict(_memory(work, replace(ch, device_layers=d)))["device-held layers"] if d else 0
+        held = dict(_memory(work, replace(ch, device_layers=d)))["device-held layers"]
         raise PlanError(
             f"memory.device_layers = {d} does not fit the GPU memory budget of {budget / GiB:.2f} GiB: the plan "
             f"with them needs {need / GiB:.2f} GiB (the held layers {held / GiB:.2f} GiB); lower memory.device_layers "

@@ -118,6 +118,12 @@ class Layout:
         return hashlib.sha256(self.to_json().encode()).hexdigest()
 
 
+def unit_name(chunk: Chunk) -> str:
+    """The unit a chunk is fetched, held and updated with: "layer.N" for a decoder layer's chunk,
+    else its kind ("embed", "norm", "head"; a tied head is the embedding's unit)."""
+    return f"layer.{chunk.layer}" if chunk.kind == "layer" else chunk.kind
+
+
 def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
