@@ -239,15 +239,17 @@ def timed_steps(step: Callable[[Stopwatch], float | None], steps: int, device: s
         watch = Stopwatch(device)
         sync(device)
         t0 = time.perf_counter()
+        prof = None
         if profile_path and i == int(profile_step):  # BENCH_PROFILE=STEP:PATH writes that step's trace
             with torch.profiler.profile() as prof:
                 loss = step(watch)
                 sync(device)
-            prof.export_chrome_trace(profile_path)
         else:
             loss = step(watch)
         sync(device)
         times.append(time.perf_counter() - t0)
+        if prof is not None:  # written after the step's time is taken
+            prof.export_chrome_trace(profile_path)
         sections.append(watch.totals)
         losses.append(float("nan") if loss is None else float(loss))
         if log:
