@@ -11,7 +11,7 @@
 set -u
 out=$1 gpus=$2 batch=$3 systems=$4
 shift 4
-store=slidedp-multigpu steps=${STEPS:-8} warm=${WARMUP:-3} shape=${SHAPE:-qwen3-4b}
+store=slidedp-multigpu-${SHAPE:-qwen3-4b} steps=${STEPS:-8} warm=${WARMUP:-3} shape=${SHAPE:-qwen3-4b}
 parts=()
 for system in ${systems//,/ }; do
   committed=$(bash "$(dirname "$0")/committed_step.sh" "$store")

@@ -123,7 +123,7 @@ class Calibration:
             + (f"; GPU links {self.allreduce_gbps:.0f} GB/s among {self.bus_gpus}, H2D of all "
                f"{self.h2d_total_gbps:.0f} GB/s" if self.bus_gpus > 1 else "")
             + (f"; AdamW in training {self.adamw_train_params_per_s / 1e9:.2f} G params/s "
-               f"({self.adamw_train_model_params / 1e9:.2f} B-param model)" if self.adamw_train_params_per_s else "")
+               f"(measured training a {self.adamw_train_model_params:,}-param model)" if self.adamw_train_params_per_s else "")
             + "".join(f"; GPU time in training {f:.2f}x the rates' ({self.gpu_train_model_params / 1e9:.2f} "
                       f"B-param model, {shape})" for shape, f in _factors(self.gpu_train_factors).items())
         )

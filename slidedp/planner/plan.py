@@ -213,6 +213,17 @@ class Plan:
         return "\n".join(lines)
 
 
+def _update_rate_note(work: Workload, calib: Calibration) -> str:
+    """Which AdamW rate the update is charged at: the rate a run of this model measured on this host, or
+    the bare kernel's discounted (the figure a first plan is most often wrong by)."""
+    n = work.model.num_parameters()
+    rate = calib.update_params_per_s(n) / 1e9
+    if calib.update_rate_learned(n):
+        return f"update charged at {rate:.2f} G params/s per updater, measured training this model on this host"
+    return (f"update charged at {rate:.2f} G params/s per updater: {calib.adamw_train_fraction:g} x the bare kernel "
+            f"until a run of this model on this host measures its rate in training")
+
+
 # --------------------------------------------------------------------------------------
 # the schedule as tasks
 
@@ -644,6 +655,7 @@ def make_plan(work: Workload, budget_bytes: int, calib: Calibration,
             "bf16 delivery needs the store's bf16 shadow (2 B/param of host memory, written by the updater)"
             + (f"; the fastest fp32 plan predicts {fp32:.3f} s" if fp32 is not None else "; no fp32 plan fits")
         )
+    notes.append(_update_rate_note(work, calib))
     bound = max(busy, key=busy.__getitem__)
     notes.append(f"busiest resource: {bound}")
     return Plan(

@@ -472,7 +472,15 @@ def test_a_training_run_teaches_the_planner_its_adamw_rate_for_that_model(tmp_pa
     other = Workload(named_shape("qwen3-1.7b"), global_batch=8, seq_len=2048, world=1, micro_batch=2, clip=False)
     ch = Choices(embedding="gpu")
     assert predict_step(other, ch, saved)[0]["update"] == predict_step(other, ch, cal)[0]["update"]
-    assert "AdamW in training 2.20 G params/s (4.02 B-param model)" in saved.summary()
+    n = work.model.num_parameters()
+    assert f"AdamW in training 2.20 G params/s (measured training a {n:,}-param model)" in saved.summary()
+    # the plan says which rate it charged: the discounted bare kernel before the run, the measured one after
+    bare = cal.adamw_params_per_s * cal.adamw_train_fraction / 1e9
+    assert (f"note: update charged at {bare:.2f} G params/s per updater: 0.6 x the bare kernel until a run of "
+            "this model on this host measures its rate in training") in plan.describe()
+    assert ("note: update charged at 2.20 G params/s per updater, measured training this model on this host"
+            in make_plan(work, 24 * GiB, saved, {"delivery": ("fp32",)}).describe())
+    assert "0.6 x the bare kernel" in make_plan(other, 24 * GiB, saved).describe()
     # too few steps, or no plan (a CPU run): nothing learned, nothing written
     assert record_training(RunPlan(plan=plan), busy[:2], [], cache_dir=str(tmp_path / "x")) is None
     assert record_training(RunPlan(), busy, busy, cache_dir=str(tmp_path / "x")) is None
