@@ -27,6 +27,7 @@ import datetime
 import json
 import os
 import platform
+import re
 import shlex
 import signal
 import socket
@@ -111,8 +112,10 @@ def run_system(name: str, system: System, args: argparse.Namespace, log_dir: Pat
     row = _read_row(json_path)
     if row is None or timed_out:  # it wrote no row, or one from when it was stopped
         error = row["error"] if timed_out and row and row.get("error") else _last_line(tail)
-        row = {**(row or {}), "status": _failure_status(rc, timed_out, args.timeout), "error": error,
+        row = {**(row or {}), "status": _failure_status(rc, timed_out, args.timeout, tail), "error": error,
                "output_tail": tail[-4000:]}
+        if timed_out and row.get("steps_before_stop"):
+            row["status"] += f" (its figures: the {row['steps_before_stop']} steps it committed)"
     row.setdefault("config", " ".join(system.args))
     row["system"] = name
     row.update(command=shlex.join(cmd), exit_code=rc, wall_s=wall, log=str(log_dir / f"{name}.log"))
@@ -120,16 +123,26 @@ def run_system(name: str, system: System, args: argparse.Namespace, log_dir: Pat
     return row
 
 
-def _failure_status(rc: int | None, timed_out: bool, timeout: float) -> str:
+# torchrun's report of a rank that a signal ended ("exitcode  : -9 (pid: 2591)")
+_RANK_SIGNALLED = re.compile(r"exitcode\s*:\s*-(\d+)")
+
+
+def _failure_status(rc: int | None, timed_out: bool, timeout: float, tail: str = "") -> str:
     if timed_out:
         return f"timeout after {timeout:.0f} s"
-    if rc is not None and rc < 0:
+    signalled = -rc if rc is not None and rc < 0 else None
+    who = "killed"
+    if signalled is None:  # under torchrun: the first rank a signal ended (the others were sent SIGTERM)
+        found = [int(n) for n in _RANK_SIGNALLED.findall(tail)]
+        signalled = signal.SIGKILL if signal.SIGKILL in found else (found[0] if found else None)
+        who = "a rank was killed"
+    if signalled is not None:
         try:
-            sig = signal.Signals(-rc).name
+            sig = signal.Signals(signalled).name
         except ValueError:
-            sig = f"signal {-rc}"
-        hint = " (host out of memory?)" if -rc == signal.SIGKILL else ""
-        return f"failed: killed by {sig}{hint}"
+            sig = f"signal {signalled}"
+        hint = " (host out of memory?)" if signalled == signal.SIGKILL else ""
+        return f"failed: {who} by {sig}{hint}"
     return f"failed: exit code {rc}, no result row"
 
 
@@ -242,14 +255,28 @@ def environment(rows: list[dict[str, Any]]) -> dict[str, Any]:
             "git_commit": commit}
 
 
-def write_json(path: Path, rows: list[dict[str, Any]], command: str, settings: dict[str, Any], complete: bool) -> None:
+ENVIRONMENT_KEYS = ("torch", "gpu", "host", "cpus", "host_ram_gib", "python", "platform", "git_commit")
+
+
+def merged_environment(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Where merged runs ran, not where they were merged: each key as its sources agree on it, or the
+    list of what each source says where they differ (runs on two machines, or of two commits)."""
+    env = {}
+    for key in ENVIRONMENT_KEYS:
+        values = [d.get(key) for d in docs]
+        env[key] = values[0] if all(v == values[0] for v in values) else values
+    return env
+
+
+def write_json(path: Path, rows: list[dict[str, Any]], command: str, settings: dict[str, Any], complete: bool,
+               env: dict[str, Any] | None = None) -> None:
     add_ratios(rows)
     doc = {
         "command": command,
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "complete": complete,
         "settings": settings,
-        **environment(rows),
+        **(env if env is not None else environment(rows)),
         "columns": list(COLUMNS),
         "table": [dict(zip(COLUMNS, cells)) for cells in table_rows(rows)],
         "table_markdown": format_table(rows),
@@ -304,9 +331,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     command = shlex.join([Path(sys.executable).name, "-m", "benchmarks.run", *(sys.argv[1:] if argv is None else argv)])
     if args.merge:
-        rows = [r for path in args.merge for r in json.loads(Path(path).read_text())["rows"]]
+        docs = [json.loads(Path(path).read_text()) for path in args.merge]
+        rows = [r for d in docs for r in d["rows"]]
         if args.out:
-            write_json(Path(args.out), rows, command, {"merged_from": args.merge}, complete=True)
+            sources = [{"file": path, "date": d.get("date"), "command": d.get("command"), "host": d.get("host"),
+                        "git_commit": d.get("git_commit")} for path, d in zip(args.merge, docs)]
+            write_json(Path(args.out), rows, command, {"merged_from": sources},
+                       complete=all(d.get("complete", True) for d in docs), env=merged_environment(docs))
         add_ratios(rows)
         print(format_table(rows), flush=True)
         return 0

@@ -186,16 +186,16 @@ class AggregatorCore:
             j = 0 if self.rings.full_reduce else self.free_reduce.pop()
             t0 = time.perf_counter()
             dst = self.rings.reduce_slot(j, chunk)
-            srcs = [self.rings.slot(g.rank, g.slot, chunk.numel) for g in grads]
             if self.job.grad_route == "reduce_scatter":  # summed on the devices: lay the shards side by side
-                for g, src in zip(grads, srcs):
+                for g in grads:
                     shard = Shard(chunk.numel, self.world, g.rank)
-                    dst[shard.start:shard.end].copy_(src[shard.start:shard.end])
+                    dst[shard.start:shard.end].copy_(self.rings.slot(g.rank, g.slot, shard.end - shard.start))
                 sq = sum(g.sqnorm for g in grads)
-            elif len(srcs) == 1:
-                dst.copy_(srcs[0])
+            elif len(grads) == 1:
+                dst.copy_(self.rings.slot(grads[0].rank, grads[0].slot, chunk.numel))
                 sq = grads[0].sqnorm
             else:
+                srcs = [self.rings.slot(g.rank, g.slot, chunk.numel) for g in grads]
                 torch.add(srcs[0], srcs[1], out=dst)
                 for s in srcs[2:]:
                     dst.add_(s)

@@ -158,7 +158,8 @@ class HostStateCore:
         if world < 1 or slots < 2:
             raise RequestError(f"attach: world must be >= 1 and grad_slots >= 2 (got {world}, {slots})")
         full = bool(args.get("full_reduce"))
-        self.rings = GradRings.create(self.name, store.layout, world, slots, int(args.get("reduce_slots", 3)), full)
+        self.rings = GradRings.create(self.name, store.layout, world, slots, int(args.get("reduce_slots", 3)), full,
+                                      shard_slots=bool(args.get("shard_slots")))
         token = int.from_bytes(os.urandom(6), "little")
         record = {k: args.get(k) for k in ("job", "world", "grad_slots", "full_reduce", "hyper")}
         m.set_job(dict(record, attached=time.time(), token=token))

@@ -116,14 +116,14 @@ class UpdaterCore:
         return out
 
     def _grads(self, work: tuple[Update, ...], chunk: Chunk) -> list[tuple[int, int, torch.Tensor]]:
-        """Where the chunk's gradient lies: (start, end, a chunk-sized buffer valid over [start, end))."""
+        """Where the chunk's gradient lies: (start, end, the elements [start, end) of the chunk's gradient)."""
         assert self.rings is not None and self.job is not None
         n = chunk.numel
         if work[0].source == SOURCE_RANK_SLOT:
             return [(0, n, self.rings.slot(work[0].rank, work[0].slot, n))]
         if work[0].source == SOURCE_RANK_SHARD:
             shards = [(Shard(n, self.job.world, u.rank), u) for u in work]
-            return [(sh.start, sh.end, self.rings.slot(u.rank, u.slot, n)) for sh, u in shards]
+            return [(sh.start, sh.end, self.rings.slot(u.rank, u.slot, sh.end - sh.start)) for sh, u in shards]
         return [(0, n, self.rings.reduce_slot(work[0].slot, chunk))]
 
     def apply(self, *work: Update) -> Updated:
@@ -183,8 +183,9 @@ class UpdaterCore:
 
 def _blocks(mb: Member, grads: list[tuple[int, int, torch.Tensor]],
             views: list[torch.Tensor]) -> list[tuple[torch.Tensor, ...]]:
-    """(master, grad, exp_avg, exp_avg_sq) of member `mb` where each gradient piece covers it: the
-    member's own shape where one piece holds all of it, else flat slices of the part each holds."""
+    """(master, grad, exp_avg, exp_avg_sq) of member `mb` where each gradient piece (start, end, the
+    gradient's elements [start, end)) covers it: the member's own shape where one piece holds all
+    of it, else flat slices of the part each holds."""
     master, exp_avg, exp_avg_sq = views
     lo_mb, hi_mb = mb.offset, mb.offset + mb.numel
     out = []
@@ -192,10 +193,11 @@ def _blocks(mb: Member, grads: list[tuple[int, int, torch.Tensor]],
         lo, hi = max(lo_mb, start), min(hi_mb, end)
         if lo >= hi:
             continue
+        g = grad[lo - start:hi - start]
         if (lo, hi) == (lo_mb, hi_mb):
-            out.append(tuple(member_view(t, mb) for t in (master, grad, exp_avg, exp_avg_sq)))
+            out.append((member_view(master, mb), g.view(mb.shape), member_view(exp_avg, mb), member_view(exp_avg_sq, mb)))
         else:
-            out.append(tuple(t[lo:hi] for t in (master, grad, exp_avg, exp_avg_sq)))
+            out.append((master[lo:hi], g, exp_avg[lo:hi], exp_avg_sq[lo:hi]))
     return out
 
 
@@ -216,7 +218,7 @@ def serve_member(store: str, index: int, pool: int, timeout_s: float = 60.0, rea
     signal.signal(signal.SIGTERM, lambda s, f: setattr(stop, "requested", True))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent or launcher decides; Ctrl-C goes to the group
     log.info("updater %d/%d up, %d threads on CPUs %s", index, pool, torch.get_num_threads(),
-             sorted(os.sched_getaffinity(0))[:8])
+             numa.format_cpulist(list(os.sched_getaffinity(0))))
     last_hello = time.monotonic()
     try:
         while not stop.requested:

@@ -154,7 +154,10 @@ class DryRun:
         name = job.store_name
         world = job.runtime.workers
         slots = ring_slots(job, self.cfg)
-        grads, reduce = rings_bytes(layout, world, slots, 3, job.train.max_grad_norm > 0)
+        # the plan picks an "auto" route later: until then, the host route's larger rings
+        scattered = job.runtime.grad_route == "reduce_scatter"
+        grads, reduce = rings_bytes(layout, world, slots, jobrecord.reduction_slots(world, "reduce_scatter" if scattered else "host"),
+                                    job.train.max_grad_norm > 0, shard_slots=scattered)
         segments = dict(list_store_segments().get(name, []))
         if segments:
             need = grads + reduce

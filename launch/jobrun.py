@@ -151,7 +151,8 @@ class JobRun:
         att = self._call("attach", self.timeout, job=job.run.name, pid=os.getpid(),
                    layout_hash=self.layout.hash(), model_desc=f"{cfg.family}, {cfg.num_parameters():,} parameters",
                    world=self.world, grad_slots=slots, full_reduce=record.full_reduce,
-                   reduce_slots=record.reduce_slots, hyper=job_to_dict(job)["train"])
+                   reduce_slots=record.reduce_slots, shard_slots=record.grad_route == "reduce_scatter",
+                   hyper=job_to_dict(job)["train"])
         self.attached_token = att["token"]
         self.agg = connect_dealer(self.ctx, self.store, "agg", identity("launcher", 0))
         send(self.agg, Hello(ROLE_LAUNCHER, 0, 1, os.getpid()))

@@ -166,14 +166,14 @@ class GradOut:
             self.stream = torch.cuda.Stream(device)
 
     def _payload(self, chunk: Chunk, grad: torch.Tensor, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(what leaves the device, where it lands): the whole gradient, or this rank's shard of the sum."""
-        dst = self.slot_view(slot, chunk.numel)
+        """(what leaves the device, where it lands): the whole gradient, or this rank's shard of the sum
+        (at the start of the slot: slots are sized for shards on this route)."""
         if self.group is None:
-            return grad, dst
+            return grad, self.slot_view(slot, chunk.numel)
         shard = self.group.shard(chunk.numel)
         padded = grad if shard.padded == grad.numel() else F.pad(grad, (0, shard.padded - grad.numel()))
         part = self.group.reduce_scatter(padded)[:shard.end - shard.start]
-        return part, dst[shard.start:shard.end]
+        return part, self.slot_view(slot, shard.end - shard.start)
 
     def send(self, chunk: Chunk, grad: torch.Tensor, slot: int, step: int = -1) -> None:
         t0 = time.time()

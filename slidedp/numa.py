@@ -19,6 +19,17 @@ def parse_cpulist(text: str) -> list[int]:
     return cpus
 
 
+def format_cpulist(cpus: list[int]) -> str:
+    """The kernel's cpulist form of a CPU set ("0-26,28"): parse_cpulist's inverse, short in logs."""
+    ranges: list[list[int]] = []
+    for c in sorted(set(cpus)):
+        if ranges and c == ranges[-1][1] + 1:
+            ranges[-1][1] = c
+        else:
+            ranges.append([c, c])
+    return ",".join(f"{a}-{b}" if b > a else str(a) for a, b in ranges)
+
+
 def nodes(sysfs: str = "/sys/devices/system/node") -> list[list[int]]:
     """CPUs of each NUMA node that this process may run on; one list of all allowed CPUs without sysfs."""
     allowed = sorted(os.sched_getaffinity(0))

@@ -32,7 +32,7 @@ from .jobrecord import held_unit_names
 from .engine import Engine, EnginePolicy, units_of
 from .hostmem import Registration
 from .model import layers as L
-from .numa import device_cpus, parse_cpulist
+from .numa import device_cpus, format_cpulist, parse_cpulist
 from .protocol import (CONTROL_STOP, ROLE_WORKER, SLOT_DEVICE, Control, Credit, Go, Grad, Hello, Loss, Norm, Ready,
                        WorkerStats)
 from .store.layout import Chunk
@@ -190,7 +190,7 @@ def run(args: argparse.Namespace) -> int:
         cpus = device_cpus(bus, cpus, kept=parse_cpulist(args.kept_cpus) if args.kept_cpus else None)
     if args.cpus or bus:
         os.sched_setaffinity(0, cpus)
-        log.info("rank %d runs on CPUs %s%s", rank, cpus, f" (near GPU {bus})" if bus else "")
+        log.info("rank %d runs on CPUs %s%s", rank, format_cpulist(cpus), f" (near GPU {bus})" if bus else "")
     cores = len(os.sched_getaffinity(0))
     torch.set_num_threads(max(1, cores // world) if device.type == "cpu" else min(2, cores))
     torch.manual_seed(job.train.seed + rank)

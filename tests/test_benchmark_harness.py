@@ -117,8 +117,8 @@ def test_failed_killed_and_hung_systems_become_rows(tmp_path, monkeypatch, capsy
 
 
 def test_merge_joins_runs_and_takes_ratios_against_the_first_gpu_resident_row(tmp_path, capsys):
-    def doc(rows):
-        return json.dumps({"rows": rows})
+    def doc(rows, **env):
+        return json.dumps({"rows": rows, "host": "gpu-box", "gpu": "NVIDIA H200", "cpus": 16, **env})
 
     ok = {"status": "ok", "config": "c", "step_s": 2.0, "gpu_peak_gib": 80.0, "host_rss_gib": 3.0, "shm_gib": 0.0}
     (tmp_path / "a.json").write_text(doc([
@@ -128,11 +128,16 @@ def test_merge_joins_runs_and_takes_ratios_against_the_first_gpu_resident_row(tm
     (tmp_path / "b.json").write_text(doc([
         {**ok, "system": "slidedp", "tokens_per_s": 9500.0, "predicted_step_s": 1.9, "shm_gib": 48.25},
         {**ok, "system": "fsdp2_offload", "tokens_per_s": 5000.0, "optimizer_s": 0.98},
-    ]))
+    ], git_commit="b" * 40, date="2026-11-29T17:00:00+00:00"))
     assert bench.main(["--merge", str(tmp_path / "a.json"), str(tmp_path / "b.json"),
                        "--out", str(tmp_path / "c.json")]) == 0
     merged = json.loads((tmp_path / "c.json").read_text())
     assert [r["vs_gpu_resident"] for r in merged["rows"]] == [None, 1.0, 0.95, 0.5]
+    # where the runs ran (not where they were merged); where the sources differ, each one's value
+    assert (merged["host"], merged["gpu"], merged["cpus"]) == ("gpu-box", "NVIDIA H200", 16)
+    assert merged["git_commit"] == [None, "b" * 40]
+    assert [(s["file"], s["git_commit"], s["date"]) for s in merged["settings"]["merged_from"]] == [
+        (str(tmp_path / "a.json"), None, None), (str(tmp_path / "b.json"), "b" * 40, "2026-11-29T17:00:00+00:00")]
     table = capsys.readouterr().out.strip().splitlines()
     assert [_header_cells(line) for line in table[2:]] == [
         ["gpu_resident", "c", "", "2.00", "", "80.0", "3.0 + 0.0", "out of memory -- CUDA out of memory. Tried"],
@@ -178,7 +183,10 @@ with open(job.run_dir / "metrics.jsonl", "w") as f:
                             "host_rss_bytes": 2 << 30, "shm_bytes": 3 << 30, "predicted_step_s": 1.5,
                             "loss": 6.0}) + "\\n")
 print("trained", job.store_name, job.train.compute_dtype, job.runtime.device, job.memory.gpu_budget_gib,
-      job.train.max_grad_norm, job.checkpoint.final, job.store.persist, job.store.shadow_bf16)
+      job.train.max_grad_norm, job.checkpoint.final, job.store.persist, job.store.shadow_bf16, flush=True)
+if os.environ.get("FAKE_LAUNCHER_LINGER"):  # every step committed, then a slow shutdown
+    import time
+    time.sleep(120)
 '''
 
 
@@ -222,6 +230,37 @@ def test_slidedp_launcher_out_of_memory_is_a_row(tmp_path, monkeypatch):
     assert row["status"] == "out of memory" and row["launcher_exit_code"] == 3
     assert row["error"] == ("out of memory: the launcher exited with code 3: "
                             "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 1.00 GiB")
+
+
+def test_a_slidedp_run_stopped_by_the_timeout_keeps_the_steps_it_committed(tmp_path, monkeypatch, capsys):
+    """The harness stops a launcher that outlives --timeout; the steps already committed (past the
+    warm-up) still give the row its figures, and the status says both."""
+    mods = tmp_path / "mods"
+    mods.mkdir()
+    _write_module(mods, "fake_launcher", FAKE_LAUNCHER)
+    monkeypatch.setenv("PYTHONPATH", str(mods))
+    monkeypatch.setenv("FAKE_LAUNCHER_LINGER", "1")
+    monkeypatch.setattr(bench, "SYSTEMS", {"slidedp": bench.System(
+        "benchmarks.peers.slidedp_run", ("--launcher", "fake_launcher"))})
+    out = tmp_path / "stopped.json"
+    assert bench.main(["--device", "cpu", "--shape", "tiny", "--batch", "2", "--seq", "16", "--steps", "4",
+                       "--warmup", "1", "--quiet", "--systems", "slidedp", "--timeout", "20", "--out", str(out)]) == 0
+    row = json.loads(out.read_text())["rows"][0]
+    assert row["status"] == "timeout after 20 s (its figures: the 4 steps it committed)"
+    assert row["steps_before_stop"] == 4 and row["step_s"] == 2.0 and row["tokens_per_s"] == 16.0
+    assert row["error"].startswith("stopped by SIGTERM; the launcher's last output: trained ")
+    assert row["vs_gpu_resident"] is None  # not an ok row: no ratio is taken from it
+
+
+def test_a_rank_killed_under_torchrun_is_named():
+    """torchrun exits 1 when a rank dies; its failure report says which signal ended which rank."""
+    tail = ("Root Cause (first observed failure):\n[0]:\n  rank      : 1 (local_rank: 1)\n"
+            "  exitcode  : -9 (pid: 2591)\n  traceback : Signal 9 (SIGKILL) received by PID 2591\n"
+            "[1]:\n  exitcode  : -15 (pid: 2590)\n")
+    assert bench._failure_status(1, False, 200, tail) == "failed: a rank was killed by SIGKILL (host out of memory?)"
+    assert bench._failure_status(1, False, 200, "  exitcode  : -11 (pid: 7)") == "failed: a rank was killed by SIGSEGV"
+    assert bench._failure_status(1, False, 200, "Traceback ...") == "failed: exit code 1, no result row"
+    assert bench._failure_status(-9, False, 200) == "failed: killed by SIGKILL (host out of memory?)"
 
 
 @pytest.mark.parametrize("shape", ["tiny", "small"])  # tied (Qwen3) and untied (Llama) heads

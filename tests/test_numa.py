@@ -22,6 +22,9 @@ def fake_sysfs(root: Path, nodes: dict[int, str], gpus: dict[str, int]) -> tuple
 def test_parse_cpulist():
     assert numa.parse_cpulist("0-3,8,10-11\n") == [0, 1, 2, 3, 8, 10, 11]
     assert numa.parse_cpulist("") == []
+    assert numa.format_cpulist([11, 0, 1, 2, 3, 8, 10]) == "0-3,8,10-11"
+    assert numa.format_cpulist([]) == "" and numa.format_cpulist([5]) == "5"
+    assert numa.parse_cpulist(numa.format_cpulist(list(range(27)) + [29])) == list(range(27)) + [29]
 
 
 def test_a_worker_runs_on_its_gpus_node_preferring_the_cpus_kept_from_updaters(tmp_path, monkeypatch):

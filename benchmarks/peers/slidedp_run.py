@@ -134,6 +134,14 @@ def reduce_metrics(records: list[dict[str, Any]], warmup: int, row: dict[str, An
         row["metrics_missing_keys"] = missing
 
 
+def _reduce_what_ran(metrics: Path, warmup: int, row: dict[str, Any]) -> None:
+    """A stopped run's figures from the steps it committed (more than the warm-up), marked as such."""
+    records = read_metrics(metrics) if metrics.is_file() else []
+    if len(records) > warmup:
+        reduce_metrics(records, warmup, row)
+        row["steps_before_stop"] = len(records)
+
+
 def remove_leftover_segments(store: str) -> list[str]:
     """This job's store segments still in /dev/shm after the launcher exited (persist = false)."""
     left = sorted(glob.glob(f"{common.SHM}/slidedp.{store}.*"))
@@ -170,6 +178,7 @@ def measure(args: argparse.Namespace, row: dict[str, Any], host: common.HostMemo
         rc, tail = (None if timed_out else rc), "".join(lines)
     except Terminated:
         row["output_tail"] = "".join(lines)
+        _reduce_what_ran(run_dir / "metrics.jsonl", args.warmup, row)  # steps committed before the stop count
         raise Terminated(f"stopped by SIGTERM; the launcher's last output: {common.last_line(''.join(lines))}") from None
     finally:  # a store that outlived its job would hold host RAM through the next systems' runs
         leftovers = remove_leftover_segments(name)

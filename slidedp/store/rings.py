@@ -16,15 +16,23 @@ import torch
 from .layout import Chunk, Layout
 from .shm import Segment, check_space, segment_name
 
-_HEADER = struct.Struct("<8sIIIIQ")  # magic, world, slots, reduce slots, full flag, slot numel
-_MAGIC = b"SDPRING1"
+_HEADER = struct.Struct("<8sIIIIQQ")  # magic, world, slots, reduce slots, full flag, slot numel, reduce slot numel
+_MAGIC = b"SDPRING2"
 _HDR = 4096
 
 
-def rings_bytes(layout: Layout, world: int, slots: int, reduce_slots: int, full_reduce: bool) -> tuple[int, int]:
-    slot = layout.max_chunk_numel * 4
-    grads = _HDR + world * slots * slot
-    reduce = _HDR + (layout.total_numel * 4 if full_reduce else (reduce_slots * slot if world > 1 else 0))
+def grad_slot_numel(layout: Layout, world: int, shard_slots: bool) -> int:
+    """A rank's gradient slot: the largest chunk, or with shard_slots (reduce-scattered gradients, each
+    rank copying out only its 1/N) the largest chunk's shard, so that the ranks' rings together
+    take what one rank's would whatever the number of ranks."""
+    return -(-layout.max_chunk_numel // world) if shard_slots else layout.max_chunk_numel
+
+
+def rings_bytes(layout: Layout, world: int, slots: int, reduce_slots: int, full_reduce: bool,
+                shard_slots: bool = False) -> tuple[int, int]:
+    grads = _HDR + world * slots * grad_slot_numel(layout, world, shard_slots) * 4
+    reduce = _HDR + (layout.total_numel * 4 if full_reduce
+                     else (reduce_slots * layout.max_chunk_numel * 4 if world > 1 else 0))
     return grads, reduce
 
 
@@ -36,11 +44,13 @@ class GradRings:
     slots: int
     reduce_slots: int
     full_reduce: bool
-    slot_numel: int
+    slot_numel: int  # a rank's gradient slot
+    reduce_slot_numel: int  # a reduction slot: the largest chunk
 
     @classmethod
-    def create(cls, store: str, layout: Layout, world: int, slots: int, reduce_slots: int, full_reduce: bool) -> "GradRings":
-        g, r = rings_bytes(layout, world, slots, reduce_slots, full_reduce)
+    def create(cls, store: str, layout: Layout, world: int, slots: int, reduce_slots: int, full_reduce: bool,
+               shard_slots: bool = False) -> "GradRings":
+        g, r = rings_bytes(layout, world, slots, reduce_slots, full_reduce, shard_slots)
         check_space(g + r, f"gradient rings of store {store!r} for {world} rank(s)")
         grads = Segment.create(segment_name(store, "grads"), g)
         try:
@@ -49,21 +59,27 @@ class GradRings:
             grads.close()
             grads.unlink()
             raise
-        grads.mm[0:_HEADER.size] = _HEADER.pack(_MAGIC, world, slots, reduce_slots, int(full_reduce), layout.max_chunk_numel)
-        return cls(grads, reduce, world, slots, reduce_slots, full_reduce, layout.max_chunk_numel)
+        slot = grad_slot_numel(layout, world, shard_slots)
+        grads.mm[0:_HEADER.size] = _HEADER.pack(_MAGIC, world, slots, reduce_slots, int(full_reduce), slot,
+                                                layout.max_chunk_numel)
+        return cls(grads, reduce, world, slots, reduce_slots, full_reduce, slot, layout.max_chunk_numel)
 
     @classmethod
     def open(cls, store: str) -> "GradRings":
         grads = Segment.open(segment_name(store, "grads"))
-        magic, world, slots, rslots, full, numel = _HEADER.unpack_from(grads.mm, 0)
+        magic, world, slots, rslots, full, numel, reduce_numel = _HEADER.unpack_from(grads.mm, 0)
         if magic != _MAGIC:
-            raise RuntimeError(f"gradient ring {grads.name} is corrupt (bad magic)")
+            raise RuntimeError(f"gradient ring {grads.name} is corrupt or of another SlideDP version (bad magic)")
         reduce = Segment.open(segment_name(store, "reduce"))
-        return cls(grads, reduce, world, slots, rslots, bool(full), numel)
+        return cls(grads, reduce, world, slots, rslots, bool(full), numel, reduce_numel)
 
     def slot(self, rank: int, k: int, numel: int | None = None) -> torch.Tensor:
+        """Rank `rank`'s slot k, its first `numel` elements (a whole chunk's gradient, or a shard of one)."""
         if not (0 <= rank < self.world and 0 <= k < self.slots):
             raise IndexError(f"gradient slot ({rank}, {k}) outside the ring ({self.world} ranks x {self.slots} slots)")
+        if numel is not None and numel > self.slot_numel:
+            raise ValueError(f"{numel} elements do not fit a gradient slot of {self.slot_numel} "
+                             "(slots sized for shards: only reduce-scattered gradients fit)")
         start = _HDR // 4 + (rank * self.slots + k) * self.slot_numel
         return self.grads.tensor(torch.float32, start, numel or self.slot_numel)
 
@@ -77,7 +93,7 @@ class GradRings:
             return self.reduce.tensor(torch.float32, _HDR // 4 + chunk.offset, chunk.numel)
         if not 0 <= j < self.reduce_slots:
             raise IndexError(f"reduction slot {j} outside the ring of {self.reduce_slots}")
-        return self.reduce.tensor(torch.float32, _HDR // 4 + j * self.slot_numel, chunk.numel)
+        return self.reduce.tensor(torch.float32, _HDR // 4 + j * self.reduce_slot_numel, chunk.numel)
 
     def close(self) -> None:
         self.grads.close()

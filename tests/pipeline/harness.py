@@ -34,7 +34,7 @@ def attached_job_record(store: str, world: int, clip: bool, **record: object):
     train = job_to_dict(load_job(TINY, [f"train.max_grad_norm={1.0 if clip else 0.0}"]))["train"]
     job = JobRecord("j", store, world, train, st["layout_hash"], **record)  # type: ignore[arg-type]
     call(store, "attach", job="j", pid=os.getpid(), world=world, grad_slots=3, full_reduce=job.full_reduce,
-         reduce_slots=3, layout_hash=st["layout_hash"])
+         reduce_slots=3, layout_hash=st["layout_hash"], shard_slots=job.grad_route == "reduce_scatter")
     return job
 
 

@@ -103,3 +103,36 @@ def test_matches_reference(tmp_path, monkeypatch, workers, micro, clip, shape, e
     # magnifies those last-bit differences where a gradient is near zero
     assert worst[0] < (2e-5 if grad_route == "reduce_scatter" else 1e-5), worst
     assert store_segments(store) == []  # the job created the store and did not persist it
+
+
+@pytest.mark.parametrize("workers,shape,embedding,routes", [
+    (1, "tiny-llama", "device", ("replicated", "host")),
+    (2, "tiny", "host", ("sharded", "reduce_scatter")),
+])
+def test_held_layers_carry_over_to_the_next_job(tmp_path, workers, shape, embedding, routes):
+    """Device-held layers live on the workers for a job: the first job writes them (master and AdamW
+    moments) back to the persistent store at its end, the next one leases them again from its
+    committed step. Two jobs of 2 and 3 steps equal one job of 5."""
+    from slidedp.store.shm import unlink_store  # noqa: PLC0415
+
+    store = unique_store("carry")
+    ref = None
+    try:
+        for first, last in ((0, 2), (2, STEPS)):
+            run_dir = tmp_path / f"run-{last}"
+            sets = job_sets(workers, 1, 0.5, shape, store, run_dir, embedding, *routes)
+            # a constant rate after warm-up: a cosine's span is the job's train.steps
+            sets += ["memory.device_layers=1", "store.persist=true", f"train.steps={last}", 'train.schedule="constant"']
+            proc = launch(TINY, *sets, cwd=tmp_path)
+            assert proc.returncode == 0, proc.stdout + proc.stderr
+            ref = ref or reference(sets)
+            got = metrics(run_dir)
+            assert [m["step"] for m in got] == list(range(first, last))
+            for m in got:
+                want = ref.losses[m["step"]]
+                assert abs(m["loss"] - want) <= 1e-5 * abs(want), (m["step"], m["loss"], want)
+        weights = checkpoint_weights(tmp_path / f"run-{STEPS}" / "checkpoints" / f"step-{STEPS:08d}")
+        worst = max((rel_err(weights[n], ref.params[n]), n) for n in ref.params)
+        assert worst[0] < 2e-5, worst
+    finally:
+        unlink_store(store)

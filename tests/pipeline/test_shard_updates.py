@@ -55,11 +55,15 @@ def test_updater_reads_each_ranks_shard_in_its_slot(world):
             want = _expected(store, chunk, full, lr_at(record.train_section, 0), record.train_section)
             slots = [(2 * r + 1) % rings.slots for r in range(world)]  # each rank another slot
             out = []
+            # slots sized for shards: each rank's rings take 1/N of the host route's
+            assert rings.slot_numel == -(-store.layout.max_chunk_numel // world)
+            with pytest.raises(ValueError, match="do not fit a gradient slot"):
+                rings.slot(0, 0, chunk.numel)
             for r in range(world):
                 sh = Shard(chunk.numel, world, r)
-                buf = rings.slot(r, slots[r], chunk.numel)
-                buf.fill_(math.nan)  # outside its shard a rank's slot holds nothing the update may read
-                buf[sh.start:sh.end] = full[sh.start:sh.end]
+                buf = rings.slot(r, slots[r])
+                buf.fill_(math.nan)  # past its shard a rank's slot holds nothing the update may read
+                buf[:sh.end - sh.start] = full[sh.start:sh.end]  # the shard lands at the slot's start
                 out += agg.on_grad(Grad(r, chunk.id, 0, slots[r], float(full[sh.start:sh.end].square().sum())))
             updates = [m for _, m in out if isinstance(m, Update)]
             assert [(u.source, u.rank, u.slot) for u in updates] == [(SOURCE_RANK_SHARD, r, slots[r]) for r in range(world)]
@@ -108,3 +112,10 @@ def test_reduction_slots_only_where_the_aggregator_sums():
     _, sharded = rings_bytes(layout, 4, 12, reduction_slots(4, "reduce_scatter"), False)
     assert summed - sharded == 3 * layout.max_chunk_numel * 4
     assert 1.0 < (summed - sharded) / 2**30 < 1.3
+    # and each rank's slots hold its shard: the ranks' rings together as large as one rank's, for any N
+    one, _ = rings_bytes(layout, 1, 12, 0, False)
+    for world in (2, 4, 8):
+        whole, _ = rings_bytes(layout, world, 12, 0, False)
+        shards, _ = rings_bytes(layout, world, 12, 0, False, shard_slots=True)
+        assert whole - 4096 == world * (one - 4096)
+        assert 0 <= shards - one <= 12 * world * 4  # ceil(chunk / N): a few elements of padding per slot
