@@ -459,7 +459,7 @@ def run_job(job: JobConfig, job_path: Path, progress: Progress) -> int:
             run.spawn_workers(start, end)
             committed = run.follow(start, end, progress)
             run.wait_workers()
-            record_training(run.plan, progress.update_busy_s, progress.gpu_side_s)
+            record_training(run.plan, progress.update_busy_s, progress.gpu_side_s, reduce_busy_s=progress.reduce_busy_s)
             run.finish_checkpoints()
             if job.checkpoint.final or run.stop_requested:
                 if job.checkpoint.every or job.checkpoint.final:

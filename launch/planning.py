@@ -107,24 +107,26 @@ def plan_job(job: JobConfig, calib: Calibration | None = None) -> RunPlan:
                    grad_route=plan.grad_route if not one else "host", plan=plan)
 
 
+def host_summed(run_plan: RunPlan) -> bool:
+    """Whether the run's aggregator summed several ranks' whole gradients beside the updaters."""
+    assert run_plan.plan is not None
+    return run_plan.plan.workload.world > 1 and run_plan.grad_route == "host"
+
+
 def learned_update_rate(run_plan: RunPlan, update_busy_s: list[float]) -> float | None:
     """The AdamW rate the updaters reached per process in a planned (CUDA) run of 3 steps or more
     (median step after the first), in the units the planner charges (fp32 master traffic); None
     when there is nothing to learn.
 
-    A run whose aggregator summed the ranks' gradients teaches nothing: those sums compete with
-    the updaters for host memory, and the planner charges them as work of their own (on 2 H200s,
-    summing both ranks' gradients on the host slowed the updaters from 3.16 to 1.33 G params/s,
-    a rate that would then have been charged to every plan of the model). A run whose aggregator
-    only copied gradients (exact clipping) still teaches it: a copy is a third of a 2-way sum's
-    traffic and no other run of a clipped job would ever teach the rate."""
+    A run whose aggregator summed the ranks' gradients (`host_summed`) measures the rate beside
+    those sums, which compete with the updaters for host memory (on 2 H200s they slowed the
+    updaters from 3.16 to 1.33 G params/s): it is kept apart, for plans with such a sum only. A
+    run whose aggregator only copied gradients (exact clipping) teaches the plain rate: a copy is
+    a third of a 2-way sum's traffic and no other run of a clipped job would ever teach it."""
     plan = run_plan.plan
     if plan is None or len(update_busy_s) < 3:
         return None
     w = plan.workload
-    if w.world > 1 and run_plan.grad_route == "host":
-        log.info("updaters' AdamW rate not kept: the aggregator summed gradients beside them in this run")
-        return None
     busy = statistics.median(update_busy_s[1:])
     if busy <= 0:
         return None
@@ -155,8 +157,23 @@ def learned_gpu_scale(run_plan: RunPlan, gpu_side_s: list[float]) -> float | Non
     return measured / planned if measured > 0 and planned > 0 else None
 
 
+def learned_sum_rate(run_plan: RunPlan, reduce_busy_s: list[float]) -> float | None:
+    """The rate (GB/s, as reduce_gbps) the aggregator summed ranks' gradients at beside the updaters in
+    a planned run of 3 steps or more: the bytes the plan charged over the busy time measured
+    (median step after the first). None when it summed nothing or there is too little to learn."""
+    plan = run_plan.plan
+    if plan is None or len(reduce_busy_s) < 3 or not host_summed(run_plan):
+        return None
+    planned = dict(plan.busy_s)["reduce"]
+    measured = statistics.median(reduce_busy_s[1:])
+    if planned <= 0 or measured <= 0:
+        return None
+    n = plan.workload.model.num_parameters()
+    return planned * plan.calibration.reduce_rate_gbps(n, summed=True) / measured
+
+
 def record_training(run_plan: RunPlan, update_busy_s: list[float], gpu_side_s: list[float],
-                    cache_dir: str | None = None) -> Calibration | None:
+                    cache_dir: str | None = None, reduce_busy_s: list[float] | None = None) -> Calibration | None:
     """After a planned (CUDA) run: keep the updaters' AdamW rate and the GPU time the run measured
     with this host's calibration, for the next plan of that model. Returns the calibration kept,
     or None when there was nothing to learn."""
@@ -166,7 +183,15 @@ def record_training(run_plan: RunPlan, update_busy_s: list[float], gpu_side_s: l
     params = plan.workload.model.num_parameters()
     measured: dict[str, float] = {}
     rate = learned_update_rate(run_plan, update_busy_s)
-    if rate is not None:
+    sum_rate = learned_sum_rate(run_plan, reduce_busy_s or [])
+    if rate is not None and host_summed(run_plan):
+        measured.update(adamw_train_summed_params_per_s=rate, adamw_train_summed_model_params=params,
+                        reduce_train_summed_gbps=sum_rate or plan.calibration.reduce_gbps)
+        log.info("beside the aggregator's sum of the ranks' gradients, the updaters ran AdamW at %.2f G params/s per "
+                 "process (bare kernel: %.2f) and the sum ran at %s; the next plan of this model on this host with a "
+                 "host sum charges them", rate / 1e9, plan.calibration.adamw_params_per_s / 1e9,
+                 f"{sum_rate:.1f} GB/s (bare: {plan.calibration.reduce_gbps:.1f})" if sum_rate else "its bare rate")
+    elif rate is not None:
         measured.update(adamw_train_params_per_s=rate, adamw_train_model_params=params)
         log.info("updaters ran AdamW at %.2f G params/s per process in this run (bare kernel: %.2f); "
                  "the next plan of this model on this host charges it", rate / 1e9,

@@ -161,6 +161,7 @@ class Progress:
         self.recent: list[float] = []
         self.predicted_step_s: float | None = None
         self.update_busy_s: list[float] = []  # per committed step: the updaters' summed AdamW time
+        self.reduce_busy_s: list[float] = []  # per committed step: the aggregator's time summing gradients
         self.gpu_side_s: list[float] = []  # per committed step: the slowest rank's step less its waits for the host
         self._bar_drawn = False
 
@@ -190,6 +191,7 @@ class Progress:
                              process_tree_private_bytes(), shm)
         if not done.skipped:
             self.update_busy_s.append(done.update_s)
+            self.reduce_busy_s.append(done.reduce_s)
             if stats:
                 self.gpu_side_s.append(max(gpu_side(s) for s in stats.values()))
         if self.metrics is not None:

@@ -45,7 +45,8 @@ class CalibrationError(ValueError):
 
 
 _MAY_BE_ZERO = frozenset({"adamw_train_params_per_s", "adamw_train_model_params", "h2d_total_gbps",
-                          "gpu_train_model_params"})  # 0 = not measured yet
+                          "gpu_train_model_params", "adamw_train_summed_params_per_s", "reduce_train_summed_gbps",
+                          "adamw_train_summed_model_params"})  # 0 = not measured yet
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,14 @@ class Calibration:
     # its step time; 4.11 bare). The planner charges it for that model only. 0: no run yet.
     adamw_train_params_per_s: float = 0.0
     adamw_train_model_params: int = 0
+    # the same, and the aggregator's sum rate (as reduce_gbps), measured in a run whose aggregator
+    # summed several ranks' whole gradients beside the updaters (grad_route = "host"): both compete
+    # for host memory, so each runs well below its bare rate (on a 2-H200 host, Qwen3-4B: AdamW at
+    # 1.55 G params/s against 6.06 bare, the sum at a fifth of its calibrated rate). Charged to plans
+    # of that model on that route only. 0: no such run yet.
+    adamw_train_summed_params_per_s: float = 0.0
+    reduce_train_summed_gbps: float = 0.0
+    adamw_train_summed_model_params: int = 0
     # the workers' GPU-side step time measured training a model (each rank's step less its waits
     # for the host) over the plan's GPU time for it from the rates above: what the matmul rate
     # leaves out (casts, norms, attention, launches, the size of the matmuls). A JSON object,
@@ -124,6 +133,9 @@ class Calibration:
                f"{self.h2d_total_gbps:.0f} GB/s" if self.bus_gpus > 1 else "")
             + (f"; AdamW in training {self.adamw_train_params_per_s / 1e9:.2f} G params/s "
                f"(measured training a {self.adamw_train_model_params:,}-param model)" if self.adamw_train_params_per_s else "")
+            + (f"; beside a host sum of ranks' gradients AdamW {self.adamw_train_summed_params_per_s / 1e9:.2f} G params/s"
+               f" and the sum {self.reduce_train_summed_gbps:.1f} GB/s (measured training a "
+               f"{self.adamw_train_summed_model_params:,}-param model)" if self.adamw_train_summed_params_per_s else "")
             + "".join(f"; GPU time in training {f:.2f}x the rates' ({self.gpu_train_model_params / 1e9:.2f} "
                       f"B-param model, {shape})" for shape, f in _factors(self.gpu_train_factors).items())
         )
@@ -144,16 +156,29 @@ class Calibration:
         return dataclasses.replace(self, gpu_train_factors=json.dumps({**kept, shape: float(factor)}, sort_keys=True),
                                    gpu_train_model_params=int(model_params))
 
-    def update_rate_learned(self, model_params: int) -> bool:
-        """Whether a run of this model on this host measured the updaters' rate in training."""
+    def update_rate_learned(self, model_params: int, summed: bool = False) -> bool:
+        """Whether a run of this model on this host measured the updaters' rate in training (summed:
+        in a run whose aggregator summed ranks' gradients beside them)."""
+        if summed:
+            return bool(self.adamw_train_summed_params_per_s) and self.adamw_train_summed_model_params == model_params
         return bool(self.adamw_train_params_per_s) and self.adamw_train_model_params == model_params
 
-    def update_params_per_s(self, model_params: int) -> float:
-        """The AdamW rate the planner charges for a model: the one measured training it, else the bare
-        kernel's times adamw_train_fraction (what training leaves of it on the hosts measured)."""
+    def update_params_per_s(self, model_params: int, summed: bool = False) -> float:
+        """The AdamW rate the planner charges for a model: the one measured training it (beside a host
+        sum where `summed`, when a run measured that), else the bare kernel's times
+        adamw_train_fraction (what training leaves of it on the hosts measured)."""
+        if summed and self.update_rate_learned(model_params, summed=True):
+            return self.adamw_train_summed_params_per_s
         if self.update_rate_learned(model_params):
             return self.adamw_train_params_per_s
         return self.adamw_params_per_s * self.adamw_train_fraction
+
+    def reduce_rate_gbps(self, model_params: int, summed: bool = False) -> float:
+        """The aggregator's rate the planner charges: measured beside the updaters where a run of this
+        model summed ranks' gradients, else the bare calibrated sum."""
+        if summed and self.update_rate_learned(model_params, summed=True) and self.reduce_train_summed_gbps:
+            return self.reduce_train_summed_gbps
+        return self.reduce_gbps
 
 
 # The building blocks measured on one H200 host (BENCHMARKS.md). The reduce rate was not
@@ -326,9 +351,9 @@ def _cache_file(host: str, device_name: str, cache_dir: str | os.PathLike | None
 
 
 def record_training(calib: Calibration, cache_dir: str | os.PathLike | None = None, **measured: float) -> Calibration:
-    """Keep what a training run measured (the `adamw_train_*` and `gpu_train_*` fields) with the host's
+    """Keep what a training run measured (the `*_train_*` fields) with the host's
     calibration (the file `calib` came from; no CUDA needed to find it), for the next plan of that model."""
-    unknown = sorted(k for k in measured if not k.startswith(("adamw_train_", "gpu_train_")))
+    unknown = sorted(k for k in measured if not k.startswith(("adamw_train_", "gpu_train_", "reduce_train_")))
     if unknown:
         raise ValueError(f"record_training: {unknown} are not measured in training")
     updated = dataclasses.replace(calib, **measured)

@@ -213,13 +213,23 @@ class Plan:
         return "\n".join(lines)
 
 
-def _update_rate_note(work: Workload, calib: Calibration) -> str:
-    """Which AdamW rate the update is charged at: the rate a run of this model measured on this host, or
-    the bare kernel's discounted (the figure a first plan is most often wrong by)."""
-    n = work.model.num_parameters()
-    rate = calib.update_params_per_s(n) / 1e9
+def _host_summed(work: Workload, ch: Choices) -> bool:
+    """Whether the aggregator sums several ranks' whole gradients beside the updaters."""
+    return work.world > 1 and ch.grad_route == "host"
+
+
+def _update_rate_note(work: Workload, ch: Choices, calib: Calibration) -> str:
+    """Which AdamW rate the update is charged at: the rate a run of this model measured on this host
+    (beside a host sum of ranks' gradients where this plan has one), or the bare kernel's discounted
+    (the figure a first plan is most often wrong by)."""
+    n, summed = work.model.num_parameters(), _host_summed(work, ch)
+    rate = calib.update_params_per_s(n, summed) / 1e9
+    if summed and calib.update_rate_learned(n, summed=True):
+        return (f"update charged at {rate:.2f} G params/s per updater and the host sum at "
+                f"{calib.reduce_rate_gbps(n, True):.1f} GB/s, measured training this model on this host beside such a sum")
     if calib.update_rate_learned(n):
-        return f"update charged at {rate:.2f} G params/s per updater, measured training this model on this host"
+        return (f"update charged at {rate:.2f} G params/s per updater, measured training this model on this host"
+                + ("; the host sum of ranks' gradients beside it is not measured yet" if summed else ""))
     return (f"update charged at {rate:.2f} G params/s per updater: {calib.adamw_train_fraction:g} x the bare kernel "
             f"until a run of this model on this host measures its rate in training")
 
@@ -296,8 +306,10 @@ def _tasks(work: Workload, ch: Choices, calib: Calibration) -> list[_Task]:
     if work.compiled:
         g_fwd /= costs.COMPILED_LAYER_SPEEDUP
     g_loss = tokens * costs.head_step_flops_per_token(m) / flops
-    upd_scale = costs.update_bytes_per_param(ch.delivery) / 28.0 / calib.update_params_per_s(m.num_parameters())
-    red_scale = gb * costs.reduce_traffic_factor(work.world, ch.grad_route, work.clip) / (calib.reduce_gbps * 1e9)
+    summed = _host_summed(work, ch)
+    upd_scale = costs.update_bytes_per_param(ch.delivery) / 28.0 / calib.update_params_per_s(m.num_parameters(), summed)
+    red_scale = gb * costs.reduce_traffic_factor(work.world, ch.grad_route, work.clip) / (
+        calib.reduce_rate_gbps(m.num_parameters(), summed) * 1e9)
 
     def job(name: str, params: float) -> _Job:
         return _Job(name, params * red_scale, params * upd_scale)
@@ -655,7 +667,7 @@ def make_plan(work: Workload, budget_bytes: int, calib: Calibration,
             "bf16 delivery needs the store's bf16 shadow (2 B/param of host memory, written by the updater)"
             + (f"; the fastest fp32 plan predicts {fp32:.3f} s" if fp32 is not None else "; no fp32 plan fits")
         )
-    notes.append(_update_rate_note(work, calib))
+    notes.append(_update_rate_note(work, best, calib))
     bound = max(busy, key=busy.__getitem__)
     notes.append(f"busiest resource: {bound}")
     return Plan(

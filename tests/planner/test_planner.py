@@ -484,13 +484,53 @@ def test_a_training_run_teaches_the_planner_its_adamw_rate_for_that_model(tmp_pa
     # too few steps, or no plan (a CPU run): nothing learned, nothing written
     assert record_training(RunPlan(plan=plan), busy[:2], [], cache_dir=str(tmp_path / "x")) is None
     assert record_training(RunPlan(), busy, busy, cache_dir=str(tmp_path / "x")) is None
-    # two ranks whose gradients the aggregator summed beside the updaters: nothing learned either;
-    # reduce-scattered ones (nothing summed on the host) teach the rate
+    # reduce-scattered gradients of two ranks (nothing summed on the host) teach the plain rate
     two = dataclasses.replace(work, global_batch=16, world=2)
-    for route, learned in (("host", False), ("reduce_scatter", True)):
-        plan2 = make_plan(two, 24 * GiB, cal, {"delivery": ("fp32",), "grad_route": (route,)})
-        assert (learned_update_rate(RunPlan(plan=plan2, grad_route=route), busy) is not None) == learned
+    plan2 = make_plan(two, 24 * GiB, cal, {"delivery": ("fp32",), "grad_route": ("reduce_scatter",)})
+    assert learned_update_rate(RunPlan(plan=plan2, grad_route="reduce_scatter"), busy) is not None
     assert not (tmp_path / "x").exists()
+
+
+def test_a_run_that_summed_ranks_gradients_on_the_host_teaches_plans_with_such_a_sum_only(tmp_path):
+    """Beside the aggregator's sum of several ranks' whole gradients the updaters and the sum both run
+    far below their bare rates. Such a run keeps both rates apart: plans of that model with a host
+    sum charge them, plans without one (one rank, reduce-scattered gradients) keep the plain rate."""
+    from slidedp.launch.planning import RunPlan, learned_sum_rate, record_training  # noqa: PLC0415
+
+    cal = dataclasses.replace(H200_REFERENCE, host="host-s", device_name="GPU S", bus_gpus=2, allreduce_gbps=240.0,
+                              h2d_total_gbps=110.0)
+    two = Workload(named_shape("qwen3-4b"), global_batch=16, seq_len=2048, world=2, micro_batch=2, clip=False)
+    summed = {"delivery": ("fp32",), "param_route": ("replicated",), "grad_route": ("host",)}
+    plan = make_plan(two, 24 * GiB, cal, summed)
+    params = costs.host_updated_params(two.model, plan.embedding, plan.device_layers)
+    planned_reduce = dict(plan.busy_s)["reduce"]
+    assert planned_reduce > 0
+    update_busy = [9.0, params / 1.5e9, params / 1.6e9, params / 1.55e9]  # the first step is left out
+    reduce_busy = [5.0, 4 * planned_reduce, 5 * planned_reduce, 4.5 * planned_reduce]
+    run = RunPlan(plan=plan, grad_route="host", device_layers=plan.device_layers)
+    assert learned_sum_rate(run, reduce_busy) == pytest.approx(cal.reduce_gbps / 4.5)
+    saved = record_training(run, update_busy, [], cache_dir=str(tmp_path), reduce_busy_s=reduce_busy)
+    assert saved is not None
+    n = two.model.num_parameters()
+    assert (saved.adamw_train_summed_params_per_s, saved.reduce_train_summed_gbps, saved.adamw_train_summed_model_params) \
+        == (pytest.approx(1.55e9), pytest.approx(cal.reduce_gbps / 4.5), n)
+    assert saved.adamw_train_params_per_s == 0.0  # the plain rate stays unmeasured
+    # the same plan now: the update and the sum cost what the run measured
+    busy = predict_step(two, plan.choices, saved)[0]
+    assert busy["update"] == pytest.approx(params / 1.55e9, rel=1e-6)
+    assert busy["reduce"] == pytest.approx(4.5 * planned_reduce, rel=1e-6)
+    assert ("update charged at 1.55 G params/s per updater and the host sum at "
+            f"{cal.reduce_gbps / 4.5:.1f} GB/s, measured training this model on this host beside such a sum"
+            in make_plan(two, 24 * GiB, saved, summed).describe())
+    assert "beside a host sum of ranks' gradients AdamW 1.55 G params/s" in saved.summary()
+    # plans without a host sum keep the plain (here: discounted bare) rate
+    scattered = {"delivery": ("fp32",), "grad_route": ("reduce_scatter",)}
+    for work, allowed in ((two, scattered), (dataclasses.replace(two, global_batch=8, world=1), {"delivery": ("fp32",)})):
+        ch = make_plan(work, 24 * GiB, cal, allowed).choices
+        assert predict_step(work, ch, saved)[0] == predict_step(work, ch, cal)[0]
+    # a run without a host sum teaches no sum rate
+    one = make_plan(dataclasses.replace(two, global_batch=8, world=1), 24 * GiB, cal, {"delivery": ("fp32",)})
+    assert learned_sum_rate(RunPlan(plan=one, grad_route="host"), reduce_busy) is None
 
 
 def test_a_training_run_teaches_the_planner_its_gpu_time_for_that_model_and_shape(tmp_path):
