@@ -81,7 +81,7 @@ class GradRings:
             raise ValueError(f"{numel} elements do not fit a gradient slot of {self.slot_numel} "
                              "(slots sized for shards: only reduce-scattered gradients fit)")
         start = _HDR // 4 + (rank * self.slots + k) * self.slot_numel
-        return self.grads.tensor(torch.float32, start, numel or self.slot_numel)
+        return self.grads.tensor(torch.float32, start, self.slot_numel if numel is None else numel)  # 0: an empty shard
 
     def rank_ring(self, rank: int) -> torch.Tensor:
         """All of one rank's slots as one tensor (registered with CUDA once by that rank's worker)."""

@@ -59,6 +59,7 @@ def test_updater_reads_each_ranks_shard_in_its_slot(world):
             assert rings.slot_numel == -(-store.layout.max_chunk_numel // world)
             with pytest.raises(ValueError, match="do not fit a gradient slot"):
                 rings.slot(0, 0, chunk.numel)
+            assert rings.slot(0, 0, 0).numel() == 0  # a rank whose shard of a small chunk is empty
             for r in range(world):
                 sh = Shard(chunk.numel, world, r)
                 buf = rings.slot(r, slots[r])
