@@ -14,6 +14,7 @@ import sys
 from dataclasses import dataclass
 
 from slidedp.config import JobConfig, model_config
+from slidedp.jobrecord import sums_on_host
 from slidedp.planner import Calibration, Plan, Workload, costs, make_plan
 from slidedp.planner.calibration import record_training as record_training_measured
 from slidedp.planner.plan import gpu_work_shape
@@ -107,18 +108,12 @@ def plan_job(job: JobConfig, calib: Calibration | None = None) -> RunPlan:
                    grad_route=plan.grad_route if not one else "host", plan=plan)
 
 
-def host_summed(run_plan: RunPlan) -> bool:
-    """Whether the run's aggregator summed several ranks' whole gradients beside the updaters."""
-    assert run_plan.plan is not None
-    return run_plan.plan.workload.world > 1 and run_plan.grad_route == "host"
-
-
 def learned_update_rate(run_plan: RunPlan, update_busy_s: list[float]) -> float | None:
     """The AdamW rate the updaters reached per process in a planned (CUDA) run of 3 steps or more
     (median step after the first), in the units the planner charges (fp32 master traffic); None
     when there is nothing to learn.
 
-    A run whose aggregator summed the ranks' gradients (`host_summed`) measures the rate beside
+    A run whose aggregator summed the ranks' gradients (`sums_on_host`) measures the rate beside
     those sums, which compete with the updaters for host memory (on 2 H200s they slowed the
     updaters from 3.16 to 1.33 G params/s): it is kept apart, for plans with such a sum only. A
     run whose aggregator only copied gradients (exact clipping) teaches the plain rate: a copy is
@@ -162,7 +157,7 @@ def learned_sum_rate(run_plan: RunPlan, reduce_busy_s: list[float]) -> float | N
     a planned run of 3 steps or more: the bytes the plan charged over the busy time measured
     (median step after the first). None when it summed nothing or there is too little to learn."""
     plan = run_plan.plan
-    if plan is None or len(reduce_busy_s) < 3 or not host_summed(run_plan):
+    if plan is None or len(reduce_busy_s) < 3 or not sums_on_host(plan.workload.world, run_plan.grad_route):
         return None
     planned = dict(plan.busy_s)["reduce"]
     measured = statistics.median(reduce_busy_s[1:])
@@ -184,9 +179,9 @@ def record_training(run_plan: RunPlan, update_busy_s: list[float], gpu_side_s: l
     measured: dict[str, float] = {}
     rate = learned_update_rate(run_plan, update_busy_s)
     sum_rate = learned_sum_rate(run_plan, reduce_busy_s or [])
-    if rate is not None and host_summed(run_plan):
+    if rate is not None and sums_on_host(plan.workload.world, run_plan.grad_route):
         measured.update(adamw_train_summed_params_per_s=rate, adamw_train_summed_model_params=params,
-                        reduce_train_summed_gbps=sum_rate or plan.calibration.reduce_gbps)
+                        reduce_train_summed_gbps=sum_rate or 0.0)  # 0: the sum's rate not measured
         log.info("beside the aggregator's sum of the ranks' gradients, the updaters ran AdamW at %.2f G params/s per "
                  "process (bare kernel: %.2f) and the sum ran at %s; the next plan of this model on this host with a "
                  "host sum charges them", rate / 1e9, plan.calibration.adamw_params_per_s / 1e9,

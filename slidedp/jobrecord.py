@@ -82,11 +82,16 @@ def held_chunk_ids(layout, names: list[str]) -> tuple[int, ...]:
     return tuple(c.id for c in layout.chunks if unit_name(c) in names)
 
 
+def sums_on_host(world: int, grad_route: str) -> bool:
+    """Whether the aggregator sums several ranks' whole gradients (beside the updaters, in host memory)."""
+    return world > 1 and grad_route == "host"
+
+
 def reduction_slots(world: int, grad_route: str) -> int:
     """Chunk-sized slots the aggregator sums into (without clipping, which uses a full-model buffer):
     3 where it sums several ranks' whole gradients on the host; none for one rank or for
     reduce-scattered gradients, which the updaters read where they lie."""
-    return 3 if world > 1 and grad_route == "host" else 0
+    return 3 if sums_on_host(world, grad_route) else 0
 
 
 def ring_slots(grad_slots: int, num_layers: int) -> int:

@@ -134,8 +134,9 @@ class Calibration:
             + (f"; AdamW in training {self.adamw_train_params_per_s / 1e9:.2f} G params/s "
                f"(measured training a {self.adamw_train_model_params:,}-param model)" if self.adamw_train_params_per_s else "")
             + (f"; beside a host sum of ranks' gradients AdamW {self.adamw_train_summed_params_per_s / 1e9:.2f} G params/s"
-               f" and the sum {self.reduce_train_summed_gbps:.1f} GB/s (measured training a "
-               f"{self.adamw_train_summed_model_params:,}-param model)" if self.adamw_train_summed_params_per_s else "")
+               + (f" and the sum {self.reduce_train_summed_gbps:.1f} GB/s" if self.reduce_train_summed_gbps else "")
+               + f" (measured training a {self.adamw_train_summed_model_params:,}-param model)"
+               if self.adamw_train_summed_params_per_s else "")
             + "".join(f"; GPU time in training {f:.2f}x the rates' ({self.gpu_train_model_params / 1e9:.2f} "
                       f"B-param model, {shape})" for shape, f in _factors(self.gpu_train_factors).items())
         )

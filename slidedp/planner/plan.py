@@ -31,6 +31,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Callable
 
+from slidedp.jobrecord import sums_on_host
 from slidedp.model.config import ModelConfig
 from slidedp.planner import costs
 from slidedp.planner.calibration import Calibration, gpu_shape
@@ -213,20 +214,16 @@ class Plan:
         return "\n".join(lines)
 
 
-def _host_summed(work: Workload, ch: Choices) -> bool:
-    """Whether the aggregator sums several ranks' whole gradients beside the updaters."""
-    return work.world > 1 and ch.grad_route == "host"
-
-
 def _update_rate_note(work: Workload, ch: Choices, calib: Calibration) -> str:
     """Which AdamW rate the update is charged at: the rate a run of this model measured on this host
     (beside a host sum of ranks' gradients where this plan has one), or the bare kernel's discounted
     (the figure a first plan is most often wrong by)."""
-    n, summed = work.model.num_parameters(), _host_summed(work, ch)
+    n, summed = work.model.num_parameters(), sums_on_host(work.world, ch.grad_route)
     rate = calib.update_params_per_s(n, summed) / 1e9
     if summed and calib.update_rate_learned(n, summed=True):
-        return (f"update charged at {rate:.2f} G params/s per updater and the host sum at "
-                f"{calib.reduce_rate_gbps(n, True):.1f} GB/s, measured training this model on this host beside such a sum")
+        sum_rate = f"{calib.reduce_rate_gbps(n, True):.1f} GB/s" + ("" if calib.reduce_train_summed_gbps else " (its bare rate)")
+        return (f"update charged at {rate:.2f} G params/s per updater and the host sum at {sum_rate}, "
+                "measured training this model on this host beside such a sum")
     if calib.update_rate_learned(n):
         return (f"update charged at {rate:.2f} G params/s per updater, measured training this model on this host"
                 + ("; the host sum of ranks' gradients beside it is not measured yet" if summed else ""))
@@ -306,7 +303,7 @@ def _tasks(work: Workload, ch: Choices, calib: Calibration) -> list[_Task]:
     if work.compiled:
         g_fwd /= costs.COMPILED_LAYER_SPEEDUP
     g_loss = tokens * costs.head_step_flops_per_token(m) / flops
-    summed = _host_summed(work, ch)
+    summed = sums_on_host(work.world, ch.grad_route)
     upd_scale = costs.update_bytes_per_param(ch.delivery) / 28.0 / calib.update_params_per_s(m.num_parameters(), summed)
     red_scale = gb * costs.reduce_traffic_factor(work.world, ch.grad_route, work.clip) / (
         calib.reduce_rate_gbps(m.num_parameters(), summed) * 1e9)

@@ -528,6 +528,12 @@ def test_a_run_that_summed_ranks_gradients_on_the_host_teaches_plans_with_such_a
     for work, allowed in ((two, scattered), (dataclasses.replace(two, global_batch=8, world=1), {"delivery": ("fp32",)})):
         ch = make_plan(work, 24 * GiB, cal, allowed).choices
         assert predict_step(work, ch, saved)[0] == predict_step(work, ch, cal)[0]
+    # the updaters' rate learned without the sum's (no reduce times): the sum stays at its bare rate
+    alone = record_training(run, update_busy, [], cache_dir=str(tmp_path / "alone"))
+    assert alone is not None and alone.reduce_train_summed_gbps == 0.0
+    assert alone.reduce_rate_gbps(n, summed=True) == cal.reduce_gbps
+    assert predict_step(two, plan.choices, alone)[0]["reduce"] == pytest.approx(planned_reduce, rel=1e-9)
+    assert f"and the host sum at {cal.reduce_gbps:.1f} GB/s (its bare rate)" in make_plan(two, 24 * GiB, alone, summed).describe()
     # a run without a host sum teaches no sum rate
     one = make_plan(dataclasses.replace(two, global_batch=8, world=1), 24 * GiB, cal, {"delivery": ("fp32",)})
     assert learned_sum_rate(RunPlan(plan=one, grad_route="host"), reduce_busy) is None
