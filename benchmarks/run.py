@@ -63,7 +63,8 @@ SYSTEMS: dict[str, System] = {
 }
 DEFAULT_SYSTEMS = "slidedp,gpu_resident,gpu_resident_chunked,fsdp2_offload,deepspeed"
 MULTI_RANK = ("fsdp2", "fsdp2_offload", "fsdp2_offload_foreach")  # run under torchrun with --gpus N > 1
-COLUMNS = ("system", "config", "tokens/s", "step s", "vs GPU-resident", "GPU peak GiB", "host RSS + shm GiB", "status")
+COLUMNS = ("system", "config", "tokens/s", "step s", "vs GPU-resident", "GPU peak GiB", "host RSS + shm GiB",
+           "loss first -> last", "status")
 
 
 # ---- running one system ------------------------------------------------------------------------
@@ -191,6 +192,12 @@ def status_text(row: dict[str, Any]) -> str:
     return status if len(status) <= 140 else status[:137] + "..."
 
 
+def loss_text(losses: list[float | None] | None) -> str:
+    """The first and last step's loss: every system trains on the same batch, so they fall alike."""
+    done = [x for x in losses or [] if x is not None]
+    return f"{done[0]:.2f} -> {done[-1]:.2f}" if done else ""
+
+
 def table_rows(rows: list[dict[str, Any]]) -> list[tuple[str, ...]]:
     out = []
     for r in rows:
@@ -205,7 +212,7 @@ def table_rows(rows: list[dict[str, Any]]) -> list[tuple[str, ...]]:
         out.append((
             str(r.get("system", "?")), str(r.get("config", "")), _num(r.get("tokens_per_s"), ",.0f"), step,
             _num(r.get("vs_gpu_resident"), ".2f") + ("x" if r.get("vs_gpu_resident") is not None else ""),
-            _num(r.get("gpu_peak_gib"), ".1f"), host, status_text(r),
+            _num(r.get("gpu_peak_gib"), ".1f"), host, loss_text(r.get("losses")), status_text(r),
         ))
     return out
 
@@ -214,7 +221,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     """A Markdown table (pastes into docs as is)."""
     body = table_rows(rows)
     widths = [max(len(c), *(len(b[i]) for b in body)) if body else len(c) for i, c in enumerate(COLUMNS)]
-    right = {2, 3, 4, 5, 6}
+    right = {2, 3, 4, 5, 6, 7}
 
     def line(cells: tuple[str, ...]) -> str:
         return "| " + " | ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths))) + " |"

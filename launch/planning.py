@@ -44,6 +44,20 @@ class RunPlan:
     def predicted_step_s(self) -> float | None:
         return self.plan.predicted_step_s if self.plan is not None else None
 
+    @property
+    def planned_gpu_bytes(self) -> int | None:
+        """The plan's GPU memory peak, where the run keeps the plan's memory choices (None where the
+        job file overrode one, or on CPU)."""
+        p = self.plan
+        if p is None:
+            return None
+        ours = (self.resident_layers, self.prefetch_depth, self.loss_chunk_tokens, self.micro_batch,
+                self.seq_tile_tokens, self.offload_layers, self.device_layers, self.param_route, self.grad_route)
+        plans = (p.resident_layers, p.prefetch_depth, p.loss_chunk_tokens, p.micro_batch, p.seq_tile_tokens,
+                 p.offload_layers, p.device_layers, p.param_route, p.grad_route)
+        same_embedding = (self.embedding == "device") == (p.embedding == "gpu")
+        return p.gpu_total_bytes if ours == plans and same_embedding else None
+
 
 def calibration(gpus: int = 1, timeout_s: float = 300.0) -> Calibration:
     """This host's calibration; with gpus > 1 it includes the NCCL bus bandwidth among that many GPUs."""

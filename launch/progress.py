@@ -56,6 +56,10 @@ METRICS: dict[str, MetricField] = {
     "wait_loss_s": MetricField(float, "time blocked on the other ranks' loss (non-finite check)", True, "max"),
     "h2d_bytes": MetricField(int, "bytes copied host to device, all ranks", True, "sum"),
     "gpu_peak_bytes": MetricField(int, "peak GPU memory allocated by one rank (0 on CPU)", True, "max"),
+    "gpu_reserved_peak_bytes": MetricField(int, "peak GPU memory the caching allocator reserved for one rank, what "
+                                                "memory.gpu_budget_gib caps (0 on CPU)", True, "max"),
+    "planned_gpu_bytes": MetricField(int, "the plan's GPU memory peak per rank, CUDA context included; null on CPU "
+                                          "(no plan)", True),
     "update_busy_s": MetricField(float, "updater busy time of the step's chunks, summed over processes"),
     "reduce_busy_s": MetricField(float, "aggregator busy time summing the step's gradients"),
     "host_rss_bytes": MetricField(int, "private resident memory of the launcher and all its child processes "
@@ -115,14 +119,15 @@ def _finite(x: float) -> float | None:
 
 
 def make_record(step: int, done: StepDone, stats: dict[int, WorkerStats], lr: float, tokens: int, step_s: float,
-                predicted_step_s: float | None, host_private: int, shm: int) -> dict[str, Any]:
+                predicted_step_s: float | None, host_private: int, shm: int,
+                planned_gpu_bytes: int | None = None) -> dict[str, Any]:
     worker_fields = {f.name for f in fields(WorkerStats)}
     record: dict[str, Any] = {
         "step": step, "time": time.time(), "loss": _finite(done.loss), "grad_norm": _finite(done.grad_norm),
         "lr": lr, "skipped": bool(done.skipped), "tokens": tokens, "step_s": step_s,
         "tokens_per_s": tokens / step_s if step_s > 0 else None,
         "worker_step_s": max((s.step_s for s in stats.values()), default=step_s),
-        "predicted_step_s": predicted_step_s, "ranks": len(stats),
+        "predicted_step_s": predicted_step_s, "planned_gpu_bytes": planned_gpu_bytes, "ranks": len(stats),
         "update_busy_s": done.update_s, "reduce_busy_s": done.reduce_s,
         "host_rss_bytes": host_private, "shm_bytes": shm,
     }
@@ -160,6 +165,7 @@ class Progress:
         self.first: list[float] = []
         self.recent: list[float] = []
         self.predicted_step_s: float | None = None
+        self.planned_gpu_bytes: int | None = None
         self.update_busy_s: list[float] = []  # per committed step: the updaters' summed AdamW time
         self.reduce_busy_s: list[float] = []  # per committed step: the aggregator's time summing gradients
         self.gpu_side_s: list[float] = []  # per committed step: the slowest rank's step less its waits for the host
@@ -188,7 +194,7 @@ class Progress:
             self.recent = (self.recent + [step_s])[-10:]
         shm = sum(size for _, size in list_store_segments().get(self.store, []))
         record = make_record(step, done, stats, lr, self.tokens_per_step, step_s, self.predicted_step_s,
-                             process_tree_private_bytes(), shm)
+                             process_tree_private_bytes(), shm, self.planned_gpu_bytes)
         if not done.skipped:
             self.update_busy_s.append(done.update_s)
             self.reduce_busy_s.append(done.reduce_s)

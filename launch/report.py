@@ -105,9 +105,14 @@ def summary(records: list[dict[str, Any]]) -> list[str]:
                      f"({step_s / predicted:.2f}x the prediction)")
     else:
         lines.append("plan         no prediction (a CPU run has no plan)")
-    mem = [(k, max((r.get(k) or 0) for r in records)) for k in ("gpu_peak_bytes", "host_rss_bytes", "shm_bytes")]
-    lines.append("memory       " + ", ".join(f"{label} {v / 2**30:.2f} GiB" for (_, v), label in
-                                              zip(mem, ("GPU peak", "host private peak", "shared (store + rings)"))))
+    peak = {k: max((r.get(k) or 0) for r in records)
+            for k in ("gpu_peak_bytes", "gpu_reserved_peak_bytes", "planned_gpu_bytes", "host_rss_bytes", "shm_bytes")}
+    gpu = f"GPU peak {peak['gpu_peak_bytes'] / 2**30:.2f} GiB"
+    if peak["gpu_reserved_peak_bytes"]:
+        gpu += f" ({peak['gpu_reserved_peak_bytes'] / 2**30:.2f} reserved"
+        gpu += f", plan {peak['planned_gpu_bytes'] / 2**30:.2f} with the CUDA context)" if peak["planned_gpu_bytes"] else ")"
+    lines.append(f"memory       {gpu}, host private peak {peak['host_rss_bytes'] / 2**30:.2f} GiB, "
+                 f"shared (store + rings) {peak['shm_bytes'] / 2**30:.2f} GiB")
     return lines
 
 

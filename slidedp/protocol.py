@@ -244,7 +244,7 @@ class Fault(Message):
     text: str
 
 
-@message(17, "iqddddddqq")
+@message(17, "iqddddddqqq")
 class WorkerStats(Message):
     """Worker -> launcher after each step: where its time went."""
     rank: int
@@ -256,7 +256,8 @@ class WorkerStats(Message):
     wait_slot_s: float  # blocked for a free gradient slot (aggregator/updaters behind)
     wait_loss_s: float  # blocked on the other ranks' loss
     h2d_bytes: int
-    gpu_peak_bytes: int
+    gpu_peak_bytes: int  # the allocator's tensors at their peak
+    gpu_reserved_peak_bytes: int  # what the caching allocator held at its peak (the budget caps this)
 
 
 # ---- control plane: requests to the host-state daemon ------------------------------------------

@@ -268,7 +268,9 @@ def run(args: argparse.Namespace) -> int:
                 times = engine.run_step(step, seqs[..., :-1], seqs[..., 1:])
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-            peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+            on_gpu = device.type == "cuda"
+            peak = torch.cuda.max_memory_allocated(device) if on_gpu else 0
+            reserved = torch.cuda.max_memory_reserved(device) if on_gpu else 0
             done_steps = step + 1
             at_checkpoint = args.checkpoint_every and done_steps % args.checkpoint_every == 0
             if held and (at_checkpoint or done_steps == args.end):  # the store must hold them before a checkpoint
@@ -276,7 +278,7 @@ def run(args: argparse.Namespace) -> int:
                     h.write_back(done_steps, release=done_steps == args.end)
             w = link.waits
             send(job_sock, WorkerStats(rank, step, time.perf_counter() - t0, times.forward_s, times.backward_s,
-                                       w["version"], w["slot"], w["loss"], engine.delivery.h2d_bytes - h2d0, peak))
+                                       w["version"], w["slot"], w["loss"], engine.delivery.h2d_bytes - h2d0, peak, reserved))
             # Between steps: the launcher may hold us for a checkpoint or tell us to stop.
             hold = args.checkpoint_every and (step + 1) % args.checkpoint_every == 0 and step + 1 < args.end
             deadline = time.monotonic() + (job.runtime.timeout_s * 10 if hold else 0)

@@ -22,6 +22,7 @@ if str(ROOT) not in sys.path:
 
 from benchmarks import run as bench  # noqa: E402
 from benchmarks.peers import common, slidedp_run  # noqa: E402
+from slidedp.data import Batches, TokenStream, rank_slice, read_npy  # noqa: E402
 from slidedp.model import layers  # noqa: E402
 from slidedp.model.config import named_shape  # noqa: E402
 from slidedp.model.init import init_params  # noqa: E402
@@ -82,9 +83,12 @@ def test_cpu_smoke_with_two_ranks_runs_fsdp2_under_torchrun_and_slidedp_with_bot
     assert "sharded over 2 rank(s)" in rows["fsdp2"]["config"]
     assert 'runtime.grad_route="host"' in rows["slidedp_replicated"]["command"]
     assert rows["gpu_resident"]["status"].startswith("skipped: gpu_resident runs on one GPU only")
-    # every system trains the same model on the same global batch: the first losses agree
-    first = [rows[n]["losses"][0] for n in ("fsdp2", "fsdp2_offload")]
-    assert first[0] == pytest.approx(first[1], rel=1e-3)
+    # every system trains the same weights (on CPU the peers draw SlideDP's init) on the same global
+    # batch at every step: their losses agree step by step, and fall
+    losses = {n: rows[n]["losses"] for n in ("fsdp2", "fsdp2_offload", "slidedp", "slidedp_replicated")}
+    for name, seen in losses.items():  # the peers compute in bf16 (FSDP2's MixedPrecisionPolicy), SlideDP on CPU in fp32
+        assert seen == pytest.approx(losses["fsdp2"], rel=5e-5), (name, losses)
+    assert losses["slidedp"][-1] < losses["slidedp"][0]
 
 
 def _write_module(folder: Path, name: str, code: str) -> None:
@@ -126,7 +130,8 @@ def test_merge_joins_runs_and_takes_ratios_against_the_first_gpu_resident_row(tm
         {**ok, "system": "gpu_resident_chunked", "tokens_per_s": 10000.0},
     ]))
     (tmp_path / "b.json").write_text(doc([
-        {**ok, "system": "slidedp", "tokens_per_s": 9500.0, "predicted_step_s": 1.9, "shm_gib": 48.25},
+        {**ok, "system": "slidedp", "tokens_per_s": 9500.0, "predicted_step_s": 1.9, "shm_gib": 48.25,
+         "losses": [12.444, None, 11.206]},
         {**ok, "system": "fsdp2_offload", "tokens_per_s": 5000.0, "optimizer_s": 0.98},
     ], git_commit="b" * 40, date="2026-11-29T17:00:00+00:00"))
     assert bench.main(["--merge", str(tmp_path / "a.json"), str(tmp_path / "b.json"),
@@ -140,10 +145,10 @@ def test_merge_joins_runs_and_takes_ratios_against_the_first_gpu_resident_row(tm
         (str(tmp_path / "a.json"), None, None), (str(tmp_path / "b.json"), "b" * 40, "2026-11-29T17:00:00+00:00")]
     table = capsys.readouterr().out.strip().splitlines()
     assert [_header_cells(line) for line in table[2:]] == [
-        ["gpu_resident", "c", "", "2.00", "", "80.0", "3.0 + 0.0", "out of memory -- CUDA out of memory. Tried"],
-        ["gpu_resident_chunked", "c", "10,000", "2.00", "1.00x", "80.0", "3.0 + 0.0", "ok"],
-        ["slidedp", "c", "9,500", "2.00 (predicted 1.90)", "0.95x", "80.0", "3.0 + 48.2", "ok"],
-        ["fsdp2_offload", "c", "5,000", "2.00 (optimizer 0.98)", "0.50x", "80.0", "3.0 + 0.0", "ok"],
+        ["gpu_resident", "c", "", "2.00", "", "80.0", "3.0 + 0.0", "", "out of memory -- CUDA out of memory. Tried"],
+        ["gpu_resident_chunked", "c", "10,000", "2.00", "1.00x", "80.0", "3.0 + 0.0", "", "ok"],
+        ["slidedp", "c", "9,500", "2.00 (predicted 1.90)", "0.95x", "80.0", "3.0 + 48.2", "12.44 -> 11.21", "ok"],
+        ["fsdp2_offload", "c", "5,000", "2.00 (optimizer 0.98)", "0.50x", "80.0", "3.0 + 0.0", "", "ok"],
     ]
     assert merged["table_markdown"] == "\n".join(table)
 
@@ -216,7 +221,26 @@ def test_slidedp_job_file_and_metrics_reduction(tmp_path, monkeypatch):
     assert "metrics_missing_keys" not in row
     assert f"trained {Path(row['job_file']).stem} fp32 cpu 12.0 0.0 False False True" in row["output_tail"]
     tokens = __import__("numpy").load(tmp_path / "work" / "tokens.npy")
-    assert tokens.shape == (4 * 2 * 16 + 1,) and 0 <= tokens.min() and tokens.max() < named_shape("tiny").vocab_size
+    assert tokens.tolist() == common.batch_stream(named_shape("tiny"), 2, 16, 0).tolist()  # one batch, --seed 0
+
+
+def test_every_system_trains_on_the_same_batch_at_every_step(tmp_path):
+    """SlideDP's data file, cut by slidedp.data, gives every step the rows the peers train on, and each
+    rank of N the rows the FSDP2 peer's rank takes."""
+    cfg, batch, seq = named_shape("tiny"), 4, 16
+    slidedp_run.write_tokens(tmp_path / "t.npy", cfg, batch, seq, seed=5)
+    stream = TokenStream(read_npy(tmp_path / "t.npy"), cfg.vocab_size)
+    batches = Batches(stream, seq, batch)
+    ids, targets = common.random_batch(cfg, batch, seq, "cpu", seed=5)
+    assert ids.shape == (batch, seq) and torch.equal(ids[:, 1:], targets[:, :-1])
+    for step in (0, 1, 7):
+        rows = torch.from_numpy(batches.batch(step))
+        assert torch.equal(rows[:, :-1], ids) and torch.equal(rows[:, 1:], targets)
+        for rank in range(2):
+            mine = torch.from_numpy(rank_slice(batches.batch(step), rank, 2))
+            r_ids, r_targets = common.random_batch(cfg, batch, seq, "cpu", seed=5, rank=rank, world=2)
+            assert torch.equal(mine[:, :-1], r_ids) and torch.equal(mine[:, 1:], r_targets)
+    assert not torch.equal(common.random_batch(cfg, batch, seq, "cpu", seed=6)[0], ids)
 
 
 def test_slidedp_launcher_out_of_memory_is_a_row(tmp_path, monkeypatch):

@@ -140,11 +140,21 @@ class DecoderLM(nn.Module):
             return F.cross_entropy(F.linear(hidden, weight).float(), tgt, reduction="sum")
 
 
-def random_batch(cfg: ModelConfig, batch: int, seq: int, device: str, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random token ids [B, T+1] cut into inputs and next-token targets (as slidedp.data does)."""
+def batch_stream(cfg: ModelConfig, batch: int, seq: int, seed: int = 0) -> torch.Tensor:
+    """The benchmark's token stream: batch x seq + 1 random ids, int64. Sequence i is
+    stream[i*seq : i*seq + seq + 1], the window slidedp.data cuts; SlideDP reads this stream from a
+    .npy of exactly one batch, so every step of every system trains on the same batch."""
     g = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, cfg.vocab_size, (batch, seq + 1), generator=g)
-    return tokens[:, :-1].contiguous().to(device), tokens[:, 1:].contiguous().to(device)
+    return torch.randint(0, cfg.vocab_size, (batch * seq + 1,), generator=g)
+
+
+def random_batch(cfg: ModelConfig, batch: int, seq: int, device: str, seed: int = 0, rank: int = 0,
+                 world: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank `rank`'s rows of the global batch of batch_stream, [B/world, T] inputs and next-token targets."""
+    rows = batch_stream(cfg, batch, seq, seed).unfold(0, seq + 1, seq)
+    n = batch // world
+    rows = rows[rank * n:(rank + 1) * n]
+    return rows[:, :-1].contiguous().to(device), rows[:, 1:].contiguous().to(device)
 
 
 def micro_batches(ids: torch.Tensor, targets: torch.Tensor, micro: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -56,7 +56,7 @@ def measure(args: argparse.Namespace, row: dict[str, Any], host: common.HostMemo
         kind = {"fused": True} if args.fused else {"foreach": True}
         opt = torch.optim.AdamW(model.parameters(), lr=common.LR, betas=common.BETAS, eps=common.EPS,
                                 weight_decay=common.WEIGHT_DECAY, **kind)
-        ids, targets = common.random_batch(cfg, args.batch // world, args.seq, device, args.seed + rank)
+        ids, targets = common.random_batch(cfg, args.batch, args.seq, device, args.seed, rank, world)
         batches, n_tokens = common.micro_batches(ids, targets, args.micro_batch), ids.numel()
         row["parameters"] = cfg.num_parameters()
         row["cpu_threads"] = torch.get_num_threads()
@@ -70,6 +70,7 @@ def measure(args: argparse.Namespace, row: dict[str, Any], host: common.HostMemo
             with watch.section("optimizer"):  # synchronized first: the offloaded grads have landed
                 opt.step()
                 opt.zero_grad(set_to_none=True)
+            dist.all_reduce(total, op=dist.ReduceOp.AVG)  # the global batch's mean loss, as the others report
             return total.item()
 
         times, sections, losses = common.timed_steps(step, args.steps, device, common.log)

@@ -1,6 +1,7 @@
 """SlideDP itself, measured through its launcher exactly as a user runs it.
 
-Writes a job file (model: random weights of the shape; data: a .npy of random token ids;
+Writes a job file (model: random weights of the shape; data: a .npy of the peers' one batch of
+random token ids, common.batch_stream, read again at every step as the peers do;
 no final checkpoint; a store that does not persist), runs `python -m slidedp.launch.cli JOB`
 as a child process, then reduces `<run dir>/metrics.jsonl` (one JSON object per step) like
 the other peers: the median of the steps after warm-up. A failed launch is a row carrying
@@ -29,6 +30,7 @@ import numpy as np
 from benchmarks.peers import common
 from benchmarks.teed import run_teed
 from slidedp.config import MemorySection
+from slidedp.model.config import ModelConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 METRIC_KEYS = ("step", "step_s", "tokens", "tokens_per_s", "gpu_peak_bytes", "host_rss_bytes", "shm_bytes",
@@ -88,9 +90,9 @@ def to_toml(job: dict[str, dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
-def write_tokens(path: Path, cfg_vocab: int, n: int, seed: int) -> None:
-    rng = np.random.default_rng(seed)
-    np.save(path, rng.integers(0, cfg_vocab, size=n, dtype=np.int32), allow_pickle=False)
+def write_tokens(path: Path, cfg: ModelConfig, batch: int, seq: int, seed: int) -> None:
+    """The peers' batch (common.batch_stream) as the job's data: one batch, so every step reads it again."""
+    np.save(path, common.batch_stream(cfg, batch, seq, seed).numpy().astype(np.int32), allow_pickle=False)
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
@@ -121,7 +123,8 @@ def reduce_metrics(records: list[dict[str, Any]], warmup: int, row: dict[str, An
         row["predicted_step_s"] = statistics.median(predicted)
     # Host memory comes from the harness's own sampling of the launcher's process tree (as for
     # every peer); the launcher's view is kept beside it.
-    for key, out in (("gpu_peak_bytes", "gpu_peak_gib"), ("host_rss_bytes", "metrics_host_rss_gib"),
+    for key, out in (("gpu_peak_bytes", "gpu_peak_gib"), ("gpu_reserved_peak_bytes", "gpu_reserved_peak_gib"),
+                     ("planned_gpu_bytes", "planned_gpu_gib"), ("host_rss_bytes", "metrics_host_rss_gib"),
                      ("shm_bytes", "metrics_shm_gib")):
         values = [float(r[key]) for r in records if r.get(key) is not None]
         if values:
@@ -160,7 +163,7 @@ def measure(args: argparse.Namespace, row: dict[str, Any], host: common.HostMemo
     name = f"bench-{os.getpid()}"  # unique: never attaches to a stale store of an earlier run
     # A fresh run dir per run: the launcher appends to metrics.jsonl, and a reused --workdir must not mix runs.
     data, run_dir, job_path = work / "tokens.npy", work / name, work / f"{name}.toml"
-    write_tokens(data, cfg.vocab_size, args.steps * args.batch * args.seq + 1, args.seed)
+    write_tokens(data, cfg, args.batch, args.seq, args.seed)
     job_path.write_text(to_toml(job_dict(args, data, run_dir, name)))
     row.update(job_file=str(job_path), run_dir=str(run_dir), init=f"SlideDP store (random, seed {args.seed})")
     # Run from the work dir with the repo root LAST on the path: an installed slidedp (with its

@@ -17,6 +17,7 @@ What is counted, and what is deliberately not:
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from slidedp.model.config import ModelConfig
 
@@ -227,14 +228,36 @@ def layer_workspace_bytes(model: ModelConfig, micro_batch: int, seq_len: int, se
 STAGING_BYTES = (32 << 20) * 4  # slidedp.delivery.STAGING_ELEMENTS fp32
 
 
+# When an item is live, for the items that are not live the whole step. The step's peak is the
+# step-long items plus the largest phase: the loss (every kept layer input and a chunk of logits),
+# the backward of the last layer (every kept input, the recompute's workspace, the chunk's
+# gradients) and the backward of the held layers (their gradients wait there for the device AdamW
+# after backward, while only their own saved inputs are left). Measured peaks: tests/planner/
+# measured_peaks.json.
+PHASES = ("loss", "backward", "held backward")
+LIVE_IN: dict[str, tuple[str, ...]] = {
+    "saved layer inputs": ("loss", "backward"),
+    "saved inputs, held layers": ("loss", "backward", "held backward"),
+    "loss chunk logits": ("loss",),
+    "layer workspace": ("backward", "held backward"),
+    "chunk gradients": ("backward", "held backward"),
+    "held layers' gradients": ("held backward",),
+}
+
+
+def live_in(item: str) -> tuple[str, ...]:
+    """The phases in which an item is live (every phase, unless LIVE_IN says otherwise)."""
+    return LIVE_IN.get(item, PHASES)
+
+
 def gpu_memory_items(
     model: ModelConfig, *, tokens: int, seq_len: int, micro_batch: int, world: int, delivery: str,
     activations: str, embedding: str, prefetch_depth: int, resident_layers: int, chunk_rows: int,
     loss_chunk_tokens: int, compute_dtype: str = "bf16", offload_layers: int | None = None, seq_tile_tokens: int = 0,
     device_layers: int = 0,
 ) -> list[tuple[str, int]]:
-    """GPU memory of one rank, item by item (the items are summed: a bound, since not all of
-    them are live at the same instant). tokens: the rank's tokens per step."""
+    """GPU memory of one rank, item by item, each at its largest (`gpu_memory_peak` adds them up
+    phase by phase: not all of them are live at the same instant). tokens: the rank's tokens per step."""
     cb = dtype_bytes(compute_dtype)
     db = delivery_bytes(delivery)
     h, v = model.hidden_size, model.vocab_size
@@ -254,25 +277,51 @@ def gpu_memory_items(
         ("hidden states", 2 * act),
     ]
     nl = model.num_layers
+    held = min(device_layers, nl)
     offloaded = 0 if activations == "keep" else (nl if offload_layers is None else min(offload_layers, nl))
-    if offloaded < nl:
-        items.append(("saved layer inputs", (nl - offloaded) * act))
+    # the inputs of layers offloaded..nl-1 stay on the GPU; those of the held layers 0..held-1 among
+    # them are still there in the held layers' backward
+    kept_held = max(0, held - offloaded)
+    if nl - offloaded - kept_held:
+        items.append(("saved layer inputs", (nl - offloaded - kept_held) * act))
+    if kept_held:
+        items.append(("saved inputs, held layers", kept_held * act))
     if offloaded:
         # one layer's input draining to the host in forward, one coming back ahead in backward
         items.append(("offload staging", 2 * act))
     items.append(("layer workspace", layer_workspace_bytes(model, micro_batch, seq_len, seq_tile_tokens, compute_dtype)))
     items.append(("loss chunk logits", loss_chunk_tokens * v * LOGIT_BYTES))
-    if device_layers:  # like a device embedding: fp32 master, moments and gradient, and the compute-dtype copy
-        items.append(("device-held layers", device_layers * p_layer * (16 + cb)))
+    if held:
+        # fp32 master, moments and the compute-dtype copy for the whole job; the fp32 gradient from
+        # the held layers' backward to the device AdamW that ends the step
+        items.append(("device-held layers", held * p_layer * (12 + cb)))
+        items.append(("held layers' gradients", held * p_layer * GRAD_BYTES))
     vh = embedding_params(model) + head_params(model)
     if embedding == "gpu":
-        # fp32 master + exp_avg + exp_avg_sq + fp32 grad, and the compute-dtype copy
+        # fp32 master + exp_avg + exp_avg_sq + fp32 grad (from the loss on), and the compute-dtype copy
         items.append(("embedding/head on GPU", vh * (16 + cb)))
     else:
         items.append(("head weights (loss)", v * h * cb))
         items.append(("embedding/head gradient", v * h * GRAD_BYTES))
     items.append(("CUDA context", CUDA_CONTEXT_BYTES))
     items.append(("cuBLAS/NCCL workspace", WORKSPACE_BYTES + (NCCL_BYTES if world > 1 else 0)))
-    tensors = sum(b for name, b in items if name != "CUDA context")
-    items.append(("allocator reserve (10%)", int(ALLOCATOR_RESERVE * tensors)))
     return items
+
+
+@dataclass(frozen=True)
+class MemoryPeak:
+    phase: str  # the phase at the peak (one of PHASES)
+    tensor_bytes: int  # the allocator's tensors live then
+    reserve_bytes: int  # the caching allocator's slack on top of them
+    total_bytes: int  # tensors + reserve + the CUDA context: what the budget must hold
+
+
+def gpu_memory_peak(items: list[tuple[str, int]] | tuple[tuple[str, int], ...]) -> MemoryPeak:
+    """The step's peak: per phase, the items live in it; the largest phase, plus the allocator's
+    reserve on its tensors and the CUDA context (outside the allocator)."""
+    context = sum(b for name, b in items if name == "CUDA context")
+    by_phase = {ph: sum(b for name, b in items if ph in live_in(name) and name != "CUDA context") for ph in PHASES}
+    phase = max(PHASES, key=lambda ph: by_phase[ph])  # the first of equal phases
+    tensors = by_phase[phase]
+    reserve = int(ALLOCATOR_RESERVE * tensors)
+    return MemoryPeak(phase, tensors, reserve, tensors + reserve + context)

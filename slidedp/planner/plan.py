@@ -143,8 +143,8 @@ class Plan:
     delivery: str
     resident_layers: int
     loss_chunk_tokens: int
-    gpu_memory: tuple[tuple[str, int], ...]  # item -> bytes, summing to gpu_total_bytes
-    gpu_total_bytes: int
+    gpu_memory: tuple[tuple[str, int], ...]  # item -> bytes at its largest (costs.LIVE_IN says when it is live)
+    gpu_total_bytes: int  # the peak: costs.gpu_memory_peak of gpu_memory
     busy_s: tuple[tuple[str, float], ...]  # resource -> busy seconds per step
     exposed_s: float  # predicted step minus GPU busy: the time the GPU waits
     predicted_step_s: float
@@ -168,6 +168,10 @@ class Plan:
             offload_layers=self.offload_layers, seq_tile_tokens=self.seq_tile_tokens, param_route=self.param_route,
             grad_route=self.grad_route, device_layers=self.device_layers,
         )
+
+    @staticmethod
+    def _live_text(item: str) -> str:
+        return ", ".join(costs.LIVE_IN[item]) if item in costs.LIVE_IN else "whole step"
 
     def describe(self) -> str:
         """The table `slidedp-launch --plan` prints."""
@@ -198,9 +202,12 @@ class Plan:
             ("routes", f"params {self.param_route}, grads {self.grad_route}"),
         ]
         lines += [f"  {k:<22}{v}" for k, v in rows]
-        lines += ["", f"GPU memory per rank{'':<23}GiB"]
-        lines += [f"  {name:<36}{b / GiB:>8.3f}" for name, b in self.gpu_memory]
-        lines += [f"  {'total':<36}{self.gpu_total_bytes / GiB:>8.3f}  (budget {self.budget_bytes / GiB:.3f})"]
+        peak = costs.gpu_memory_peak(self.gpu_memory)
+        lines += ["", f"GPU memory per rank{'':<23}GiB   live"]
+        lines += [f"  {name:<36}{b / GiB:>8.3f}   {self._live_text(name)}" for name, b in self.gpu_memory]
+        lines += [f"  {f'allocator reserve ({costs.ALLOCATOR_RESERVE:.0%})':<36}{peak.reserve_bytes / GiB:>8.3f}"]
+        lines += [f"  {'peak, in the ' + peak.phase:<36}{self.gpu_total_bytes / GiB:>8.3f}  "
+                  f"(budget {self.budget_bytes / GiB:.3f})"]
         lines += ["", f"busy per step{'':<25}s   share of step"]
         lines += [
             f"  {name:<32}{s:>8.3f}   {100 * s / self.predicted_step_s:>4.0f}%" for name, s in self.busy_s
@@ -450,7 +457,7 @@ def _memory(work: Workload, ch: Choices) -> list[tuple[str, int]]:
 
 
 def _total(work: Workload, ch: Choices) -> int:
-    return sum(b for _, b in _memory(work, ch))
+    return costs.gpu_memory_peak(_memory(work, ch)).total_bytes
 
 
 def _micro_batches(work: Workload) -> list[int]:
@@ -546,7 +553,7 @@ def _no_fit_error(work: Workload, budget: int) -> PlanError:
         key=lambda ch: _total(work, ch),
     )
     items = _memory(work, smallest)
-    need = sum(b for _, b in items)
+    need = costs.gpu_memory_peak(items).total_bytes
     name, size = max(items, key=lambda it: it[1])
     if name in ("hidden states", "saved layer inputs", "offload staging"):
         knob = (f"or lower the tokens per rank (global_batch / world x seq_len = {work.local_tokens:,}): "
@@ -599,7 +606,8 @@ def _forced_device_layers(work: Workload, ch: Choices, d: int, budget: int, cali
     cand = _holding(work, ch, d, budget)
     if cand is None:
         need = _total(work, replace(ch, device_layers=d, resident_layers=0))
-        held = dict(_memory(work, replace(ch, device_layers=d)))["device-held layers"]
+        items = dict(_memory(work, replace(ch, device_layers=d)))
+        held = items["device-held layers"] + items["held layers' gradients"]
         raise PlanError(
             f"memory.device_layers = {d} does not fit the GPU memory budget of {budget / GiB:.2f} GiB: the plan "
             f"with them needs {need / GiB:.2f} GiB (the held layers {held / GiB:.2f} GiB); lower memory.device_layers "
@@ -673,7 +681,7 @@ def make_plan(work: Workload, budget_bytes: int, calib: Calibration,
         delivery=best.delivery, resident_layers=best.resident_layers, loss_chunk_tokens=best.loss_chunk_tokens,
         offload_layers=best.offloaded(work.model.num_layers), seq_tile_tokens=best.seq_tile_tokens,
         param_route=best.param_route, grad_route=best.grad_route, device_layers=best.device_layers,
-        gpu_memory=tuple(items), gpu_total_bytes=sum(b for _, b in items),
+        gpu_memory=tuple(items), gpu_total_bytes=costs.gpu_memory_peak(items).total_bytes,
         busy_s=tuple((r, busy[r]) for r in RESOURCES), exposed_s=exposed, predicted_step_s=step,
         tokens_per_s=work.tokens_per_step / step, workload=work, budget_bytes=budget_bytes, calibration=calib,
         notes=tuple(notes),

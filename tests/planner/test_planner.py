@@ -104,7 +104,8 @@ def test_a_device_held_first_layer_leaves_the_host_and_the_tail():
 
 
 def test_device_held_layers_memory_and_the_planners_choice():
-    """Each held layer costs its parameters x (16 + 2) B on the GPU. Where the host update bounds the
+    """Each held layer costs its parameters x (12 + 2) B on the GPU for the job, and 4 B more for its gradient
+    at the end of backward. Where the host update bounds the
     step (a slow CPU), the planner holds layers while they fit, dropping resident layers first."""
     q4 = named_shape("qwen3-4b")
     work = Workload(q4, global_batch=8, seq_len=2048, world=1, micro_batch=2, clip=False)
@@ -112,7 +113,8 @@ def test_device_held_layers_memory_and_the_planners_choice():
                                         activations="keep", embedding="gpu", prefetch_depth=1, resident_layers=0,
                                         chunk_rows=costs.default_chunk_rows(q4), loss_chunk_tokens=1024,
                                         device_layers=3))
-    assert items["device-held layers"] == 3 * costs.layer_params(q4) * 18
+    assert items["device-held layers"] == 3 * costs.layer_params(q4) * 14  # for the whole job
+    assert items["held layers' gradients"] == 3 * costs.layer_params(q4) * 4  # from their backward to their AdamW
     slow_cpu = dataclasses.replace(H200_REFERENCE, adamw_params_per_s=1.5e9)
     plan = make_plan(work, 40 * GiB, slow_cpu, {"delivery": ("fp32",)})
     assert plan.device_layers > 0 and plan.gpu_total_bytes <= 40 * GiB
@@ -120,11 +122,11 @@ def test_device_held_layers_memory_and_the_planners_choice():
     assert without.device_layers == 0 and plan.predicted_step_s < without.predicted_step_s
     # one more held layer would not fit
     more = dataclasses.replace(plan.choices, device_layers=plan.device_layers + 1, resident_layers=0)
-    assert sum(b for _, b in costs.gpu_memory_items(
+    assert costs.gpu_memory_peak(costs.gpu_memory_items(
         q4, tokens=16_384, seq_len=2048, micro_batch=plan.micro_batch, world=1, delivery="fp32",
         activations=plan.activations, embedding=plan.embedding, prefetch_depth=plan.prefetch_depth, resident_layers=0,
         chunk_rows=plan.chunk_rows, loss_chunk_tokens=plan.loss_chunk_tokens, offload_layers=plan.offload_layers,
-        seq_tile_tokens=plan.seq_tile_tokens, device_layers=more.device_layers)) > 40 * GiB \
+        seq_tile_tokens=plan.seq_tile_tokens, device_layers=more.device_layers)).total_bytes > 40 * GiB \
         or plan.device_layers == q4.num_layers
     assert f"device_layers         {plan.device_layers} of 36 (AdamW on the GPU)" in plan.describe()
 
@@ -243,7 +245,7 @@ def test_plan_never_exceeds_budget():
             continue
         fitted += 1
         assert plan.gpu_total_bytes <= budget
-        assert sum(b for _, b in plan.gpu_memory) == plan.gpu_total_bytes
+        assert costs.gpu_memory_peak(plan.gpu_memory).total_bytes == plan.gpu_total_bytes
         assert work.local_batch % plan.micro_batch == 0
         assert 0 <= plan.resident_layers <= work.model.num_layers
         busy = dict(plan.busy_s)
@@ -279,13 +281,13 @@ def test_refusal_names_the_budget_and_the_knob():
     # the smallest plan's largest item: the current layer's input/output for 1,048,576 tokens
     assert costs.activation_bytes(work.model, 1_048_576, "bf16") * 2 == 10 * GiB
     assert str(e.value) == (
-        "no plan fits the GPU memory budget of 24.00 GiB: the smallest plan needs 31.04 GiB (embedding=host, "
+        "no plan fits the GPU memory budget of 24.00 GiB: the smallest plan needs 30.84 GiB (embedding=host, "
         "activations=offload, delivery=bf16, prefetch_depth=1, micro_batch=1, seq_tile_tokens=1024, "
         "loss_chunk_tokens=128) and its largest item is hidden states (10.00 GiB). Raise the budget to at least "
-        "31.04 GiB, or lower the tokens per rank (global_batch / world x seq_len = 1,048,576): raise world, or "
+        "30.84 GiB, or lower the tokens per rank (global_batch / world x seq_len = 1,048,576): raise world, or "
         "lower global_batch or seq_len"
     )
-    assert make_plan(work, int(31.04 * GiB), H200_REFERENCE).gpu_total_bytes <= int(31.04 * GiB)
+    assert make_plan(work, int(30.84 * GiB), H200_REFERENCE).gpu_total_bytes <= int(30.84 * GiB)
     with pytest.raises(PlanError, match=r"exceeds the memory of NVIDIA H200 \(140\.40 GiB\): lower the budget"):
         make_plan(work, 200 * GiB, H200_REFERENCE)
 
@@ -443,11 +445,11 @@ def test_long_sequence_plans_tile_then_offload_as_the_budget_shrinks():
     assert f"offload the first {tight.offload_layers} of 36 layers' inputs" in tight.describe()
     # the fewest offloaded layers: one fewer would not fit
     fewer = dataclasses.replace(tight.choices, offload_layers=tight.offload_layers - 1, resident_layers=0)
-    assert tight.offload_layers == 1 or sum(b for _, b in costs.gpu_memory_items(
+    assert tight.offload_layers == 1 or costs.gpu_memory_peak(costs.gpu_memory_items(
         work.model, tokens=work.local_tokens, seq_len=work.seq_len, micro_batch=1, world=1, delivery=fewer.delivery,
         activations="offload", embedding=fewer.embedding, prefetch_depth=fewer.prefetch_depth, resident_layers=0,
         chunk_rows=fewer.chunk_rows, loss_chunk_tokens=fewer.loss_chunk_tokens, offload_layers=fewer.offload_layers,
-        seq_tile_tokens=fewer.seq_tile_tokens)) > 60 * GiB
+        seq_tile_tokens=fewer.seq_tile_tokens)).total_bytes > 60 * GiB
 
 
 def test_a_training_run_teaches_the_planner_its_adamw_rate_for_that_model(tmp_path):

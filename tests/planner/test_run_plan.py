@@ -44,6 +44,10 @@ def test_cuda_overrides_are_carried_and_offload_clamped():
     auto = plan_job(load_job(TINY, CUDA), H200_REFERENCE)
     assert auto.plan is not None
     assert (auto.seq_tile_tokens, auto.offload_layers) == (auto.plan.seq_tile_tokens, auto.plan.offload_layers)
+    # the metrics carry the plan's GPU peak only where the run keeps the plan's memory choices
+    assert auto.planned_gpu_bytes == auto.plan.gpu_total_bytes > 0
+    assert plan.planned_gpu_bytes is None
+    assert plan_job(load_job(TINY, ["memory.seq_tile_tokens=16"])).planned_gpu_bytes is None  # CPU: no plan
 
 
 def test_device_layers_are_the_jobs_value_or_the_plans():

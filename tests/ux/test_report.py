@@ -47,6 +47,15 @@ def test_summary_of_a_fixture(tmp_path):
     assert "memory       GPU peak 3.00 GiB, host private peak 1.00 GiB, shared (store + rings) 12.00 GiB" in text
 
 
+def test_summary_sets_the_gpu_peak_beside_the_reserved_memory_and_the_plan(tmp_path):
+    records = [record(s, 2.0, gpu_reserved_peak_bytes=int(3.5 * 2**30), planned_gpu_bytes=(4 + s) * 2**30)
+               for s in range(3)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    text = "\n".join(report.report(tmp_path, plots=False)[0])
+    assert ("memory       GPU peak 3.00 GiB (3.50 reserved, plan 6.00 with the CUDA context), host private peak "
+            "1.00 GiB, shared (store + rings) 12.00 GiB") in text
+
+
 def test_pngs_of_a_fixture(tmp_path):
     records = [record(i, 2.0 + 0.1 * i) for i in range(6)]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
