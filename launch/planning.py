@@ -1,6 +1,6 @@
 """From a job to what the workers do: the planner's choices (on CUDA) or the CPU defaults.
 
-Calibration runs in a subprocess (cached per host and GPU under ~/.cache/slidedp), so the
+Calibration runs in a subprocess (cached per host and GPU under ~/.cache/slidedp, calibration.cache_root), so the
 launcher itself never holds a CUDA context on the workers' GPU.
 """
 

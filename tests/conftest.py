@@ -1,4 +1,6 @@
-"""Shared test setup: every process of the suite keeps its sockets under one private run root."""
+"""Shared test setup: every process of the suite keeps its sockets under one private run root, and
+its host calibrations in a cache of its own (one measured while the suite loads the host must not
+be charged to the user's plans)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import torch
 
 _RUN_ROOT = tempfile.mkdtemp(prefix="slidedp-test-run-")
 os.environ["SLIDEDP_RUN_ROOT"] = _RUN_ROOT
+os.environ["SLIDEDP_CACHE_DIR"] = os.path.join(_RUN_ROOT, "cache")
 os.environ.setdefault("SLIDEDP_LOG_LEVEL", "WARNING")
 torch.set_num_threads(2)
 

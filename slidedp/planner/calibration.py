@@ -22,7 +22,7 @@ import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 from slidedp import log
 
@@ -346,8 +346,20 @@ def cache_path(device: str, cache_dir: str | os.PathLike | None = None) -> Path:
     return _cache_file(socket.gethostname(), _device_name(device), cache_dir)
 
 
+def cache_root(env: Mapping[str, str] | None = None) -> Path:
+    """Where host calibrations are kept: $SLIDEDP_CACHE_DIR, else $XDG_CACHE_HOME/slidedp, else
+    ~/.cache/slidedp. The test suite points SLIDEDP_CACHE_DIR elsewhere: a calibration measured
+    while its tests load the host would be kept and charged to the user's next plans."""
+    env = os.environ if env is None else env
+    if env.get("SLIDEDP_CACHE_DIR"):
+        return Path(env["SLIDEDP_CACHE_DIR"]).expanduser()
+    if env.get("XDG_CACHE_HOME"):
+        return Path(env["XDG_CACHE_HOME"]).expanduser() / "slidedp"
+    return Path("~/.cache/slidedp").expanduser()
+
+
 def _cache_file(host: str, device_name: str, cache_dir: str | os.PathLike | None) -> Path:
-    root = Path(cache_dir).expanduser() if cache_dir else Path("~/.cache/slidedp").expanduser()
+    root = Path(cache_dir).expanduser() if cache_dir else cache_root()
     return root / f"calibration-{_slug(host)}-{_slug(device_name)}.json"
 
 

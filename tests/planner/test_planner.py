@@ -7,6 +7,7 @@ import dataclasses
 import json
 import math
 import random
+from pathlib import Path
 
 import pytest
 
@@ -326,6 +327,19 @@ def test_workload_validation_messages():
         Workload(TOY, global_batch=8, seq_len=16, world=2, micro_batch=3)
     with pytest.raises(ValueError, match="compute_dtype must be 'bf16' or 'fp32'"):
         Workload(TOY, global_batch=8, seq_len=16, world=2, micro_batch=1, compute_dtype="fp16")
+
+
+def test_the_calibration_cache_is_the_users_unless_told_otherwise(tmp_path, monkeypatch):
+    home = Path("~").expanduser()
+    assert calibration_mod.cache_root({}) == home / ".cache" / "slidedp"
+    assert calibration_mod.cache_root({"XDG_CACHE_HOME": "/x/cache"}) == Path("/x/cache/slidedp")
+    assert calibration_mod.cache_root({"XDG_CACHE_HOME": "/x/cache", "SLIDEDP_CACHE_DIR": "/y"}) == Path("/y")
+    # this suite keeps its own: a calibration measured while its tests load the host never reaches the user's
+    assert calibration_mod.cache_root() != home / ".cache" / "slidedp"
+    monkeypatch.setenv("SLIDEDP_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(calibration_mod, "calibrate", lambda device, quick=False: TOY_CAL)
+    assert load_or_calibrate("cpu") == TOY_CAL
+    assert [p.name for p in tmp_path.iterdir()] == [calibration_mod.cache_path("cpu").name]
 
 
 def test_cpu_calibration_round_trips_through_the_json_cache(tmp_path, monkeypatch):
