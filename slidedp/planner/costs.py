@@ -231,17 +231,22 @@ STAGING_BYTES = (32 << 20) * 4  # slidedp.delivery.STAGING_ELEMENTS fp32
 # When an item is live, for the items that are not live the whole step. The step's peak is the
 # step-long items plus the largest phase: the loss (every kept layer input and a chunk of logits),
 # the backward of the last layer (every kept input, the recompute's workspace, the chunk's
-# gradients) and the backward of the held layers (their gradients wait there for the device AdamW
-# after backward, while only their own saved inputs are left). Measured peaks: tests/planner/
-# measured_peaks.json.
-PHASES = ("loss", "backward", "held backward")
+# gradients) and the end of backward (the held layers' backward, whose gradients wait for the
+# device AdamW after backward, and an untied embedding's gradient on its way to the host, while only
+# the held layers' own saved inputs are left). Measured peaks: tests/planner/measured_peaks.json.
+PHASES = ("loss", "backward", "end of backward")
 LIVE_IN: dict[str, tuple[str, ...]] = {
     "saved layer inputs": ("loss", "backward"),
-    "saved inputs, held layers": ("loss", "backward", "held backward"),
+    "saved inputs, held layers": ("loss", "backward", "end of backward"),
     "loss chunk logits": ("loss",),
-    "layer workspace": ("backward", "held backward"),
-    "chunk gradients": ("backward", "held backward"),
-    "held layers' gradients": ("held backward",),
+    "layer workspace": ("backward", "end of backward"),
+    "chunk gradients": ("backward", "end of backward"),
+    "held layers' gradients": ("end of backward",),
+    # an untied head on the host: its weights and gradient only for the loss, the embedding's
+    # gradient only once the layers are done
+    "head weights (loss)": ("loss",),
+    "head gradient": ("loss",),
+    "embedding gradient": ("end of backward",),
 }
 
 
@@ -265,7 +270,7 @@ def gpu_memory_items(
     p_chunk = max(p_layer, min(chunk_rows, v) * h)  # largest streamed chunk
     # a slot holds the chunk in the compute dtype; fp32 that must be cast arrives through one
     # fixed staging piece (slidedp/delivery.py, STAGING_ELEMENTS), not a second full-size buffer
-    slot = p_chunk * max(db, cb)
+    slot = p_chunk * cb
     staging = STAGING_BYTES if db != cb else 0
     act = activation_bytes(model, tokens, compute_dtype)
     items: list[tuple[str, int]] = [
@@ -300,9 +305,13 @@ def gpu_memory_items(
     if embedding == "gpu":
         # fp32 master + exp_avg + exp_avg_sq + fp32 grad (from the loss on), and the compute-dtype copy
         items.append(("embedding/head on GPU", vh * (16 + cb)))
+    elif model.tie_word_embeddings:  # fetched whole for the head; one gradient from the loss to the end
+        items.append(("embedding/head weights", v * h * cb))
+        items.append(("embedding/head gradient", v * h * GRAD_BYTES))
     else:
         items.append(("head weights (loss)", v * h * cb))
-        items.append(("embedding/head gradient", v * h * GRAD_BYTES))
+        items.append(("head gradient", v * h * GRAD_BYTES))
+        items.append(("embedding gradient", v * h * GRAD_BYTES))
     items.append(("CUDA context", CUDA_CONTEXT_BYTES))
     items.append(("cuBLAS/NCCL workspace", WORKSPACE_BYTES + (NCCL_BYTES if world > 1 else 0)))
     return items
