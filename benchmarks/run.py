@@ -25,6 +25,7 @@ import argparse
 import collections
 import datetime
 import json
+import math
 import os
 import platform
 import re
@@ -194,7 +195,7 @@ def status_text(row: dict[str, Any]) -> str:
 
 def loss_text(losses: list[float | None] | None) -> str:
     """The first and last step's loss: every system trains on the same batch, so they fall alike."""
-    done = [x for x in losses or [] if x is not None]
+    done = [x for x in losses or [] if x is not None and math.isfinite(x)]
     return f"{done[0]:.2f} -> {done[-1]:.2f}" if done else ""
 
 

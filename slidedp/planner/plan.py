@@ -202,10 +202,11 @@ class Plan:
             ("routes", f"params {self.param_route}, grads {self.grad_route}"),
         ]
         lines += [f"  {k:<22}{v}" for k, v in rows]
-        peak = costs.gpu_memory_peak(self.gpu_memory)
+        peak = costs.gpu_memory_peak(self.gpu_memory, self.workload.world)
         lines += ["", f"GPU memory per rank{'':<23}GiB   live"]
         lines += [f"  {name:<36}{b / GiB:>8.3f}   {self._live_text(name)}" for name, b in self.gpu_memory]
-        lines += [f"  {f'allocator reserve ({costs.ALLOCATOR_RESERVE:.0%})':<36}{peak.reserve_bytes / GiB:>8.3f}"]
+        reserve = costs.allocator_reserve(self.workload.world)
+        lines += [f"  {f'allocator reserve ({reserve:.0%})':<36}{peak.reserve_bytes / GiB:>8.3f}"]
         lines += [f"  {'peak, in the ' + peak.phase:<36}{self.gpu_total_bytes / GiB:>8.3f}  "
                   f"(budget {self.budget_bytes / GiB:.3f})"]
         lines += ["", f"busy per step{'':<25}s   share of step"]
@@ -457,7 +458,7 @@ def _memory(work: Workload, ch: Choices) -> list[tuple[str, int]]:
 
 
 def _total(work: Workload, ch: Choices) -> int:
-    return costs.gpu_memory_peak(_memory(work, ch)).total_bytes
+    return costs.gpu_memory_peak(_memory(work, ch), work.world).total_bytes
 
 
 def _micro_batches(work: Workload) -> list[int]:
@@ -553,8 +554,11 @@ def _no_fit_error(work: Workload, budget: int) -> PlanError:
         key=lambda ch: _total(work, ch),
     )
     items = _memory(work, smallest)
-    need = costs.gpu_memory_peak(items).total_bytes
-    name, size = max(items, key=lambda it: it[1])
+    peak = costs.gpu_memory_peak(items, work.world)
+    need = peak.total_bytes
+    # the largest of the items that make the peak (not the CUDA context, nor an item of another phase)
+    name, size = max(((n, b) for n, b in items if n != "CUDA context" and peak.phase in costs.live_in(n)),
+                     key=lambda it: it[1])
     if name in ("hidden states", "saved layer inputs", "offload staging"):
         knob = (f"or lower the tokens per rank (global_batch / world x seq_len = {work.local_tokens:,}): "
                 f"raise world, or lower global_batch or seq_len")
@@ -681,7 +685,7 @@ def make_plan(work: Workload, budget_bytes: int, calib: Calibration,
         delivery=best.delivery, resident_layers=best.resident_layers, loss_chunk_tokens=best.loss_chunk_tokens,
         offload_layers=best.offloaded(work.model.num_layers), seq_tile_tokens=best.seq_tile_tokens,
         param_route=best.param_route, grad_route=best.grad_route, device_layers=best.device_layers,
-        gpu_memory=tuple(items), gpu_total_bytes=costs.gpu_memory_peak(items).total_bytes,
+        gpu_memory=tuple(items), gpu_total_bytes=costs.gpu_memory_peak(items, work.world).total_bytes,
         busy_s=tuple((r, busy[r]) for r in RESOURCES), exposed_s=exposed, predicted_step_s=step,
         tokens_per_s=work.tokens_per_step / step, workload=work, budget_bytes=budget_bytes, calibration=calib,
         notes=tuple(notes),

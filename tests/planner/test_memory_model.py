@@ -30,14 +30,12 @@ def test_the_peak_is_the_step_long_items_and_the_largest_phase():
              ("loss chunk logits", 30), ("layer workspace", 20), ("chunk gradients", 15),
              ("held layers' gradients", 50), ("CUDA context", 7)]
     # loss 100+40+8+30 = 178, backward 100+40+8+20+15 = 183, end of backward 100+8+20+15+50 = 193
-    peak = costs.gpu_memory_peak(items)
+    peak = costs.gpu_memory_peak(items, 1)
     assert (peak.phase, peak.tensor_bytes, peak.reserve_bytes, peak.total_bytes) == ("end of backward", 193, 19, 219)
     smaller = [(n, 5 if n == "held layers' gradients" else b) for n, b in items]
-    assert costs.gpu_memory_peak(smaller).phase == "backward"
-    assert costs.gpu_memory_peak(smaller).tensor_bytes == 183
-    # never more than every item at once, plus the reserve on the tensors
-    tensors = sum(b for n, b in items if n != "CUDA context")
-    assert peak.total_bytes <= tensors + int(costs.ALLOCATOR_RESERVE * tensors) + 7
+    assert (costs.gpu_memory_peak(smaller, 1).phase, costs.gpu_memory_peak(smaller, 1).tensor_bytes) == ("backward", 183)
+    # with several ranks the allocator's slack is larger (blocks wait for other streams before reuse)
+    assert costs.gpu_memory_peak(items, 2).reserve_bytes == 38
 
 
 def test_held_layers_keep_their_saved_inputs_apart():
@@ -53,35 +51,47 @@ def test_held_layers_keep_their_saved_inputs_apart():
     assert "saved layer inputs" not in every and "saved inputs, held layers" not in every
 
 
+def _below_the_cap(run: dict) -> bool:
+    """Whether the allocator's reserved peak stayed below the budget's cap (24 GiB in these runs): at
+    the cap it frees cached blocks and retries, so the figure there is the cap, not the need."""
+    return run.get("measured_reserved_peak_bytes", 24 * GiB) < 23.5 * GiB
+
+
 @pytest.mark.parametrize("run", MEASURED, ids=lambda r: f"{r['source']}-{r['system']}")
 def test_the_model_bounds_every_peak_measured_on_a_gpu(run):
     """The allocator's tensors at the predicted peak are at least what the run measured
-    (max_memory_allocated), and not more than 15% above it; with the allocator's reserve and the
-    CUDA context the plan holds what the allocator reserved too, where the run recorded it."""
-    peak = costs.gpu_memory_peak(_items(run))
+    (max_memory_allocated), and not more than a quarter above it (4-11% but for the Qwen3-14B run,
+    23%: on the reduce-scatter route a gradient freed while its copy out runs no longer counts as
+    allocated, though its block stays taken until the copy ends); with the allocator's reserve the
+    plan also holds what the allocator reserved, where that stayed below the budget's cap."""
+    peak = costs.gpu_memory_peak(_items(run), run["world"])
     measured = run["measured_peak_bytes"]
-    assert measured <= peak.tensor_bytes <= 1.15 * measured, (peak, measured / GiB)
-    if "measured_reserved_peak_bytes" in run and run["world"] == 1:  # under no cap but the budget's
+    assert measured <= peak.tensor_bytes <= 1.25 * measured, (peak, measured / GiB)
+    if _below_the_cap(run):
         assert run["measured_reserved_peak_bytes"] <= peak.tensor_bytes + peak.reserve_bytes
+
+
+def test_the_reserved_peaks_are_checked_where_they_say_something():
+    """Three runs recorded a reserved peak below the cap (one and two GPUs): the check above ran on them."""
+    checked = [r for r in MEASURED if "measured_reserved_peak_bytes" in r and _below_the_cap(r)]
+    assert sorted(r["world"] for r in checked) == [1, 1, 2]
 
 
 def test_an_untied_head_on_the_host_is_charged_where_it_lives():
     """Tied, the matrix is fetched whole for the step and one gradient collects the head's and the
-    embedding's parts; untied, the head and its gradient live for the loss, the embedding's
-    gradient only at the end of backward."""
+    embedding's parts; untied, the head's weights are fetched for the loss and its gradient lives
+    until its copy out has landed, the embedding's gradient only at the end of backward."""
     run = next(r for r in MEASURED if r["shape"] == "qwen3-14b")
     m = named_shape("qwen3-14b")
     vh = m.vocab_size * m.hidden_size
     items = dict(_items(run))
     assert (items["head weights (loss)"], items["head gradient"], items["embedding gradient"]) == (2 * vh, 4 * vh, 4 * vh)
-    assert [costs.live_in(n) for n in ("head weights (loss)", "head gradient", "embedding gradient")] == [
-        ("loss",), ("loss",), ("end of backward",)]
     tied = dict(_items(dict(run, shape="qwen3-4b", chunk_rows=39426)))
-    assert "head gradient" not in tied and costs.live_in("embedding/head gradient") == costs.PHASES
+    assert "head gradient" not in tied and tied["embedding/head gradient"] == 4 * 151936 * 2560
 
 
 def test_holding_more_layers_costs_more_memory():
     """The planner's searches need it: each held layer more never lowers the peak."""
     run = dict(MEASURED[0], resident_layers=0)
-    totals = [costs.gpu_memory_peak(_items(run, device_layers=d)).total_bytes for d in range(0, 37)]
+    totals = [costs.gpu_memory_peak(_items(run, device_layers=d), 1).total_bytes for d in range(0, 37)]
     assert all(a < b for a, b in zip(totals, totals[1:]))
