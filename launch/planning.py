@@ -45,18 +45,19 @@ class RunPlan:
         return self.plan.predicted_step_s if self.plan is not None else None
 
     @property
-    def planned_gpu_bytes(self) -> int | None:
-        """The plan's GPU memory peak, where the run keeps the plan's memory choices (None where the
-        job file overrode one, or on CPU)."""
+    def keeps_plan(self) -> bool:
+        """Whether the workers run the plan's choices: a plan, and no job-file override of its tiles,
+        resident, offloaded or device-held layers (the choices plan_job lets the job file force)."""
         p = self.plan
-        if p is None:
-            return None
-        ours = (self.resident_layers, self.prefetch_depth, self.loss_chunk_tokens, self.micro_batch,
-                self.seq_tile_tokens, self.offload_layers, self.device_layers, self.param_route, self.grad_route)
-        plans = (p.resident_layers, p.prefetch_depth, p.loss_chunk_tokens, p.micro_batch, p.seq_tile_tokens,
-                 p.offload_layers, p.device_layers, p.param_route, p.grad_route)
-        same_embedding = (self.embedding == "device") == (p.embedding == "gpu")
-        return p.gpu_total_bytes if ours == plans and same_embedding else None
+        return p is not None and (self.seq_tile_tokens, self.resident_layers, self.offload_layers,
+                                  self.device_layers) == (p.seq_tile_tokens, p.resident_layers, p.offload_layers,
+                                                          p.device_layers)
+
+    @property
+    def planned_gpu_bytes(self) -> int | None:
+        """The plan's GPU memory peak, where the run keeps the plan's choices (None where the job file
+        overrode one, or on CPU)."""
+        return self.plan.gpu_total_bytes if self.keeps_plan and self.plan is not None else None
 
 
 def calibration(gpus: int = 1, timeout_s: float = 300.0) -> Calibration:
@@ -152,10 +153,7 @@ def learned_gpu_scale(run_plan: RunPlan, gpu_side_s: list[float]) -> float | Non
     expected copies to show (exposed time over a quarter of the GPU time), where the workers' time
     holds copy stalls that are not GPU work."""
     plan = run_plan.plan
-    if plan is None or len(gpu_side_s) < 3:
-        return None
-    if (run_plan.seq_tile_tokens, run_plan.resident_layers, run_plan.offload_layers, run_plan.device_layers) != \
-            (plan.seq_tile_tokens, plan.resident_layers, plan.offload_layers, plan.device_layers):
+    if plan is None or len(gpu_side_s) < 3 or not run_plan.keeps_plan:
         return None
     gpu = dict(plan.busy_s)["gpu"]
     if plan.exposed_s > 0.25 * gpu:

@@ -266,11 +266,10 @@ def run(args: argparse.Namespace) -> int:
                                  Path(args.job).parent / f"profile-rank{rank}-step{step}.json", device)
             else:
                 times = engine.run_step(step, seqs[..., :-1], seqs[..., 1:])
+            peak = reserved = 0
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-            on_gpu = device.type == "cuda"
-            peak = torch.cuda.max_memory_allocated(device) if on_gpu else 0
-            reserved = torch.cuda.max_memory_reserved(device) if on_gpu else 0
+                peak, reserved = torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)
             done_steps = step + 1
             at_checkpoint = args.checkpoint_every and done_steps % args.checkpoint_every == 0
             if held and (at_checkpoint or done_steps == args.end):  # the store must hold them before a checkpoint

@@ -29,6 +29,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from slidedp.data import rank_slice
 from slidedp.loss import chunked_cross_entropy_sum
 from slidedp.model import layers
 from slidedp.model.config import ModelConfig, named_shape
@@ -150,10 +151,9 @@ def batch_stream(cfg: ModelConfig, batch: int, seq: int, seed: int = 0) -> torch
 
 def random_batch(cfg: ModelConfig, batch: int, seq: int, device: str, seed: int = 0, rank: int = 0,
                  world: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rank `rank`'s rows of the global batch of batch_stream, [B/world, T] inputs and next-token targets."""
-    rows = batch_stream(cfg, batch, seq, seed).unfold(0, seq + 1, seq)
-    n = batch // world
-    rows = rows[rank * n:(rank + 1) * n]
+    """Rank `rank`'s rows of the global batch of batch_stream (as slidedp.data.rank_slice gives a
+    SlideDP rank its rows), [B/world, T] inputs and next-token targets."""
+    rows = rank_slice(batch_stream(cfg, batch, seq, seed).unfold(0, seq + 1, seq), rank, world)
     return rows[:, :-1].contiguous().to(device), rows[:, 1:].contiguous().to(device)
 
 

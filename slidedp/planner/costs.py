@@ -190,11 +190,11 @@ NCCL_BYTES = 256 * MiB  # NCCL communicator buffers, only with more than one ran
 # and 17.5% above the tensors the model counts (one GPU: 2% and 6%).
 ALLOCATOR_RESERVE = 0.10
 ALLOCATOR_RESERVE_RANKS = 0.20
+LOGIT_BYTES = 2 + 4 + 4  # per logit of a loss chunk: bf16 matmul output, fp32 copy, fp32 gradient
 
 
 def allocator_reserve(world: int) -> float:
     return ALLOCATOR_RESERVE if world == 1 else ALLOCATOR_RESERVE_RANKS
-LOGIT_BYTES = 2 + 4 + 4  # per logit of a loss chunk: bf16 matmul output, fp32 copy, fp32 gradient
 
 
 def attention_bytes_per_token(model: ModelConfig, compute_dtype: str) -> int:
