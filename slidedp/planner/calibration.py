@@ -98,6 +98,11 @@ class Calibration:
     # of it training Qwen3-4B (2.48-2.74 of 4.00-4.37 G params/s on one H200's host, 16 cores;
     # 3.00 of 5.22 on the 2-H200 host). 1.0 charges the bare rate.
     adamw_train_fraction: float = 0.6
+    # the lowest share measured so far: 2.78 of 7.28 G params/s (0.38) training Qwen3-4B with two
+    # workers copying in at once on a 2-H200 host. A first plan chooses its device-held layers so
+    # that the step also holds at this share (plan._with_device_layers): one layer too many costs
+    # little GPU time, one too few leaves the step bound by the host's update.
+    adamw_train_fraction_low: float = 0.38
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -173,6 +178,14 @@ class Calibration:
         if self.update_rate_learned(model_params):
             return self.adamw_train_params_per_s
         return self.adamw_params_per_s * self.adamw_train_fraction
+
+    def at_lowest_share(self, model_params: int) -> "Calibration | None":
+        """Until a run of this model measured its updaters' rate: this calibration charging the lowest
+        share of the bare kernel measured in training (None once the rate is measured, or when the
+        lowest share is not below the one charged)."""
+        if self.update_rate_learned(model_params) or self.adamw_train_fraction_low >= self.adamw_train_fraction:
+            return None
+        return dataclasses.replace(self, adamw_train_fraction=self.adamw_train_fraction_low)
 
     def reduce_rate_gbps(self, model_params: int, summed: bool = False) -> float:
         """The aggregator's rate the planner charges: measured beside the updaters where a run of this

@@ -235,8 +235,12 @@ def _update_rate_note(work: Workload, ch: Choices, calib: Calibration) -> str:
     if calib.update_rate_learned(n):
         return (f"update charged at {rate:.2f} G params/s per updater, measured training this model on this host"
                 + ("; the host sum of ranks' gradients beside it is not measured yet" if summed else ""))
+    low = calib.at_lowest_share(n)
+    guard = "" if low is None else (
+        f"; at {low.adamw_train_fraction:g} x, the lowest share measured in training, this plan predicts "
+        f"{predict_step(work, ch, low)[2]:.3f} s")
     return (f"update charged at {rate:.2f} G params/s per updater: {calib.adamw_train_fraction:g} x the bare kernel "
-            f"until a run of this model on this host measures its rate in training")
+            f"until a run of this model on this host measures its rate in training" + guard)
 
 
 # --------------------------------------------------------------------------------------
@@ -585,6 +589,13 @@ def _holding(work: Workload, ch: Choices, d: int, budget: int) -> Choices | None
     return cand if _total(work, cand) <= budget else None
 
 
+def _guarded_step(work: Workload, ch: Choices, calib: Calibration, low: Calibration | None) -> float:
+    """The predicted step, or, while the updaters' rate is a guess (`low`: Calibration.at_lowest_share),
+    the slower of it and the step at the lowest share of the bare kernel measured in training."""
+    step = predict_step(work, ch, calib)[2]
+    return step if low is None else max(step, predict_step(work, ch, low)[2])
+
+
 def _with_device_layers(work: Workload, ch: Choices, budget: int, calib: Calibration) -> Choices:
     """The chosen plan with its first layers held on the GPU where that predicts a faster step.
 
@@ -592,13 +603,19 @@ def _with_device_layers(work: Workload, ch: Choices, budget: int, calib: Calibra
     layer) and gives the host its copies and its update, and the next forward its wait for the
     host (layer 0 is the tail). Room is made by dropping resident layers (their cost is a re-fetch
     in backward); more held layers are tried while they fit, and the fewest that predict the
-    fastest step are kept, with the fewest resident layers that predict the same."""
-    best, best_step = ch, predict_step(work, ch, calib)[2]
+    fastest step are kept, with the fewest resident layers that predict the same. Until a run of
+    the model has measured its updaters' rate, a step is judged by the slower of its predictions
+    at the charged share of the bare AdamW and at the lowest share measured: the share is what a
+    first plan is most often wrong by (0.38 to 0.69 measured), and a held layer too few leaves the
+    step bound by the host where one too many costs a little GPU memory."""
+    low = calib.at_lowest_share(work.model.num_parameters())
+    best, best_step = ch, _guarded_step(work, ch, calib, low)
     for d in range(1, work.model.num_layers + 1):
         cand = _holding(work, ch, d, budget)
         if cand is None:
             break  # each held layer needs more memory than the last: none beyond fits either
-        cand, step = _fewest_resident(work, cand, calib)
+        cand = _fewest_resident(work, cand, calib)[0]
+        step = _guarded_step(work, cand, calib, low)
         if step < best_step * (1 - _TIE):
             best, best_step = cand, step
     return best

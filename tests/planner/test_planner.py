@@ -257,22 +257,64 @@ def test_plan_never_exceeds_budget():
 
 
 def test_more_budget_never_gives_a_slower_plan():
+    """Slower as the planner judges a first plan: the worse of its predictions at the charged share of the
+    bare AdamW and at the lowest share measured (the held layers are chosen for both); with the rate
+    learned, the prediction itself."""
     works = [
         Workload(named_shape("qwen3-4b"), global_batch=8, seq_len=2048, world=1, micro_batch=8, clip=False),
         Workload(named_shape("qwen3-8b"), global_batch=8, seq_len=4096, world=2, micro_batch=2, clip=True),
         Workload(named_shape("small"), global_batch=4, seq_len=256, world=1, micro_batch=4, clip=False),
     ]
     for work in works:
-        last = math.inf
-        for gib in (1, 2, 4, 6, 8, 12, 16, 20, 24, 32, 48, 64, 96, 128):
-            try:
-                plan = make_plan(work, gib * GiB, H200_REFERENCE)
-            except PlanError:
-                assert last == math.inf, "a budget refused after a smaller one fitted"
-                continue
-            assert plan.predicted_step_s <= last * (1 + 1e-9)
-            last = plan.predicted_step_s
-        assert last < math.inf
+        n = work.model.num_parameters()
+        learned = dataclasses.replace(H200_REFERENCE, adamw_train_params_per_s=2.5e9, adamw_train_model_params=n)
+        assert learned.at_lowest_share(n) is None
+        for calib in (H200_REFERENCE, learned):
+            low = calib.at_lowest_share(n)
+            last = math.inf
+            for gib in (1, 2, 4, 6, 8, 12, 16, 20, 24, 32, 48, 64, 96, 128):
+                try:
+                    plan = make_plan(work, gib * GiB, calib)
+                except PlanError:
+                    assert last == math.inf, "a budget refused after a smaller one fitted"
+                    continue
+                judged = plan.predicted_step_s if low is None else max(
+                    plan.predicted_step_s, predict_step(work, plan.choices, low)[2])
+                assert judged <= last * (1 + 1e-9)
+                last = judged
+            assert last < math.inf
+
+
+def test_a_first_plan_holds_layers_for_the_lowest_measured_adamw_share():
+    """Machine B (2 H200s, 32 cores, bare AdamW 7.28 G params/s): charged 0.6 x bare, the first plan of
+    Qwen3-4B at 24 GiB held 3 layers and predicted 1.14 s; the updaters ran 2.78 G params/s (0.38 x)
+    and the step took 1.63 s. Judged at 0.38 x as well, the first plan holds what a plan charging the
+    measured rate holds, and says what it predicts at that share."""
+    machine_b = Calibration(
+        host="b", device_name="NVIDIA H200", h2d_gbps=54.8, d2h_gbps=54.2, bidir_gbps=89.2, adamw_params_per_s=7.28e9,
+        adamw_threads=32, reduce_gbps=43.3, gpu_tflops=352.9, gpu_mem_bytes=143_771 * (1 << 20), allreduce_gbps=238.0,
+        bus_gpus=2, h2d_total_gbps=101.0)
+    work = Workload(named_shape("qwen3-4b"), global_batch=16, seq_len=2048, world=2, micro_batch=2, clip=False,
+                    compiled=True)  # the job's train.compile = "auto"
+    n = work.model.num_parameters()
+    allowed = {"delivery": ("fp32",)}
+    first = make_plan(work, 24 * GiB, machine_b, allowed)
+    learned = dataclasses.replace(machine_b, adamw_train_params_per_s=2.78e9, adamw_train_model_params=n)
+    after = make_plan(work, 24 * GiB, learned, allowed)
+    unguarded = dataclasses.replace(machine_b, adamw_train_fraction_low=0.6)  # no lower share known
+    assert unguarded.at_lowest_share(n) is None
+    before = make_plan(work, 24 * GiB, unguarded, allowed)
+    assert before.device_layers == 3  # what machine B ran
+    assert first.device_layers == after.device_layers == 5
+    low = machine_b.at_lowest_share(n)
+    assert low is not None and low.update_params_per_s(n) == pytest.approx(0.38 * 7.28e9)
+    at_low = predict_step(work, first.choices, low)[2]
+    assert at_low < predict_step(work, before.choices, low)[2] * 0.95  # 5 held layers guard the step at 0.38 x
+    assert first.predicted_step_s == pytest.approx(predict_step(work, first.choices, machine_b)[2])
+    assert (f"update charged at 4.37 G params/s per updater: 0.6 x the bare kernel until a run of this model on this "
+            f"host measures its rate in training; at 0.38 x, the lowest share measured in training, this plan "
+            f"predicts {at_low:.3f} s") in first.describe()
+    assert "lowest share" not in after.describe()
 
 
 def test_refusal_names_the_budget_and_the_knob():
