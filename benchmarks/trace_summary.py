@@ -67,7 +67,36 @@ def summarize(trace: dict) -> dict:
         streams[str(sid)] = {"span_ms": span / 1e3, "busy_ms": busy / 1e3, "idle_ms": (span - busy) / 1e3, "events": len(iv)}
     top = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:25]
     return {"streams": streams, "kinds_ms": {k: v / 1e3 for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
-            "top_kernels": [{"name": n[:140], "ms": t / 1e3, "count": c, "kind": kind_of(n)} for n, (t, c) in top]}
+            "top_kernels": [{"name": n[:140], "ms": t / 1e3, "count": c, "kind": kind_of(n)} for n, (t, c) in top],
+            "compute_gaps": _gaps(events, by_stream)}
+
+
+GAP_BUCKETS_MS = (0.05, 1.0)  # idle stretches of the compute stream: launch-sized, short waits, long waits
+
+
+def _gaps(events: list[dict], by_stream: dict[int, list[tuple[float, float]]]) -> dict:
+    """The busiest stream's (compute's) idle stretches, by length, and the longest with the kernel after each
+    (what the stream waited to run): idle compute is where a step loses to its copies, collectives or launches."""
+    if not by_stream:
+        return {}
+    sid = max(by_stream, key=lambda k: union_length(by_stream[k]))
+    mine = sorted((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)), e["name"]) for e in events
+                  if int(e.get("tid", 0)) == sid)
+    gaps, end = [], mine[0][1]
+    for a, b, name in mine[1:]:
+        if a > end:
+            gaps.append((a - end, name))
+        end = max(end, b)
+    edges = (0.0,) + GAP_BUCKETS_MS + (float("inf"),)
+    buckets = {f"{lo:g}-{hi:g} ms": [0, 0.0] for lo, hi in zip(edges, edges[1:])}
+    for us, _ in gaps:
+        for lo, hi in zip(edges, edges[1:]):
+            if lo <= us / 1e3 < hi:
+                buckets[f"{lo:g}-{hi:g} ms"][0] += 1
+                buckets[f"{lo:g}-{hi:g} ms"][1] += us / 1e3
+    longest = sorted(gaps, key=lambda g: -g[0])[:10]
+    return {"stream": str(sid), "buckets": {k: {"count": c, "ms": ms} for k, (c, ms) in buckets.items()},
+            "longest": [{"ms": us / 1e3, "next_kernel": name[:100]} for us, name in longest]}
 
 
 def print_summary(s: dict) -> None:
@@ -77,6 +106,13 @@ def print_summary(s: dict) -> None:
     print("\nkernel time by kind (ms)")
     for k, v in s["kinds_ms"].items():
         print(f"  {k:32s} {v:9.1f}")
+    gaps = s.get("compute_gaps") or {}
+    if gaps:
+        print(f"\ncompute stream {gaps['stream']}: idle stretches")
+        for k, v in gaps["buckets"].items():
+            print(f"  {k:>14} {v['count']:6d}x {v['ms']:9.1f} ms")
+        for g in gaps["longest"]:
+            print(f"  {g['ms']:8.2f} ms before {g['next_kernel']}")
     print("\ntop kernels")
     for t in s["top_kernels"]:
         print(f"  {t['ms']:8.1f} ms {t['count']:6d}x  {t['kind']:12s} {t['name'][:100]}")

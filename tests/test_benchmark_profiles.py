@@ -36,6 +36,11 @@ def test_summary_counts_overlapping_kernels_once_and_sorts_them_by_kind():
     assert s["kinds_ms"] == {"memcpy/memset (copy engines)": 2.0, "gemm": 1.0, "elementwise": 1.0,
                              "attention": 0.5, "reduction": 0.25}
     assert s["top_kernels"][0]["name"].startswith("Memcpy") and s["top_kernels"][0]["ms"] == 2.0
+    # compute (stream 7) sat idle 1.5 ms, from 1.5 ms to 3.0 ms, before the attention kernel
+    gaps = s["compute_gaps"]
+    assert gaps["stream"] == "7" and gaps["longest"] == [{"ms": 1.5, "next_kernel": "cudnn_generated_fort_native_sdpa_sm90_flash_fprop"}]
+    assert gaps["buckets"] == {"0-0.05 ms": {"count": 0, "ms": 0.0}, "0.05-1 ms": {"count": 0, "ms": 0.0},
+                               "1-inf ms": {"count": 1, "ms": 1.5}}
 
 
 def test_a_peer_writes_the_profiled_steps_trace(tmp_path):

@@ -5,7 +5,9 @@
 # from the store's committed step), so each system runs in its own harness command and the
 # rows are merged into one table at the end.
 # (SHAPE, SEQ, STEPS and WARMUP change the model shape, tokens per sequence, steps and warm-up
-# steps; BUDGET SlideDP's GPU budget in GiB per GPU; MICRO SlideDP's micro-batch.)
+# steps; BUDGET SlideDP's GPU budget in GiB per GPU; MICRO SlideDP's micro-batch; PROFILE=K runs
+# the K-th step of each SlideDP run under torch.profiler on every rank and writes each rank's
+# benchmarks.trace_summary beside the row as TAG-SYSTEM-trace-rankR.txt.)
 #   bash benchmarks/sessions/multi_gpu.sh OUT_DIR GPUS BATCH SYSTEMS [harness args ...]
 # e.g. bash benchmarks/sessions/multi_gpu.sh /tmp/out 2 16 slidedp,slidedp_replicated,fsdp2
 #      bash benchmarks/sessions/multi_gpu.sh /tmp/out 1 8 slidedp     (the single-GPU figure)
@@ -22,10 +24,18 @@ parts=()
 for system in ${systems//,/ }; do
   committed=$(bash "$(dirname "$0")/committed_step.sh" "$store")
   part="$out/$tag-$system.json"
+  [ -n "${PROFILE:-}" ] && export SLIDEDP_PROFILE_STEP=$((committed + PROFILE))
   python3 -m benchmarks.run --gpus "$gpus" --shape "$shape" --batch "$batch" --seq "$seq" --steps $steps --warmup $warm \
     --systems "$system" --slidedp-set memory.gpu_budget_gib=$budget --slidedp-set train.micro_batch=$micro \
     --slidedp-set store.persist=true --slidedp-set "store.name=\"$store\"" --slidedp-set train.steps=$((committed + steps)) \
     --out "$part" --quiet "$@"
   [ -f "$part" ] && parts+=("$part")
+  if [ -n "${PROFILE:-}" ]; then
+    for trace in $(find "$out/$tag-$system.logs" -name "profile-rank*-step*.json" 2>/dev/null); do
+      rank=$(basename "$trace" | sed 's/profile-rank\([0-9]*\)-.*/\1/')
+      python3 -m benchmarks.trace_summary "$trace" > "$out/$tag-$system-trace-rank$rank.txt" 2>&1
+      rm -f "$trace"  # hundreds of MB; the summary is what comes back
+    done
+  fi
 done
 [ ${#parts[@]} -gt 1 ] && python3 -m benchmarks.run --merge "${parts[@]}" --out "$out/$tag.json"
