@@ -54,6 +54,9 @@ METRICS: dict[str, MetricField] = {
     "wait_version_s": MetricField(float, "time blocked until a chunk's update landed (updaters behind)", True, "max"),
     "wait_slot_s": MetricField(float, "time blocked for a free gradient slot (aggregator/updaters behind)", True, "max"),
     "wait_loss_s": MetricField(float, "time blocked on the other ranks' loss (non-finite check)", True, "max"),
+    "write_back_s": MetricField(float, "time the workers spent writing device-held units back to the store after "
+                                       "the step (at a checkpoint and at the end; inside step_s), slowest rank", True,
+                                "max"),
     "h2d_bytes": MetricField(int, "bytes copied host to device, all ranks", True, "sum"),
     "gpu_peak_bytes": MetricField(int, "peak GPU memory allocated by one rank (0 on CPU)", True, "max"),
     "gpu_reserved_peak_bytes": MetricField(int, "peak GPU memory the caching allocator reserved for one rank, what "
@@ -110,8 +113,9 @@ def process_tree_private_bytes(pid: int | None = None) -> int:
 
 
 def gpu_side(stats: WorkerStats) -> float:
-    """A rank's own step less its own waits for the host (updates, gradient slots, the loss)."""
-    return stats.step_s - stats.wait_version_s - stats.wait_slot_s - stats.wait_loss_s
+    """A rank's own step less its own waits for the host (updates, gradient slots, the loss) and its
+    write-back of device-held units (a checkpoint's or the job end's work, not the step's)."""
+    return stats.step_s - stats.wait_version_s - stats.wait_slot_s - stats.wait_loss_s - stats.write_back_s
 
 
 def _finite(x: float) -> float | None:

@@ -70,8 +70,12 @@ def _median(records: list[dict[str, Any]], key: str) -> float | None:
 
 
 def steady(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Records without the first step (it holds the workers' start-up), unless it is the only one."""
-    return records[1:] if len(records) > 1 else records
+    """Records without the first step (it holds the workers' start-up) and without the steps after which
+    the workers wrote device-held units back to the store (a checkpoint's or the job end's work), unless
+    nothing would be left."""
+    rest = records[1:] if len(records) > 1 else records
+    plain = [r for r in rest if not r.get("write_back_s")]
+    return plain or rest
 
 
 def summary(records: list[dict[str, Any]]) -> list[str]:
@@ -84,8 +88,12 @@ def summary(records: list[dict[str, Any]]) -> list[str]:
              f"{f', {skipped} skipped (non-finite loss)' if skipped else ''})"]
     if first.get("loss") is not None and last.get("loss") is not None:
         lines.append(f"loss         {first['loss']:.4f} -> {last['loss']:.4f}")
+    backs = [float(r["write_back_s"]) for r in records[1:] if r.get("write_back_s")]
+    left_out = (["the first, with start-up"] if len(records) > 1 else []) + (
+        [f"{len(backs)} with a write-back of device-held units (median {statistics.median(backs):.3f} s)"]
+        if backs and len(rs) < len(records) - 1 else [])
     lines.append(f"step         median {step_s:.3f} s over {len(rs)} step(s)"
-                 f"{' (the first, with start-up, left out)' if len(records) > 1 else ''}")
+                 + (f" ({' and '.join(left_out)}, left out)" if left_out else ""))
     if step_s > 0:
         lines.append(f"throughput   {tokens / step_s:,.0f} tokens/s ({tokens:,} tokens per step)")
     worker = _median(rs, "worker_step_s") or step_s

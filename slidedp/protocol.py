@@ -244,7 +244,7 @@ class Fault(Message):
     text: str
 
 
-@message(17, "iqddddddqqq")
+@message(17, "iqddddddqqqd")
 class WorkerStats(Message):
     """Worker -> launcher after each step: where its time went."""
     rank: int
@@ -258,6 +258,7 @@ class WorkerStats(Message):
     h2d_bytes: int
     gpu_peak_bytes: int  # the allocator's tensors at their peak
     gpu_reserved_peak_bytes: int  # what the caching allocator held at its peak (the budget caps this)
+    write_back_s: float = 0.0  # inside step_s: device-held units written back to the store (a checkpoint, the end)
 
 
 # ---- control plane: requests to the host-state daemon ------------------------------------------

@@ -272,12 +272,16 @@ def run(args: argparse.Namespace) -> int:
                 peak, reserved = torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)
             done_steps = step + 1
             at_checkpoint = args.checkpoint_every and done_steps % args.checkpoint_every == 0
+            write_back_s = 0.0
             if held and (at_checkpoint or done_steps == args.end):  # the store must hold them before a checkpoint
+                t_back = time.perf_counter()
                 for h in held.values():
                     h.write_back(done_steps, release=done_steps == args.end)
+                write_back_s = time.perf_counter() - t_back
             w = link.waits
             send(job_sock, WorkerStats(rank, step, time.perf_counter() - t0, times.forward_s, times.backward_s,
-                                       w["version"], w["slot"], w["loss"], engine.delivery.h2d_bytes - h2d0, peak, reserved))
+                                       w["version"], w["slot"], w["loss"], engine.delivery.h2d_bytes - h2d0, peak, reserved,
+                                       write_back_s))
             # Between steps: the launcher may hold us for a checkpoint or tell us to stop.
             hold = args.checkpoint_every and (step + 1) % args.checkpoint_every == 0 and step + 1 < args.end
             deadline = time.monotonic() + (job.runtime.timeout_s * 10 if hold else 0)

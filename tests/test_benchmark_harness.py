@@ -224,6 +224,20 @@ def test_slidedp_job_file_and_metrics_reduction(tmp_path, monkeypatch):
     assert tokens.tolist() == common.batch_stream(named_shape("tiny"), 2, 16, 0).tolist()  # one batch, --seed 0
 
 
+def test_the_write_back_of_device_held_units_is_left_out_of_the_median():
+    """The last step of a job with device-held layers also writes them back to the store (as the peers
+    time no saving of their state): the median is of the other steps, and the write-back is kept."""
+    recs = [{"step": i, "step_s": s, "tokens": 100, "write_back_s": w}
+            for i, (s, w) in enumerate([(9.0, 0.0), (1.0, 0.0), (1.2, 0.0), (1.1, 0.0), (2.0, 0.7)])]
+    row: dict = {"tokens_per_step": 100}
+    slidedp_run.reduce_metrics(recs, 1, row)
+    assert row["step_s"] == 1.1 and row["write_back_s"] == [0.7]  # not 1.15 (median of 1.0, 1.2, 1.1, 2.0)
+    assert row["step_times_s"] == [9.0, 1.0, 1.2, 1.1, 2.0]
+    only = {"tokens_per_step": 100}
+    slidedp_run.reduce_metrics(recs[:1] + recs[4:], 1, only)  # nothing else after warm-up: kept
+    assert only["step_s"] == 2.0
+
+
 def test_every_system_trains_on_the_same_batch_at_every_step(tmp_path):
     """SlideDP's data file, cut by slidedp.data, gives every step the rows the peers train on, and each
     rank of N the rows the FSDP2 peer's rank takes."""

@@ -109,10 +109,16 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
 
 
 def reduce_metrics(records: list[dict[str, Any]], warmup: int, row: dict[str, Any]) -> None:
-    """Fill the row from per-step records as the other peers fill theirs."""
-    measured = records[warmup:]
-    if not measured:
+    """Fill the row from per-step records as the other peers fill theirs. Steps after which the workers
+    wrote device-held units back to the store (the job's end, a checkpoint) are left out of the median
+    while others remain, as the peers time no saving of their state: the write-back is kept apart."""
+    after_warmup = records[warmup:]
+    if not after_warmup:
         raise RuntimeError(f"metrics.jsonl has {len(records)} step records; none after the {warmup} warm-up steps")
+    measured = [r for r in after_warmup if not r.get("write_back_s")] or after_warmup
+    backs = [float(r["write_back_s"]) for r in after_warmup if r.get("write_back_s")]
+    if backs:
+        row["write_back_s"] = backs
     step_s = statistics.median(float(r["step_s"]) for r in measured)
     tokens = int(measured[-1].get("tokens") or row["tokens_per_step"])
     row.update(step_s=step_s, tokens_per_step=tokens, tokens_per_s=tokens / step_s,

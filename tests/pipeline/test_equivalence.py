@@ -128,6 +128,8 @@ def test_held_layers_carry_over_to_the_next_job(tmp_path, workers, shape, embedd
             ref = ref or reference(sets)
             got = metrics(run_dir)
             assert [m["step"] for m in got] == list(range(first, last))
+            # only the job's last step wrote the held units back to the store, and its record says how long
+            assert [m["write_back_s"] > 0 for m in got] == [m["step"] == last - 1 for m in got]
             for m in got:
                 want = ref.losses[m["step"]]
                 assert abs(m["loss"] - want) <= 1e-5 * abs(want), (m["step"], m["loss"], want)

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from slidedp.launch.progress import METRICS, Progress, check_record, process_tree_private_bytes
+from slidedp.launch.progress import METRICS, Progress, check_record, gpu_side, process_tree_private_bytes
 from slidedp.protocol import StepDone, WorkerStats
 from slidedp.store.shm import Segment, segment_name
 
@@ -57,6 +57,11 @@ def test_every_worker_stat_has_a_metrics_key():
     assert missing == []
     assert all(METRICS[f.name].over_ranks in ("max", "sum") for f in dataclasses.fields(WorkerStats)
                if f.name not in ("rank", "step", "step_s"))
+
+
+def test_the_gpu_side_of_a_step_leaves_out_waits_and_the_write_back():
+    s = stats(0, 4, step_s=2.0, write_back_s=0.5)
+    assert gpu_side(s) == pytest.approx(2.0 - 0.01 - 0.02 - 0.03 - 0.5)
 
 
 def test_records_combine_the_ranks(tmp_path):

@@ -47,6 +47,21 @@ def test_summary_of_a_fixture(tmp_path):
     assert "memory       GPU peak 3.00 GiB, host private peak 1.00 GiB, shared (store + rings) 12.00 GiB" in text
 
 
+def test_the_steps_median_leaves_out_a_write_back_of_device_held_units(tmp_path):
+    """The job's last step wrote the device-held layers back to the store (0.7 s of its 2.9): the median
+    is of the steady steps, and the write-back is named with its time."""
+    records = [record(0, 9.0, write_back_s=0.0), record(1, 2.0, write_back_s=0.0), record(2, 2.2, write_back_s=0.0),
+               record(3, 2.9, write_back_s=0.7)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    text = "\n".join(report.report(tmp_path, plots=False)[0])
+    assert ("step         median 2.100 s over 2 step(s) (the first, with start-up and 1 with a write-back of "
+            "device-held units (median 0.700 s), left out)") in text
+    # a run of one steady step that wrote back keeps it: nothing else to take the median of
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in (records[0], records[3])))
+    text = "\n".join(report.report(tmp_path, plots=False)[0])
+    assert "step         median 2.900 s over 1 step(s) (the first, with start-up, left out)" in text
+
+
 def test_summary_sets_the_gpu_peak_beside_the_reserved_memory_and_the_plan(tmp_path):
     records = [record(s, 2.0, gpu_reserved_peak_bytes=int(3.5 * 2**30), planned_gpu_bytes=(4 + s) * 2**30)
                for s in range(3)]
