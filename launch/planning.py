@@ -23,7 +23,8 @@ from slidedp.planner.costs import GiB
 log = logging.getLogger("slidedp.launcher")
 
 _CALIBRATE = ("import json, sys; from slidedp.planner import load_or_calibrate; "
-              "print(json.dumps(load_or_calibrate('cuda', gpus=int(sys.argv[1])).to_dict()))")
+              "print(json.dumps(load_or_calibrate('cuda', gpus=int(sys.argv[1]), model_params=int(sys.argv[2]))"
+              ".to_dict()))")
 
 
 @dataclass(frozen=True)
@@ -60,10 +61,11 @@ class RunPlan:
         return self.plan.gpu_total_bytes if self.keeps_plan and self.plan is not None else None
 
 
-def calibration(gpus: int = 1, timeout_s: float = 300.0) -> Calibration:
-    """This host's calibration; with gpus > 1 it includes the NCCL bus bandwidth among that many GPUs."""
-    out = subprocess.run([sys.executable, "-c", _CALIBRATE, str(gpus)], capture_output=True, text=True,
-                         timeout=timeout_s)
+def calibration(gpus: int = 1, model_params: int = 0, timeout_s: float = 300.0) -> Calibration:
+    """This host's calibration, with what training runs of the model of `model_params` parameters
+    measured on it; with gpus > 1 it includes the NCCL bus bandwidth among that many GPUs."""
+    out = subprocess.run([sys.executable, "-c", _CALIBRATE, str(gpus), str(model_params)], capture_output=True,
+                         text=True, timeout=timeout_s)
     if out.returncode != 0:
         raise RuntimeError(f"calibrating this host's GPU failed: {out.stderr.strip()[-2000:]}")
     return Calibration.from_dict(json.loads(out.stdout.strip().splitlines()[-1]))
@@ -103,7 +105,7 @@ def plan_job(job: JobConfig, calib: Calibration | None = None) -> RunPlan:
     work = Workload(model=model_config(job), global_batch=t.global_batch, seq_len=t.seq_len, world=rt.workers,
                     micro_batch=t.micro_batch, compute_dtype=t.compute_dtype, clip=t.max_grad_norm > 0,
                     updaters=max(1, rt.updaters), compiled=t.compile in ("auto", "on"))
-    calib = calib or calibration(rt.workers)
+    calib = calib or calibration(rt.workers, work.model.num_parameters())
     allowed = {
         "activations": ("keep", "offload") if mem.offload_layers != 0 else ("keep",),
         "delivery": ("fp32",),  # the bf16 shadow delivery needs a store made with store.shadow_bf16

@@ -6,12 +6,16 @@ at once; the fused CPU AdamW (`torch._fused_adamw_`, the kernel the updater runs
 (for an embedding kept on the GPU). On `device="cpu"` it returns a CPU-only calibration
 (copies at memcpy speed, "GPU" rates = the CPU's), so planning works in CI.
 
-The cache is JSON (never pickle), one file per host and device name, under ~/.cache/slidedp.
+The cache is JSON (never pickle), one file per host and device name, under ~/.cache/slidedp:
+the measured building blocks, and what training runs measured (`record_training`) kept per
+model, so that a host that trains several models keeps each one's figures.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import functools
 import json
 import math
@@ -43,6 +47,13 @@ LAYER_EFFICIENCY = 0.45
 class CalibrationError(ValueError):
     pass
 
+
+# What a training run measures, kept per model in the cache (the model's parameter count is the
+# key): the updaters' rate, alone and beside a host sum, and the GPU time factors.
+LEARNED_FIELDS = ("adamw_train_params_per_s", "adamw_train_model_params", "adamw_train_summed_params_per_s",
+                  "reduce_train_summed_gbps", "adamw_train_summed_model_params", "gpu_train_factors",
+                  "gpu_train_model_params")
+_NOTHING_LEARNED: dict[str, Any] = {k: "" if k == "gpu_train_factors" else 0 for k in LEARNED_FIELDS}
 
 _MAY_BE_ZERO = frozenset({"adamw_train_params_per_s", "adamw_train_model_params", "h2d_total_gbps",
                           "gpu_train_model_params", "adamw_train_summed_params_per_s", "reduce_train_summed_gbps",
@@ -376,65 +387,124 @@ def _cache_file(host: str, device_name: str, cache_dir: str | os.PathLike | None
     return root / f"calibration-{_slug(host)}-{_slug(device_name)}.json"
 
 
+def _learned_model(fields: Mapping[str, Any]) -> int:
+    """The parameter count of the model whose training measured `fields` (0: none)."""
+    return int(fields.get("adamw_train_model_params") or fields.get("adamw_train_summed_model_params")
+               or fields.get("gpu_train_model_params") or 0)
+
+
+@contextlib.contextmanager
+def _locked(path: Path):
+    """Serialize read-modify-write of a cache file among the jobs of one host."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path.with_name(path.name + ".lock"), os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
 def record_training(calib: Calibration, cache_dir: str | os.PathLike | None = None, **measured: float) -> Calibration:
-    """Keep what a training run measured (the `*_train_*` fields) with the host's
-    calibration (the file `calib` came from; no CUDA needed to find it), for the next plan of that model."""
-    unknown = sorted(k for k in measured if not k.startswith(("adamw_train_", "gpu_train_", "reduce_train_")))
+    """Keep what a training run measured (the `*_train_*` fields of one model) with the host's
+    calibration (the file `calib` came from; no CUDA needed to find it), for the next plan of that
+    model: beside what runs of other models measured, and over what earlier runs of this model did
+    (fields this run did not measure are kept). Returns the file's calibration with this model's
+    figures."""
+    unknown = sorted(k for k in measured if k not in LEARNED_FIELDS)
     if unknown:
         raise ValueError(f"record_training: {unknown} are not measured in training")
-    updated = dataclasses.replace(calib, **measured)
-    save(updated, _cache_file(calib.host, calib.device_name, cache_dir))
+    model = _learned_model(measured)
+    if not model:
+        raise ValueError("record_training: the measured fields name no model (a *_model_params field)")
+    path = _cache_file(calib.host, calib.device_name, cache_dir)
+    with _locked(path):
+        try:
+            current, learned = _read(path)
+        except CalibrationError:
+            current, learned = calib, {}
+        entry = {**learned.get(model, {}), **measured}
+        learned[model] = entry
+        updated = dataclasses.replace(current, **{**_NOTHING_LEARNED, **entry})
+        save(updated, path, learned)
     return updated
 
 
-def save(calib: Calibration, path: str | os.PathLike) -> None:
+def save(calib: Calibration, path: str | os.PathLike, learned: Mapping[int, Mapping[str, Any]] | None = None) -> None:
+    """Write a calibration (its own learned fields: the model trained last) and, per model, what
+    training runs measured (`learned`)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps({"schema": SCHEMA, "calibration": calib.to_dict()}, indent=1) + "\n")
+    doc: dict[str, Any] = {"schema": SCHEMA, "calibration": calib.to_dict()}
+    if learned:
+        doc["learned"] = {str(k): dict(v) for k, v in sorted(learned.items())}
+    tmp.write_text(json.dumps(doc, indent=1) + "\n")
     os.replace(tmp, path)  # atomic: a reader never sees half a file
 
 
-def load(path: str | os.PathLike) -> Calibration:
+def _read(path: str | os.PathLike) -> tuple[Calibration, dict[int, dict[str, Any]]]:
     try:
         doc = json.loads(Path(path).read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise CalibrationError(f"cannot read calibration {path}: {e}") from None
     if not isinstance(doc, dict) or doc.get("schema") != SCHEMA or not isinstance(doc.get("calibration"), dict):
         raise CalibrationError(f"calibration {path} is not a schema-{SCHEMA} calibration file")
-    return Calibration.from_dict(doc["calibration"])
+    calib = Calibration.from_dict(doc["calibration"])
+    learned: dict[int, dict[str, Any]] = {}
+    for key, fields in (doc.get("learned") or {}).items():
+        if not (isinstance(fields, dict) and str(key).isdigit() and set(fields) <= set(LEARNED_FIELDS)):
+            raise CalibrationError(f"calibration {path}: learned entry {key!r} is not a model's measured fields")
+        dataclasses.replace(calib, **{**_NOTHING_LEARNED, **fields})  # checks the values
+        learned[int(key)] = fields
+    model = _learned_model(dataclasses.asdict(calib))
+    if model and model not in learned:  # a file from before figures were kept per model
+        learned[model] = {k: getattr(calib, k) for k in LEARNED_FIELDS}
+    return calib, learned
+
+
+def load(path: str | os.PathLike, model_params: int | None = None) -> Calibration:
+    """The calibration of a cache file; with model_params, carrying what training runs of that model
+    measured (nothing learned when none ran)."""
+    calib, learned = _read(path)
+    if model_params is None:
+        return calib
+    return dataclasses.replace(calib, **{**_NOTHING_LEARNED, **learned.get(int(model_params), {})})
 
 
 def load_or_calibrate(
     device: str = "cuda", cache_dir: str | os.PathLike | None = None, quick: bool = False, refresh: bool = False,
-    gpus: int = 1,
+    gpus: int = 1, model_params: int | None = None,
 ) -> Calibration:
     """The cached calibration of this host and device, measured (and cached) if absent or unreadable.
-    gpus > 1: also the GPU links among that many GPUs (measured once, kept in the same file)."""
+    gpus > 1: also the GPU links among that many GPUs (measured once, kept in the same file).
+    model_params: with what training runs of that model on this host measured (`load`).
+    refresh: measure again and forget what training runs measured (after a hardware change)."""
     path = cache_path(device, cache_dir)
-    calib = None
-    if path.exists() and not refresh:
-        try:
-            calib = load(path)
-        except (CalibrationError, TypeError, ValueError) as e:
-            _log.warning("recalibrating: %s", e)
-    fresh = calib is None
-    if fresh:
-        calib = calibrate(device, quick=quick)
-    elif calib.bus_gpus >= gpus or not device.startswith("cuda"):
-        return calib
-    gpus = min(gpus, _visible_gpus(device))
-    if gpus > 1 and calib.bus_gpus < gpus:
-        from slidedp.planner.links import measure_links
+    with _locked(path):  # one job measures at a time: two at once would measure each other
+        calib, learned = None, {}
+        if path.exists() and not refresh:
+            try:
+                calib, learned = _read(path)
+            except (CalibrationError, TypeError, ValueError) as e:
+                _log.warning("recalibrating: %s", e)
+        fresh = calib is None
+        if fresh:
+            calib = calibrate(device, quick=quick)
+        gpus = min(gpus, _visible_gpus(device)) if device.startswith("cuda") else 1
+        if gpus > 1 and calib.bus_gpus < gpus:
+            from slidedp.planner.links import measure_links
 
-        links = measure_links(gpus)
-        calib = dataclasses.replace(calib, allreduce_gbps=links["bus_gbps"], h2d_total_gbps=links["h2d_total_gbps"],
-                                    bus_gpus=gpus)
-    elif not fresh:  # fewer GPUs visible than asked for: nothing new to keep
+            links = measure_links(gpus)
+            calib = dataclasses.replace(calib, allreduce_gbps=links["bus_gbps"],
+                                        h2d_total_gbps=links["h2d_total_gbps"], bus_gpus=gpus)
+            fresh = True
+        if fresh:
+            save(calib, path, learned)
+            _log.info("calibrated %s, cached in %s", calib.summary(), path)
+    if model_params is None:
         return calib
-    save(calib, path)
-    _log.info("calibrated %s, cached in %s", calib.summary(), path)
-    return calib
+    return dataclasses.replace(calib, **{**_NOTHING_LEARNED, **learned.get(int(model_params), {})})
 
 
 def _visible_gpus(device: str) -> int:

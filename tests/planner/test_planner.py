@@ -381,7 +381,51 @@ def test_the_calibration_cache_is_the_users_unless_told_otherwise(tmp_path, monk
     monkeypatch.setenv("SLIDEDP_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(calibration_mod, "calibrate", lambda device, quick=False: TOY_CAL)
     assert load_or_calibrate("cpu") == TOY_CAL
-    assert [p.name for p in tmp_path.iterdir()] == [calibration_mod.cache_path("cpu").name]
+    name = calibration_mod.cache_path("cpu").name
+    assert sorted(p.name for p in tmp_path.iterdir()) == [name, name + ".lock"]  # the lock: one job writes at a time
+    assert (tmp_path / (name + ".lock")).stat().st_mode & 0o777 == 0o600
+
+
+def test_what_runs_measured_is_kept_per_model(tmp_path):
+    """A host that trains several models keeps each model's measured figures: a run of Qwen3-14B on
+    the machine of this session's 2-GPU runs overwrote Qwen3-4B's, so the next 4B plan started from
+    0.6 x bare again. Now each plan gets its own model's figures, a run adds to what earlier runs of
+    its model measured, and a cache file from before keeps its one model's figures."""
+    cal = dataclasses.replace(H200_REFERENCE, host="host-m", device_name="GPU M")
+    q4, q14 = named_shape("qwen3-4b").num_parameters(), named_shape("qwen3-14b").num_parameters()
+    path = tmp_path / "calibration-host-m-GPU_M.json"
+    calibration_mod.record_training(cal, tmp_path, adamw_train_params_per_s=3.03e9, adamw_train_model_params=q4,
+                                    gpu_train_factors='{"s4": 1.07}', gpu_train_model_params=q4)
+    last = calibration_mod.record_training(cal, tmp_path, adamw_train_params_per_s=3.37e9,
+                                           adamw_train_model_params=q14)
+    assert last == calibration_mod.load(path)  # the file's own view: the model trained last, and only its figures
+    assert (last.adamw_train_params_per_s, last.adamw_train_model_params, last.gpu_train_factors) == (3.37e9, q14, "")
+    four = calibration_mod.load(path, model_params=q4)
+    assert (four.adamw_train_params_per_s, four.gpu_scale(q4, "s4")) == (3.03e9, 1.07)
+    assert four.update_params_per_s(q4) == 3.03e9 and last.update_params_per_s(q14) == 3.37e9
+    none = calibration_mod.load(path, model_params=123)
+    assert none == dataclasses.replace(cal, **calibration_mod._NOTHING_LEARNED)
+    assert none.update_params_per_s(123) == cal.adamw_params_per_s * cal.adamw_train_fraction
+    # a later run of the 4B measures only its GPU factor: its AdamW rate is kept
+    calibration_mod.record_training(cal, tmp_path, gpu_train_factors='{"s4": 1.1}', gpu_train_model_params=q4)
+    four = calibration_mod.load(path, model_params=q4)
+    assert (four.adamw_train_params_per_s, four.gpu_scale(q4, "s4")) == (3.03e9, 1.1)
+    doc = json.loads(path.read_text())
+    assert sorted(doc["learned"]) == sorted([str(q4), str(q14)])
+    # a file written before figures were kept per model: its one model's figures are that model's
+    old = tmp_path / "old"
+    calibration_mod.save(dataclasses.replace(cal, adamw_train_params_per_s=2.5e9, adamw_train_model_params=q4),
+                         old / "calibration-host-m-GPU_M.json")
+    assert "learned" not in json.loads((old / "calibration-host-m-GPU_M.json").read_text())
+    calibration_mod.record_training(cal, old, adamw_train_params_per_s=3.4e9, adamw_train_model_params=q14)
+    assert calibration_mod.load(old / "calibration-host-m-GPU_M.json", model_params=q4).adamw_train_params_per_s == 2.5e9
+    # what is not a model's measured fields is refused, naming the file
+    doc["learned"]["7"] = {"h2d_gbps": 1.0}
+    path.write_text(json.dumps(doc))
+    with pytest.raises(CalibrationError, match="learned entry '7' is not a model's measured fields"):
+        calibration_mod.load(path)
+    with pytest.raises(ValueError, match="name no model"):
+        calibration_mod.record_training(cal, tmp_path / "z", adamw_train_params_per_s=3e9)
 
 
 def test_cpu_calibration_round_trips_through_the_json_cache(tmp_path, monkeypatch):
@@ -401,6 +445,10 @@ def test_cpu_calibration_round_trips_through_the_json_cache(tmp_path, monkeypatc
 
     monkeypatch.setattr(calibration_mod, "calibrate", no_calibration)
     assert load_or_calibrate("cpu", cache_dir=tmp_path) == cal
+    # what a run of a model measured comes with the cached calibration for that model only
+    calibration_mod.record_training(cal, tmp_path, adamw_train_params_per_s=1.5e9, adamw_train_model_params=777)
+    assert load_or_calibrate("cpu", cache_dir=tmp_path, model_params=777).adamw_train_params_per_s == 1.5e9
+    assert load_or_calibrate("cpu", cache_dir=tmp_path, model_params=778) == cal
     # a calibration from CI plans like any other
     plan = make_plan(toy(), 4 * GiB, cal)
     assert plan.predicted_step_s > 0
@@ -409,6 +457,11 @@ def test_cpu_calibration_round_trips_through_the_json_cache(tmp_path, monkeypatc
     monkeypatch.setattr(calibration_mod, "calibrate", lambda device, quick=False: TOY_CAL)
     assert load_or_calibrate("cpu", cache_dir=tmp_path) == TOY_CAL
     assert calibration_mod.load(files[0]) == TOY_CAL
+    # refresh measures again and forgets what runs measured (after a hardware change)
+    calibration_mod.record_training(cal, tmp_path, adamw_train_params_per_s=1.5e9, adamw_train_model_params=777)
+    assert load_or_calibrate("cpu", cache_dir=tmp_path, model_params=777).adamw_train_params_per_s == 1.5e9
+    assert load_or_calibrate("cpu", cache_dir=tmp_path, refresh=True, model_params=777) == TOY_CAL
+    assert "learned" not in json.loads(files[0].read_text())
 
 
 def test_calibration_rejects_bad_values():

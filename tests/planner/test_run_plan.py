@@ -64,3 +64,30 @@ def test_device_layers_are_the_jobs_value_or_the_plans():
         plan_job(load_job(TINY, CUDA + big + ["memory.device_layers=20"]), H200_REFERENCE)
     auto = plan_job(load_job(TINY, CUDA), H200_REFERENCE)
     assert auto.plan is not None and auto.device_layers == auto.plan.device_layers
+
+
+def test_the_launchers_calibration_carries_the_jobs_model(monkeypatch, capsys):
+    """The launcher calibrates in a subprocess (no CUDA context of its own); the subprocess is asked for
+    the figures of the job's model, which plan_job passes by its parameter count."""
+    import sys  # noqa: PLC0415
+
+    import slidedp.planner as planner  # noqa: PLC0415
+    from slidedp.launch import planning  # noqa: PLC0415
+
+    asked = {}
+
+    def fake(device, gpus=1, model_params=None):
+        asked.update(device=device, gpus=gpus, model_params=model_params)
+        return H200_REFERENCE
+
+    monkeypatch.setattr(planner, "load_or_calibrate", fake)
+    monkeypatch.setattr(sys, "argv", ["-c", "2", "4022468096"])
+    exec(planning._CALIBRATE, {})
+    assert asked == {"device": "cuda", "gpus": 2, "model_params": 4022468096}
+    assert planner.Calibration.from_dict(__import__("json").loads(capsys.readouterr().out)) == H200_REFERENCE
+    seen = {}
+    monkeypatch.setattr(planning, "calibration", lambda gpus, model_params: seen.update(gpus=gpus, n=model_params)
+                        or H200_REFERENCE)
+    job = load_job(TINY, ['runtime.device="cuda"', "runtime.workers=2", "train.global_batch=4"])
+    planning.plan_job(job)
+    assert seen == {"gpus": 2, "n": planning.model_config(job).num_parameters()}
