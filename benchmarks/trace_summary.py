@@ -68,18 +68,23 @@ def summarize(trace: dict) -> dict:
     top = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:25]
     return {"streams": streams, "kinds_ms": {k: v / 1e3 for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
             "top_kernels": [{"name": n[:140], "ms": t / 1e3, "count": c, "kind": kind_of(n)} for n, (t, c) in top],
-            "compute_gaps": _gaps(events, by_stream)}
+            "compute_gaps": _gaps(events)}
 
 
 GAP_BUCKETS_MS = (0.05, 1.0)  # idle stretches of the compute stream: launch-sized, short waits, long waits
 
 
-def _gaps(events: list[dict], by_stream: dict[int, list[tuple[float, float]]]) -> dict:
-    """The busiest stream's (compute's) idle stretches, by length, and the longest with the kernel after each
-    (what the stream waited to run): idle compute is where a step loses to its copies, collectives or launches."""
-    if not by_stream:
+def _gaps(events: list[dict]) -> dict:
+    """The compute stream's idle stretches (the stream busiest with kernels other than NCCL's), by length, and
+    the longest with the kernel after each (what the stream waited to run): idle compute is where a step
+    loses to its copies, collectives or launches."""
+    compute = defaultdict(list)  # kernels other than NCCL's: not the copy engines, not the collectives' stream
+    for e in events:
+        if e["cat"] == "kernel" and kind_of(e["name"]) != "nccl":
+            compute[int(e.get("tid", 0))].append((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))))
+    if not compute:
         return {}
-    sid = max(by_stream, key=lambda k: union_length(by_stream[k]))
+    sid = max(compute, key=lambda k: union_length(compute[k]))
     mine = sorted((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)), e["name"]) for e in events
                   if int(e.get("tid", 0)) == sid)
     gaps, end = [], mine[0][1]

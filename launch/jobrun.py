@@ -460,11 +460,12 @@ def run_job(job: JobConfig, job_path: Path, progress: Progress) -> int:
             run.spawn_workers(start, end)
             committed = run.follow(start, end, progress)
             run.wait_workers()
-            record_training(run.plan, progress.update_busy_s, progress.gpu_side_s, reduce_busy_s=progress.reduce_busy_s)
             run.finish_checkpoints()
             if job.checkpoint.final or run.stop_requested:
                 if job.checkpoint.every or job.checkpoint.final:
                     run.checkpoint(committed)
+            # last: what the run teaches the planner matters less than the job's state
+            record_training(run.plan, progress.update_busy_s, progress.gpu_side_s, reduce_busy_s=progress.reduce_busy_s)
         failed = False
         return 0
     except (JobFailed, StoreRequestError, TimeoutError, RuntimeError, OSError, ValueError) as e:

@@ -23,8 +23,8 @@ from slidedp.planner.costs import GiB
 log = logging.getLogger("slidedp.launcher")
 
 _CALIBRATE = ("import json, sys; from slidedp.planner import load_or_calibrate; "
-              "print(json.dumps(load_or_calibrate('cuda', gpus=int(sys.argv[1]), model_params=int(sys.argv[2]))"
-              ".to_dict()))")
+              "print(json.dumps(load_or_calibrate('cuda', gpus=int(sys.argv[1]), "
+              "model_params=int(sys.argv[2]) if sys.argv[2:] and sys.argv[2] else None).to_dict()))")
 
 
 @dataclass(frozen=True)
@@ -61,11 +61,12 @@ class RunPlan:
         return self.plan.gpu_total_bytes if self.keeps_plan and self.plan is not None else None
 
 
-def calibration(gpus: int = 1, model_params: int = 0, timeout_s: float = 300.0) -> Calibration:
+def calibration(gpus: int = 1, model_params: int | None = None, timeout_s: float = 300.0) -> Calibration:
     """This host's calibration, with what training runs of the model of `model_params` parameters
-    measured on it; with gpus > 1 it includes the NCCL bus bandwidth among that many GPUs."""
-    out = subprocess.run([sys.executable, "-c", _CALIBRATE, str(gpus), str(model_params)], capture_output=True,
-                         text=True, timeout=timeout_s)
+    measured on it (None: nothing learned); with gpus > 1 it includes the NCCL bus bandwidth among
+    that many GPUs."""
+    out = subprocess.run([sys.executable, "-c", _CALIBRATE, str(gpus), "" if model_params is None else str(model_params)],
+                         capture_output=True, text=True, timeout=timeout_s)
     if out.returncode != 0:
         raise RuntimeError(f"calibrating this host's GPU failed: {out.stderr.strip()[-2000:]}")
     return Calibration.from_dict(json.loads(out.stdout.strip().splitlines()[-1]))
@@ -194,8 +195,9 @@ def record_training(run_plan: RunPlan, update_busy_s: list[float], gpu_side_s: l
     rate = learned_update_rate(run_plan, update_busy_s)
     sum_rate = learned_sum_rate(run_plan, reduce_busy_s or [])
     if rate is not None and sums_on_host(plan.workload.world, run_plan.grad_route):
-        measured.update(adamw_train_summed_params_per_s=rate, adamw_train_summed_model_params=params,
-                        reduce_train_summed_gbps=sum_rate or 0.0)  # 0: the sum's rate not measured
+        measured.update(adamw_train_summed_params_per_s=rate, adamw_train_summed_model_params=params)
+        if sum_rate:  # not measured: an earlier run's figure is kept
+            measured.update(reduce_train_summed_gbps=sum_rate)
         log.info("beside the aggregator's sum of the ranks' gradients, the updaters ran AdamW at %.2f G params/s per "
                  "process (bare kernel: %.2f) and the sum ran at %s; the next plan of this model on this host with a "
                  "host sum charges them", rate / 1e9, plan.calibration.adamw_params_per_s / 1e9,
@@ -212,4 +214,10 @@ def record_training(run_plan: RunPlan, update_busy_s: list[float], gpu_side_s: l
         measured.update(gpu_train_factors=factors.gpu_train_factors, gpu_train_model_params=params)
         log.info("the GPU work took %.2fx what the calibrated rates give; the next plan of this model with %s "
                  "on this host charges it", scale, shape)
-    return record_training_measured(plan.calibration, cache_dir, **measured) if measured else None
+    if not measured:
+        return None
+    try:
+        return record_training_measured(plan.calibration, cache_dir, **measured)
+    except OSError as e:  # the job trained; only what it taught the planner is lost
+        log.warning("could not keep what this run measured with the calibration: %s", e)
+        return None

@@ -43,6 +43,22 @@ def test_summary_counts_overlapping_kernels_once_and_sorts_them_by_kind():
                                "1-inf ms": {"count": 1, "ms": 1.5}}
 
 
+def test_the_compute_stream_is_the_busiest_with_kernels_other_than_nccls():
+    """Copy engines and NCCL's stream can be busier than compute (NCCL kernels wait for the other rank
+    inside the kernel): the idle stretches are the compute stream's."""
+    trace = {"traceEvents": [
+        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD (Pinned -> Device)", "ts": 0, "dur": 9000, "tid": 21},
+        kernel("ncclDevKernel_AllGather_RING_LL", 0, 8000, stream=22),
+        kernel("nvjet_sm90_tst_256x128_h_bz_TNT", 0, 1000),
+        kernel("triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0", 3000, 100),
+        kernel("void at::native::reduce_kernel<512, 1, MeanOps<float>>", 0, 200, stream=20),
+    ]}
+    gaps = trace_summary.summarize(trace)["compute_gaps"]
+    assert gaps["stream"] == "7"
+    assert gaps["longest"] == [{"ms": 2.0, "next_kernel": "triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0"}]
+    assert trace_summary.summarize({"traceEvents": []})["compute_gaps"] == {}
+
+
 def test_a_peer_writes_the_profiled_steps_trace(tmp_path):
     trace = tmp_path / "gr.json"
     env = {**os.environ, "BENCH_PROFILE": f"1:{trace}", "PYTHONPATH": str(ROOT)}

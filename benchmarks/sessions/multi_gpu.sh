@@ -6,8 +6,9 @@
 # rows are merged into one table at the end.
 # (SHAPE, SEQ, STEPS and WARMUP change the model shape, tokens per sequence, steps and warm-up
 # steps; BUDGET SlideDP's GPU budget in GiB per GPU; MICRO SlideDP's micro-batch; PROFILE=K runs
-# the K-th step of each SlideDP run under torch.profiler on every rank and writes each rank's
-# benchmarks.trace_summary beside the row as TAG-SYSTEM-trace-rankR.txt.)
+# step K of each SlideDP run (0 = its first step) under torch.profiler on every rank and writes
+# each rank's benchmarks.trace_summary beside the row as TAG-SYSTEM-trace-rankR.txt; a profiled
+# step past the warm-up stays in the row's median, slowed by the profiler.)
 #   bash benchmarks/sessions/multi_gpu.sh OUT_DIR GPUS BATCH SYSTEMS [harness args ...]
 # e.g. bash benchmarks/sessions/multi_gpu.sh /tmp/out 2 16 slidedp,slidedp_replicated,fsdp2
 #      bash benchmarks/sessions/multi_gpu.sh /tmp/out 1 8 slidedp     (the single-GPU figure)

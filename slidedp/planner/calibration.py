@@ -48,11 +48,15 @@ class CalibrationError(ValueError):
     pass
 
 
-# What a training run measures, kept per model in the cache (the model's parameter count is the
-# key): the updaters' rate, alone and beside a host sum, and the GPU time factors.
-LEARNED_FIELDS = ("adamw_train_params_per_s", "adamw_train_model_params", "adamw_train_summed_params_per_s",
-                  "reduce_train_summed_gbps", "adamw_train_summed_model_params", "gpu_train_factors",
-                  "gpu_train_model_params")
+# What a training run measures of a model, kept per model in the cache (keyed by parameter count):
+# each group of fields names the model it was measured on. The updaters' rate; their rate beside a
+# host sum of ranks' gradients and that sum's rate; the GPU time factors by shape of GPU work.
+LEARNED_GROUPS: dict[str, tuple[str, ...]] = {
+    "adamw_train_model_params": ("adamw_train_params_per_s",),
+    "adamw_train_summed_model_params": ("adamw_train_summed_params_per_s", "reduce_train_summed_gbps"),
+    "gpu_train_model_params": ("gpu_train_factors",),
+}
+LEARNED_FIELDS = tuple(f for model, values in LEARNED_GROUPS.items() for f in (*values, model))
 _NOTHING_LEARNED: dict[str, Any] = {k: "" if k == "gpu_train_factors" else 0 for k in LEARNED_FIELDS}
 
 _MAY_BE_ZERO = frozenset({"adamw_train_params_per_s", "adamw_train_model_params", "h2d_total_gbps",
@@ -389,13 +393,38 @@ def _cache_file(host: str, device_name: str, cache_dir: str | os.PathLike | None
 
 def _learned_model(fields: Mapping[str, Any]) -> int:
     """The parameter count of the model whose training measured `fields` (0: none)."""
-    return int(fields.get("adamw_train_model_params") or fields.get("adamw_train_summed_model_params")
-               or fields.get("gpu_train_model_params") or 0)
+    return next((int(fields[m]) for m in LEARNED_GROUPS if fields.get(m)), 0)
+
+
+def _with_learned(calib: Calibration, fields: Mapping[str, Any]) -> Calibration:
+    """calib carrying exactly `fields` of what training runs measured (nothing else learned)."""
+    return dataclasses.replace(calib, **{**_NOTHING_LEARNED, **fields})
+
+
+def _learned_of(calib: Calibration) -> dict[int, dict[str, Any]]:
+    """A calibration's own learned fields, per model (a file from before the per-model figures held
+    each group of them for the model that group names)."""
+    out: dict[int, dict[str, Any]] = {}
+    for model_key, values in LEARNED_GROUPS.items():
+        if getattr(calib, model_key):
+            out.setdefault(getattr(calib, model_key), {}).update(
+                {model_key: getattr(calib, model_key), **{v: getattr(calib, v) for v in values}})
+    return out
+
+
+def _merged(entry: Mapping[str, Any], measured: Mapping[str, Any]) -> dict[str, Any]:
+    """A model's figures updated by a run's: fields the run did not measure are kept, and GPU factors
+    are merged by shape (another job of the model may have measured another shape meanwhile)."""
+    out = {**entry, **measured}
+    if measured.get("gpu_train_factors") and entry.get("gpu_train_factors"):
+        out["gpu_train_factors"] = json.dumps({**_factors(entry["gpu_train_factors"]),
+                                               **_factors(measured["gpu_train_factors"])}, sort_keys=True)
+    return out
 
 
 @contextlib.contextmanager
 def _locked(path: Path):
-    """Serialize read-modify-write of a cache file among the jobs of one host."""
+    """Serialize the read-modify-write of a cache file among the jobs of one host."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path.with_name(path.name + ".lock"), os.O_RDWR | os.O_CREAT, 0o600)
     try:
@@ -405,12 +434,12 @@ def _locked(path: Path):
         os.close(fd)
 
 
-def record_training(calib: Calibration, cache_dir: str | os.PathLike | None = None, **measured: float) -> Calibration:
+def record_training(calib: Calibration, cache_dir: str | os.PathLike | None = None, **measured: Any) -> Calibration:
     """Keep what a training run measured (the `*_train_*` fields of one model) with the host's
     calibration (the file `calib` came from; no CUDA needed to find it), for the next plan of that
     model: beside what runs of other models measured, and over what earlier runs of this model did
-    (fields this run did not measure are kept). Returns the file's calibration with this model's
-    figures."""
+    (`_merged`). Returns the file's calibration with this model's figures. Raises OSError where the
+    cache cannot be written."""
     unknown = sorted(k for k in measured if k not in LEARNED_FIELDS)
     if unknown:
         raise ValueError(f"record_training: {unknown} are not measured in training")
@@ -421,55 +450,75 @@ def record_training(calib: Calibration, cache_dir: str | os.PathLike | None = No
     with _locked(path):
         try:
             current, learned = _read(path)
-        except CalibrationError:
-            current, learned = calib, {}
-        entry = {**learned.get(model, {}), **measured}
-        learned[model] = entry
-        updated = dataclasses.replace(current, **{**_NOTHING_LEARNED, **entry})
-        save(updated, path, learned)
-    return updated
+        except CalibrationError as e:  # unreadable: what this run measured starts a new file
+            _log.warning("rewriting %s: %s", path, e)
+            current, learned = _with_learned(calib, {}), {}
+        learned[model] = _merged(learned.get(model, {}), measured)
+        save(current, path, learned)
+    return _with_learned(current, learned[model])
 
 
 def save(calib: Calibration, path: str | os.PathLike, learned: Mapping[int, Mapping[str, Any]] | None = None) -> None:
-    """Write a calibration (its own learned fields: the model trained last) and, per model, what
-    training runs measured (`learned`)."""
+    """Write a calibration's measured building blocks and, per model, what training runs measured
+    (`learned`; a calibration's own learned fields are not kept)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".tmp{os.getpid()}")
-    doc: dict[str, Any] = {"schema": SCHEMA, "calibration": calib.to_dict()}
+    doc: dict[str, Any] = {"schema": SCHEMA, "calibration": _with_learned(calib, {}).to_dict()}
     if learned:
         doc["learned"] = {str(k): dict(v) for k, v in sorted(learned.items())}
     tmp.write_text(json.dumps(doc, indent=1) + "\n")
     os.replace(tmp, path)  # atomic: a reader never sees half a file
 
 
+def _checked_entry(calib: Calibration, key: Any, fields: Any) -> dict[str, Any] | None:
+    """A model's learned entry with its values converted, or None when it is not one: fields that are
+    not measured in training, values of the wrong kind, a model named other than its key."""
+    if not (isinstance(fields, dict) and str(key).isdigit() and set(fields) <= set(LEARNED_FIELDS)
+            and isinstance(fields.get("gpu_train_factors", ""), str)):
+        return None
+    try:
+        full = Calibration.from_dict({**calib.to_dict(), **_NOTHING_LEARNED, **fields})
+    except (CalibrationError, TypeError, ValueError):
+        return None
+    entry = {k: getattr(full, k) for k in fields}
+    if any(entry.get(m, int(key)) != int(key) for m in LEARNED_GROUPS):
+        return None
+    return entry
+
+
 def _read(path: str | os.PathLike) -> tuple[Calibration, dict[int, dict[str, Any]]]:
+    """A cache file's calibration (nothing learned in it) and what runs measured, per model. An
+    entry that is not a model's measured fields is left out, with a warning naming it."""
     try:
         doc = json.loads(Path(path).read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise CalibrationError(f"cannot read calibration {path}: {e}") from None
     if not isinstance(doc, dict) or doc.get("schema") != SCHEMA or not isinstance(doc.get("calibration"), dict):
         raise CalibrationError(f"calibration {path} is not a schema-{SCHEMA} calibration file")
-    calib = Calibration.from_dict(doc["calibration"])
-    learned: dict[int, dict[str, Any]] = {}
-    for key, fields in (doc.get("learned") or {}).items():
-        if not (isinstance(fields, dict) and str(key).isdigit() and set(fields) <= set(LEARNED_FIELDS)):
-            raise CalibrationError(f"calibration {path}: learned entry {key!r} is not a model's measured fields")
-        dataclasses.replace(calib, **{**_NOTHING_LEARNED, **fields})  # checks the values
-        learned[int(key)] = fields
-    model = _learned_model(dataclasses.asdict(calib))
-    if model and model not in learned:  # a file from before figures were kept per model
-        learned[model] = {k: getattr(calib, k) for k in LEARNED_FIELDS}
-    return calib, learned
+    try:
+        calib = Calibration.from_dict(doc["calibration"])
+    except (TypeError, ValueError) as e:
+        raise CalibrationError(f"calibration {path}: {e}") from None
+    learned = _learned_of(calib)  # a file from before the per-model figures
+    entries = doc.get("learned") or {}
+    for key, fields in (entries.items() if isinstance(entries, dict) else ()):
+        entry = _checked_entry(calib, key, fields)
+        if entry is None:
+            _log.warning("%s: learned entry %r is not a model's measured fields; left out", path, key)
+            continue
+        learned[int(key)] = entry
+    return _with_learned(calib, {}), learned
+
+
+def _for_model(calib: Calibration, learned: Mapping[int, Mapping[str, Any]], model_params: int | None) -> Calibration:
+    return calib if model_params is None else _with_learned(calib, learned.get(int(model_params), {}))
 
 
 def load(path: str | os.PathLike, model_params: int | None = None) -> Calibration:
     """The calibration of a cache file; with model_params, carrying what training runs of that model
-    measured (nothing learned when none ran)."""
-    calib, learned = _read(path)
-    if model_params is None:
-        return calib
-    return dataclasses.replace(calib, **{**_NOTHING_LEARNED, **learned.get(int(model_params), {})})
+    measured (none: nothing learned)."""
+    return _for_model(*_read(path), model_params)
 
 
 def load_or_calibrate(
@@ -486,11 +535,12 @@ def load_or_calibrate(
         if path.exists() and not refresh:
             try:
                 calib, learned = _read(path)
-            except (CalibrationError, TypeError, ValueError) as e:
+            except CalibrationError as e:
                 _log.warning("recalibrating: %s", e)
-        fresh = calib is None
-        if fresh:
+        changed = calib is None
+        if calib is None:
             calib = calibrate(device, quick=quick)
+            _log.info("calibrated %s", calib.summary())
         gpus = min(gpus, _visible_gpus(device)) if device.startswith("cuda") else 1
         if gpus > 1 and calib.bus_gpus < gpus:
             from slidedp.planner.links import measure_links
@@ -498,13 +548,13 @@ def load_or_calibrate(
             links = measure_links(gpus)
             calib = dataclasses.replace(calib, allreduce_gbps=links["bus_gbps"],
                                         h2d_total_gbps=links["h2d_total_gbps"], bus_gpus=gpus)
-            fresh = True
-        if fresh:
+            _log.info("measured the links among %d GPUs: %.0f GB/s bus, %.0f GB/s of copy-in in all", gpus,
+                      calib.allreduce_gbps, calib.h2d_total_gbps)
+            changed = True
+        if changed:
             save(calib, path, learned)
-            _log.info("calibrated %s, cached in %s", calib.summary(), path)
-    if model_params is None:
-        return calib
-    return dataclasses.replace(calib, **{**_NOTHING_LEARNED, **learned.get(int(model_params), {})})
+            _log.info("calibration cached in %s", path)
+    return _for_model(calib, learned, model_params)
 
 
 def _visible_gpus(device: str) -> int:
