@@ -24,7 +24,7 @@ log = logging.getLogger("slidedp.launcher")
 
 _CALIBRATE = ("import json, sys; from slidedp.planner import load_or_calibrate; "
               "print(json.dumps(load_or_calibrate('cuda', gpus=int(sys.argv[1]), "
-              "model_params=int(sys.argv[2]) if sys.argv[2:] and sys.argv[2] else None).to_dict()))")
+              "model_params=int(sys.argv[2]) if sys.argv[2] else None).to_dict()))")
 
 
 @dataclass(frozen=True)

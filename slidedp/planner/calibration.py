@@ -59,9 +59,8 @@ LEARNED_GROUPS: dict[str, tuple[str, ...]] = {
 LEARNED_FIELDS = tuple(f for model, values in LEARNED_GROUPS.items() for f in (*values, model))
 _NOTHING_LEARNED: dict[str, Any] = {k: "" if k == "gpu_train_factors" else 0 for k in LEARNED_FIELDS}
 
-_MAY_BE_ZERO = frozenset({"adamw_train_params_per_s", "adamw_train_model_params", "h2d_total_gbps",
-                          "gpu_train_model_params", "adamw_train_summed_params_per_s", "reduce_train_summed_gbps",
-                          "adamw_train_summed_model_params"})  # 0 = not measured yet
+# 0 = not measured yet: what training runs measure, and the host's copy-in with every GPU at once
+_MAY_BE_ZERO = frozenset(LEARNED_FIELDS) - {"gpu_train_factors"} | {"h2d_total_gbps"}
 
 
 @dataclass(frozen=True)
@@ -541,7 +540,8 @@ def load_or_calibrate(
         if calib is None:
             calib = calibrate(device, quick=quick)
             _log.info("calibrated %s", calib.summary())
-        gpus = min(gpus, _visible_gpus(device)) if device.startswith("cuda") else 1
+        if device.startswith("cuda") and calib.bus_gpus < gpus:
+            gpus = min(gpus, _visible_gpus(device))  # asked for more than are visible: the visible ones
         if gpus > 1 and calib.bus_gpus < gpus:
             from slidedp.planner.links import measure_links
 

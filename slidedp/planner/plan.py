@@ -543,12 +543,12 @@ def _fit(work: Workload, base: Choices, budget: int) -> Choices | None:
     return None
 
 
-def _fewest_resident(work: Workload, ch: Choices, calib: Calibration) -> tuple[Choices, float]:
+def _fewest_resident(work: Workload, ch: Choices, calib: Calibration) -> Choices:
     """Fewest resident layers that predict the same step as the most that fit (memory left free)."""
     best = predict_step(work, ch, calib)[2]
     lo = _smallest(0, ch.resident_layers,
                    lambda k: predict_step(work, replace(ch, resident_layers=k), calib)[2] <= best * (1 + _TIE))
-    return replace(ch, resident_layers=lo), predict_step(work, replace(ch, resident_layers=lo), calib)[2]
+    return replace(ch, resident_layers=lo)
 
 
 def _no_fit_error(work: Workload, budget: int) -> PlanError:
@@ -614,7 +614,7 @@ def _with_device_layers(work: Workload, ch: Choices, budget: int, calib: Calibra
         cand = _holding(work, ch, d, budget)
         if cand is None:
             break  # each held layer needs more memory than the last: none beyond fits either
-        cand = _fewest_resident(work, cand, calib)[0]
+        cand = _fewest_resident(work, cand, calib)
         step = _guarded_step(work, cand, calib, low)
         if step < best_step * (1 - _TIE):
             best, best_step = cand, step
@@ -634,7 +634,7 @@ def _forced_device_layers(work: Workload, ch: Choices, d: int, budget: int, cali
             f"with them needs {need / GiB:.2f} GiB (the held layers {held / GiB:.2f} GiB); lower memory.device_layers "
             f"(-1 lets the plan choose) or raise memory.gpu_budget_gib"
         )
-    return _fewest_resident(work, cand, calib)[0]
+    return _fewest_resident(work, cand, calib)
 
 
 def make_plan(work: Workload, budget_bytes: int, calib: Calibration,
@@ -653,8 +653,8 @@ def make_plan(work: Workload, budget_bytes: int, calib: Calibration,
     for base in _base_choices(work, allowed):
         ch = _fit(work, base, budget_bytes)
         if ch is not None:
-            ch, step = _fewest_resident(work, ch, calib)
-            candidates.append((step, _total(work, ch), ch))
+            ch = _fewest_resident(work, ch, calib)
+            candidates.append((predict_step(work, ch, calib)[2], _total(work, ch), ch))
     if not candidates:
         raise _no_fit_error(work, budget_bytes)
     fastest = min(step for step, _, _ in candidates)
