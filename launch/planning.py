@@ -97,7 +97,8 @@ def plan_job(job: JobConfig, calib: Calibration | None = None) -> RunPlan:
     one = rt.workers == 1  # one rank: nothing to shard
     if rt.device != "cuda":
         nl = model_config(job).num_layers
-        return RunPlan(resident_layers=max(0, mem.resident_layers), embedding=forced_embedding or "host",
+        return RunPlan(resident_layers=max(0, mem.resident_layers), prefetch_depth=max(1, mem.prefetch_depth),
+                       embedding=forced_embedding or "host",
                        micro_batch=t.micro_batch, seq_tile_tokens=max(0, mem.seq_tile_tokens),
                        offload_layers=min(max(0, mem.offload_layers), nl),
                        device_layers=min(max(0, mem.device_layers), nl),
@@ -113,6 +114,8 @@ def plan_job(job: JobConfig, calib: Calibration | None = None) -> RunPlan:
         "embedding": {None: ("gpu", "host"), "host": ("host",), "device": ("gpu",)}[forced_embedding],
         **_routes(job, calib),
     }
+    if mem.prefetch_depth > 0:  # the job's depth, planned with its buffers
+        allowed["prefetch_depth"] = (mem.prefetch_depth,)
     plan = make_plan(work, int(mem.gpu_budget_gib * GiB), calib, allowed,
                      device_layers=None if mem.device_layers < 0 else mem.device_layers)
     nl = work.model.num_layers

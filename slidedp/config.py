@@ -199,9 +199,13 @@ class MemorySection(_Section):
     seq_tile_tokens: int = -1  # tokens per MLP/norm/head tile along the sequence; 0: untiled; -1: the plan decides
     offload_layers: int = -1  # first layers whose saved inputs wait in pinned host memory; -1: the plan decides
     device_layers: int = -1  # first layers held on the GPUs with their AdamW state, updated there; -1: the plan decides
+    prefetch_depth: int = -1  # layer copies running ahead of the compute, 1-8; -1: the plan decides
 
     def validate(self) -> None:
         self._range("gpu_budget_gib", 0, lo_open=True)
+        if self.prefetch_depth != -1 and not 1 <= self.prefetch_depth <= 8:
+            raise ConfigError(f"memory.prefetch_depth must be -1 (the plan decides) or in [1, 8]; "
+                              f"got {_show(self.prefetch_depth)}")
         self._range("device_layers", -1)
         self._choice("embedding", ("auto", "host", "device"))
         self._range("resident_layers", -1)

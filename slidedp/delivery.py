@@ -3,9 +3,9 @@
 Parameters arrive as fp32 master (zero-copy DMA from registered shared memory) and are
 cast to the compute dtype on the device; gradients are accumulated in fp32 on the device
 and leave it in fp32, so the CPU touches each parameter once per step, inside AdamW.
-On CUDA, H2D runs on its own copy stream `depth` units ahead of compute and D2H on
-another; every buffer has one event. On CPU the same calls are plain (zero-copy when the
-compute dtype is fp32).
+On CUDA, H2D runs on its own copy stream (as many units ahead of compute as the engine
+prefetches: its policy's prefetch_depth) and D2H on another; every buffer has one event.
+On CPU the same calls are plain (zero-copy when the compute dtype is fp32).
 
 Routes. `replicated`: every rank copies the whole unit in. `sharded`: each rank copies
 1/N of it and the ranks all-gather (on the copy stream, so compute waits on one event
@@ -65,13 +65,12 @@ def unit_tensors(flat: torch.Tensor, unit: Unit, strip: str = "") -> dict[str, t
 class ParamDelivery:
     """fetch(unit, step) -> the unit's parameters on the device in the compute dtype."""
 
-    def __init__(self, master: torch.Tensor, device: torch.device, dtype: torch.dtype, depth: int,
-                 wait_ready: Callable[[Unit, int], None], max_unit_numel: int, group: Group | None = None) -> None:
+    def __init__(self, master: torch.Tensor, device: torch.device, dtype: torch.dtype,
+                 wait_ready: Callable[[Unit, int], None], group: Group | None = None) -> None:
         self.master = master
         self.group = group  # set: the sharded route
         self.device = device
         self.dtype = dtype
-        self.depth = max(1, depth)
         self.wait_ready = wait_ready
         self.cuda = device.type == "cuda"
         self.h2d_bytes = 0

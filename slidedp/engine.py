@@ -75,7 +75,7 @@ class EnginePolicy:
     """The planner's choices that the engine carries out."""
 
     resident_layers: int = 0  # last layers kept on the device from forward to backward (no re-fetch)
-    prefetch_depth: int = 1
+    prefetch_depth: int = 1  # fetched layers whose copies run ahead of the compute (one device buffer each)
     loss_chunk_tokens: int = 4096
     max_grad_norm: float = 0.0  # > 0: device-held chunks wait for the global norm before updating
     seq_tile_tokens: int = 0  # > 0: MLP halves and the final norm + head run over tiles of this many tokens
@@ -85,6 +85,8 @@ class EnginePolicy:
         for name in ("resident_layers", "seq_tile_tokens", "offload_layers"):
             if getattr(self, name) < 0:
                 raise ValueError(f"EnginePolicy.{name} must be >= 0, got {getattr(self, name)}")
+        if self.prefetch_depth < 1:
+            raise ValueError(f"EnginePolicy.prefetch_depth must be >= 1, got {self.prefetch_depth}")
 
 
 class Engine:
@@ -96,8 +98,7 @@ class Engine:
         self.device, self.dtype, self.link, self.policy = device, dtype, link, policy
         self.units = units_of(layout)
         self.held = held or {}  # unit name -> its device-held state ("layer.0".., "embed", "head" when untied)
-        self.delivery = ParamDelivery(master, device, dtype, policy.prefetch_depth, link.wait_ready,
-                                      max(u.numel for u in self.units.values()), param_group)
+        self.delivery = ParamDelivery(master, device, dtype, link.wait_ready, param_group)
         self.grads = GradOut(device, slot_view, grad_group)  # groups set: the sharded routes
         self.scale = 1.0 / global_tokens  # loss = sum of token losses / global token count
         self._rope: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -162,6 +163,19 @@ class Engine:
         if 0 <= nxt < self.cfg.num_layers and self._fetched(nxt, backward):
             self.delivery.prefetch(self.units[f"layer.{nxt}"], step)
 
+    def _prefetch_ahead(self, layer: int, step: int, backward: bool) -> None:
+        """Start the copies of the next `prefetch_depth` fetched layers in this pass (those already
+        started are not copied again). Called once the layer's compute is queued: a copy may wait
+        for the host's update of its layer, and the GPU works meanwhile. Deeper copies absorb a
+        late one; on the sharded route, a rank that reaches a gather late."""
+        step_by = -1 if backward else 1
+        nxt, started = layer + step_by, 0
+        while 0 <= nxt < self.cfg.num_layers and started < self.policy.prefetch_depth:
+            if self._fetched(nxt, backward):
+                self.delivery.prefetch(self.units[f"layer.{nxt}"], step)
+                started += 1
+            nxt += step_by
+
     def _weight(self, name: str, step: int) -> torch.Tensor:
         """The full embedding or head matrix in the compute dtype: held on the device, or fetched."""
         unit = self.units[name]
@@ -206,16 +220,15 @@ class Engine:
                 self.delivery.prefetch(self.units["layer.0"], step)
             self.saved.start(step, (M, m, T, H), self.dtype)
             for layer in range(cfg.num_layers):
-                # a held layer's compute is queued before the next layer's copy is started: that
-                # copy may wait for the host's update of it, and the GPU works meanwhile
+                # a fetched layer starts the next one's copy before its compute is queued (so the
+                # two overlap), a held layer after (that copy may wait for the host's update of it)
                 held = f"layer.{layer}" in self.held
                 p = self._layer_params(layer, step, backward=False, prefetch=not held)
                 for i, x in enumerate(xs):
                     self.saved.save(layer, i, x)
                 with self._span(f"forward layer {layer}", step, layer=layer):
                     xs = [L.layer_forward(cfg, p, x, rope, tile) for x in xs]
-                if held:
-                    self._prefetch_next(layer, step, backward=False)
+                self._prefetch_ahead(layer, step, backward=False)
                 del p
             self.delivery.prefetch(self.units["norm"], step)
             if not tied and "head" not in self.held:
@@ -269,6 +282,7 @@ class Engine:
             with self._span(f"backward layer {layer}", step, layer=layer):
                 for i in range(M):
                     grads_out[i] = L.layer_backward(cfg, p, self.saved.get(layer, i), rope, grads_out[i], tile, acc_views)
+            self._prefetch_ahead(layer, step, backward=True)
             self.saved.release(layer)
             del p, acc_views
             if f"layer.{layer}" in self.held:  # reduced, reported and updated on the device after backward

@@ -242,9 +242,9 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, lambda s, f: stop.update(now=True))
     link.stop_flag = stop
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher owns Ctrl-C and tells us to stop
-    log.info("rank %d/%d on %s: steps %d..%d, %d micro-batch(es) of %d x %d tokens; params %s, grads %s; %s, "
-             "%d layer(s) offloaded; held on the device: %s", rank, world, device, args.start, args.end - 1, micro, mbs,
-             t.seq_len, "sharded" if engine.delivery.group else "replicated",
+    log.info("rank %d/%d on %s: steps %d..%d, %d micro-batch(es) of %d x %d tokens; params %s (%d ahead), grads %s; "
+             "%s, %d layer(s) offloaded; held on the device: %s", rank, world, device, args.start, args.end - 1, micro,
+             mbs, t.seq_len, "sharded" if engine.delivery.group else "replicated", policy.prefetch_depth,
              "reduce_scatter" if engine.grads.group else "host",
              f"seq tiles of {policy.seq_tile_tokens} tokens" if policy.seq_tile_tokens else "untiled",
              policy.offload_layers, ", ".join(held) or "nothing")

@@ -125,7 +125,7 @@ def test_top_level_key_rejected(jobdir):
 def test_unknown_key(jobdir):
     p = write(jobdir, BASE + "[memory]\ngpu_budget = 3\n")
     assert error(p) == (f"{p}: unknown key memory.gpu_budget; allowed keys in [memory]: gpu_budget_gib, embedding, "
-                        f"resident_layers, seq_tile_tokens, offload_layers, device_layers")
+                        f"resident_layers, seq_tile_tokens, offload_layers, device_layers, prefetch_depth")
 
 
 def test_missing_required_key(jobdir):
@@ -163,6 +163,8 @@ def test_wrong_type(jobdir, override, message):
         ("train.schedule='step'", "train.schedule must be one of 'cosine', 'constant', 'linear'; got 'step'"),
         ("train.compute_dtype=fp16", "train.compute_dtype must be one of 'bf16', 'fp32'; got 'fp16'"),
         ("memory.gpu_budget_gib=0", "memory.gpu_budget_gib must be > 0; got 0.0"),
+        ("memory.prefetch_depth=0", "memory.prefetch_depth must be -1 (the plan decides) or in [1, 8]; got 0"),
+        ("memory.prefetch_depth=9", "memory.prefetch_depth must be -1 (the plan decides) or in [1, 8]; got 9"),
         ("store.grad_slots=1", "store.grad_slots must be 0 (auto) or at least 2, got 1"),
         ("checkpoint.keep=0", "checkpoint.keep must be >= 1; got 0"),
         ("checkpoint.dtype=fp16", "checkpoint.dtype must be one of 'bf16', 'fp32'; got 'fp16'"),

@@ -475,12 +475,13 @@ def _loss_chunks(work: Workload) -> list[int]:
     return sorted({min(c, work.local_tokens) for c in _LOSS_CHUNKS}, reverse=True)
 
 
-ALL_OPTIONS = {"activations": ("keep", "offload"), "embedding": ("gpu", "host"), "delivery": ("fp32", "bf16"),
-               "param_route": ("replicated", "sharded"), "grad_route": ("host", "reduce_scatter")}
+ALL_OPTIONS: dict[str, tuple] = {
+    "activations": ("keep", "offload"), "embedding": ("gpu", "host"), "delivery": ("fp32", "bf16"),
+    "param_route": ("replicated", "sharded"), "grad_route": ("host", "reduce_scatter"), "prefetch_depth": (1, 2, 3)}
 _SEQ_TILES = (0, 8192, 4096, 2048, 1024)  # tokens per MLP/norm/head tile; untiled first
 
 
-def _base_choices(work: Workload, allowed: dict[str, tuple[str, ...]] | None = None) -> list[Choices]:
+def _base_choices(work: Workload, allowed: dict[str, tuple] | None = None) -> list[Choices]:
     """Every combination of the options, restricted to `allowed` (what the engine and store offer).
     One rank has no routes to choose."""
     opts = dict(ALL_OPTIONS, **(allowed or {}))
@@ -490,7 +491,7 @@ def _base_choices(work: Workload, allowed: dict[str, tuple[str, ...]] | None = N
     return [
         Choices(activations=a, embedding=e, delivery=d, prefetch_depth=p, param_route=pr, grad_route=gr,
                 chunk_rows=costs.default_chunk_rows(work.model))
-        for e in opts["embedding"] for a in opts["activations"] for d in deliveries for p in (1, 2, 3)
+        for e in opts["embedding"] for a in opts["activations"] for d in deliveries for p in opts["prefetch_depth"]
         for pr in param_routes for gr in grad_routes
     ]
 
@@ -638,10 +639,11 @@ def _forced_device_layers(work: Workload, ch: Choices, d: int, budget: int, cali
 
 
 def make_plan(work: Workload, budget_bytes: int, calib: Calibration,
-              allowed: dict[str, tuple[str, ...]] | None = None, device_layers: int | None = None) -> Plan:
+              allowed: dict[str, tuple] | None = None, device_layers: int | None = None) -> Plan:
     """The fastest predicted plan whose GPU memory fits budget_bytes (ties: the least compromise, then the smaller memory).
 
-    allowed restricts options (e.g. {"delivery": ("fp32",)} for a store without a bf16 shadow);
+    allowed restricts options (e.g. {"delivery": ("fp32",)} for a store without a bf16 shadow,
+    {"prefetch_depth": (2,)} for a job that sets it);
     device_layers: None lets the plan hold its first layers on the GPU where that is faster, a number
     holds exactly that many (the job's memory.device_layers; 0 keeps every layer's AdamW on the host)."""
     if budget_bytes > calib.gpu_mem_bytes:

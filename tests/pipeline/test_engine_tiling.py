@@ -1,4 +1,5 @@
-"""The engine's step in-process on CPU: sequence tiling and activation offload change no number.
+"""The engine's step in-process on CPU: sequence tiling, activation offload and the prefetch depth
+change no number.
 
 A fake Link stands in for the daemons; gradients land in plain slot tensors, and a plain SGD
 step between engine steps makes every step's parameters depend on the previous gradients.
@@ -7,6 +8,8 @@ step between engine steps makes every step's parameters depend on the previous g
 from __future__ import annotations
 
 import math
+from dataclasses import replace
+from typing import Callable
 
 import pytest
 import torch
@@ -56,14 +59,17 @@ def initial_master(layout: Layout) -> torch.Tensor:
     return master
 
 
-def train(cfg: ModelConfig, policy: EnginePolicy) -> tuple[list[float], list[dict[int, torch.Tensor]]]:
-    """Losses and every chunk's gradient of STEPS engine steps with SGD between them."""
+def train(cfg: ModelConfig, policy: EnginePolicy, observe: Callable[[Engine], None] = lambda engine: None,
+          ) -> tuple[list[float], list[dict[int, torch.Tensor]]]:
+    """Losses and every chunk's gradient of STEPS engine steps with SGD between them (`observe` gets
+    the engine before its first step)."""
     layout = make_layout(cfg)
     master = initial_master(layout)
     slots = torch.zeros(len(layout.chunks), layout.max_chunk_numel)  # one slot per chunk: none reused in a step
     link = FakeLink(len(layout.chunks))
     engine = Engine(cfg, layout, master, torch.device("cpu"), torch.float32, link,
                     lambda slot, numel: slots[slot, :numel], M * MB * T, policy)
+    observe(engine)
     gen = torch.Generator().manual_seed(5)
     losses, grads = [], []
     for step in range(STEPS):
@@ -129,8 +135,63 @@ def test_saved_inputs_reuse_the_host_buffer():
 def test_policy_is_validated():
     with pytest.raises(ValueError, match="seq_tile_tokens"):
         EnginePolicy(seq_tile_tokens=-1)
+    with pytest.raises(ValueError, match="prefetch_depth must be >= 1, got 0"):
+        EnginePolicy(prefetch_depth=0)
     cfg = NAMED_SHAPES["tiny"]
     layout = make_layout(cfg)
     with pytest.raises(ValueError, match="offload_layers"):
         Engine(cfg, layout, initial_master(layout), torch.device("cpu"), torch.float32, FakeLink(1),
                lambda slot, numel: None, 1, EnginePolicy(offload_layers=cfg.num_layers + 1))
+
+
+def log_copies(engine: Engine, events: list[tuple[str, str, int]]) -> None:
+    """Record ("issue" | "fetch", unit, step) for every parameter copy the engine starts or takes."""
+    delivery = engine.delivery
+    wait_ready, fetch = delivery.wait_ready, delivery.fetch
+
+    def issuing(unit, step):
+        events.append(("issue", unit.name, step))
+        wait_ready(unit, step)
+
+    def fetching(unit, step):
+        events.append(("fetch", unit.name, step))
+        return fetch(unit, step)
+
+    delivery.wait_ready, delivery.fetch = issuing, fetching
+
+
+@pytest.mark.parametrize("depth,resident", [(1, 0), (2, 0), (3, 2), (8, 0)])
+def test_prefetch_depth_keeps_that_many_layer_copies_ahead(depth, resident):
+    """Before a layer is taken, the copies of the next `depth` layers the pass fetches are running
+    (never more); the numbers are those of the default depth, bit for bit."""
+    cfg = replace(NAMED_SHAPES["tiny"], num_layers=6)
+    base_losses, base_grads = train(cfg, EnginePolicy(resident_layers=resident))
+    events: list[tuple[str, str, int]] = []
+    losses, grads = train(cfg, EnginePolicy(prefetch_depth=depth, resident_layers=resident),
+                          lambda engine: log_copies(engine, events))
+    assert losses == base_losses
+    assert all(torch.equal(grads[s][c], base_grads[s][c]) for s in range(STEPS) for c in base_grads[s])
+
+    n = cfg.num_layers
+    kept = set(range(n - resident, n))  # fetched in the forward only: the backward reuses them
+    passes = {"forward": list(range(n)), "backward": [i for i in reversed(range(n)) if i not in kept]}
+    for step in range(STEPS):
+        layer_events = [(kind, int(name.split(".")[1])) for kind, name, s in events
+                        if s == step and name.startswith("layer.")]
+        split = len(passes["forward"]) * 2  # each forward layer is issued once and fetched once
+        for pass_name, events_of_pass in (("forward", layer_events[:split]), ("backward", layer_events[split:])):
+            order = passes[pass_name]
+            assert sorted(i for kind, i in events_of_pass if kind == "fetch") == sorted(order), pass_name
+            in_flight: list[int] = []
+            for kind, layer in events_of_pass:
+                if kind == "issue":
+                    in_flight.append(layer)
+                    assert len(in_flight) <= depth, (pass_name, step, in_flight)
+                    continue
+                at = order.index(layer)
+                window = order[at:at + depth]
+                if at == 0:  # the pass's first copies: started before it, as far as the kept layers allowed
+                    assert in_flight and in_flight == window[:len(in_flight)], (pass_name, step, in_flight)
+                else:
+                    assert in_flight == window, (pass_name, step, layer, in_flight)
+                in_flight.remove(layer)

@@ -29,20 +29,21 @@ CASES = [
 # The sharded routes (gloo among CPU ranks): parameters all-gathered, gradients reduce-scattered,
 # each alone and together; 3 ranks cut chunks into uneven shards (the last one short).
 # The last column: sequence tiles of 24 tokens (across the 2 sequences of a micro-batch) and
-# the first layers' saved inputs held in host memory.
+# the first layers' saved inputs held in host memory; copies (and gathers) of 2 layers ahead.
 TILED = ("memory.seq_tile_tokens=24", "memory.offload_layers=1")
 ROUTE_CASES = [
     (2, 2, 0.5, "tiny", "host", "sharded", "reduce_scatter", ()),
     (3, 1, 0.0, "tiny-llama", "device", "sharded", "host", ()),
     (3, 2, 0.0, "tiny-llama", "host", "replicated", "reduce_scatter", ()),  # shards updated in the ranks' slots
     (3, 1, 0.5, "tiny", "host", "sharded", "reduce_scatter", TILED),
+    (2, 1, 0.0, "tiny-llama", "host", "sharded", "host", ("memory.prefetch_depth=2",)),
     (2, 2, 0.5, "tiny-llama", "device", "replicated", "host", TILED),
     # the first layers held by the workers with their AdamW state (updated there, all-reduced among
     # ranks): one of two with clipping, both of two (every layer) beside a device embedding, and
     # beside the sharded routes
     (1, 2, 0.5, "tiny", "host", "replicated", "host", ("memory.device_layers=1",)),
     (2, 2, 0.0, "tiny-llama", "device", "replicated", "host", ("memory.device_layers=2",)),
-    (3, 1, 0.5, "tiny", "host", "sharded", "reduce_scatter", ("memory.device_layers=1",)),
+    (3, 1, 0.5, "tiny", "host", "sharded", "reduce_scatter", ("memory.device_layers=1", "memory.prefetch_depth=3")),
 ]
 
 
@@ -83,7 +84,8 @@ def test_matches_reference(tmp_path, monkeypatch, workers, micro, clip, shape, e
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for rank in range(workers):  # each rank says which routes it runs
         assert f"rank {rank}/{workers} on cpu" in proc.stderr + proc.stdout
-        assert f"params {param_route}, grads {grad_route}" in proc.stderr + proc.stdout
+        depth = next((e.split("=")[1] for e in extra if "prefetch_depth" in e), "1")
+        assert f"params {param_route} ({depth} ahead), grads {grad_route}" in proc.stderr + proc.stdout
         assert ("seq tiles of 24 tokens, 1 layer(s) offloaded" if extra == TILED else "untiled, 0 layer(s) offloaded") \
             in proc.stderr + proc.stdout
         held = [f"layer.{i}" for i in range(int(next((e.split("=")[1] for e in extra if "device_layers" in e), 0)))]

@@ -26,7 +26,7 @@ HELD = ("memory.device_layers=1",)  # the first layer's master and moments stay 
     (1, "bf16", "tiny", "host", ()), (2, "bf16", "tiny-llama", "host", ()), (1, "fp32", "tiny-llama", "host", ()),
     (1, "bf16", "tiny", "device", ()), (2, "bf16", "tiny", "device", ()), (1, "fp32", "tiny-llama", "device", ()),
     (1, "fp32", "tiny", "host", TILED), (1, "bf16", "tiny-llama", "device", TILED),
-    (2, "bf16", "tiny", "host", SHARDED), (3, "fp32", "tiny-llama", "host", SHARDED + TILED),
+    (2, "bf16", "tiny", "host", SHARDED + ("memory.prefetch_depth=2",)), (3, "fp32", "tiny-llama", "host", SHARDED + TILED),
     (1, "fp32", "tiny-llama", "host", HELD), (2, "bf16", "tiny", "device", HELD), (2, "bf16", "tiny-llama", "host", SHARDED + HELD),
 ], ids=lambda v: ("+".join(s.split("=")[0].split(".")[1] for s in v) or "plain") if isinstance(v, tuple) else None)
 def test_cuda_matches_reference(tmp_path, workers, dtype, shape, embedding, extra):

@@ -66,6 +66,23 @@ def test_device_layers_are_the_jobs_value_or_the_plans():
     assert auto.plan is not None and auto.device_layers == auto.plan.device_layers
 
 
+def test_prefetch_depth_is_the_jobs_value_planned_with_its_buffers_or_the_plans():
+    assert plan_job(load_job(TINY, [])).prefetch_depth == 1  # CPU: one copy ahead unless the job says
+    assert plan_job(load_job(TINY, ["memory.prefetch_depth=3"])).prefetch_depth == 3
+    big = CUDA + ['model.shape="qwen3-4b"', "train.seq_len=2048", "memory.gpu_budget_gib=40"]
+    auto = plan_job(load_job(TINY, big), H200_REFERENCE)
+    assert auto.plan is not None and auto.prefetch_depth == auto.plan.prefetch_depth == 1
+    slots = {}
+    for depth in (2, 5):
+        forced = plan_job(load_job(TINY, big + [f"memory.prefetch_depth={depth}"]), H200_REFERENCE)
+        assert forced.plan is not None and forced.prefetch_depth == forced.plan.prefetch_depth == depth
+        assert forced.plan.gpu_total_bytes <= 40 * 2**30
+        slots[depth] = dict(forced.plan.gpu_memory)["parameter slots"]
+    slots[1] = dict(auto.plan.gpu_memory)["parameter slots"]
+    per_copy = slots[2] - slots[1]  # one more layer buffer for each copy ahead
+    assert per_copy > 0 and slots[5] - slots[1] == 4 * per_copy
+
+
 def test_the_launchers_calibration_carries_the_jobs_model(monkeypatch, capsys):
     """The launcher calibrates in a subprocess (no CUDA context of its own); the subprocess is asked for
     the figures of the job's model, which plan_job passes by its parameter count."""
