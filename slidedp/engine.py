@@ -142,7 +142,7 @@ class Engine:
 
     def _layer_params(self, layer: int, step: int, backward: bool, prefetch: bool = True) -> dict[str, torch.Tensor]:
         """The layer's tensors (held, kept from the forward, or fetched), and the next layer's copy
-        started (prefetch=False: the caller starts it with _prefetch_next)."""
+        started (prefetch=False: the caller starts it with _prefetch_ahead)."""
         unit, strip = self.units[f"layer.{layer}"], f"model.layers.{layer}."
         if unit.name in self.held:
             p = self.held[unit.name].tensors(strip)

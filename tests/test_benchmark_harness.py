@@ -214,6 +214,7 @@ def test_slidedp_job_file_and_metrics_reduction(tmp_path, monkeypatch):
     assert row["step_times_s"] == [5.0, 2.0, 1.0, 3.0]
     assert row["gpu_peak_gib"] == 4.0 and row["metrics_host_rss_gib"] == 2.0 and row["metrics_shm_gib"] == 3.0
     assert row["host_rss_gib"] > 0  # sampled by the harness over the launcher's process tree
+    assert row["shm_gib"] == 3.0  # the store's own count: more than the harness saw appear in /dev/shm
     assert row["predicted_step_s"] == 1.5
     store = Path(row["job_file"]).stem
     assert row["leftover_segments_removed"] == [f"slidedp.{store}.grads"]
