@@ -37,6 +37,7 @@ ROUTE_CASES = [
     (3, 2, 0.0, "tiny-llama", "host", "replicated", "reduce_scatter", ()),  # shards updated in the ranks' slots
     (3, 1, 0.5, "tiny", "host", "sharded", "reduce_scatter", TILED),
     (2, 1, 0.0, "tiny-llama", "host", "sharded", "host", ("memory.prefetch_depth=2",)),
+    (4, 1, 0.0, "tiny-llama", "host", "sharded", "reduce_scatter", ()),  # four ranks, as on a 4-GPU host
     (2, 2, 0.5, "tiny-llama", "device", "replicated", "host", TILED),
     # the first layers held by the workers with their AdamW state (updated there, all-reduced among
     # ranks): one of two with clipping, both of two (every layer) beside a device embedding, and
@@ -140,3 +141,22 @@ def test_held_layers_carry_over_to_the_next_job(tmp_path, workers, shape, embedd
         assert worst[0] < 2e-5, worst
     finally:
         unlink_store(store)
+
+
+def test_shared_memory_is_one_copy_whatever_the_ranks(tmp_path):
+    """One copy of the state for any number of ranks, and on the reduce-scattered route each rank's
+    gradient slots hold its shard: 4 ranks take the shared memory of 1, but for the shards' padding
+    (a chunk of n elements cut in 4 shards of ceil(n / 4): at most 3 elements per slot)."""
+    from slidedp.jobrecord import ring_slots
+
+    shm = {}
+    for workers in (1, 4):
+        run_dir = tmp_path / f"run-{workers}"
+        sets = job_sets(workers, 1, 0.0, "tiny", unique_store("one"), run_dir, "host", "sharded", "reduce_scatter")
+        proc = launch(TINY, *sets, "train.steps=2", cwd=tmp_path)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        got = {m["shm_bytes"] for m in metrics(run_dir)}
+        assert len(got) == 1, got  # the same through the job
+        shm[workers] = got.pop()
+    slots = ring_slots(0, model_config(load_job(TINY, ['model.shape="tiny"'])).num_layers)
+    assert 0 <= shm[4] - shm[1] <= slots * 3 * 4, shm
