@@ -552,10 +552,12 @@ def _fewest_resident(work: Workload, ch: Choices, calib: Calibration) -> Choices
     return replace(ch, resident_layers=lo)
 
 
-def _no_fit_error(work: Workload, budget: int) -> PlanError:
+def _no_fit_error(work: Workload, budget: int, allowed: dict[str, tuple] | None = None) -> PlanError:
+    """The smallest plan among the options `allowed` (a job's forced prefetch depth or embedding
+    stays forced), its memory and what to change."""
     smallest = min(
-        (replace(b, micro_batch=1, loss_chunk_tokens=min(_loss_chunks(work)), prefetch_depth=1,
-                 seq_tile_tokens=_seq_tiles(work)[-1]) for b in _base_choices(work)),
+        (replace(b, micro_batch=1, loss_chunk_tokens=min(_loss_chunks(work)),
+                 seq_tile_tokens=_seq_tiles(work)[-1]) for b in _base_choices(work, allowed)),
         key=lambda ch: _total(work, ch),
     )
     items = _memory(work, smallest)
@@ -575,7 +577,7 @@ def _no_fit_error(work: Workload, budget: int) -> PlanError:
     return PlanError(
         f"no plan fits the GPU memory budget of {budget / GiB:.2f} GiB: the smallest plan needs {need_gib:.2f} GiB "
         f"(embedding={smallest.embedding}, activations={smallest.activations}, delivery={smallest.delivery}, "
-        f"prefetch_depth=1, micro_batch=1, seq_tile_tokens={smallest.seq_tile_tokens}, "
+        f"prefetch_depth={smallest.prefetch_depth}, micro_batch=1, seq_tile_tokens={smallest.seq_tile_tokens}, "
         f"loss_chunk_tokens={smallest.loss_chunk_tokens}) and its largest item is "
         f"{name} ({size / GiB:.2f} GiB). Raise the budget to at least {need_gib:.2f} GiB, {knob}"
     )
@@ -658,7 +660,7 @@ def make_plan(work: Workload, budget_bytes: int, calib: Calibration,
             ch = _fewest_resident(work, ch, calib)
             candidates.append((predict_step(work, ch, calib)[2], _total(work, ch), ch))
     if not candidates:
-        raise _no_fit_error(work, budget_bytes)
+        raise _no_fit_error(work, budget_bytes, allowed)
     fastest = min(step for step, _, _ in candidates)
     nl = work.model.num_layers
 

@@ -83,6 +83,24 @@ def test_prefetch_depth_is_the_jobs_value_planned_with_its_buffers_or_the_plans(
     assert per_copy > 0 and slots[5] - slots[1] == 4 * per_copy
 
 
+def _smallest_need_gib(sets: list[str]) -> float:
+    with pytest.raises(PlanError) as e:
+        plan_job(load_job(TINY, sets + ["memory.gpu_budget_gib=1"]), H200_REFERENCE)
+    return float(str(e.value).split("the smallest plan needs ")[1].split(" GiB")[0])
+
+
+def test_a_forced_prefetch_depth_that_does_not_fit_is_refused_with_its_own_need():
+    """The refusal names the smallest plan at the job's depth, not one at depth 1 that would fit."""
+    big = CUDA + ['model.shape="qwen3-4b"', "train.seq_len=2048"]
+    need_1, need_8 = _smallest_need_gib(big), _smallest_need_gib(big + ["memory.prefetch_depth=8"])
+    assert need_8 > need_1
+    budget = round((need_1 + need_8) / 2, 2)
+    assert plan_job(load_job(TINY, big + [f"memory.gpu_budget_gib={budget}"]), H200_REFERENCE).plan is not None
+    with pytest.raises(PlanError, match=rf"^no plan fits the GPU memory budget of {budget:.2f} GiB: the smallest "
+                                        rf"plan needs {need_8:.2f} GiB \(.*prefetch_depth=8, micro_batch=1"):
+        plan_job(load_job(TINY, big + [f"memory.gpu_budget_gib={budget}", "memory.prefetch_depth=8"]), H200_REFERENCE)
+
+
 def test_the_launchers_calibration_carries_the_jobs_model(monkeypatch, capsys):
     """The launcher calibrates in a subprocess (no CUDA context of its own); the subprocess is asked for
     the figures of the job's model, which plan_job passes by its parameter count."""
