@@ -130,6 +130,16 @@ class ParamDelivery:
     def prefetch(self, unit: Unit, step: int) -> None:
         self._issue(unit, step)
 
+    def in_flight(self) -> list[tuple[str, int]]:
+        """(unit, step) of every copy started and not yet fetched, in the order started."""
+        return list(self._inflight)
+
+    def discard(self, step: int) -> None:
+        """Drop the step's copies that will not be fetched (a skipped step). Their buffers were made
+        on the copy stream, so that stream reuses them only after the copies end."""
+        for key in [k for k in self._inflight if k[1] == step]:
+            del self._inflight[key]
+
     def fetch(self, unit: Unit, step: int) -> torch.Tensor:
         """The unit's flat parameters on the device (compute dtype), waited for on the compute stream."""
         self._issue(unit, step)

@@ -164,17 +164,26 @@ class Engine:
             self.delivery.prefetch(self.units[f"layer.{nxt}"], step)
 
     def _prefetch_ahead(self, layer: int, step: int, backward: bool) -> None:
-        """Start the copies of the next `prefetch_depth` fetched layers in this pass (those already
-        started are not copied again). Called once the layer's compute is queued: a copy may wait
-        for the host's update of its layer, and the GPU works meanwhile. Deeper copies absorb a
-        late one; on the sharded route, a rank that reaches a gather late."""
-        step_by = -1 if backward else 1
-        nxt, started = layer + step_by, 0
-        while 0 <= nxt < self.cfg.num_layers and started < self.policy.prefetch_depth:
+        """Start the copies of the fetched layers up to `prefetch_depth` ahead in this pass (those
+        already started are not copied again). Called once the layer's compute is queued: a copy
+        may wait for the host's update of its layer, and the GPU works meanwhile. Deeper copies
+        absorb a late one; on the sharded route, a rank that reaches a gather late.
+
+        Forward: at most `prefetch_depth` layers ahead by position, so every held layer's compute
+        is queued before the wait for the first fetched layer after them (the host updates it
+        last: held layers are there to hide that wait). Backward: the next `prefetch_depth`
+        fetched layers, over held and kept ones (their versions are in: nothing blocks)."""
+        if not backward:
+            for nxt in range(layer + 1, min(layer + self.policy.prefetch_depth, self.cfg.num_layers - 1) + 1):
+                if self._fetched(nxt, backward):
+                    self.delivery.prefetch(self.units[f"layer.{nxt}"], step)
+            return
+        nxt, started = layer - 1, 0
+        while nxt >= 0 and started < self.policy.prefetch_depth:
             if self._fetched(nxt, backward):
                 self.delivery.prefetch(self.units[f"layer.{nxt}"], step)
                 started += 1
-            nxt += step_by
+            nxt -= 1
 
     def _weight(self, name: str, step: int) -> torch.Tensor:
         """The full embedding or head matrix in the compute dtype: held on the device, or fetched."""
@@ -260,6 +269,7 @@ class Engine:
             times.skipped = True
             self._resident.clear()
             self.saved.clear()
+            self.delivery.discard(step)  # the backward's first copy, started before the loss
             return times
         t1 = time.perf_counter()
         self._send(norm_unit.chunks[0], norm_grad, step)

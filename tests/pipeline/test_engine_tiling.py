@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from slidedp.activations import SavedInputs
-from slidedp.engine import Engine, EnginePolicy
+from slidedp.delivery import Unit, unit_tensors
+from slidedp.engine import Engine, EnginePolicy, units_of
 from slidedp.model.config import NAMED_SHAPES, ModelConfig
 from slidedp.model.init import init_tensor_
 from slidedp.store.layout import Chunk, Layout, make_layout
@@ -195,3 +196,79 @@ def test_prefetch_depth_keeps_that_many_layer_copies_ahead(depth, resident):
                 else:
                     assert in_flight == window, (pass_name, step, layer, in_flight)
                 in_flight.remove(layer)
+
+
+class HeldStandIn:
+    """A layer held on the device, as the engine uses one (its update is left out: these tests look
+    at the order of the work, not at the numbers)."""
+
+    rank = 0
+
+    def __init__(self, master: torch.Tensor, unit: Unit) -> None:
+        self.flat, self.unit = master[unit.offset:unit.offset + unit.numel], unit
+
+    def tensors(self, strip: str = "") -> dict[str, torch.Tensor]:
+        return unit_tensors(self.flat, self.unit, strip)
+
+    def reduce(self, grad: torch.Tensor) -> float:
+        return float(torch.dot(grad, grad))
+
+    def update(self, grad: torch.Tensor, step: int, clip_coef: float | None) -> None:
+        pass
+
+
+class HeldLink(FakeLink):
+    def device_grad(self, chunk: Chunk, sqnorm: float, step: int) -> None:
+        pass
+
+
+def one_step_engine(cfg: ModelConfig, policy: EnginePolicy, link: FakeLink, held_layers: int = 0) -> Engine:
+    layout = make_layout(cfg)
+    master = initial_master(layout)
+    units = units_of(layout)
+    held = {f"layer.{i}": HeldStandIn(master, units[f"layer.{i}"]) for i in range(held_layers)}
+    slots = torch.zeros(len(layout.chunks), layout.max_chunk_numel)
+    return Engine(cfg, layout, master, torch.device("cpu"), torch.float32, link,
+                  lambda slot, numel: slots[slot, :numel], M * MB * T, policy, held=held)
+
+
+@pytest.mark.parametrize("depth", [1, 2, 3])
+def test_held_layers_are_queued_before_the_wait_for_the_first_fetched_layer(monkeypatch, depth):
+    """The first fetched layer after the held ones is the one the host updates last: its copy (which
+    waits for that update) starts only `depth` layers ahead, so the held layers before that point
+    are already queued on the GPU while the host finishes."""
+    import slidedp.model.layers as layers
+
+    cfg, held = replace(NAMED_SHAPES["tiny"], num_layers=6), 3
+    engine = one_step_engine(cfg, EnginePolicy(prefetch_depth=depth), HeldLink(len(make_layout(cfg).chunks)), held)
+    events: list[tuple[str, str, int]] = []
+    log_copies(engine, events)
+    forward = layers.layer_forward
+
+    def queued(*args, **kwargs):
+        events.append(("compute", "", 0))
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(layers, "layer_forward", queued)
+    gen = torch.Generator().manual_seed(5)
+    seqs = torch.randint(0, cfg.vocab_size, (M, MB, T + 1), generator=gen)
+    engine.run_step(0, seqs[..., :-1], seqs[..., 1:])
+    first_wait = events.index(("issue", f"layer.{held}", 0))
+    assert sum(1 for e in events[:first_wait] if e[0] == "compute") == (held + 1 - depth) * M
+
+
+def test_a_skipped_step_leaves_no_copy_behind():
+    """The backward's first copy starts before the loss; a step the ranks skip never takes it."""
+
+    class SkippingLink(FakeLink):
+        def agree_loss(self, step: int, loss_sum: float, tokens: int, finite: bool) -> bool:
+            return True
+
+    cfg = replace(NAMED_SHAPES["tiny"], num_layers=6)
+    engine = one_step_engine(cfg, EnginePolicy(prefetch_depth=2), SkippingLink(len(make_layout(cfg).chunks)))
+    events: list[tuple[str, str, int]] = []
+    log_copies(engine, events)
+    seqs = torch.randint(0, cfg.vocab_size, (M, MB, T + 1), generator=torch.Generator().manual_seed(5))
+    assert engine.run_step(0, seqs[..., :-1], seqs[..., 1:]).skipped
+    assert ("issue", "layer.5", 0) in events  # it was started ...
+    assert engine.delivery.in_flight() == []  # ... and dropped
