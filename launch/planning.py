@@ -1,7 +1,7 @@
 """From a job to what the workers do: the planner's choices (on CUDA) or the CPU defaults.
 
-Calibration runs in a subprocess (cached per host and GPU under ~/.cache/slidedp, calibration.cache_root), so the
-launcher itself never holds a CUDA context on the workers' GPU.
+Calibration runs in a subprocess (cached per host and GPU in calibration.cache_root(), by default
+~/.cache/slidedp), so the launcher itself never holds a CUDA context on the workers' GPU.
 """
 
 from __future__ import annotations

@@ -540,8 +540,8 @@ def load_or_calibrate(
         if calib is None:
             calib = calibrate(device, quick=quick)
             _log.info("calibrated %s", calib.summary())
-        if device.startswith("cuda") and calib.bus_gpus < gpus:
-            gpus = min(gpus, _visible_gpus(device))  # asked for more than are visible: the visible ones
+        if calib.bus_gpus < gpus:
+            gpus = min(gpus, _visible_gpus(device))  # asked for more than are visible: the visible ones (CPU: 1)
         if gpus > 1 and calib.bus_gpus < gpus:
             from slidedp.planner.links import measure_links
 

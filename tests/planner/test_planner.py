@@ -494,6 +494,8 @@ def test_the_cuda_calibration_measures_links_once_and_keeps_what_runs_measured(t
 
 
 def test_cpu_calibration_round_trips_through_the_json_cache(tmp_path, monkeypatch):
+    from slidedp.planner import links as links_mod  # noqa: PLC0415
+
     cal = load_or_calibrate("cpu", cache_dir=tmp_path, quick=True)
     for f in dataclasses.fields(cal):
         value = getattr(cal, f.name)
@@ -510,6 +512,8 @@ def test_cpu_calibration_round_trips_through_the_json_cache(tmp_path, monkeypatc
 
     monkeypatch.setattr(calibration_mod, "calibrate", no_calibration)
     assert load_or_calibrate("cpu", cache_dir=tmp_path) == cal
+    monkeypatch.setattr(links_mod, "measure_links", no_calibration)  # no GPU links to measure on CPU
+    assert load_or_calibrate("cpu", cache_dir=tmp_path, gpus=2) == cal
     # what a run of a model measured comes with the cached calibration for that model only
     calibration_mod.record_training(cal, tmp_path, adamw_train_params_per_s=1.5e9, adamw_train_model_params=777)
     assert load_or_calibrate("cpu", cache_dir=tmp_path, model_params=777).adamw_train_params_per_s == 1.5e9
