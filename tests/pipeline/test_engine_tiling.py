@@ -60,16 +60,26 @@ def initial_master(layout: Layout) -> torch.Tensor:
     return master
 
 
+def make_engine(cfg: ModelConfig, policy: EnginePolicy, link: FakeLink, held_layers: int = 0) -> Engine:
+    """An fp32 CPU engine over a fresh master, with one gradient slot per chunk (none reused in a step)
+    and its first `held_layers` layers held (HeldStandIn)."""
+    layout = make_layout(cfg)
+    master = initial_master(layout)
+    units = units_of(layout)
+    held = {f"layer.{i}": HeldStandIn(master, units[f"layer.{i}"]) for i in range(held_layers)}
+    slots = torch.zeros(len(layout.chunks), layout.max_chunk_numel)
+    return Engine(cfg, layout, master, torch.device("cpu"), torch.float32, link,
+                  lambda slot, numel: slots[slot, :numel], M * MB * T, policy, held=held)
+
+
 def train(cfg: ModelConfig, policy: EnginePolicy, observe: Callable[[Engine], None] = lambda engine: None,
           ) -> tuple[list[float], list[dict[int, torch.Tensor]]]:
     """Losses and every chunk's gradient of STEPS engine steps with SGD between them (`observe` gets
     the engine before its first step)."""
     layout = make_layout(cfg)
-    master = initial_master(layout)
-    slots = torch.zeros(len(layout.chunks), layout.max_chunk_numel)  # one slot per chunk: none reused in a step
     link = FakeLink(len(layout.chunks))
-    engine = Engine(cfg, layout, master, torch.device("cpu"), torch.float32, link,
-                    lambda slot, numel: slots[slot, :numel], M * MB * T, policy)
+    engine = make_engine(cfg, policy, link)
+    master, slot_view = engine.master, engine.grads.slot_view
     observe(engine)
     gen = torch.Generator().manual_seed(5)
     losses, grads = [], []
@@ -81,7 +91,7 @@ def train(cfg: ModelConfig, policy: EnginePolicy, observe: Callable[[Engine], No
         got = {}
         for c in layout.chunks:
             slot, sq = link.landed[c.id]
-            got[c.id] = slots[slot, :c.numel].clone()
+            got[c.id] = slot_view(slot, c.numel).clone()
             assert sq == pytest.approx(float(got[c.id].square().sum()), rel=1e-5)
         for c in layout.chunks:
             master[c.offset:c.offset + c.numel] -= LR * got[c.id]
@@ -222,16 +232,6 @@ class HeldLink(FakeLink):
         pass
 
 
-def one_step_engine(cfg: ModelConfig, policy: EnginePolicy, link: FakeLink, held_layers: int = 0) -> Engine:
-    layout = make_layout(cfg)
-    master = initial_master(layout)
-    units = units_of(layout)
-    held = {f"layer.{i}": HeldStandIn(master, units[f"layer.{i}"]) for i in range(held_layers)}
-    slots = torch.zeros(len(layout.chunks), layout.max_chunk_numel)
-    return Engine(cfg, layout, master, torch.device("cpu"), torch.float32, link,
-                  lambda slot, numel: slots[slot, :numel], M * MB * T, policy, held=held)
-
-
 @pytest.mark.parametrize("depth", [1, 2, 3])
 def test_held_layers_are_queued_before_the_wait_for_the_first_fetched_layer(monkeypatch, depth):
     """The first fetched layer after the held ones is the one the host updates last: its copy (which
@@ -240,7 +240,7 @@ def test_held_layers_are_queued_before_the_wait_for_the_first_fetched_layer(monk
     import slidedp.model.layers as layers
 
     cfg, held = replace(NAMED_SHAPES["tiny"], num_layers=6), 3
-    engine = one_step_engine(cfg, EnginePolicy(prefetch_depth=depth), HeldLink(len(make_layout(cfg).chunks)), held)
+    engine = make_engine(cfg, EnginePolicy(prefetch_depth=depth), HeldLink(len(make_layout(cfg).chunks)), held)
     events: list[tuple[str, str, int]] = []
     log_copies(engine, events)
     forward = layers.layer_forward
@@ -265,7 +265,7 @@ def test_a_skipped_step_leaves_no_copy_behind():
             return True
 
     cfg = replace(NAMED_SHAPES["tiny"], num_layers=6)
-    engine = one_step_engine(cfg, EnginePolicy(prefetch_depth=2), SkippingLink(len(make_layout(cfg).chunks)))
+    engine = make_engine(cfg, EnginePolicy(prefetch_depth=2), SkippingLink(len(make_layout(cfg).chunks)))
     events: list[tuple[str, str, int]] = []
     log_copies(engine, events)
     seqs = torch.randint(0, cfg.vocab_size, (M, MB, T + 1), generator=torch.Generator().manual_seed(5))
