@@ -225,6 +225,23 @@ def test_slidedp_job_file_and_metrics_reduction(tmp_path, monkeypatch):
     assert tokens.tolist() == common.batch_stream(named_shape("tiny"), 2, 16, 0).tolist()  # one batch, --seed 0
 
 
+def test_a_relative_workdir_is_found_by_the_launcher_running_inside_it(tmp_path, monkeypatch):
+    """The launcher runs with the work dir as its cwd: a relative --workdir (as a session script's
+    `OUT` of `r`) must not hand it a job-file path that only resolves from the harness's cwd."""
+    mods = tmp_path / "mods"
+    mods.mkdir()
+    _write_module(mods, "fake_launcher", FAKE_LAUNCHER)
+    monkeypatch.setenv("PYTHONPATH", str(mods))
+    monkeypatch.chdir(tmp_path)
+    argv = _slidedp_argv(tmp_path)
+    argv[argv.index("--workdir") + 1] = "out/work"
+    assert slidedp_run.run(argv) == 0
+    row = json.loads((tmp_path / "row.json").read_text())
+    assert row["status"] == "ok", row.get("error")
+    assert Path(row["job_file"]).parent == tmp_path / "out" / "work"
+    assert row["step_s"] == 2.0
+
+
 def test_the_write_back_of_device_held_units_is_left_out_of_the_median():
     """The last step of a job with device-held layers also writes them back to the store (as the peers
     time no saving of their state): the median is of the other steps, and the write-back is kept."""

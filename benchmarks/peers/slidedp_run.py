@@ -164,7 +164,8 @@ def remove_leftover_segments(store: str) -> list[str]:
 
 def measure(args: argparse.Namespace, row: dict[str, Any], host: common.HostMemory) -> None:
     cfg = common.shape_of(args)
-    work = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="slidedp-bench-"))
+    # Absolute: the launcher runs in the work dir, where a relative job-file path would not resolve.
+    work = Path(args.workdir).resolve() if args.workdir else Path(tempfile.mkdtemp(prefix="slidedp-bench-"))
     work.mkdir(parents=True, exist_ok=True)
     name = f"bench-{os.getpid()}"  # unique: never attaches to a stale store of an earlier run
     # A fresh run dir per run: the launcher appends to metrics.jsonl, and a reused --workdir must not mix runs.
