@@ -17,6 +17,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+# torch 2.13 renamed the tensor collectives and warns (FutureWarning) on every call of the old
+# names; torch 2.11, on the GPU hosts we measure on, has only the old ones.
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 @dataclass(frozen=True)
 class Shard:
@@ -57,10 +62,10 @@ class Group:
         """Each rank's shard `padded[r*size:(r+1)*size]` filled in, in place, on every rank."""
         size = padded.numel() // self.world
         if not self.bounce:  # NCCL gathers in place
-            dist.all_gather_into_tensor(padded, padded[self.rank * size:(self.rank + 1) * size])
+            all_gather_single(padded, padded[self.rank * size:(self.rank + 1) * size])
             return
         host = padded.cpu() if padded.is_cuda else padded
-        dist.all_gather_into_tensor(host, host[self.rank * size:(self.rank + 1) * size].clone())
+        all_gather_single(host, host[self.rank * size:(self.rank + 1) * size].clone())
         if host is not padded:
             padded.copy_(host)
 
@@ -69,10 +74,10 @@ class Group:
         size = padded.numel() // self.world
         if self.bounce and padded.is_cuda:
             out = torch.empty(size, dtype=padded.dtype)
-            dist.reduce_scatter_tensor(out, padded.cpu())
+            reduce_scatter_single(out, padded.cpu())
             return out.to(padded.device)
         out = torch.empty(size, dtype=padded.dtype, device=padded.device)
-        dist.reduce_scatter_tensor(out, padded)
+        reduce_scatter_single(out, padded)
         return out
 
     def all_reduce(self, tensor: torch.Tensor) -> None:

@@ -51,6 +51,7 @@ def measure_links(n: int, device: str = "cuda", mib: int = 256, reps: int = 10,
 def _rank_main(rank: int, world: int, rendezvous: str, device: str, mib: int, reps: int) -> dict[str, float]:
     import torch
     import torch.distributed as dist
+    from slidedp.collectives import all_gather_single
 
     cuda = device == "cuda"
     if cuda:
@@ -65,12 +66,12 @@ def _rank_main(rank: int, world: int, rendezvous: str, device: str, mib: int, re
             if cuda:
                 torch.cuda.synchronize(dev)
 
-        dist.all_gather_into_tensor(out, shard)  # warm up: communicator, buffers
+        all_gather_single(out, shard)  # warm up: communicator, buffers
         sync()
         dist.barrier()
         t0 = time.perf_counter()
         for _ in range(reps):
-            dist.all_gather_into_tensor(out, shard)
+            all_gather_single(out, shard)
         sync()
         seconds = (time.perf_counter() - t0) / reps
         bus = (world - 1) / world * out.numel() * 2 / seconds / 1e9
