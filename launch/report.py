@@ -21,6 +21,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from slidedp.step_records import timed_steps, write_backs
+
 from . import tracefile
 
 WAITS = ("wait_version_s", "wait_slot_s", "wait_loss_s")
@@ -70,12 +72,9 @@ def _median(records: list[dict[str, Any]], key: str) -> float | None:
 
 
 def steady(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Records without the first step (it holds the workers' start-up) and without the steps after which
-    the workers wrote device-held units back to the store (a checkpoint's or the job end's work), unless
-    nothing would be left."""
-    rest = records[1:] if len(records) > 1 else records
-    plain = [r for r in rest if not r.get("write_back_s")]
-    return plain or rest
+    """Records without the first step (it holds the workers' start-up, unless it is the only one) and
+    without the write-back steps while others remain (`slidedp.step_records`)."""
+    return timed_steps(records, 1 if len(records) > 1 else 0)
 
 
 def summary(records: list[dict[str, Any]]) -> list[str]:
@@ -88,7 +87,7 @@ def summary(records: list[dict[str, Any]]) -> list[str]:
              f"{f', {skipped} skipped (non-finite loss)' if skipped else ''})"]
     if first.get("loss") is not None and last.get("loss") is not None:
         lines.append(f"loss         {first['loss']:.4f} -> {last['loss']:.4f}")
-    backs = [float(r["write_back_s"]) for r in records[1:] if r.get("write_back_s")]
+    backs = write_backs(records, 1)
     left_out = (["the first, with start-up"] if len(records) > 1 else []) + (
         [f"{len(backs)} with a write-back of device-held units (median {statistics.median(backs):.3f} s)"]
         if backs and len(rs) < len(records) - 1 else [])

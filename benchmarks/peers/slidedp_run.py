@@ -31,6 +31,7 @@ from benchmarks.peers import common
 from benchmarks.teed import run_teed
 from slidedp.config import MemorySection
 from slidedp.model.config import ModelConfig
+from slidedp.step_records import timed_steps, write_backs
 
 ROOT = Path(__file__).resolve().parents[2]
 METRIC_KEYS = ("step", "step_s", "tokens", "tokens_per_s", "gpu_peak_bytes", "host_rss_bytes", "shm_bytes",
@@ -112,11 +113,9 @@ def reduce_metrics(records: list[dict[str, Any]], warmup: int, row: dict[str, An
     """Fill the row from per-step records as the other peers fill theirs. Steps after which the workers
     wrote device-held units back to the store (the job's end, a checkpoint) are left out of the median
     while others remain, as the peers time no saving of their state: the write-back is kept apart."""
-    after_warmup = records[warmup:]
-    if not after_warmup:
+    if len(records) <= warmup:
         raise RuntimeError(f"metrics.jsonl has {len(records)} step records; none after the {warmup} warm-up steps")
-    measured = [r for r in after_warmup if not r.get("write_back_s")] or after_warmup
-    backs = [float(r["write_back_s"]) for r in after_warmup if r.get("write_back_s")]
+    measured, backs = timed_steps(records, warmup), write_backs(records, warmup)
     if backs:
         row["write_back_s"] = backs
     step_s = statistics.median(float(r["step_s"]) for r in measured)
