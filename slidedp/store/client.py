@@ -34,7 +34,7 @@ _REFUSALS = (RuntimeError, ValueError, KeyError, OSError)
 
 
 def _serve_here(store: str, kind: str, args: dict[str, Any]) -> dict[str, Any]:
-    from slidedp.daemons.hoststate import HostStateCore
+    from slidedp.store.service import HostStateCore
 
     fd = daemonlock.acquire(store, "hoststate")  # keeps a daemon from starting while we work on the segments
     try:

@@ -14,9 +14,9 @@ from typing import Callable
 import pytest
 import torch
 
-from slidedp.activations import SavedInputs
-from slidedp.delivery import Unit, unit_tensors
-from slidedp.engine import Engine, EnginePolicy, units_of
+from slidedp.worker.activations import SavedInputs
+from slidedp.worker.delivery import Unit, unit_tensors
+from slidedp.worker.engine import Engine, EnginePolicy, units_of
 from slidedp.model.config import NAMED_SHAPES, ModelConfig
 from slidedp.model.init import init_tensor_
 from slidedp.store.layout import Chunk, Layout, make_layout

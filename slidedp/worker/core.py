@@ -22,24 +22,24 @@ import torch
 import torch.distributed as dist
 import zmq
 
-from . import log as slog
+from .. import log as slog
 from .collectives import Group, join
-from .config import JobConfig, load_job, model_config
-from .data import Batches, TokenStream, open_batches, rank_slice
+from ..config import JobConfig, load_job, model_config
+from ..data import Batches, TokenStream, open_batches, rank_slice
 from .delivery import Unit
 from .device_state import DeviceResident
-from .jobrecord import held_unit_names
+from ..jobrecord import held_unit_names
 from .engine import Engine, EnginePolicy, units_of
 from .hostmem import Registration
-from .model import layers as L
-from .numa import device_cpus, format_cpulist, parse_cpulist
-from .protocol import (CONTROL_STOP, ROLE_WORKER, SLOT_DEVICE, Control, Credit, Go, Grad, Hello, Loss, Norm, Ready,
+from ..model import layers as L
+from ..numa import device_cpus, format_cpulist, parse_cpulist
+from ..protocol import (CONTROL_STOP, ROLE_WORKER, SLOT_DEVICE, Control, Credit, Go, Grad, Hello, Loss, Norm, Ready,
                        WorkerStats)
-from .store.layout import Chunk
-from .store.rings import GradRings
-from .store.store import HostStore
-from .tracing import NULL, Tracer
-from .transport import PeerTimeout, connect_dealer, identity, recv_dealer, send
+from ..store.layout import Chunk
+from ..store.rings import GradRings
+from ..store.store import HostStore
+from ..tracing import NULL, Tracer
+from ..transport import PeerTimeout, connect_dealer, identity, recv_dealer, send
 
 log = slog.get("worker")
 

@@ -21,7 +21,7 @@ import zmq
 from slidedp import log as slog
 from slidedp import numa
 from slidedp.jobrecord import JobRecord, attach_job, detach_job
-from slidedp.collectives import Shard
+from slidedp.worker.collectives import Shard
 from slidedp.protocol import (ROLE_UPDATER, SOURCE_NONE, SOURCE_RANK_SHARD, SOURCE_RANK_SLOT, Ack, Hello, JobEnd, JobStart,
                               Norm, Update, Updated)
 from slidedp.schedule import lr_at

@@ -26,13 +26,13 @@ import zmq
 
 from slidedp import daemonlock
 from slidedp import log as slog
-from slidedp.collectives import Shard
+from slidedp.worker.collectives import Shard
 from slidedp.jobrecord import JobRecord, attach_job, detach_job, reduction_slots
 from slidedp.protocol import (ROLE_LAUNCHER, ROLE_UPDATER, SLOT_DEVICE, SOURCE_NONE, SOURCE_RANK_SHARD,
                               SOURCE_RANK_SLOT, SOURCE_REDUCE,
                               Ack, Credit, Fault, Go, Grad, Hello, JobEnd, JobStart, Loss, Message, Norm, Ready,
                               StepDone, Update, Updated)
-from slidedp.sdnotify import Watchdog, notify
+from slidedp.daemons.sdnotify import Watchdog, notify
 from slidedp.store.layout import Layout
 from slidedp.store.rings import GradRings
 from slidedp.store.store import HostStore

@@ -35,10 +35,10 @@ from .collectives import Group
 from .delivery import GradOut, ParamDelivery, Unit, unit_tensors
 from .device_state import DeviceResident
 from .loss import norm_head_backward
-from .model import layers as L
-from .model.config import ModelConfig
-from .tracing import NULL, Tracer
-from .store.layout import Chunk, Layout, unit_name
+from ..model import layers as L
+from ..model.config import ModelConfig
+from ..tracing import NULL, Tracer
+from ..store.layout import Chunk, Layout, unit_name
 
 
 class Link(Protocol):

@@ -27,7 +27,7 @@ from slidedp import log as slog
 from slidedp.model.config import ModelConfig, named_shape
 from slidedp import daemonlock
 from slidedp.protocol import Reply, Request
-from slidedp.sdnotify import Watchdog, notify
+from slidedp.daemons.sdnotify import Watchdog, notify
 from slidedp.store import checkpoint as ckpt
 from slidedp.store.layout import make_layout
 from slidedp.store.manifest import ManifestError

@@ -23,8 +23,8 @@ import torch
 import torch.nn.functional as F
 
 from .collectives import Group
-from .store.layout import Chunk
-from .tracing import NULL
+from ..store.layout import Chunk
+from ..tracing import NULL
 
 
 STAGING_ELEMENTS = 32 << 20  # fp32 staging piece for the device-side cast: 128 MiB

@@ -18,7 +18,7 @@ import time
 from slidedp import daemonlock
 from slidedp import log as slog
 from slidedp import numa
-from slidedp.sdnotify import Watchdog, notify
+from slidedp.daemons.sdnotify import Watchdog, notify
 
 log = slog.get("updater-pool")
 
@@ -40,7 +40,7 @@ def split_cpus(nodes: list[list[int]], count: int) -> list[list[int]]:
 
 
 def _member_command(store: str, index: int, pool: int, cpus: list[int], threads: int, ready_fd: int) -> list[str]:
-    return [sys.executable, "-m", "slidedp.daemons.updater_member", "--store", store, "--member", str(index),
+    return [sys.executable, "-m", "slidedp.daemons.updater.core", "--store", store, "--member", str(index),
             "--pool", str(pool), "--cpus", ",".join(map(str, cpus)), "--threads", str(threads),
             "--ready-fd", str(ready_fd)]
 

@@ -1,0 +1,7 @@
+"""`python -m slidedp.daemons.updater --store NAME`: the pool."""
+
+import sys
+
+from slidedp.daemons.updater.pool import main
+
+sys.exit(main())
