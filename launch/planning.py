@@ -17,7 +17,7 @@ from slidedp.config import JobConfig, model_config
 from slidedp.jobrecord import sums_on_host
 from slidedp.planner import Calibration, Plan, Workload, costs, make_plan
 from slidedp.planner.calibration import record_training as record_training_measured
-from slidedp.planner.plan import gpu_work_shape
+from slidedp.planner.step_model import gpu_work_shape
 from slidedp.planner.costs import GiB
 
 log = logging.getLogger("slidedp.launcher")
