@@ -2,6 +2,6 @@
 
 import sys
 
-from slidedp.store.service import main
+from slidedp.daemons.hoststate.shell import main
 
 sys.exit(main())

@@ -32,7 +32,7 @@ import psutil
 import pytest
 
 from slidedp.daemons import sdnotify
-from slidedp.store import service as hoststate
+from slidedp.daemons.hoststate import shell as hoststate
 from slidedp.store.shm import list_store_segments, unlink_store
 
 try:  # tests/ a package (tests.integration) or not (integration, pipeline: top-level)
