@@ -2,6 +2,6 @@
 
 import sys
 
-from slidedp.daemons.aggregator.core import main
+from slidedp.daemons.aggregator.shell import main
 
 sys.exit(main())
