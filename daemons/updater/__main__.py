@@ -2,6 +2,6 @@
 
 import sys
 
-from slidedp.daemons.updater.pool import main
+from slidedp.daemons.updater.shell import main
 
 sys.exit(main())

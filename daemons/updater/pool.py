@@ -1,30 +1,20 @@
-"""slidedp-updater: the pool of processes that run AdamW on chunks as their gradients complete.
+"""The updater pool's members as processes: CPUs for each, started, awaited until up, watched, stopped.
 
-One member process per NUMA node (or --processes), each pinned to its node's CPUs
-(daemons/updater_member.py does the updating). This parent starts the members, reports
-readiness to systemd, and dies loudly with any of them. It imports no torch: it starts fast.
+One member per NUMA node (or as many as asked), each pinned to its share of a node's CPUs
+(member.py runs the updates). It imports no torch: the pool starts fast.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import select
-import signal
 import subprocess
 import sys
 import time
 
-from slidedp import daemonlock
 from slidedp import log as slog
-from slidedp import numa
-from slidedp.daemons.sdnotify import Watchdog, notify
 
 log = slog.get("updater-pool")
-
-
-class _Stop:
-    requested = False
 
 
 def split_cpus(nodes: list[list[int]], count: int) -> list[list[int]]:
@@ -39,89 +29,59 @@ def split_cpus(nodes: list[list[int]], count: int) -> list[list[int]]:
     return plan
 
 
-def _member_command(store: str, index: int, pool: int, cpus: list[int], threads: int, ready_fd: int) -> list[str]:
-    return [sys.executable, "-m", "slidedp.daemons.updater.core", "--store", store, "--member", str(index),
+def member_argv(store: str, index: int, pool: int, cpus: list[int], threads: int, ready_fd: int) -> list[str]:
+    return [sys.executable, "-m", "slidedp.daemons.updater.member", "--store", store, "--member", str(index),
             "--pool", str(pool), "--cpus", ",".join(map(str, cpus)), "--threads", str(threads),
             "--ready-fd", str(ready_fd)]
 
 
-def _await_members(children: list[subprocess.Popen], ready_r: int, timeout_s: float) -> str | None:
-    """Wait until every member has said it is up (one byte each on the pipe); the problem, or None."""
-    got, deadline = 0, time.monotonic() + timeout_s
-    while got < len(children):
-        dead = [(i, c.returncode) for i, c in enumerate(children) if c.poll() is not None]
-        if dead:
-            return f"updater member {dead[0][0]} exited with code {dead[0][1]} while starting"
-        left = deadline - time.monotonic()
-        if left <= 0:
-            return f"only {got} of {len(children)} updater members came up within {timeout_s:.0f} s"
-        if select.select([ready_r], [], [], min(left, 0.2))[0]:
-            got += len(os.read(ready_r, 64))
-    return None
+class Pool:
+    """The members of one store's pool, one per entry of `cpus` (the CPUs it is pinned to)."""
 
+    def __init__(self, store: str, cpus: list[list[int]], threads: int) -> None:
+        self.store, self.cpus, self.threads = store, cpus, threads
+        self.members: list[subprocess.Popen] = []
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="slidedp-updater", description=__doc__.splitlines()[0])
-    p.add_argument("--store", required=True)
-    p.add_argument("--processes", type=int, default=0, help="pool size (0 = one per NUMA node)")
-    p.add_argument("--threads", type=int, default=0, help="threads per process (0 = the CPUs of its node)")
-    p.add_argument("--reserve-cpus", type=int, default=-1,
-                   help="leave the last N CPUs to the GPU workers: an OpenMP thread sharing a core with a busy "
-                        "worker stalls every parallel region of the fused AdamW, and the worker's kernel launches "
-                        "(-1, the default: what a job on every GPU of this host needs, as the launcher reserves it; "
-                        "0 with no GPU)")
-    args = p.parse_args(argv)
-    slog.setup("updater-pool")
-    lock_fd = daemonlock.acquire(args.store, "updater")  # noqa: F841 (held for the pool's lifetime)
-    reserve = args.reserve_cpus
-    if reserve < 0:  # a service started before any job: make room for a job on every GPU
-        gpus = numa.gpu_count()
-        reserve = numa.reserved_count(len(os.sched_getaffinity(0)), gpus) if gpus else 0
-    nodes = numa.reserve(numa.nodes(), reserve)
-    count = args.processes or len(nodes)
-    plan = split_cpus(nodes, count)
-    ready_r, ready_w = os.pipe()
-    children = [subprocess.Popen(_member_command(args.store, i, count, cpus, args.threads, ready_w), pass_fds=(ready_w,))
-                for i, cpus in enumerate(plan)]
-    os.close(ready_w)
-    problem = _await_members(children, ready_r, 120.0)
-    os.close(ready_r)
-    if problem:  # readiness means every member runs: say why not, and go (systemd restarts us)
-        log.error("%s; stopping the pool", problem)
-        for c in children:
+    def start(self, timeout_s: float = 120.0) -> str | None:
+        """Start every member and wait until each has said it is up (one byte each on a pipe);
+        the problem, or None."""
+        ready_r, ready_w = os.pipe()
+        count = len(self.cpus)
+        self.members = [subprocess.Popen(member_argv(self.store, i, count, c, self.threads, ready_w), pass_fds=(ready_w,))
+                        for i, c in enumerate(self.cpus)]
+        os.close(ready_w)
+        try:
+            return self._await_members(ready_r, timeout_s)
+        finally:
+            os.close(ready_r)
+
+    def _await_members(self, ready_r: int, timeout_s: float) -> str | None:
+        got, deadline = 0, time.monotonic() + timeout_s
+        while got < len(self.members):
+            dead = self.first_dead()
+            if dead:
+                return f"updater member {dead[0]} exited with code {dead[1]} while starting"
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return f"only {got} of {len(self.members)} updater members came up within {timeout_s:.0f} s"
+            if select.select([ready_r], [], [], min(left, 0.2))[0]:
+                got += len(os.read(ready_r, 64))
+        return None
+
+    def first_dead(self) -> tuple[int, int] | None:
+        """(index, exit code) of the first member that has exited, or None while all run."""
+        return next(((i, c.returncode) for i, c in enumerate(self.members) if c.poll() is not None), None)
+
+    def terminate(self) -> None:
+        for c in self.members:
             if c.poll() is None:
                 c.terminate()
-        return 1
-    stop = _Stop()
 
-    def on_signal(signum, frame):
-        stop.requested = True
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    notify("READY=1", f"STATUS={count} updater process(es) for store {args.store}")
-    watchdog = Watchdog()
-    code = 0
-    while not stop.requested:
-        watchdog.maybe_ping()
-        dead = [(i, c.returncode) for i, c in enumerate(children) if c.poll() is not None]
-        if dead:
-            i, rc = dead[0]
-            log.error("updater member %d exited with code %s; stopping the pool", i, rc)
-            code = 1
-            break
-        time.sleep(0.2)
-    notify("STOPPING=1")
-    for c in children:
-        if c.poll() is None:
-            c.terminate()
-    for c in children:
-        try:
-            c.wait(10)
-        except subprocess.TimeoutExpired:
-            c.kill()
-    return code
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """SIGTERM every member, then SIGKILL one that is still there after `timeout_s`."""
+        self.terminate()
+        for c in self.members:
+            try:
+                c.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                c.kill()
