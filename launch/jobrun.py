@@ -29,6 +29,7 @@ from slidedp.jobrecord import JobRecord, held_chunk_ids, held_unit_names, reduct
 from slidedp.protocol import (CONTROL_CONTINUE, CONTROL_STOP, ROLE_LAUNCHER, Ack, Control, Fault, Hello, JobEnd,
                               JobStart, Reply, StepDone, WorkerStats, request)
 from slidedp.schedule import lr_at
+from slidedp.stepplan import PLAN_FILE
 from slidedp.store import checkpoint as ckpt
 from slidedp.store.client import StoreRequestError, call, daemon_running
 from slidedp.store.layout import make_layout
@@ -141,13 +142,15 @@ class JobRun:
         self.plan = plan_job(job)
         if self.plan.plan is not None:
             log.info("plan: %s", self.plan.plan.describe().replace("\n", "\n    "))
-        device_chunks = held_chunk_ids(
-            self.layout, held_unit_names(cfg, self.plan.embedding == "device", self.plan.device_layers))
+        step = self.plan.step
+        self.plan_path = self.run_dir / PLAN_FILE  # beside job.resolved.toml: what every rank carries out
+        _write_atomic(self.plan_path, step.to_json().encode())
+        device_chunks = held_chunk_ids(self.layout, held_unit_names(cfg, step.embedding_held, step.device_layers))
         slots = ring_slots(job.store.grad_slots, cfg.num_layers)
         record = JobRecord(job=job.run.name, store=self.store, world=self.world, train=job_to_dict(job)["train"],
                            layout_hash=self.layout.hash(), grad_slots=slots, device_chunks=device_chunks,
-                           run_dir=str(self.run_dir), trace_steps=job.run.traced, grad_route=self.plan.grad_route,
-                           reduce_slots=reduction_slots(self.world, self.plan.grad_route))
+                           run_dir=str(self.run_dir), trace_steps=job.run.traced, grad_route=step.grad_route,
+                           reduce_slots=reduction_slots(self.world, step.grad_route))
         att = self._call("attach", self.timeout, job=job.run.name, pid=os.getpid(),
                    layout_hash=self.layout.hash(), model_desc=f"{cfg.family}, {cfg.num_parameters():,} parameters",
                    world=self.world, grad_slots=slots, full_reduce=record.full_reduce,
@@ -269,19 +272,12 @@ class JobRun:
             count = cuda_device_count()
             if count == 0:
                 raise JobFailed("runtime.device = \"cuda\" but no CUDA device is visible")
-        plan = self.plan
         dist_file = self.run_dir / f".dist-{os.getpid()}-{time.monotonic_ns()}"
         for rank in range(self.world):
             dev = f"cuda:{rank % count}" if device == "cuda" else "cpu"
-            argv = [sys.executable, "-m", "slidedp.worker", "--store", self.store, "--rank", str(rank), "--world",
-                    str(self.world), "--job", str(self.run_dir / "job.resolved.toml"), "--start", str(start), "--end",
-                    str(end), "--device", dev, "--tokens", str(self.tokens_path),
-                    "--checkpoint-every", str(job.checkpoint.every), "--resident-layers", str(plan.resident_layers),
-                    "--prefetch", str(plan.prefetch_depth), "--loss-chunk-tokens", str(plan.loss_chunk_tokens),
-                    "--embedding", plan.embedding, "--dist-file", str(dist_file), "--micro-batch", str(plan.micro_batch),
-                    "--gpu-budget-gib", str(job.memory.gpu_budget_gib), "--seq-tile-tokens", str(plan.seq_tile_tokens),
-                    "--offload-layers", str(plan.offload_layers), "--param-route", plan.param_route,
-                    "--grad-route", plan.grad_route, "--device-layers", str(plan.device_layers)]
+            argv = [sys.executable, "-m", "slidedp.worker", "--rank", str(rank), "--job", str(self.run_dir / "job.resolved.toml"),
+                    "--plan", str(self.plan_path), "--start", str(start), "--end", str(end), "--device", dev,
+                    "--tokens", str(self.tokens_path), "--dist-file", str(dist_file)]
             if device == "cuda" and self.world > count:
                 argv.append("--shared-device")
             if self.reserved_cpus:
@@ -451,8 +447,8 @@ def run_job(job: JobConfig, job_path: Path, progress: Progress) -> int:
         start, end = run.prepare()
         log.info("ready in %.2f s: store %s at step %d; training steps %d..%d on %d %s worker(s)",
                  time.perf_counter() - t0, run.store, start, start, end - 1, run.world, job.runtime.device)
-        progress.predicted_step_s = run.plan.predicted_step_s
-        progress.planned_gpu_bytes = run.plan.planned_gpu_bytes
+        progress.predicted_step_s = run.plan.step.predicted_step_s
+        progress.planned_gpu_bytes = run.plan.step.planned_device_bytes
         progress.begin(start, end, run.run_dir)
         if start >= end:
             log.info("the store is already at step %d >= train.steps = %d: nothing to train", start, end)

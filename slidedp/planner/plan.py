@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 from typing import Callable
 
 from slidedp.jobrecord import sums_on_host
+from slidedp.stepplan import StepPlan
 from slidedp.planner import costs
 from slidedp.planner.calibration import Calibration
 from slidedp.planner.costs import GiB
@@ -66,6 +67,18 @@ class Plan:
             micro_batch=self.micro_batch, chunk_rows=self.chunk_rows, loss_chunk_tokens=self.loss_chunk_tokens,
             offload_layers=self.offload_layers, seq_tile_tokens=self.seq_tile_tokens, param_route=self.param_route,
             grad_route=self.grad_route, device_layers=self.device_layers,
+        )
+
+    def step_plan(self) -> StepPlan:
+        """What the ranks carry out of this plan, with its prediction."""
+        return StepPlan(
+            micro_batch=self.micro_batch, compute_dtype=self.workload.compute_dtype, param_route=self.param_route,
+            delivery=self.delivery, prefetch_depth=self.prefetch_depth, chunk_rows=self.chunk_rows,
+            resident_layers=self.resident_layers, offload_layers=self.offload_layers,
+            seq_tile_tokens=self.seq_tile_tokens, loss_chunk_tokens=self.loss_chunk_tokens,
+            device_layers=self.device_layers, embedding="device" if self.embedding == "gpu" else "host",
+            grad_route=self.grad_route, predicted_step_s=self.predicted_step_s,
+            planned_device_bytes=self.gpu_total_bytes, planned_by="planner",
         )
 
     @staticmethod

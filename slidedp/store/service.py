@@ -17,10 +17,10 @@ import time
 from typing import Any
 
 import psutil
-import torch
 
 from slidedp import log as slog
 from slidedp.model.config import ModelConfig, named_shape
+from slidedp.model.dtypes import torch_dtype
 from slidedp.store import checkpoint as ckpt
 from slidedp.store.layout import make_layout
 from slidedp.store.rings import GradRings
@@ -180,7 +180,7 @@ class HostStateCore:
         torn = store.manifest.torn_reason(allow_leased=True)
         if torn:
             raise RequestError(f"checkpoint refused: store {self.name!r} is torn ({torn})")
-        dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.get("dtype", "bf16")]
+        dtype = torch_dtype(args.get("dtype", "bf16"))
         extra_files = [str(f) for f in args.get("extra_files") or []]
         for f in extra_files:
             if not os.path.isfile(f):

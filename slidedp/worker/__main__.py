@@ -2,6 +2,6 @@
 
 import sys
 
-from slidedp.worker.core import main
+from slidedp.worker.shell import main
 
 sys.exit(main())
