@@ -16,7 +16,6 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -27,7 +26,7 @@ from slidedp.config import JobConfig, job_to_dict, job_to_toml, model_config
 from slidedp.data import DataError, open_batches
 from slidedp.jobrecord import JobRecord, held_chunk_ids, held_unit_names, reduction_slots, ring_slots
 from slidedp.protocol import (CONTROL_CONTINUE, CONTROL_STOP, ROLE_LAUNCHER, Ack, Control, Fault, Hello, JobEnd,
-                              JobStart, Reply, StepDone, WorkerStats, request)
+                              JobStart, Reply, request)
 from slidedp.schedule import lr_at
 from slidedp.stepplan import PLAN_FILE
 from slidedp.store import checkpoint as ckpt
@@ -38,6 +37,7 @@ from slidedp.transport import bind_router, connect_dealer, identity, recv_dealer
 from . import children
 from .planning import plan_job, record_training
 from .progress import Progress
+from .steps import StepLedger
 
 log = logging.getLogger("slidedp.launcher")
 
@@ -63,12 +63,6 @@ def cuda_device_count() -> int:
     return int(out.stdout.strip() or 0) if out.returncode == 0 else 0
 
 
-@dataclass
-class _Step:
-    done: StepDone | None = None
-    stats: dict[int, WorkerStats] = field(default_factory=dict)
-
-
 def model_source(job: JobConfig) -> dict:
     m = job.model
     if m.source == "random":
@@ -92,7 +86,6 @@ class JobRun:
         self.ctx = zmq.Context()
         self.agg: zmq.Socket | None = None
         self.job_sock: zmq.Socket | None = None
-        self.steps: dict[int, _Step] = {}
         self.checkpoint_pending = False
         self.external: dict[str, int] = {}  # role -> pid of the daemons this launcher found running
         self._gone: dict[str, str] = {}  # role -> how a daemon of the store died
@@ -293,10 +286,11 @@ class JobRun:
         poller = zmq.Poller()
         poller.register(self.agg, zmq.POLLIN)
         poller.register(self.job_sock, zmq.POLLIN)
-        committed = start
+        ledger = StepLedger(start, end, self.world, self.job.checkpoint.every)
         stop_at: int | None = None
         last_activity = time.monotonic()
-        while committed < (stop_at if stop_at is not None else end):
+        while ledger.committed < (stop_at if stop_at is not None else end):
+            committed = ledger.committed
             if self.stop_requested and stop_at is None:
                 stop_at = committed + 1  # the step in flight finishes; committed < end inside the loop
                 log.info("stop requested: finishing step %d, then stopping", stop_at - 1)
@@ -308,29 +302,26 @@ class JobRun:
             if self.agg in events:
                 while self.agg.poll(0):
                     msg = recv_dealer(self.agg)
-                    if isinstance(msg, StepDone):
-                        self.steps.setdefault(msg.step, _Step()).done = msg
-                        last_activity = time.monotonic()
-                    elif isinstance(msg, Fault):
+                    if isinstance(msg, Fault):
                         raise JobFailed(f"{'updater' if msg.role == 2 else 'rank'} {msg.rank} failed: {msg.text}")
+                    if ledger.on_message(msg):
+                        last_activity = time.monotonic()
             if self.job_sock in events:
                 while self.job_sock.poll(0):
                     item = recv_router(self.job_sock)
-                    if item and isinstance(item[1], WorkerStats):
-                        self.steps.setdefault(item[1].step, _Step()).stats[item[1].rank] = item[1]
-            while committed in self.steps and self.steps[committed].done is not None and (
-                    len(self.steps[committed].stats) == self.world or self._workers_gone()):
-                st = self.steps.pop(committed)
-                progress.step(committed, st.done, st.stats, lr_at(self.job.train, committed))
-                committed += 1
-                if self.job.checkpoint.every and committed % self.job.checkpoint.every == 0 and committed < end:
-                    self.checkpoint(committed, background=True)
+                    if item:
+                        ledger.on_message(item[1])
+            while (done := ledger.complete(self._workers_gone())) is not None:
+                progress.step(done.step, done.done, done.stats, lr_at(self.job.train, done.step))
+                if done.checkpoint:
+                    self.checkpoint(ledger.committed, background=True)
                     for r in range(self.world):
-                        self._control(r, CONTROL_CONTINUE, committed - 1)
+                        self._control(r, CONTROL_CONTINUE, done.step)
+            committed = ledger.committed
             self._check_children(committed)
             if time.monotonic() - last_activity > self.timeout * 3 and not any(w.alive() for w in self.workers):
                 raise JobFailed(f"the workers exited but step {committed} was never committed")
-        return committed
+        return ledger.committed
 
     def wait_workers(self) -> None:
         """Workers write device-held state back as they finish: wait for them before the last checkpoint."""

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from slidedp import log as slog
-from slidedp.worker.collectives import Shard
+from slidedp.store.layout import Shard
 from slidedp.jobrecord import JobRecord, attach_job, detach_job, reduction_slots
 from slidedp.protocol import (SLOT_DEVICE, SOURCE_NONE, SOURCE_RANK_SHARD, SOURCE_RANK_SLOT, SOURCE_REDUCE, Credit, Go,
                               Grad, Loss, Message, Norm, Ready, StepDone, Update, Updated)

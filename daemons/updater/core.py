@@ -15,7 +15,7 @@ import torch
 
 from slidedp import log as slog
 from slidedp.jobrecord import JobRecord, attach_job, detach_job
-from slidedp.worker.collectives import Shard
+from slidedp.store.layout import Shard
 from slidedp.protocol import (SOURCE_NONE, SOURCE_RANK_SHARD, SOURCE_RANK_SLOT, Ack, JobEnd, JobStart, Message, Norm,
                               Update, Updated)
 from slidedp.schedule import lr_at

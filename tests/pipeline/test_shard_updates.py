@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from slidedp.worker.collectives import Shard
+from slidedp.store.layout import Shard
 from slidedp.daemons.aggregator.core import AggregatorCore
 from slidedp.daemons.updater.core import UpdaterCore
 from slidedp.protocol import SOURCE_RANK_SHARD, Credit, Grad, Ready, Update
