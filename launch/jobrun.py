@@ -9,7 +9,6 @@ the child and its exit status. It leaves behind only what is meant to persist.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
@@ -26,11 +25,11 @@ from slidedp.config import JobConfig, job_to_dict, job_to_toml, model_config
 from slidedp.data import DataError, open_batches
 from slidedp.jobrecord import JobRecord, held_chunk_ids, held_unit_names, reduction_slots, ring_slots
 from slidedp.protocol import (CONTROL_CONTINUE, CONTROL_STOP, ROLE_LAUNCHER, Ack, Control, Fault, Hello, JobEnd,
-                              JobStart, Reply, request)
+                              JobStart)
 from slidedp.schedule import lr_at
 from slidedp.stepplan import PLAN_FILE
 from slidedp.store import checkpoint as ckpt
-from slidedp.store.client import StoreRequestError, call, daemon_running
+from slidedp.store.client import StoreRequestError, call
 from slidedp.store.layout import make_layout
 from slidedp.transport import bind_router, connect_dealer, identity, recv_dealer, recv_router, send
 
@@ -231,30 +230,15 @@ class JobRun:
         return next((self._gone[r] for r in roles if r in self._gone), None)
 
     def _call(self, kind: str, timeout_s: float, **args) -> dict:
-        """A request to the host-state daemon that fails at once, naming it, if the daemon dies meanwhile.
+        """A request to the store that fails at once, naming the host-state daemon, if it dies meanwhile
+        (a plain call would wait out its whole timeout: up to an hour for a checkpoint)."""
 
-        (store.client.call would wait out its whole timeout: up to an hour for a checkpoint.)"""
-        if not daemon_running(self.store):
-            return call(self.store, kind, timeout_s=timeout_s, **args)  # served in this process
-        sock = connect_dealer(self.ctx, self.store, "control", identity(f"launcher{os.getpid()}-{time.monotonic_ns()}-"))
-        try:
-            send(sock, request(kind, json.dumps(args)))
-            deadline = time.monotonic() + timeout_s
-            while True:
-                if sock.poll(200):
-                    reply = recv_dealer(sock, (Reply,))
-                    if isinstance(reply, Reply):
-                        if not reply.ok:
-                            raise StoreRequestError(reply.text)
-                        return json.loads(reply.text)
-                dead = self._dead_daemon(("hoststate",))
-                if dead:
-                    raise JobFailed(f"{dead}; its {kind} request was not answered")
-                if time.monotonic() > deadline:
-                    raise JobFailed(f"no reply to the {kind} request from slidedp-hoststate of store {self.store!r} "
-                                    f"within {timeout_s:.0f} s (raise runtime.timeout_s if the host is merely slow)")
-        finally:
-            sock.close(linger=0)
+        def check() -> None:
+            dead = self._dead_daemon(("hoststate",))
+            if dead:
+                raise JobFailed(f"{dead}; its {kind} request was not answered")
+
+        return call(self.store, kind, timeout_s=timeout_s, check=check, **args)
 
     # ---- running ---------------------------------------------------------------------------------
     def spawn_workers(self, start: int, end: int) -> None:

@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from .config import TrainSection
+from .protocol import GRAD_SLOTS, REDUCE_SLOTS
 from .store.layout import unit_name
 
 
@@ -21,9 +22,8 @@ class JobRecord:
     world: int
     train: dict[str, Any]  # the [train] section, as in the resolved job file
     layout_hash: str
-    grad_slots: int = 3
-    reduce_slots: int = 3
-    updaters: int = 0  # processes the aggregator must hear from before the job starts (0: those connected)
+    grad_slots: int = GRAD_SLOTS
+    reduce_slots: int = REDUCE_SLOTS
     device_chunks: tuple[int, ...] = ()  # chunks the workers hold on their devices (their AdamW runs there)
     run_dir: str = ""  # where the daemons write their trace events
     trace_steps: tuple[int, ...] = ()
@@ -89,15 +89,15 @@ def sums_on_host(world: int, grad_route: str) -> bool:
 
 def reduction_slots(world: int, grad_route: str) -> int:
     """Chunk-sized slots the aggregator sums into (without clipping, which uses a full-model buffer):
-    3 where it sums several ranks' whole gradients on the host; none for one rank or for
+    REDUCE_SLOTS where it sums several ranks' whole gradients on the host; none for one rank or for
     reduce-scattered gradients, which the updaters read where they lie."""
-    return 3 if sums_on_host(world, grad_route) else 0
+    return REDUCE_SLOTS if sums_on_host(world, grad_route) else 0
 
 
 def ring_slots(grad_slots: int, num_layers: int) -> int:
     """Gradient slots per rank: store.grad_slots, or auto (0): a third of the layers, 3..16, so the
     backward can run ahead of the updaters by that many chunks."""
-    return grad_slots or max(3, min(16, num_layers // 3))
+    return grad_slots or max(GRAD_SLOTS, min(16, num_layers // 3))
 
 
 def attach_job(store_name: str, job: JobRecord, process: str):

@@ -9,9 +9,10 @@ fails it (`ProtocolError`) and log it, never crash on it.
 
 from __future__ import annotations
 
+import json
 import math
 import struct
-from dataclasses import astuple, dataclass, fields
+from dataclasses import MISSING, asdict, astuple, dataclass, fields
 from typing import ClassVar
 
 MAX_TEXT = 1 << 20
@@ -262,13 +263,129 @@ class WorkerStats(Message):
 
 
 # ---- control plane: requests to the host-state daemon ------------------------------------------
-REQUESTS = ("ping", "create", "attach", "detach", "status", "checkpoint", "restore", "destroy", "shutdown",
-            "checkpoint_wait")
+# A request is one of the typed requests below, carried as Request(kind, its fields as a JSON
+# object); the daemon answers Reply(ok, a JSON object, or the reason it refused).
+
+GRAD_SLOTS = 3  # gradient slots per rank where the job names none (a job's store.grad_slots: jobrecord.ring_slots)
+REDUCE_SLOTS = 3  # chunk-sized slots the aggregator sums several ranks' whole gradients into
+
+
+@dataclass(frozen=True)
+class Ping:
+    pass
+
+
+@dataclass(frozen=True)
+class Create:
+    """Create the store: from a named shape with random weights ("random") or a Hugging Face folder ("hf")."""
+    source: str | None = None
+    shape: str = "tiny"
+    vocab_size: int | None = 0  # 0: the shape's
+    init_seed: int = 0
+    path: str = ""
+    chunk_rows: int = 0  # 0: one decoder layer's parameters per embedding/head chunk
+    shadow_bf16: bool = False
+
+
+@dataclass(frozen=True)
+class Attach:
+    """Attach a job (the launcher's pid): the store checked against its layout, its gradient rings made."""
+    world: int
+    pid: int
+    job: str = ""
+    layout_hash: str = ""
+    model_desc: str = "?"
+    grad_slots: int = GRAD_SLOTS
+    reduce_slots: int = REDUCE_SLOTS
+    full_reduce: bool = False  # one full-model reduction buffer (exact clipping) instead of reduce_slots
+    shard_slots: bool = False  # slots sized for one rank's shard (the reduce_scatter route)
+    hyper: dict | None = None  # the job's [train] section, kept in the manifest's job record
+
+
+@dataclass(frozen=True)
+class Detach:
+    token: int = -1
+
+
+@dataclass(frozen=True)
+class Status:
+    pass
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """Checkpoint the committed step into `dir`; background: written while training goes on."""
+    dir: str
+    dtype: str = "bf16"
+    keep: int = 3
+    extra: dict | None = None
+    extra_files: list | None = None
+    background: bool = False
+
+
+@dataclass(frozen=True)
+class CheckpointWait:
+    pass
+
+
+@dataclass(frozen=True)
+class Restore:
+    path: str
+    token: int = -1  # the attached job's, which may restore while attached
+
+
+@dataclass(frozen=True)
+class Destroy:
+    force: bool = False
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    pass
+
+
+ControlRequest = Ping | Create | Attach | Detach | Status | Checkpoint | CheckpointWait | Restore | Destroy | Shutdown
+CONTROL: dict[str, type] = {"ping": Ping, "create": Create, "attach": Attach, "detach": Detach, "status": Status,
+                            "checkpoint": Checkpoint, "restore": Restore, "destroy": Destroy, "shutdown": Shutdown,
+                            "checkpoint_wait": CheckpointWait}
+REQUESTS = tuple(CONTROL)  # Request.kind indexes this: the order is the wire's
+KIND_OF = {cls: kind for kind, cls in CONTROL.items()}
+
+
+class ControlError(ValueError):
+    """A request whose arguments do not make one of the typed requests: the text says which."""
+
+
+def control(kind: str, **args: object) -> ControlRequest:
+    """The typed request `kind` with `args`; ControlError names an unknown kind, or a missing or unknown argument."""
+    cls = CONTROL.get(kind)
+    if cls is None:
+        raise ControlError(f"unknown request {kind!r}")
+    names = [f.name for f in fields(cls)]
+    unknown = sorted(set(args) - set(names))
+    if unknown:
+        raise ControlError(f"{kind}: unknown argument(s) {', '.join(map(repr, unknown))}")
+    missing = [f.name for f in fields(cls) if f.name not in args and f.default is MISSING]
+    if missing:
+        raise ControlError(f"missing argument {missing[0]!r}")
+    return cls(**args)
+
+
+def encode_control(req: ControlRequest) -> Request:
+    return Request(REQUESTS.index(KIND_OF[type(req)]), json.dumps(asdict(req)))
+
+
+def decode_control(req: "Request") -> ControlRequest:
+    """The typed request a Request carries (its JSON object of arguments checked against the type)."""
+    args = json.loads(req.text or "{}")
+    if not isinstance(args, dict):
+        raise ControlError("request arguments must be a JSON object")
+    return control(req.name, **args)
 
 
 @message(20, "B")
 class Request(Message):
-    """Client -> host-state daemon: `kind` indexes REQUESTS; `text` is a JSON object of arguments."""
+    """Client -> host-state daemon: `kind` indexes REQUESTS; `text` is a JSON object of the typed request's fields."""
     kind: int
     text: str
 
@@ -289,4 +406,5 @@ class Reply(Message):
 
 
 def request(name: str, text: str = "{}") -> Request:
+    """A raw Request (tests send malformed ones); clients send typed requests with encode_control."""
     return Request(REQUESTS.index(name), text)

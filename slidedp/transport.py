@@ -10,11 +10,12 @@ from __future__ import annotations
 import logging
 import os
 import time
+from typing import Callable
 
 import zmq
 
 from .paths import socket_address
-from .protocol import MAX_TEXT, Message, ProtocolError, decode
+from .protocol import MAX_TEXT, REQUESTS, Message, ProtocolError, Request, decode
 
 log = logging.getLogger("slidedp.transport")
 
@@ -84,21 +85,27 @@ def recv_dealer(sock: zmq.Socket, expect=None) -> Message | None:
         return None
 
 
-def request(ctx: zmq.Context, store: str, req: Message, timeout_s: float, reply_types=None) -> Message:
-    """One request/reply with a daemon's ROUTER, on a fresh DEALER (safe from any thread or process)."""
+def request(ctx: zmq.Context, store: str, req: Message, timeout_s: float, reply_types=None,
+            check: Callable[[], None] | None = None) -> Message:
+    """One request/reply with the host-state daemon's ROUTER, on a fresh DEALER (safe from any thread or
+    process). `check` runs between polls and raises to give up early (the daemon died meanwhile)."""
     sock = connect_dealer(ctx, store, "control", identity(f"client{os.getpid()}-{time.monotonic_ns()}-"))
+    what = f"the {REQUESTS[req.kind]} request" if isinstance(req, Request) else type(req).__name__
     try:
         send(sock, req)
         deadline = time.monotonic() + timeout_s
         while True:
             left = deadline - time.monotonic()
-            if left <= 0 or not sock.poll(int(left * 1000)):
+            if left <= 0:
                 raise PeerTimeout(
-                    f"no reply from the host-state daemon of store {store!r} within {timeout_s:.0f} s "
+                    f"no reply to {what} from the host-state daemon of store {store!r} within {timeout_s:.0f} s "
                     f"(is `slidedp-hoststate --store {store}` running? raise runtime.timeout_s if it is busy)"
                 )
-            msg = recv_dealer(sock, reply_types)
-            if msg is not None:
-                return msg
+            if sock.poll(int(min(left, 0.2) * 1000)):
+                msg = recv_dealer(sock, reply_types)
+                if msg is not None:
+                    return msg
+            if check is not None:
+                check()
     finally:
         sock.close(linger=0)

@@ -20,10 +20,10 @@ from slidedp import daemonlock
 from slidedp import log as slog
 from slidedp.daemons.loop import serve_loop
 from slidedp.daemons.sdnotify import Watchdog, notify
-from slidedp.protocol import Reply, Request
+from slidedp.protocol import KIND_OF, ControlRequest, Reply, Request, decode_control
 from slidedp.stopflag import stop_on
 from slidedp.store.manifest import ManifestError
-from slidedp.store.service import REFUSALS, HostStateCore, RequestError, refusal_text
+from slidedp.store.service import REFUSALS, HostStateCore, refusal_text
 from slidedp.store.shm import list_store_segments
 from slidedp.store.store import StoreError
 from slidedp.transport import bind_router, recv_router, send
@@ -36,13 +36,14 @@ log = slog.get("hoststate")
 LONG_REQUESTS = frozenset({"create", "attach", "checkpoint", "checkpoint_wait", "restore", "destroy"})
 
 
-def _handle(core: HostStateCore, watchdog: Watchdog, kind: str, args: dict[str, Any]) -> dict[str, Any]:
+def _handle(core: HostStateCore, watchdog: Watchdog, req: ControlRequest) -> dict[str, Any]:
+    kind = KIND_OF[type(req)]
     if kind not in LONG_REQUESTS:
-        return core.handle(kind, args)
+        return core.handle(req)
     with watchdog.keepalive():
         notify(f"STATUS={kind} of store {core.name} in progress")
         try:
-            return core.handle(kind, args)
+            return core.handle(req)
         finally:
             notify(f"STATUS=serving store {core.name}")
 
@@ -50,10 +51,7 @@ def _handle(core: HostStateCore, watchdog: Watchdog, kind: str, args: dict[str, 
 def answer(core: HostStateCore, watchdog: Watchdog, req: Request) -> Reply:
     """The reply to one request: its result, or the reason it was refused (the daemon serves on)."""
     try:
-        args = json.loads(req.text or "{}")
-        if not isinstance(args, dict):
-            raise RequestError("request arguments must be a JSON object")
-        return Reply(1, json.dumps(_handle(core, watchdog, req.name, args)))
+        return Reply(1, json.dumps(_handle(core, watchdog, decode_control(req))))
     except REFUSALS as e:
         log.warning("%s request failed: %s", req.name, refusal_text(e))
         return Reply(0, refusal_text(e))

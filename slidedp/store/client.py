@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any
+from typing import Any, Callable
 
 import zmq
 
 from .. import daemonlock
-from ..protocol import Reply, request
+from ..protocol import ControlError, ControlRequest, Destroy, Reply, control, encode_control
 from ..transport import request as zmq_request
 from .manifest import ManifestError
 from .shm import PREFIX, SHM_DIR, unlink_store
@@ -28,7 +28,7 @@ def daemon_running(store: str) -> bool:
     return daemonlock.held(store, "hoststate")
 
 
-def _serve_here(store: str, kind: str, args: dict[str, Any]) -> dict[str, Any]:
+def _serve_here(store: str, req: ControlRequest) -> dict[str, Any]:
     from .service import REFUSALS, HostStateCore, refusal_text  # the daemon's logic; it imports torch
 
     fd = daemonlock.acquire(store, "hoststate")  # keeps a daemon from starting while we work on the segments
@@ -36,11 +36,11 @@ def _serve_here(store: str, kind: str, args: dict[str, Any]) -> dict[str, Any]:
         try:
             core = HostStateCore(store)
         except (StoreError, ManifestError) as e:  # segments there but not attachable: corrupt or incomplete
-            if kind == "destroy":  # its only way out, so it must not need an attach
+            if isinstance(req, Destroy):  # its only way out, so it must not need an attach
                 return {"removed": unlink_store(store), "unreadable": str(e)}
             raise StoreRequestError(f"{e} (`slidedp-store destroy {store}` removes it)") from None
         try:
-            return core.handle(kind, args)
+            return core.handle(req)
         except REFUSALS as e:  # as the daemon refuses it
             raise StoreRequestError(refusal_text(e)) from None
         finally:
@@ -49,11 +49,26 @@ def _serve_here(store: str, kind: str, args: dict[str, Any]) -> dict[str, Any]:
         os.close(fd)
 
 
-def call(store: str, kind: str, timeout_s: float = 600.0, **args: Any) -> dict[str, Any]:
-    """One request to the store; raises StoreRequestError with the daemon's message on refusal."""
+def typed(kind: str | ControlRequest, **args: Any) -> ControlRequest:
+    """A typed request: `kind` itself, or the request of that name with `args`."""
+    if not isinstance(kind, str):
+        if args:
+            raise TypeError("a typed request takes no further arguments")
+        return kind
+    try:
+        return control(kind, **args)
+    except ControlError as e:  # as the daemon refuses it
+        raise StoreRequestError(str(e)) from None
+
+
+def call(store: str, kind: str | ControlRequest, timeout_s: float = 600.0, check: Callable[[], None] | None = None,
+         **args: Any) -> dict[str, Any]:
+    """One request to the store (a typed request, or its name and arguments); raises StoreRequestError with
+    the daemon's message on refusal. `check` (with a daemon) runs while waiting and raises to give up."""
+    req = typed(kind, **args)
     if daemon_running(store):
         ctx = zmq.Context.instance()
-        reply = zmq_request(ctx, store, request(kind, json.dumps(args)), timeout_s, (Reply,))
+        reply = zmq_request(ctx, store, encode_control(req), timeout_s, (Reply,), check)
         if not reply.ok:
             raise StoreRequestError(reply.text)
         return json.loads(reply.text)
@@ -63,7 +78,7 @@ def call(store: str, kind: str, timeout_s: float = 600.0, **args: Any) -> dict[s
             f"store {store!r} belongs to uid {owner} and none of its daemons is visible to this user: run the command "
             f"as that user (e.g. `sudo -u slidedp slidedp-store ...`), so that requests go through its daemon"
         )
-    return _serve_here(store, kind, args)
+    return _serve_here(store, req)
 
 
 def _segment_owner(store: str) -> int | None:

@@ -21,6 +21,8 @@ import psutil
 from slidedp import log as slog
 from slidedp.model.config import ModelConfig, named_shape
 from slidedp.model.dtypes import torch_dtype
+from slidedp.protocol import (KIND_OF, Attach, Checkpoint, CheckpointWait, ControlRequest, Create, Destroy, Detach,
+                              Ping, Restore, Status)
 from slidedp.store import checkpoint as ckpt
 from slidedp.store.layout import make_layout
 from slidedp.store.rings import GradRings
@@ -43,18 +45,17 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def model_from_source(source: dict[str, Any]) -> tuple[ModelConfig, dict[str, Any]]:
+def model_from_source(req: Create) -> tuple[ModelConfig, dict[str, Any]]:
     """(model config, manifest meta) for a create request's source description."""
-    kind = source.get("source")
-    if kind == "random":
-        cfg = named_shape(source.get("shape", "tiny"), int(source.get("vocab_size") or 0) or None)
-        return cfg, {"source": f"random:{source.get('shape', 'tiny')}", "init_seed": int(source.get("init_seed", 0))}
-    if kind == "hf":
+    if req.source == "random":
+        cfg = named_shape(req.shape, int(req.vocab_size or 0) or None)
+        return cfg, {"source": f"random:{req.shape}", "init_seed": int(req.init_seed)}
+    if req.source == "hf":
         from slidedp.model import hf
 
-        path = str(source.get("path", ""))
+        path = str(req.path)
         return hf.read_config(path), {"source": f"hf:{os.path.abspath(path)}"}
-    raise RequestError(f"create: model source must be 'random' or 'hf', got {kind!r}")
+    raise RequestError(f"create: model source must be 'random' or 'hf', got {req.source!r}")
 
 
 class HostStateCore:
@@ -72,25 +73,26 @@ class HostStateCore:
             self._clear_stale_job()
 
     # ---- requests -------------------------------------------------------------------------
-    def handle(self, kind: str, args: dict[str, Any]) -> dict[str, Any]:
-        handler = getattr(self, f"do_{kind}", None)
+    def handle(self, req: ControlRequest) -> dict[str, Any]:
+        """Serve one typed request; its result, or an error that refuses it (REFUSALS)."""
+        handler = getattr(self, f"do_{KIND_OF.get(type(req))}", None)
         if handler is None:
-            raise RequestError(f"unknown request {kind!r}")
-        return handler(args)
+            raise RequestError(f"unknown request {type(req).__name__}")
+        return handler(req)
 
-    def do_ping(self, args: dict[str, Any]) -> dict[str, Any]:
+    def do_ping(self, req: Ping) -> dict[str, Any]:
         return {"pid": os.getpid(), "store": self.name, "exists": self.store is not None}
 
-    def do_create(self, args: dict[str, Any]) -> dict[str, Any]:
+    def do_create(self, req: Create) -> dict[str, Any]:
         if self.store is not None:
             raise RequestError(f"store {self.name!r} already exists; destroy it first or attach to it")
-        cfg, meta = model_from_source(args)
-        layout = make_layout(cfg, int(args.get("chunk_rows") or 0) or None)
-        fill = fill_random(meta["init_seed"]) if args["source"] == "random" else fill_from_hf(args["path"])
+        cfg, meta = model_from_source(req)
+        layout = make_layout(cfg, int(req.chunk_rows or 0) or None)
+        fill = fill_random(meta["init_seed"]) if req.source == "random" else fill_from_hf(req.path)
         t0 = time.perf_counter()
         log.info("creating store %s: %s, %s parameters, %d chunks", self.name, meta["source"],
                  f"{layout.num_parameters:,}", len(layout.chunks))
-        self.store = HostStore.create(self.name, layout, meta, shadow=bool(args.get("shadow_bf16")), fill=fill)
+        self.store = HostStore.create(self.name, layout, meta, shadow=bool(req.shadow_bf16), fill=fill)
         seconds = time.perf_counter() - t0
         st = self.store.status()
         log.info("store %s created in %.2f s (%.2f GB/s page touch, %.3f bytes/parameter)", self.name, seconds,
@@ -122,7 +124,7 @@ class HostStateCore:
             self.rings = None
         store.manifest.set_attached(0, 0)
 
-    def do_attach(self, args: dict[str, Any]) -> dict[str, Any]:
+    def do_attach(self, req: Attach) -> dict[str, Any]:
         store = self._need_store()
         self._clear_stale_job()
         m = store.manifest
@@ -132,12 +134,12 @@ class HostStateCore:
                 f"store {self.name!r} already has a job attached: {job.get('job', '?')!r} (launcher pid {m.attached_pid}); "
                 f"wait for it to finish or stop it"
             )
-        want = args.get("layout_hash")
+        want = req.layout_hash
         if want and want != store.layout.hash():
             raise RequestError(
                 f"the job's model does not match store {self.name!r}: the store holds {m.meta.get('source')} "
                 f"({store.layout.model.family}, {store.layout.num_parameters:,} parameters, layout {store.layout.hash()[:12]}), "
-                f"the job asks for layout {str(want)[:12]} ({args.get('model_desc', '?')}); use another store name or destroy this one"
+                f"the job asks for layout {str(want)[:12]} ({req.model_desc}); use another store name or destroy this one"
             )
         torn = m.torn_reason()
         if torn:
@@ -145,51 +147,51 @@ class HostStateCore:
                 f"store {self.name!r} is torn ({torn}); restore a checkpoint first "
                 f"(`slidedp-store restore {self.name} CHECKPOINT`, or run the job with checkpoint.resume = \"latest\")"
             )
-        world, slots = int(args["world"]), int(args.get("grad_slots", 3))
+        world, slots = int(req.world), int(req.grad_slots)
         if world < 1 or slots < 2:
             raise RequestError(f"attach: world must be >= 1 and grad_slots >= 2 (got {world}, {slots})")
-        full = bool(args.get("full_reduce"))
-        self.rings = GradRings.create(self.name, store.layout, world, slots, int(args.get("reduce_slots", 3)), full,
-                                      shard_slots=bool(args.get("shard_slots")))
+        full = bool(req.full_reduce)
+        self.rings = GradRings.create(self.name, store.layout, world, slots, int(req.reduce_slots), full,
+                                      shard_slots=bool(req.shard_slots))
         token = int.from_bytes(os.urandom(6), "little")
-        record = {k: args.get(k) for k in ("job", "world", "grad_slots", "full_reduce", "hyper")}
+        record = {k: getattr(req, k) for k in ("job", "world", "grad_slots", "full_reduce", "hyper")}
         m.set_job(dict(record, attached=time.time(), token=token))
-        m.set_attached(int(args["pid"]), token)
-        log.info("job %r attached (pid %s, %d rank(s)) at committed step %d", args.get("job"), args["pid"], world,
+        m.set_attached(int(req.pid), token)
+        log.info("job %r attached (pid %s, %d rank(s)) at committed step %d", req.job, req.pid, world,
                  m.committed_step)
         return {"committed_step": m.committed_step, "generation": m.generation, "token": token,
                 "layout_hash": store.layout.hash()}
 
-    def do_detach(self, args: dict[str, Any]) -> dict[str, Any]:
+    def do_detach(self, req: Detach) -> dict[str, Any]:
         store = self._need_store()
         m = store.manifest
-        if m.attached_pid and int(args.get("token", -1)) != m.attach_token:
+        if m.attached_pid and int(req.token) != m.attach_token:
             raise RequestError("detach: this job is not the one attached to the store")
         self._release_job()
         log.info("job detached at committed step %d (%s)", m.committed_step, m.torn_reason() or "clean")
         return {"committed_step": m.committed_step, "torn": m.torn_reason()}
 
-    def do_status(self, args: dict[str, Any]) -> dict[str, Any]:
+    def do_status(self, req: Status) -> dict[str, Any]:
         if self.store is None:
             return {"store": self.name, "exists": False, "daemon_pid": os.getpid()}
         self._clear_stale_job()
         return dict(self.store.status(), exists=True, daemon_pid=os.getpid())
 
-    def do_checkpoint(self, args: dict[str, Any]) -> dict[str, Any]:
+    def do_checkpoint(self, req: Checkpoint) -> dict[str, Any]:
         store = self._need_store()
         torn = store.manifest.torn_reason(allow_leased=True)
         if torn:
             raise RequestError(f"checkpoint refused: store {self.name!r} is torn ({torn})")
-        dtype = torch_dtype(args.get("dtype", "bf16"))
-        extra_files = [str(f) for f in args.get("extra_files") or []]
+        dtype = torch_dtype(req.dtype)
+        extra_files = [str(f) for f in req.extra_files or []]
         for f in extra_files:
             if not os.path.isfile(f):
                 raise RequestError(f"checkpoint: extra file {f} does not exist")
         self._wait_writer()  # one checkpoint at a time
         step = store.manifest.committed_step
-        write = functools.partial(ckpt.write_checkpoint, store, args["dir"], step, args.get("extra") or {}, dtype,
-                                  int(args.get("keep", 3)), extra_files=extra_files)
-        if not args.get("background"):
+        write = functools.partial(ckpt.write_checkpoint, store, req.dir, step, req.extra or {}, dtype,
+                                  int(req.keep), extra_files=extra_files)
+        if not req.background:
             t0 = time.perf_counter()
             path = write()
             log.info("checkpoint of step %d written to %s in %.2f s", step, path, time.perf_counter() - t0)
@@ -227,7 +229,7 @@ class HostStateCore:
             return self.writer_result
         return None
 
-    def do_checkpoint_wait(self, args: dict[str, Any]) -> dict[str, Any]:
+    def do_checkpoint_wait(self, req: CheckpointWait) -> dict[str, Any]:
         """Block until the checkpoint being written in the background is complete; its path, or its error."""
         result = self._wait_writer()
         if result is None:
@@ -236,21 +238,21 @@ class HostStateCore:
             raise RequestError(result["error"])
         return result
 
-    def do_restore(self, args: dict[str, Any]) -> dict[str, Any]:
+    def do_restore(self, req: Restore) -> dict[str, Any]:
         store = self._need_store()
         self._wait_writer()
         pid = store.manifest.attached_pid
-        if pid and _alive(pid) and int(args.get("token", -1)) != store.manifest.attach_token:
+        if pid and _alive(pid) and int(req.token) != store.manifest.attach_token:
             raise RequestError(f"restore refused: a job (pid {pid}) is attached to store {self.name!r}")
-        record = ckpt.restore_checkpoint(store, args["path"])
-        log.info("restored %s: store %s now at step %d", args["path"], self.name, record["step"])
+        record = ckpt.restore_checkpoint(store, req.path)
+        log.info("restored %s: store %s now at step %d", req.path, self.name, record["step"])
         return {"step": record["step"], "extra": record.get("extra", {})}
 
-    def do_destroy(self, args: dict[str, Any]) -> dict[str, Any]:
+    def do_destroy(self, req: Destroy) -> dict[str, Any]:
         store = self._need_store()
         self._wait_writer()
         pid = store.manifest.attached_pid
-        if pid and _alive(pid) and not args.get("force"):
+        if pid and _alive(pid) and not req.force:
             raise RequestError(f"destroy refused: a job (pid {pid}) is attached to store {self.name!r}")
         if self.rings is not None:
             self.rings.close()

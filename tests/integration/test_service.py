@@ -33,6 +33,8 @@ import pytest
 
 from slidedp.daemons import sdnotify
 from slidedp.daemons.hoststate import shell as hoststate
+from slidedp.protocol import KIND_OF, control
+from slidedp.store.service import HostStateCore, RequestError
 from slidedp.store.shm import list_store_segments, unlink_store
 
 try:  # tests/ a package (tests.integration) or not (integration, pipeline: top-level)
@@ -369,7 +371,8 @@ class _FakeCore:
         self.notify, self.fail = notify, fail
         self.keepalive_seen: list[bool] = []
 
-    def handle(self, kind: str, args: dict) -> dict:
+    def handle(self, req) -> dict:
+        kind = KIND_OF[type(req)]
         self.keepalive_seen.append(any(t.name == "slidedp-watchdog" and t.is_alive() for t in threading.enumerate()))
         if kind in hoststate.LONG_REQUESTS:
             # A long request: pings must keep arriving while it blocks the serve loop.
@@ -377,8 +380,14 @@ class _FakeCore:
             pings = sum(s == "WATCHDOG=1" for s in self.notify.states(me))
             assert self.notify.wait_for(me, "WATCHDOG=1", pings + 2, 60), "no watchdog ping while a long request ran"
         if self.fail:
-            raise hoststate.RequestError("refused")
+            raise RequestError("refused")
         return {"kind": kind}
+
+
+def _request(kind: str):
+    """A typed request of `kind` with its required arguments."""
+    required = {"attach": {"world": 1, "pid": 1}, "checkpoint": {"dir": "/nonexistent"}, "restore": {"path": "/x"}}
+    return control(kind, **required.get(kind, {}))
 
 
 @pytest.fixture
@@ -401,7 +410,7 @@ def test_long_requests_keep_the_watchdog_fed(notify_here: NotifySocket) -> None:
     assert watchdog.period == pytest.approx(0.01)
     core = _FakeCore(notify_here)
     for kind in ("create", "attach", "checkpoint", "restore", "destroy"):
-        assert hoststate._handle(core, watchdog, kind, {}) == {"kind": kind}
+        assert hoststate._handle(core, watchdog, _request(kind)) == {"kind": kind}
     assert core.keepalive_seen == [True] * 5
     notify_here.sync()  # the last datagrams may still be queued for the reader thread
     statuses = [s for s in notify_here.states(os.getpid()) if s.startswith("STATUS=")]
@@ -410,7 +419,7 @@ def test_long_requests_keep_the_watchdog_fed(notify_here: NotifySocket) -> None:
     # Short requests run on the loop's own pings: no thread, no STATUS change.
     count = len(statuses)
     for kind in ("ping", "status", "detach"):
-        assert hoststate._handle(core, watchdog, kind, {}) == {"kind": kind}
+        assert hoststate._handle(core, watchdog, _request(kind)) == {"kind": kind}
     assert core.keepalive_seen[5:] == [False] * 3
     notify_here.sync()
     assert len([s for s in notify_here.states(os.getpid()) if s.startswith("STATUS=")]) == count
@@ -418,12 +427,12 @@ def test_long_requests_keep_the_watchdog_fed(notify_here: NotifySocket) -> None:
 
 def test_a_refused_long_request_stops_the_keepalive(notify_here: NotifySocket) -> None:
     core = _FakeCore(notify_here, fail=True)
-    with pytest.raises(hoststate.RequestError, match="refused"):
-        hoststate._handle(core, sdnotify.Watchdog(), "checkpoint", {})
+    with pytest.raises(RequestError, match="refused"):
+        hoststate._handle(core, sdnotify.Watchdog(), _request("checkpoint"))
     assert not any(t.name == "slidedp-watchdog" for t in threading.enumerate())
     notify_here.sync()
     assert [s for s in notify_here.states(os.getpid()) if s.startswith("STATUS=")][-1] == "STATUS=serving store demo"
 
 
 def test_long_requests_name_real_requests() -> None:
-    assert all(callable(getattr(hoststate.HostStateCore, f"do_{kind}", None)) for kind in hoststate.LONG_REQUESTS)
+    assert all(callable(getattr(HostStateCore, f"do_{kind}", None)) for kind in hoststate.LONG_REQUESTS)

@@ -14,6 +14,7 @@ import threading
 
 import torch
 
+from slidedp.protocol import Checkpoint, CheckpointWait, Create
 from slidedp.store.service import HostStateCore
 from slidedp.model import hf
 from slidedp.store import checkpoint as ckpt
@@ -27,13 +28,13 @@ def test_background_checkpoint_is_the_state_of_its_step(tmp_path):
     store_name = unique_store("ckbg")
     core = HostStateCore(store_name)
     try:
-        core.do_create({"source": "random", "shape": "small", "init_seed": 3})
+        core.do_create(Create(source="random", shape="small", init_seed=3))
         store = core.store
         for kind in ("exp_avg", "exp_avg_sq"):
             store.flat(kind).copy_(torch.randn(store.layout.total_numel))
         before = {k: store.flat(k).clone() for k in STATE_KINDS}
 
-        out = core.do_checkpoint({"dir": str(tmp_path / "ck"), "dtype": "fp32", "background": True})
+        out = core.do_checkpoint(Checkpoint(dir=str(tmp_path / "ck"), dtype="fp32", background=True))
         assert out == {"step": 0, "background": True}
 
         m = store.manifest
@@ -46,7 +47,7 @@ def test_background_checkpoint_is_the_state_of_its_step(tmp_path):
 
         t = threading.Thread(target=updater)
         t.start()
-        done = core.do_checkpoint_wait({})
+        done = core.do_checkpoint_wait(CheckpointWait())
         t.join(60)
         assert not t.is_alive()
         assert (m.snapshot == 0).all()
@@ -65,7 +66,7 @@ def test_background_checkpoint_is_the_state_of_its_step(tmp_path):
             assert torch.equal(hf.load_tensor(path / "model", span.name), want), span.name
         for kind in STATE_KINDS:  # and every rewrite landed in the store afterwards
             assert torch.equal(store.flat(kind), before[kind] + 1.0)
-        assert core.do_checkpoint_wait({}) == {"idle": True}
+        assert core.do_checkpoint_wait(CheckpointWait()) == {"idle": True}
     finally:
         core.close()
         unlink_store(store_name)
