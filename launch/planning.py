@@ -98,7 +98,7 @@ def plan_job(job: JobConfig, calib: Calibration | None = None) -> JobPlan:
     allowed = {
         "activations": ("keep", "offload") if mem.offload_layers != 0 else ("keep",),
         "delivery": ("fp32",),  # the bf16 shadow delivery needs a store made with store.shadow_bf16
-        "embedding": {None: ("gpu", "host"), "host": ("host",), "device": ("gpu",)}[forced_embedding],
+        "embedding": {None: ("device", "host"), "host": ("host",), "device": ("device",)}[forced_embedding],
         **_routes(job, calib),
     }
     if mem.prefetch_depth > 0:  # the job's depth, planned with its buffers

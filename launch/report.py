@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from slidedp.step_records import timed_steps, write_backs
+from slidedp.stepplan import PLAN_FILE, StepPlan, StepPlanError
 
 from . import tracefile
 
@@ -121,6 +122,19 @@ def summary(records: list[dict[str, Any]]) -> list[str]:
     lines.append(f"memory       {gpu}, host private peak {peak['host_rss_bytes'] / 2**30:.2f} GiB, "
                  f"shared (store + rings) {peak['shm_bytes'] / 2**30:.2f} GiB")
     return lines
+
+
+def plan_lines(run_dir: Path) -> list[str]:
+    """What the ranks carried out: the run's plan.json, one line per choice (none in an older run dir)."""
+    path = run_dir / PLAN_FILE
+    if not path.exists():
+        return []
+    try:
+        plan = StepPlan.read(path)
+    except (OSError, StepPlanError) as e:
+        return [f"step plan    unreadable: {e}"]
+    shown = {k: v for k, v in plan.to_dict().items() if k not in ("predicted_step_s", "planned_device_bytes", "planned_by")}
+    return [f"step plan    {path} (chosen by the {plan.planned_by})"] + [f"  {k:<22}{v}" for k, v in shown.items()]
 
 
 def trace_summary(trace: dict[str, Any], step: int | None) -> tuple[int | None, list[str]]:
@@ -252,7 +266,7 @@ def report(run_dir: Path, out_dir: Path | None = None, step: int | None = None, 
     run_dir = Path(run_dir)
     plt = pyplot() if plots else None  # fail before any work when matplotlib is missing
     records = read_metrics(run_dir)
-    lines = summary(records)
+    lines = summary(records) + plan_lines(run_dir)
     trace = read_trace(run_dir)
     traced_step = None
     if trace is not None:

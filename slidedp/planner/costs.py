@@ -311,7 +311,7 @@ def gpu_memory_items(
         items.append(("device-held layers", held * p_layer * (12 + cb)))
         items.append(("held layers' gradients", held * p_layer * GRAD_BYTES))
     vh = embedding_params(model) + head_params(model)
-    if embedding == "gpu":
+    if embedding == "device":
         # fp32 master + exp_avg + exp_avg_sq + fp32 grad (from the loss on), and the compute-dtype copy
         items.append(("embedding/head on GPU", vh * (16 + cb)))
     elif model.tie_word_embeddings:  # fetched whole for the head; one gradient from the loss to the end

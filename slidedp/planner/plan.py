@@ -76,7 +76,7 @@ class Plan:
             delivery=self.delivery, prefetch_depth=self.prefetch_depth, chunk_rows=self.chunk_rows,
             resident_layers=self.resident_layers, offload_layers=self.offload_layers,
             seq_tile_tokens=self.seq_tile_tokens, loss_chunk_tokens=self.loss_chunk_tokens,
-            device_layers=self.device_layers, embedding="device" if self.embedding == "gpu" else "host",
+            device_layers=self.device_layers, embedding=self.embedding,
             grad_route=self.grad_route, predicted_step_s=self.predicted_step_s,
             planned_device_bytes=self.gpu_total_bytes, planned_by="planner",
         )
@@ -185,7 +185,7 @@ def _loss_chunks(work: Workload) -> list[int]:
 
 
 ALL_OPTIONS: dict[str, tuple] = {
-    "activations": ("keep", "offload"), "embedding": ("gpu", "host"), "delivery": ("fp32", "bf16"),
+    "activations": ("keep", "offload"), "embedding": ("device", "host"), "delivery": ("fp32", "bf16"),
     "param_route": ("replicated", "sharded"), "grad_route": ("host", "reduce_scatter"), "prefetch_depth": (1, 2, 3)}
 _SEQ_TILES = (0, 8192, 4096, 2048, 1024)  # tokens per MLP/norm/head tile; untiled first
 

@@ -5,7 +5,7 @@ simulation over five resources, each a FIFO server:
 
   h2d     the copy-in stream: parameter chunks (prefetched `prefetch_depth` chunks ahead),
           embedding rows, offloaded activations
-  gpu     compute: forward, loss, recompute + backward, the GPU AdamW of a GPU-resident embedding
+  gpu     compute: forward, loss, recompute + backward, the device AdamW of a device-held embedding
   d2h     the copy-out stream: fp32 chunk gradients, offloaded activations
   reduce  the aggregator summing the ranks' gradients of a chunk (nothing to do with one rank)
   update  the updater pool: K processes running the fused CPU AdamW, one chunk at a time each

@@ -52,7 +52,7 @@ class Choices:
     """What the planner decides; everything `predict_step` needs besides the workload."""
 
     activations: str = "keep"  # "keep" on the GPU | "offload" to pinned host memory
-    embedding: str = "host"  # "host" (rows gathered, CPU update) | "gpu" (resident, GPU AdamW)
+    embedding: str = "host"  # "host" (rows gathered, host update) | "device" (held there, AdamW on the device)
     delivery: str = "fp32"  # what crosses PCIe to the GPU: fp32 master | bf16 shadow
     prefetch_depth: int = 1
     resident_layers: int = 0  # last layers kept on the GPU from forward to backward
@@ -72,8 +72,8 @@ class Choices:
             raise ValueError(f"param_route must be 'replicated' or 'sharded', got {self.param_route!r}")
         if self.grad_route not in ("host", "reduce_scatter"):
             raise ValueError(f"grad_route must be 'host' or 'reduce_scatter', got {self.grad_route!r}")
-        if self.embedding not in ("host", "gpu"):
-            raise ValueError(f"embedding must be 'host' or 'gpu', got {self.embedding!r}")
+        if self.embedding not in ("host", "device"):
+            raise ValueError(f"embedding must be 'host' or 'device', got {self.embedding!r}")
         costs.delivery_bytes(self.delivery)
         if not 1 <= self.prefetch_depth <= 8:
             raise ValueError(f"prefetch_depth must be between 1 and 8, got {self.prefetch_depth}")

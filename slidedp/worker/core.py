@@ -29,7 +29,7 @@ from ..store.store import HostStore
 from ..tracing import Tracer
 from ..transport import PeerTimeout
 from .collectives import Group
-from .device_state import DeviceResident
+from .device_state import DeviceHeld
 from .engine import Engine, units_of
 from .link import LauncherLink, WorkerLink
 
@@ -88,7 +88,7 @@ class WorkerCore:
                      t.compile, ": eager where compiling fails" if t.compile == "auto" else "")
         units = units_of(store.layout)
         names = held_unit_names(store.layout.model, plan.embedding_held, plan.device_layers)
-        self.held = {n: DeviceResident(store, units[n], device, dtype, t, rank, group) for n in names}
+        self.held = {n: DeviceHeld(store, units[n], device, dtype, t, rank, group) for n in names}
         self.engine = Engine(cfg, store.layout, store.flat("master"), device, dtype, link,
                              lambda slot, numel: rings.slot(rank, slot, numel), t.global_batch * t.seq_len, plan,
                              t.max_grad_norm, self.held,

@@ -24,7 +24,7 @@ from ..store.manifest import LEASED
 from ..store.store import HostStore
 
 
-class DeviceResident:
+class DeviceHeld:
     def __init__(self, store: HostStore, unit: Unit, device: torch.device, dtype: torch.dtype, train: TrainSection,
                  rank: int, group: Group | None) -> None:
         self.store, self.unit, self.device, self.dtype, self.train = store, unit, device, dtype, train

@@ -33,7 +33,7 @@ import torch
 from .activations import SavedInputs
 from .collectives import Group
 from .delivery import GradOut, ParamDelivery, Unit, unit_tensors
-from .device_state import DeviceResident
+from .device_state import DeviceHeld
 from .loss import norm_head_backward
 from ..model import layers as L
 from ..model.config import ModelConfig
@@ -74,7 +74,7 @@ def units_of(layout: Layout) -> dict[str, Unit]:
 class Engine:
     def __init__(self, cfg: ModelConfig, layout: Layout, master: torch.Tensor, device: torch.device,
                  dtype: torch.dtype, link: Link, slot_view, global_tokens: int, plan: StepPlan = StepPlan(),
-                 max_grad_norm: float = 0.0, held: dict[str, DeviceResident] | None = None, param_group: Group | None = None,
+                 max_grad_norm: float = 0.0, held: dict[str, DeviceHeld] | None = None, param_group: Group | None = None,
                  grad_group: Group | None = None) -> None:
         self.cfg, self.layout, self.master = cfg, layout, master
         self.device, self.dtype, self.link, self.plan = device, dtype, link, plan

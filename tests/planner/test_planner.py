@@ -71,13 +71,13 @@ def test_cost_formulas_by_hand():
     assert costs.row_blocks(10, 4) == [4, 4, 2]
     assert costs.update_bytes_per_param("fp32") == 28 and costs.update_bytes_per_param("bf16") == 30
     # what the host updates: layers not held on the device, the final norm, a host embedding
-    assert costs.host_updated_params(TOY, "gpu") == 2 * P + 64
-    assert costs.host_updated_params(TOY, "gpu", device_layers=1) == P + 64
+    assert costs.host_updated_params(TOY, "device") == 2 * P + 64
+    assert costs.host_updated_params(TOY, "device", device_layers=1) == P + 64
     assert costs.host_updated_params(TOY, "host", device_layers=5) == 64 + 256 * 64
 
 
 def test_toy_prediction_embedding_on_gpu():
-    busy, exposed, step = predict_step(toy(), Choices(embedding="gpu"), TOY_CAL)
+    busy, exposed, step = predict_step(toy(), Choices(embedding="device"), TOY_CAL)
     gpu = 2 * 1 + G_LOSS + 2 * 3 + 0.1  # forward, loss, recompute+backward, GPU AdamW of the embedding
     assert busy == pytest.approx({
         "gpu": gpu,
@@ -96,7 +96,7 @@ def test_a_device_held_first_layer_leaves_the_host_and_the_tail():
     """device_layers=1: layer 0 is neither copied in (twice) nor out, the host does not update it,
     the GPU runs its AdamW (P params at 163,840/s) after backward, and the next forward no longer
     waits for it: the tail (H + U + H) is gone and the step is the GPU's busy time."""
-    busy, exposed, step = predict_step(toy(), Choices(embedding="gpu", device_layers=1), TOY_CAL)
+    busy, exposed, step = predict_step(toy(), Choices(embedding="device", device_layers=1), TOY_CAL)
     held_adamw = P / 163_840
     assert busy == pytest.approx({
         "gpu": 8 + G_LOSS + 0.1 + held_adamw, "h2d": 2 * H + NORM_IO, "d2h": H + NORM_IO, "reduce": 0.0,
@@ -104,7 +104,7 @@ def test_a_device_held_first_layer_leaves_the_host_and_the_tail():
     }, rel=1e-12)
     assert step == pytest.approx(busy["gpu"], rel=1e-12) and exposed == pytest.approx(0.0, abs=1e-12)
     # without it the step was the GPU's 8 + G_LOSS + 0.1 plus the exposed tail H + U + H - 0.1
-    assert predict_step(toy(), Choices(embedding="gpu"), TOY_CAL)[2] - step == pytest.approx(H + U + H - 0.1 - held_adamw)
+    assert predict_step(toy(), Choices(embedding="device"), TOY_CAL)[2] - step == pytest.approx(H + U + H - 0.1 - held_adamw)
 
 
 def test_device_held_layers_memory_and_the_planners_choice():
@@ -114,7 +114,7 @@ def test_device_held_layers_memory_and_the_planners_choice():
     q4 = named_shape("qwen3-4b")
     work = Workload(q4, global_batch=8, seq_len=2048, world=1, micro_batch=2, clip=False)
     items = dict(costs.gpu_memory_items(q4, tokens=16_384, seq_len=2048, micro_batch=2, world=1, delivery="fp32",
-                                        activations="keep", embedding="gpu", prefetch_depth=1, resident_layers=0,
+                                        activations="keep", embedding="device", prefetch_depth=1, resident_layers=0,
                                         chunk_rows=costs.default_chunk_rows(q4), loss_chunk_tokens=1024,
                                         device_layers=3))
     assert items["device-held layers"] == 3 * costs.layer_params(q4) * 14  # for the whole job
@@ -138,7 +138,7 @@ def test_device_held_layers_memory_and_the_planners_choice():
 def test_compiled_layers_are_charged_the_measured_speedup():
     """train.compile: each layer's forward and recompute + backward at COMPILED_LAYER_SPEEDUP times the
     eager rate; the loss and the GPU AdamW stay as they were."""
-    busy, _, _ = predict_step(toy(compiled=True), Choices(embedding="gpu"), TOY_CAL)
+    busy, _, _ = predict_step(toy(compiled=True), Choices(embedding="device"), TOY_CAL)
     assert busy["gpu"] == pytest.approx((2 * 1 + 2 * 3) / costs.COMPILED_LAYER_SPEEDUP + G_LOSS + 0.1, rel=1e-12)
 
 
@@ -161,7 +161,7 @@ def test_toy_prediction_embedding_on_host():
 
 
 def test_clipping_exposes_the_whole_update():
-    for emb in ("gpu", "host"):
+    for emb in ("device", "host"):
         busy, _, free = predict_step(toy(clip=False), Choices(embedding=emb), TOY_CAL)
         _, exposed, clipped = predict_step(toy(clip=True), Choices(embedding=emb), TOY_CAL)
         assert clipped > free
@@ -169,7 +169,7 @@ def test_clipping_exposes_the_whole_update():
     # by hand (embedding on the GPU): after layer 0's gradient is out, the aggregator copies it into
     # the reduction space (clipping keeps every gradient there; 2 of the calibrated sum's 3 buffers:
     # 2/3 H), norm + both layers update in gradient order, then layer 0 goes back in
-    _, _, step = predict_step(toy(clip=True), Choices(embedding="gpu"), TOY_CAL)
+    _, _, step = predict_step(toy(clip=True), Choices(embedding="device"), TOY_CAL)
     assert step == pytest.approx(8 + G_LOSS + H + 2 * H / 3 + NORM_U + 2 * U + H, rel=1e-12)
     # embedding on the host: the embedding's gradient (0.065536 s) is out last; then norm, both
     # layers and the next batch's rows update before the gather and layer 0's H2D
@@ -182,26 +182,26 @@ def test_clipping_exposes_the_whole_update():
 
 def test_bidirectional_sharing_and_resident_layers():
     cal = dataclasses.replace(TOY_CAL, bidir_gbps=1.5e-3)  # backward: 0.75 MB/s each way
-    busy, _, _ = predict_step(toy(), Choices(embedding="gpu"), cal)
+    busy, _, _ = predict_step(toy(), Choices(embedding="device"), cal)
     assert busy["h2d"] == pytest.approx(2 * H + NORM_IO + 2 * P * 4 / 0.75e6, rel=1e-12)
     assert busy["d2h"] == pytest.approx((2 * P * 4 + 64 * 4) / 0.75e6, rel=1e-12)
     # both layers resident: no re-fetch, so the gradients leave at the full D2H rate
-    busy, _, _ = predict_step(toy(), Choices(embedding="gpu", resident_layers=2), cal)
+    busy, _, _ = predict_step(toy(), Choices(embedding="device", resident_layers=2), cal)
     assert busy["h2d"] == pytest.approx(2 * H + NORM_IO, rel=1e-12)
     assert busy["d2h"] == pytest.approx(2 * H + NORM_IO, rel=1e-12)
 
 
 def test_reduce_and_updaters():
     # two ranks: the aggregator sums 2 fp32 gradients (3 buffers touched = the calibrated case)
-    busy, _, _ = predict_step(toy(world=2), Choices(embedding="gpu"), TOY_CAL)
+    busy, _, _ = predict_step(toy(world=2), Choices(embedding="device"), TOY_CAL)
     assert busy["reduce"] == pytest.approx((2 * P + 64) * 4 / 1e6, rel=1e-12)
     # four ranks: 5 buffers touched per output
-    busy, _, _ = predict_step(toy(world=4), Choices(embedding="gpu"), TOY_CAL)
+    busy, _, _ = predict_step(toy(world=4), Choices(embedding="device"), TOY_CAL)
     assert busy["reduce"] == pytest.approx((2 * P + 64) * 4 * 5 / 3 / 1e6, rel=1e-12)
-    busy, _, _ = predict_step(toy(updaters=2), Choices(embedding="gpu"), TOY_CAL)
+    busy, _, _ = predict_step(toy(updaters=2), Choices(embedding="device"), TOY_CAL)
     assert busy["update"] == pytest.approx((2 * U + NORM_U) / 2, rel=1e-12)
     # bf16 shadow delivery: half the H2D, and the updater writes 2 more bytes per parameter
-    busy, _, _ = predict_step(toy(), Choices(embedding="gpu", delivery="bf16"), TOY_CAL)
+    busy, _, _ = predict_step(toy(), Choices(embedding="device", delivery="bf16"), TOY_CAL)
     assert busy["h2d"] == pytest.approx((4 * H + NORM_IO) / 2, rel=1e-12)
     assert busy["update"] == pytest.approx((2 * U + NORM_U) * 30 / 28, rel=1e-12)
 
@@ -210,7 +210,7 @@ def test_busy_matches_transfer_formula():
     cal = dataclasses.replace(H200_REFERENCE, bidir_gbps=110.0)  # no sharing loss: rates are the solo ones
     work = Workload(named_shape("qwen3-8b"), global_batch=4, seq_len=1024, world=1, micro_batch=1)
     for act in ("keep", "offload"):
-        for emb in ("gpu", "host"):
+        for emb in ("device", "host"):
             for k in (0, 5):
                 ch = Choices(activations=act, embedding=emb, resident_layers=k)
                 busy, _, step = predict_step(work, ch, cal)
@@ -554,22 +554,22 @@ def test_routes_follow_the_transfer_formula_and_the_links():
     fast = dataclasses.replace(H200_REFERENCE, bidir_gbps=110.0, allreduce_gbps=1e9, bus_gpus=4)  # free links
     for pr in ("replicated", "sharded"):
         for gr in ("host", "reduce_scatter"):
-            ch = Choices(embedding="gpu", param_route=pr, grad_route=gr)
+            ch = Choices(embedding="device", param_route=pr, grad_route=gr)
             busy, _, _ = predict_step(work, ch, fast)
             b = costs.transfer_bytes(work.model, tokens=work.local_tokens, delivery="fp32", activations="keep",
-                                     embedding="gpu", resident_layers=0, world=4, param_route=pr, grad_route=gr)
+                                     embedding="device", resident_layers=0, world=4, param_route=pr, grad_route=gr)
             assert busy["h2d"] == pytest.approx(b["h2d"] / 55e9, rel=1e-6)
             assert busy["d2h"] == pytest.approx(b["d2h"] / 55e9, rel=1e-6)
     # the all-gather of a layer in bf16 at the bus rate, on top of a quarter of the PCIe copy
     slow = dataclasses.replace(fast, allreduce_gbps=10.0)
     p = costs.layer_params(work.model)
     nl, h = work.model.num_layers, work.model.hidden_size
-    busy, _, _ = predict_step(work, Choices(embedding="gpu", param_route="sharded"), slow)
+    busy, _, _ = predict_step(work, Choices(embedding="device", param_route="sharded"), slow)
     gathered = (2 * nl * p + h) * 2 * 3 / 4
     assert busy["h2d"] == pytest.approx((2 * nl * p + h) * 4 / 4 / 55e9 + gathered / 10e9, rel=1e-6)
     # the aggregator only places reduce-scattered shards: 2 of the sum's 3 buffer touches, and no N + 1
-    host = predict_step(work, Choices(embedding="gpu"), slow)[0]["reduce"]
-    scattered = predict_step(work, Choices(embedding="gpu", grad_route="reduce_scatter"), slow)[0]["reduce"]
+    host = predict_step(work, Choices(embedding="device"), slow)[0]["reduce"]
+    scattered = predict_step(work, Choices(embedding="device", grad_route="reduce_scatter"), slow)[0]["reduce"]
     assert scattered == pytest.approx(host * 2 / 5, rel=1e-9)  # (2/3) / ((4 + 1) / 3)
 
 
@@ -651,7 +651,7 @@ def test_a_training_run_teaches_the_planner_its_adamw_rate_for_that_model(tmp_pa
     busy_after = dict(predict_step(work, plan.choices, saved)[0])["update"]
     assert busy_after == pytest.approx(busy_before * cal.adamw_params_per_s * cal.adamw_train_fraction / 2.2e9, rel=1e-9)
     other = Workload(named_shape("qwen3-1.7b"), global_batch=8, seq_len=2048, world=1, micro_batch=2, clip=False)
-    ch = Choices(embedding="gpu")
+    ch = Choices(embedding="device")
     assert predict_step(other, ch, saved)[0]["update"] == predict_step(other, ch, cal)[0]["update"]
     n = work.model.num_parameters()
     assert f"AdamW in training 2.20 G params/s (measured training a {n:,}-param model)" in saved.summary()
@@ -781,11 +781,11 @@ def test_replicated_ranks_share_the_hosts_measured_h2d():
     base = dataclasses.replace(H200_REFERENCE, bidir_gbps=110.0, allreduce_gbps=1e9, bus_gpus=4)
     shared = dataclasses.replace(base, h2d_total_gbps=60.0)
     b = costs.transfer_bytes(work.model, tokens=work.local_tokens, delivery="fp32", activations="keep",
-                             embedding="gpu", resident_layers=0, world=4)
-    ch = Choices(embedding="gpu")
+                             embedding="device", resident_layers=0, world=4)
+    ch = Choices(embedding="device")
     assert predict_step(work, ch, base)[0]["h2d"] == pytest.approx(b["h2d"] / 55e9, rel=1e-6)
     assert predict_step(work, ch, shared)[0]["h2d"] == pytest.approx(b["h2d"] / 15e9, rel=1e-6)
-    sharded = predict_step(work, Choices(embedding="gpu", param_route="sharded"), shared)[0]["h2d"]
+    sharded = predict_step(work, Choices(embedding="device", param_route="sharded"), shared)[0]["h2d"]
     assert sharded == pytest.approx(b["h2d"] / 4 / 15e9, rel=1e-6)  # the links are free here
     assert "H2D of all 60 GB/s" in shared.summary()
 
@@ -807,7 +807,7 @@ def test_among_nearly_equal_plans_the_larger_matmuls_win():
     # (the spare memory may then hold layers on the GPU: see the device-held layers' test)
     plan = make_plan(work, 24 * GiB, H200_REFERENCE, {"delivery": ("fp32",)}, device_layers=0)
     assert (plan.loss_chunk_tokens, plan.seq_tile_tokens, plan.offload_layers) == (1024, 0, 0)
-    tight = Choices(embedding="gpu", micro_batch=2, seq_tile_tokens=2048, loss_chunk_tokens=128,
+    tight = Choices(embedding="device", micro_batch=2, seq_tile_tokens=2048, loss_chunk_tokens=128,
                     chunk_rows=costs.default_chunk_rows(work.model))
     fastest = predict_step(work, tight, H200_REFERENCE)[2]
     assert fastest <= plan.predicted_step_s <= fastest * 1.02

@@ -86,6 +86,8 @@ def test_recorded_run(tiny_run, tmp_path, capsys):
     out = capsys.readouterr().out
     assert f"steps        0..{STEPS - 1} ({STEPS} recorded)" in out
     assert "plan         no prediction (a CPU run has no plan)" in out
+    assert f"step plan    {tiny_run.run_dir / 'plan.json'} (chosen by the job file)" in out  # what the ranks ran
+    assert "  micro_batch           2\n" in out and "  grad_route            host\n" in out
     assert f"trace        step {TRACED}: " in out and "worker0/compute" in out
     names = sorted(p.name for p in tmp_path.iterdir())
     assert names == ["loss.png", "step_breakdown.png", f"timeline_step{TRACED}.png", "tokens_per_s.png"]
