@@ -43,9 +43,8 @@ log = logging.getLogger("slidedp.launcher")
 
 def worker_env() -> dict[str, str]:
     """The workers' environment: the caching allocator grows segments in place unless the user
-    chose otherwise. A worker keeps hundreds of layer inputs alive across a step between
-    transient tensors; with fixed segments that left 8.5 GiB reserved but unusable at a 24 GiB
-    budget (Qwen3-4B, 16 micro-batches of 2 x 2048 tokens, on the H200)."""
+    chose otherwise (a worker keeps hundreds of layer inputs alive between transient tensors,
+    which fixed segments fragment: docs/tuning.md)."""
     env = dict(os.environ)
     env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     return env

@@ -272,7 +272,7 @@ REDUCE_SLOTS = 3  # chunk-sized slots the aggregator sums several ranks' whole g
 
 @dataclass(frozen=True)
 class Ping:
-    pass
+    """Is the daemon there: its pid, and whether the store exists."""
 
 
 @dataclass(frozen=True)
@@ -304,12 +304,13 @@ class Attach:
 
 @dataclass(frozen=True)
 class Detach:
+    """Detach the attached job (its token from Attach): its gradient rings go."""
     token: int = -1
 
 
 @dataclass(frozen=True)
 class Status:
-    pass
+    """The store's model, segments, committed step, torn state and attached job."""
 
 
 @dataclass(frozen=True)
@@ -325,23 +326,25 @@ class Checkpoint:
 
 @dataclass(frozen=True)
 class CheckpointWait:
-    pass
+    """Wait until the checkpoint written in the background is complete: its path, or its error."""
 
 
 @dataclass(frozen=True)
 class Restore:
+    """Load a checkpoint into the store."""
     path: str
     token: int = -1  # the attached job's, which may restore while attached
 
 
 @dataclass(frozen=True)
 class Destroy:
+    """Remove the store's segments (its state is lost); force: even with a job attached."""
     force: bool = False
 
 
 @dataclass(frozen=True)
 class Shutdown:
-    pass
+    """Stop the daemon; the store stays in place."""
 
 
 ControlRequest = Ping | Create | Attach | Detach | Status | Checkpoint | CheckpointWait | Restore | Destroy | Shutdown

@@ -1,7 +1,7 @@
 """Step-time model and planner: calibrate the host, predict a step, pick the plan that fits."""
 
 from slidedp.planner.calibration import (
-    H200_REFERENCE,
+    REFERENCE_CALIBRATION,
     Calibration,
     CalibrationError,
     calibrate,
@@ -12,7 +12,7 @@ from slidedp.planner.step_model import predict_step
 from slidedp.planner.workload import Choices, Workload
 
 __all__ = [
-    "H200_REFERENCE",
+    "REFERENCE_CALIBRATION",
     "Calibration",
     "CalibrationError",
     "Choices",

@@ -33,14 +33,8 @@ from slidedp import log
 _log = log.get("planner")
 
 SCHEMA = 1
-# The engine's decoder layer (forward, recompute, backward: the model's 4x forward FLOPs) runs
-# at about 45% of a bare matmul's rate on an H200, eager kernels: attention, norms, casts and
-# elementwise kernels beside the GEMMs. Measured: 356 TFLOP/s for Qwen3-4B at micro-batches of
-# 2 x 2,048 tokens (benchmarks.layer_bench) against the 737-793 TFLOP/s bare bf16 matmul the
-# H200 hosts' calibrations measured, and training runs took 1.20x the GPU time planned at
-# BENCHMARKS.md's 405/755 (a layer's forward + backward without recompute): 0.536 / 1.2 = 0.45.
-# The model's FLOP count is matmuls only, so the calibration reports this effective rate
-# (compiled kernels: costs.COMPILED_LAYER_SPEEDUP on top).
+# A decoder layer's matmul-FLOP rate over a bare matmul's, eager kernels (benchmarks.layer_bench and
+# training runs; docs/tuning.md, "The planner's constants").
 LAYER_EFFICIENCY = 0.45
 
 
@@ -85,17 +79,13 @@ class Calibration:
     # ranks share (0: not measured; each rank then gets its own h2d_gbps)
     h2d_total_gbps: float = 0.0
     # the updaters' AdamW rate measured during a training run on this host, per process, and the
-    # parameter count of the model it trained: DMA, the aggregator and the workers compete with it
-    # for the host, so it is lower than the bare kernel's, by an amount that differs from model to
-    # model (on an H200 host: 2.26 G params/s measured for Qwen3-4B; at least 2.6 for Qwen3-8B, from
-    # its step time; 4.11 bare). The planner charges it for that model only. 0: no run yet.
+    # parameter count of the model it trained (lower than the bare kernel's: DMA, the aggregator and
+    # the workers compete for the host). The planner charges it for that model only. 0: no run yet.
     adamw_train_params_per_s: float = 0.0
     adamw_train_model_params: int = 0
     # the same, and the aggregator's sum rate (as reduce_gbps), measured in a run whose aggregator
-    # summed several ranks' whole gradients beside the updaters (grad_route = "host"): both compete
-    # for host memory, so each runs well below its bare rate (on a 2-H200 host, Qwen3-4B: AdamW at
-    # 1.55 G params/s against 6.06 bare, the sum at a fifth of its calibrated rate). Charged to plans
-    # of that model on that route only. 0: no such run yet.
+    # summed several ranks' whole gradients beside the updaters (grad_route = "host"; both compete for
+    # host memory). Charged to plans of that model on that route only. 0: no such run yet.
     adamw_train_summed_params_per_s: float = 0.0
     reduce_train_summed_gbps: float = 0.0
     adamw_train_summed_model_params: int = 0
@@ -103,19 +93,13 @@ class Calibration:
     # for the host) over the plan's GPU time for it from the rates above: what the matmul rate
     # leaves out (casts, norms, attention, launches, the size of the matmuls). A JSON object,
     # shape of the GPU work (`gpu_shape`) -> factor, for the model of `gpu_train_model_params`
-    # parameters. On an H200, Qwen3-4B in 4,096-token micro-batches with 1,024-token loss chunks:
-    # 1.667 s measured for 1.386 s planned, 1.20x. "": no run yet.
+    # parameters. "": no run yet.
     gpu_train_factors: str = ""
     gpu_train_model_params: int = 0
-    # until a run of a model has measured its updaters' rate, the planner charges this share of the
-    # bare kernel's: beside the DMA, the aggregator and the workers, the updaters reached 0.57-0.64
-    # of it training Qwen3-4B (2.48-2.74 of 4.00-4.37 G params/s on one H200's host, 16 cores;
-    # 3.00 of 5.22 on the 2-H200 host). 1.0 charges the bare rate.
+    # until a run of a model has measured its updaters' rate, the share of the bare kernel's rate the
+    # planner charges (measured in training runs; docs/tuning.md). 1.0 charges the bare rate.
     adamw_train_fraction: float = 0.6
-    # the lowest share measured so far: 2.78 of 7.28 G params/s (0.38) training Qwen3-4B with two
-    # workers copying in at once on a 2-H200 host. A first plan chooses its device-held layers so
-    # that the step also holds at this share (plan._with_device_layers): one layer too many costs
-    # little GPU time, one too few leaves the step bound by the host's update.
+    # the lowest share measured in training; a first plan's device-held layers also hold at it
     adamw_train_fraction_low: float = 0.38
 
     def __post_init__(self) -> None:
@@ -209,10 +193,8 @@ class Calibration:
         return self.reduce_gbps
 
 
-# The building blocks measured on one H200 host (BENCHMARKS.md). The reduce rate was not
-# measured there: it is derived from the AdamW rate's host traffic (4.4e9 params/s x 28 B =
-# 123 GB/s; a 2-input sum touches 3 buffers per output -> 41 GB/s of output).
-H200_REFERENCE = Calibration(
+# A reference host's building blocks, for tests and examples (docs/tuning.md: how each was had).
+REFERENCE_CALIBRATION = Calibration(
     host="h200-reference",
     device_name="NVIDIA H200",
     h2d_gbps=55.0,
@@ -221,9 +203,9 @@ H200_REFERENCE = Calibration(
     adamw_params_per_s=4.4e9,
     adamw_threads=16,
     reduce_gbps=41.0,
-    gpu_tflops=405.0,  # BENCHMARKS: Qwen3-4B layer fwd+bwd at 405 TFLOP/s (755 bare matmul)
-    gpu_mem_bytes=143_771 * (1 << 20),  # nvidia-smi: 143,771 MiB
-    gpu_adamw_params_per_s=1.0e11,  # ~28 B/param at ~2.8 TB/s of HBM
+    gpu_tflops=405.0,
+    gpu_mem_bytes=143_771 * (1 << 20),
+    gpu_adamw_params_per_s=1.0e11,
     allreduce_gbps=100.0,
 )
 

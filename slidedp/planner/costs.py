@@ -104,9 +104,8 @@ def dtype_bytes(dtype: str) -> int:
 GRAD_BYTES = 4  # gradients leave the GPU in fp32 (cast on the GPU)
 
 
-# A decoder layer's recompute + backward with the pointwise pieces compiled (train.compile) against
-# eager, one H200, Qwen3-4B shape, 16,384 tokens (benchmarks.layer_bench): 40.1 -> 27.9 ms at
-# micro-batches of 2 x 2,048 tokens, 36.3 -> 25.2 ms at 8 x 2,048: 1.44x either way.
+# A layer's recompute + backward with compiled pointwise kernels (train.compile) against eager
+# (benchmarks.layer_bench; docs/tuning.md, "The planner's constants").
 COMPILED_LAYER_SPEEDUP = 1.44
 
 
@@ -185,9 +184,8 @@ GiB = 1 << 30
 CUDA_CONTEXT_BYTES = 512 * MiB  # CUDA context + loaded kernels: outside the allocator, still on the GPU
 WORKSPACE_BYTES = 128 * MiB  # cuBLAS workspaces, SDPA scratch
 NCCL_BYTES = 256 * MiB  # NCCL communicator buffers, only with more than one rank
-# Caching-allocator slack on top of the peak's tensors. With several ranks, blocks wait for the
-# NCCL and copy streams before reuse (record_stream), and on two H200s the allocator reserved 15%
-# and 17.5% above the tensors the model counts (one GPU: 2% and 6%).
+# Caching-allocator slack on top of the peak's tensors, one rank and several (with several, blocks wait
+# for the NCCL and copy streams before reuse); measured on GPU runs (docs/tuning.md).
 ALLOCATOR_RESERVE = 0.10
 ALLOCATOR_RESERVE_RANKS = 0.20
 LOGIT_BYTES = 2 + 4 + 4  # per logit of a loss chunk: bf16 matmul output, fp32 copy, fp32 gradient

@@ -21,10 +21,8 @@ from slidedp.planner.workload import Choices, Workload
 
 _LOSS_CHUNKS = (1024, 512, 256, 128)  # tokens per logits chunk, largest that fits first
 _TIE = 1e-9  # relative: resident layers that change a prediction by less than this buy nothing
-# Plans predicted within 2% of the fastest count as equally fast when choosing among them: the
-# model's own error is larger, and what it leaves out (smaller matmuls, launches, host traffic)
-# decides instead. At 65,536 tokens on one H200 (24 GiB), the strictly fastest plan, 1 ms ahead,
-# ran 128-token loss chunks at 23.96 of 24 GiB; its step took 8.17 s against 5.58 predicted.
+# Plans predicted within this share of the fastest count as equally fast (the model's own error is
+# larger; docs/tuning.md, "The planner's constants").
 _EQUAL = 0.02
 
 

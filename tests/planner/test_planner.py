@@ -15,7 +15,7 @@ import pytest
 
 from slidedp.model.config import ModelConfig, named_shape
 from slidedp.planner import (
-    H200_REFERENCE,
+    REFERENCE_CALIBRATION,
     Calibration,
     CalibrationError,
     Choices,
@@ -119,7 +119,7 @@ def test_device_held_layers_memory_and_the_planners_choice():
                                         device_layers=3))
     assert items["device-held layers"] == 3 * costs.layer_params(q4) * 14  # for the whole job
     assert items["held layers' gradients"] == 3 * costs.layer_params(q4) * 4  # from their backward to their AdamW
-    slow_cpu = dataclasses.replace(H200_REFERENCE, adamw_params_per_s=1.5e9)
+    slow_cpu = dataclasses.replace(REFERENCE_CALIBRATION, adamw_params_per_s=1.5e9)
     plan = make_plan(work, 40 * GiB, slow_cpu, {"delivery": ("fp32",)})
     assert plan.device_layers > 0 and plan.gpu_total_bytes <= 40 * GiB
     without = make_plan(work, 40 * GiB, slow_cpu, {"delivery": ("fp32",)}, device_layers=0)
@@ -207,7 +207,7 @@ def test_reduce_and_updaters():
 
 
 def test_busy_matches_transfer_formula():
-    cal = dataclasses.replace(H200_REFERENCE, bidir_gbps=110.0)  # no sharing loss: rates are the solo ones
+    cal = dataclasses.replace(REFERENCE_CALIBRATION, bidir_gbps=110.0)  # no sharing loss: rates are the solo ones
     work = Workload(named_shape("qwen3-8b"), global_batch=4, seq_len=1024, world=1, micro_batch=1)
     for act in ("keep", "offload"):
         for emb in ("device", "host"):
@@ -242,7 +242,7 @@ def test_plan_never_exceeds_budget():
         )
         budget = int(2 ** rng.uniform(math.log2(0.5 * GiB), math.log2(48 * GiB)))
         try:
-            plan = make_plan(work, budget, H200_REFERENCE)
+            plan = make_plan(work, budget, REFERENCE_CALIBRATION)
         except PlanError as e:
             assert str(e).startswith(f"no plan fits the GPU memory budget of {budget / GiB:.2f} GiB")
             refused += 1
@@ -270,9 +270,9 @@ def test_more_budget_never_gives_a_slower_plan():
     ]
     for work in works:
         n = work.model.num_parameters()
-        learned = dataclasses.replace(H200_REFERENCE, adamw_train_params_per_s=2.5e9, adamw_train_model_params=n)
+        learned = dataclasses.replace(REFERENCE_CALIBRATION, adamw_train_params_per_s=2.5e9, adamw_train_model_params=n)
         assert learned.at_lowest_share(n) is None
-        for calib in (H200_REFERENCE, learned):
+        for calib in (REFERENCE_CALIBRATION, learned):
             low = calib.at_lowest_share(n)
             last = math.inf
             for gib in (1, 2, 4, 6, 8, 12, 16, 20, 24, 32, 48, 64, 96, 128):
@@ -323,7 +323,7 @@ def test_a_first_plan_holds_layers_for_the_lowest_measured_adamw_share():
 def test_refusal_names_the_budget_and_the_knob():
     work = Workload(named_shape("qwen3-4b"), global_batch=32, seq_len=32768, world=1, micro_batch=1)
     with pytest.raises(PlanError) as e:
-        make_plan(work, 24 * GiB, H200_REFERENCE)
+        make_plan(work, 24 * GiB, REFERENCE_CALIBRATION)
     # the smallest plan's largest item: the current layer's input/output for 1,048,576 tokens
     assert costs.activation_bytes(work.model, 1_048_576, "bf16") * 2 == 10 * GiB
     assert str(e.value) == (
@@ -333,29 +333,29 @@ def test_refusal_names_the_budget_and_the_knob():
         "30.84 GiB, or lower the tokens per rank (global_batch / world x seq_len = 1,048,576): raise world, or "
         "lower global_batch or seq_len"
     )
-    assert make_plan(work, int(30.84 * GiB), H200_REFERENCE).gpu_total_bytes <= int(30.84 * GiB)
+    assert make_plan(work, int(30.84 * GiB), REFERENCE_CALIBRATION).gpu_total_bytes <= int(30.84 * GiB)
     with pytest.raises(PlanError, match=r"exceeds the memory of NVIDIA H200 \(140\.40 GiB\): lower the budget"):
-        make_plan(work, 200 * GiB, H200_REFERENCE)
+        make_plan(work, 200 * GiB, REFERENCE_CALIBRATION)
 
 
 def test_micro_batch_is_reduced_only_when_needed_and_said():
     work = Workload(named_shape("qwen3-1.7b"), global_batch=8, seq_len=8192, world=1, micro_batch=8)
-    roomy = make_plan(work, 120 * GiB, H200_REFERENCE)
+    roomy = make_plan(work, 120 * GiB, REFERENCE_CALIBRATION)
     assert roomy.micro_batch == 8 and not any("micro_batch" in n for n in roomy.notes)
     # 8 sequences of 8,192 tokens: one layer's workspace alone is 12.1 GiB at micro_batch 8, untiled
     assert costs.workspace_bytes_per_token(work.model, "bf16") * 8 * 8192 == 13_029_867_520
     # at 16 GiB, tiling the MLP along the sequence (and offloading inputs) keeps the job's micro-batch
-    tiled = make_plan(work, 16 * GiB, H200_REFERENCE)
+    tiled = make_plan(work, 16 * GiB, REFERENCE_CALIBRATION)
     assert tiled.micro_batch == 8 and 0 < tiled.seq_tile_tokens < 8 * 8192
     assert not any("micro_batch" in n for n in tiled.notes)
-    tight = make_plan(work, 6 * GiB, H200_REFERENCE)
+    tight = make_plan(work, 6 * GiB, REFERENCE_CALIBRATION)
     assert tight.micro_batch < 8 and 8 % tight.micro_batch == 0
     assert f"micro_batch 8 does not fit the budget; using {tight.micro_batch} (a divisor of the 8 sequences per rank)" in tight.notes
 
 
 def test_describe_lists_every_memory_item_and_resource():
     work = Workload(named_shape("qwen3-4b"), global_batch=8, seq_len=2048, world=1, micro_batch=8)
-    plan = make_plan(work, 24 * GiB, H200_REFERENCE)
+    plan = make_plan(work, 24 * GiB, REFERENCE_CALIBRATION)
     text = plan.describe()
     for name, size in plan.gpu_memory:
         assert f"{name:<36}{size / GiB:>8.3f}" in text
@@ -394,7 +394,7 @@ def test_what_runs_measured_is_kept_per_model(tmp_path, caplog):
     last 2-GPU machine of this session replaced the rates a Qwen3-14B run had just learned. Now each
     plan gets its own model's figures, a run adds to what earlier runs of its model measured, and a
     cache file from before keeps each group of figures for the model that group names."""
-    cal = dataclasses.replace(H200_REFERENCE, host="host-m", device_name="GPU M")
+    cal = dataclasses.replace(REFERENCE_CALIBRATION, host="host-m", device_name="GPU M")
     q4, q14 = named_shape("qwen3-4b").num_parameters(), named_shape("qwen3-14b").num_parameters()
     path = tmp_path / "calibration-host-m-GPU_M.json"
     first = calibration_mod.record_training(cal, tmp_path, adamw_train_params_per_s=3.03e9, adamw_train_model_params=q4,
@@ -451,7 +451,7 @@ def test_what_runs_measured_is_kept_per_model(tmp_path, caplog):
 
 def test_jobs_that_end_at_once_keep_every_models_figures(tmp_path):
     """The cache's read-modify-write is locked: four processes recording four models at once lose none."""
-    code = ("import sys; from slidedp.planner import calibration as c, H200_REFERENCE as R; import dataclasses as d; "
+    code = ("import sys; from slidedp.planner import calibration as c, REFERENCE_CALIBRATION as R; import dataclasses as d; "
             "cal = d.replace(R, host='host-p', device_name='GPU P'); n = int(sys.argv[1]); "
             "[c.record_training(cal, sys.argv[2], adamw_train_params_per_s=n * 1e9 + i, adamw_train_model_params=n) "
             "for i in range(20)]")
@@ -472,7 +472,7 @@ def test_the_cuda_calibration_measures_links_once_and_keeps_what_runs_measured(t
 
     def fake_calibrate(device, quick=False):
         calls["calibrate"] += 1
-        return dataclasses.replace(H200_REFERENCE, host=calibration_mod.socket.gethostname(), device_name="GPU L")
+        return dataclasses.replace(REFERENCE_CALIBRATION, host=calibration_mod.socket.gethostname(), device_name="GPU L")
 
     def fake_links(gpus):
         calls["links"] += 1
@@ -539,7 +539,7 @@ def test_calibration_rejects_bad_values():
         dataclasses.replace(TOY_CAL, h2d_gbps=float("nan"))
     with pytest.raises(CalibrationError, match=r"unknown fields \['pcie'\]"):
         Calibration.from_dict({**TOY_CAL.to_dict(), "pcie": 1})
-    assert Calibration.from_dict(H200_REFERENCE.to_dict()) == H200_REFERENCE
+    assert Calibration.from_dict(REFERENCE_CALIBRATION.to_dict()) == REFERENCE_CALIBRATION
 
 
 def test_calibrate_cpu_quick_directly():
@@ -551,7 +551,7 @@ def test_calibrate_cpu_quick_directly():
 def test_routes_follow_the_transfer_formula_and_the_links():
     """Sharded routes move 1/N over PCIe; the rest is charged to the GPU links at the bus rate."""
     work = Workload(named_shape("qwen3-4b"), global_batch=4, seq_len=1024, world=4, micro_batch=1)
-    fast = dataclasses.replace(H200_REFERENCE, bidir_gbps=110.0, allreduce_gbps=1e9, bus_gpus=4)  # free links
+    fast = dataclasses.replace(REFERENCE_CALIBRATION, bidir_gbps=110.0, allreduce_gbps=1e9, bus_gpus=4)  # free links
     for pr in ("replicated", "sharded"):
         for gr in ("host", "reduce_scatter"):
             ch = Choices(embedding="device", param_route=pr, grad_route=gr)
@@ -575,8 +575,8 @@ def test_routes_follow_the_transfer_formula_and_the_links():
 
 def test_planner_picks_routes_from_the_measured_links():
     work = Workload(named_shape("qwen3-4b"), global_batch=8, seq_len=2048, world=4, micro_batch=2)
-    nvlink = dataclasses.replace(H200_REFERENCE, allreduce_gbps=300.0, bus_gpus=4)
-    pcie_no_p2p = dataclasses.replace(H200_REFERENCE, h2d_gbps=25.0, d2h_gbps=25.0, bidir_gbps=40.0,
+    nvlink = dataclasses.replace(REFERENCE_CALIBRATION, allreduce_gbps=300.0, bus_gpus=4)
+    pcie_no_p2p = dataclasses.replace(REFERENCE_CALIBRATION, h2d_gbps=25.0, d2h_gbps=25.0, bidir_gbps=40.0,
                                       allreduce_gbps=3.0, bus_gpus=4)
     fast = make_plan(work, 24 * GiB, nvlink)
     assert (fast.param_route, fast.grad_route) == ("sharded", "reduce_scatter")
@@ -616,9 +616,9 @@ def test_sequence_tiles_and_offload_follow_the_memory_formulas():
 
 def test_long_sequence_plans_tile_then_offload_as_the_budget_shrinks():
     work = Workload(named_shape("qwen3-4b"), global_batch=1, seq_len=262144, world=1, micro_batch=1)
-    roomy = make_plan(work, 80 * GiB, H200_REFERENCE)
+    roomy = make_plan(work, 80 * GiB, REFERENCE_CALIBRATION)
     assert roomy.gpu_total_bytes <= 80 * GiB and roomy.seq_tile_tokens > 0
-    tight = make_plan(work, 60 * GiB, H200_REFERENCE)
+    tight = make_plan(work, 60 * GiB, REFERENCE_CALIBRATION)
     assert tight.gpu_total_bytes <= 60 * GiB and tight.activations == "offload"
     assert 0 < tight.offload_layers <= work.model.num_layers
     assert f"offload the first {tight.offload_layers} of 36 layers' inputs" in tight.describe()
@@ -636,7 +636,7 @@ def test_a_training_run_teaches_the_planner_its_adamw_rate_for_that_model(tmp_pa
     charge it, plans of other models keep the bare kernel's rate."""
     from slidedp.launch.planning import JobPlan, learned_update_rate, record_training  # noqa: PLC0415
 
-    cal = dataclasses.replace(H200_REFERENCE, host="host-a", device_name="GPU X")
+    cal = dataclasses.replace(REFERENCE_CALIBRATION, host="host-a", device_name="GPU X")
     work = Workload(named_shape("qwen3-4b"), global_batch=8, seq_len=2048, world=1, micro_batch=2, clip=False)
     plan = make_plan(work, 24 * GiB, cal, {"delivery": ("fp32",)})  # fp32 master: 28 B per param updated
     host_params = costs.host_updated_params(work.model, plan.embedding)
@@ -678,7 +678,7 @@ def test_a_run_that_summed_ranks_gradients_on_the_host_teaches_plans_with_such_a
     sum charge them, plans without one (one rank, reduce-scattered gradients) keep the plain rate."""
     from slidedp.launch.planning import JobPlan, learned_sum_rate, record_training  # noqa: PLC0415
 
-    cal = dataclasses.replace(H200_REFERENCE, host="host-s", device_name="GPU S", bus_gpus=2, allreduce_gbps=240.0,
+    cal = dataclasses.replace(REFERENCE_CALIBRATION, host="host-s", device_name="GPU S", bus_gpus=2, allreduce_gbps=240.0,
                               h2d_total_gbps=110.0)
     two = Workload(named_shape("qwen3-4b"), global_batch=16, seq_len=2048, world=2, micro_batch=2, clip=False)
     summed = {"delivery": ("fp32",), "param_route": ("replicated",), "grad_route": ("host",)}
@@ -732,7 +732,7 @@ def test_a_training_run_teaches_the_planner_its_gpu_time_for_that_model_and_shap
         return JobPlan(StepPlan(seq_tile_tokens=p.seq_tile_tokens, resident_layers=p.resident_layers,
                                 offload_layers=p.offload_layers, device_layers=p.device_layers, **kw), p)
 
-    cal = dataclasses.replace(H200_REFERENCE, host="host-b", device_name="GPU Y")
+    cal = dataclasses.replace(REFERENCE_CALIBRATION, host="host-b", device_name="GPU Y")
     work = Workload(named_shape("qwen3-4b"), global_batch=8, seq_len=2048, world=1, micro_batch=2, clip=False)
     params = work.model.num_parameters()
     plan = make_plan(work, 24 * GiB, cal, {"delivery": ("fp32",)})
@@ -778,7 +778,7 @@ def test_replicated_ranks_share_the_hosts_measured_h2d():
     """Four ranks that each copy whole chunks get a quarter of the host's total H2D each; sharded
     ones copy a quarter of the bytes at that rate; without the measurement each gets its own link."""
     work = Workload(named_shape("qwen3-4b"), global_batch=4, seq_len=1024, world=4, micro_batch=1)
-    base = dataclasses.replace(H200_REFERENCE, bidir_gbps=110.0, allreduce_gbps=1e9, bus_gpus=4)
+    base = dataclasses.replace(REFERENCE_CALIBRATION, bidir_gbps=110.0, allreduce_gbps=1e9, bus_gpus=4)
     shared = dataclasses.replace(base, h2d_total_gbps=60.0)
     b = costs.transfer_bytes(work.model, tokens=work.local_tokens, delivery="fp32", activations="keep",
                              embedding="device", resident_layers=0, world=4)
@@ -805,9 +805,9 @@ def test_among_nearly_equal_plans_the_larger_matmuls_win():
     at 23.96 GiB, and on the H200 took 8.17 s per step where 5.58 s was predicted."""
     work = Workload(named_shape("qwen3-4b"), global_batch=32, seq_len=2048, world=1, micro_batch=2, clip=False)
     # (the spare memory may then hold layers on the GPU: see the device-held layers' test)
-    plan = make_plan(work, 24 * GiB, H200_REFERENCE, {"delivery": ("fp32",)}, device_layers=0)
+    plan = make_plan(work, 24 * GiB, REFERENCE_CALIBRATION, {"delivery": ("fp32",)}, device_layers=0)
     assert (plan.loss_chunk_tokens, plan.seq_tile_tokens, plan.offload_layers) == (1024, 0, 0)
     tight = Choices(embedding="device", micro_batch=2, seq_tile_tokens=2048, loss_chunk_tokens=128,
                     chunk_rows=costs.default_chunk_rows(work.model))
-    fastest = predict_step(work, tight, H200_REFERENCE)[2]
+    fastest = predict_step(work, tight, REFERENCE_CALIBRATION)[2]
     assert fastest <= plan.predicted_step_s <= fastest * 1.02

@@ -8,7 +8,7 @@ import pytest
 
 from slidedp.config import load_job
 from slidedp.launch.planning import plan_job
-from slidedp.planner import H200_REFERENCE, PlanError
+from slidedp.planner import REFERENCE_CALIBRATION, PlanError
 
 from pipeline.harness import TINY
 
@@ -25,12 +25,12 @@ def test_cpu_runs_take_the_job_files_values_clamped_to_the_model():
 
 
 def test_routes_need_measured_links_unless_the_job_names_them():
-    unmeasured = plan_job(load_job(TINY, CUDA), H200_REFERENCE)
+    unmeasured = plan_job(load_job(TINY, CUDA), REFERENCE_CALIBRATION)
     assert (unmeasured.step.param_route, unmeasured.step.grad_route) == ("replicated", "host")
-    forced = plan_job(load_job(TINY, CUDA + ['runtime.param_route="sharded"']), H200_REFERENCE)
+    forced = plan_job(load_job(TINY, CUDA + ['runtime.param_route="sharded"']), REFERENCE_CALIBRATION)
     assert (forced.step.param_route, forced.step.grad_route) == ("sharded", "host")
     assert forced.plan is not None and forced.plan.param_route == "sharded"  # the prediction is of that route
-    nvlink = dataclasses.replace(H200_REFERENCE, allreduce_gbps=300.0, bus_gpus=2)  # links measured, and fast
+    nvlink = dataclasses.replace(REFERENCE_CALIBRATION, allreduce_gbps=300.0, bus_gpus=2)  # links measured, and fast
     big = CUDA + ['model.shape="qwen3-4b"', "train.seq_len=2048"]
     measured = plan_job(load_job(TINY, big), nvlink)
     assert (measured.step.param_route, measured.step.grad_route) == ("sharded", "reduce_scatter")
@@ -39,9 +39,9 @@ def test_routes_need_measured_links_unless_the_job_names_them():
 
 
 def test_cuda_overrides_are_carried_and_offload_clamped():
-    plan = plan_job(load_job(TINY, CUDA + ["memory.seq_tile_tokens=16", "memory.offload_layers=7"]), H200_REFERENCE)
+    plan = plan_job(load_job(TINY, CUDA + ["memory.seq_tile_tokens=16", "memory.offload_layers=7"]), REFERENCE_CALIBRATION)
     assert (plan.step.seq_tile_tokens, plan.step.offload_layers) == (16, 2)
-    auto = plan_job(load_job(TINY, CUDA), H200_REFERENCE)
+    auto = plan_job(load_job(TINY, CUDA), REFERENCE_CALIBRATION)
     assert auto.plan is not None
     assert (auto.step.seq_tile_tokens, auto.step.offload_layers) == (auto.plan.seq_tile_tokens, auto.plan.offload_layers)
     # the metrics carry the plan's GPU peak only where the run keeps the plan's memory choices
@@ -56,13 +56,13 @@ def test_device_layers_are_the_jobs_value_or_the_plans():
     refused when it cannot fit; -1 takes the plan's."""
     assert plan_job(load_job(TINY, ["memory.device_layers=5"])).step.device_layers == 2  # tiny has 2 layers
     assert plan_job(load_job(TINY, [])).step.device_layers == 0
-    forced = plan_job(load_job(TINY, CUDA + ["memory.device_layers=1"]), H200_REFERENCE)
+    forced = plan_job(load_job(TINY, CUDA + ["memory.device_layers=1"]), REFERENCE_CALIBRATION)
     assert forced.step.device_layers == 1 and forced.plan is not None and forced.plan.device_layers == 1
     assert "device-held layers" in dict(forced.plan.gpu_memory)
     big = ['model.shape="qwen3-4b"', "train.seq_len=2048", "memory.gpu_budget_gib=24"]
     with pytest.raises(PlanError, match=r"memory.device_layers = 20 does not fit the GPU memory budget of 24.00 GiB"):
-        plan_job(load_job(TINY, CUDA + big + ["memory.device_layers=20"]), H200_REFERENCE)
-    auto = plan_job(load_job(TINY, CUDA), H200_REFERENCE)
+        plan_job(load_job(TINY, CUDA + big + ["memory.device_layers=20"]), REFERENCE_CALIBRATION)
+    auto = plan_job(load_job(TINY, CUDA), REFERENCE_CALIBRATION)
     assert auto.plan is not None and auto.step.device_layers == auto.plan.device_layers
 
 
@@ -70,11 +70,11 @@ def test_prefetch_depth_is_the_jobs_value_planned_with_its_buffers_or_the_plans(
     assert plan_job(load_job(TINY, [])).step.prefetch_depth == 1  # CPU: one copy ahead unless the job says
     assert plan_job(load_job(TINY, ["memory.prefetch_depth=3"])).step.prefetch_depth == 3
     big = CUDA + ['model.shape="qwen3-4b"', "train.seq_len=2048", "memory.gpu_budget_gib=40"]
-    auto = plan_job(load_job(TINY, big), H200_REFERENCE)
+    auto = plan_job(load_job(TINY, big), REFERENCE_CALIBRATION)
     assert auto.plan is not None and auto.step.prefetch_depth == auto.plan.prefetch_depth == 1
     slots = {}
     for depth in (2, 5):
-        forced = plan_job(load_job(TINY, big + [f"memory.prefetch_depth={depth}"]), H200_REFERENCE)
+        forced = plan_job(load_job(TINY, big + [f"memory.prefetch_depth={depth}"]), REFERENCE_CALIBRATION)
         assert forced.plan is not None and forced.step.prefetch_depth == forced.plan.prefetch_depth == depth
         assert forced.plan.gpu_total_bytes <= 40 * 2**30
         slots[depth] = dict(forced.plan.gpu_memory)["parameter slots"]
@@ -85,7 +85,7 @@ def test_prefetch_depth_is_the_jobs_value_planned_with_its_buffers_or_the_plans(
 
 def _smallest_need_gib(sets: list[str]) -> float:
     with pytest.raises(PlanError) as e:
-        plan_job(load_job(TINY, sets + ["memory.gpu_budget_gib=1"]), H200_REFERENCE)
+        plan_job(load_job(TINY, sets + ["memory.gpu_budget_gib=1"]), REFERENCE_CALIBRATION)
     return float(str(e.value).split("the smallest plan needs ")[1].split(" GiB")[0])
 
 
@@ -95,10 +95,10 @@ def test_a_forced_prefetch_depth_that_does_not_fit_is_refused_with_its_own_need(
     need_1, need_8 = _smallest_need_gib(big), _smallest_need_gib(big + ["memory.prefetch_depth=8"])
     assert need_8 > need_1
     budget = round((need_1 + need_8) / 2, 2)
-    assert plan_job(load_job(TINY, big + [f"memory.gpu_budget_gib={budget}"]), H200_REFERENCE).plan is not None
+    assert plan_job(load_job(TINY, big + [f"memory.gpu_budget_gib={budget}"]), REFERENCE_CALIBRATION).plan is not None
     with pytest.raises(PlanError, match=rf"^no plan fits the GPU memory budget of {budget:.2f} GiB: the smallest "
                                         rf"plan needs {need_8:.2f} GiB \(.*prefetch_depth=8, micro_batch=1"):
-        plan_job(load_job(TINY, big + [f"memory.gpu_budget_gib={budget}", "memory.prefetch_depth=8"]), H200_REFERENCE)
+        plan_job(load_job(TINY, big + [f"memory.gpu_budget_gib={budget}", "memory.prefetch_depth=8"]), REFERENCE_CALIBRATION)
 
 
 def test_the_launchers_calibration_carries_the_jobs_model(monkeypatch, capsys):
@@ -113,16 +113,16 @@ def test_the_launchers_calibration_carries_the_jobs_model(monkeypatch, capsys):
 
     def fake(device, gpus=1, model_params=None):
         asked.update(device=device, gpus=gpus, model_params=model_params)
-        return H200_REFERENCE
+        return REFERENCE_CALIBRATION
 
     monkeypatch.setattr(planner, "load_or_calibrate", fake)
     monkeypatch.setattr(sys, "argv", ["-c", "2", "4022468096"])
     exec(planning._CALIBRATE, {})
     assert asked == {"device": "cuda", "gpus": 2, "model_params": 4022468096}
-    assert planner.Calibration.from_dict(__import__("json").loads(capsys.readouterr().out)) == H200_REFERENCE
+    assert planner.Calibration.from_dict(__import__("json").loads(capsys.readouterr().out)) == REFERENCE_CALIBRATION
     seen = {}
     monkeypatch.setattr(planning, "calibration", lambda gpus, model_params: seen.update(gpus=gpus, n=model_params)
-                        or H200_REFERENCE)
+                        or REFERENCE_CALIBRATION)
     job = load_job(TINY, ['runtime.device="cuda"', "runtime.workers=2", "train.global_batch=4"])
     planning.plan_job(job)
     assert seen == {"gpus": 2, "n": planning.model_config(job).num_parameters()}
