@@ -58,7 +58,7 @@ def layer_forward_flops_per_token(model: ModelConfig, seq_len: int) -> float:
     Projections 2*H*(q + 2*kv) + o_proj 2*q*H; causal SDPA: QK^T and AV are 2*L*q each per
     token over the full square, halved by the causal mask -> 2*L*q; SwiGLU MLP 3 * 2*H*I.
     (Qwen3-4B, L=2048: 218.6 MFLOP/token; x3 for forward+backward on 16,384 tokens = 10.7 TFLOP,
-    which at BENCHMARKS' 26.5 ms is the 405 TFLOP/s quoted there.)
+    which at the prototype's measured 26.5 ms is its 405 TFLOP/s.)
     """
     h, i = model.hidden_size, model.intermediate_size
     q, kv = model.num_heads * model.head_dim, model.num_kv_heads * model.head_dim

@@ -64,7 +64,7 @@ def test_cost_formulas_by_hand():
     assert costs.head_step_flops_per_token(TOY) == 6 * 256 * 64
     q4 = named_shape("qwen3-4b")
     assert costs.layer_params(q4) == 100_930_816
-    # BENCHMARKS.md: one Qwen3-4B layer fwd+bwd on 16,384 tokens in 26.5 ms is 405 TFLOP/s
+    # the prototype's measurement: one Qwen3-4B layer fwd+bwd on 16,384 tokens in 26.5 ms is 405 TFLOP/s
     fwd_bwd = 3 * costs.layer_forward_flops_per_token(q4, 2048) * 16_384
     assert fwd_bwd / 26.5e-3 / 1e12 == pytest.approx(405, rel=2e-3)
     assert costs.default_chunk_rows(q4) == 100_930_816 // 2560
