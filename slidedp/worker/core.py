@@ -65,6 +65,27 @@ def open_batches_for(job: JobConfig, vocab_size: int, tokens: Path | None) -> Ba
     return Batches(stream, job.train.seq_len, job.train.global_batch, job.data.shuffle, job.data.seed)
 
 
+def await_launcher(launcher: LauncherLink, step: int, hold: bool, hold_s: float, stop: StopFlag, rank: int) -> bool:
+    """After `step`: take the launcher's order if one is there; at a checkpoint (`hold`) wait for it,
+    up to `hold_s`. True to stop (the launcher said so, or SIGTERM came while held)."""
+    deadline = time.monotonic() + (hold_s if hold else 0)
+    while True:
+        msg = launcher.control(100 if hold else 0)
+        if msg is not None:
+            if msg.kind == CONTROL_STOP:
+                log.info("stopping after step %d as the launcher asked", step)
+                return True
+            if msg.step == step:
+                return False
+        if not hold:
+            return False
+        if time.monotonic() > deadline:
+            raise PeerTimeout(f"rank {rank} waited for the launcher past the checkpoint after step {step}")
+        if stop.requested:
+            log.info("stopping at the checkpoint after step %d (SIGTERM)", step)
+            return True
+
+
 class WorkerCore:
     """One rank: the engine over the store, the step loop, the checkpoint hold."""
 
@@ -151,24 +172,9 @@ class WorkerCore:
 
     def between_steps(self, step: int) -> bool:
         """The launcher may hold us for a checkpoint after `step`, or tell us to stop: True to stop."""
-        every, end = self.job.checkpoint.every, self.end
-        hold = bool(every) and (step + 1) % every == 0 and step + 1 < end
-        deadline = time.monotonic() + (self.job.runtime.timeout_s * 10 if hold else 0)
-        while True:
-            msg = self.launcher.control(100 if hold else 0)
-            if msg is not None:
-                if msg.kind == CONTROL_STOP:
-                    log.info("stopping after step %d as the launcher asked", step)
-                    return True
-                if msg.step == step:
-                    return False
-            if not hold:
-                return False
-            if time.monotonic() > deadline:
-                raise PeerTimeout(f"rank {self.rank} waited for the launcher past the checkpoint after step {step}")
-            if self.stop.requested:
-                log.info("stopping at the checkpoint after step %d (SIGTERM)", step)
-                return True
+        every = self.job.checkpoint.every
+        hold = bool(every) and (step + 1) % every == 0 and step + 1 < self.end
+        return await_launcher(self.launcher, step, hold, self.job.runtime.timeout_s * 10, self.stop, self.rank)
 
     def close(self) -> None:
         """Stopped early: leave the store at the last completed step."""
