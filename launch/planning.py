@@ -1,4 +1,4 @@
-"""From a job to what the workers do: the planner's choices (on CUDA) or the CPU defaults.
+"""From a job to its step plan: the planner's choices (on CUDA) or the job file's values (CPU).
 
 Calibration runs in a subprocess (cached per host and GPU in calibration.cache_root(), by default
 ~/.cache/slidedp), so the launcher itself never holds a CUDA context on the workers' GPU.

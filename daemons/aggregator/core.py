@@ -1,4 +1,4 @@
-"""slidedp-aggregator: sums the ranks' gradients of each chunk and hands the chunk to the updater pool.
+"""The aggregator's core: per chunk and step, the ranks' gradients summed and handed to the chunk's updater.
 
 It is the hub of the data plane: workers, updaters and the launcher connect to its ROUTER.
 Per chunk and step it counts the ranks' gradient arrivals (no barrier, no global lock),
