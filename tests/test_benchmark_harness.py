@@ -220,7 +220,7 @@ def test_slidedp_job_file_and_metrics_reduction(tmp_path, monkeypatch):
     assert row["leftover_segments_removed"] == [f"slidedp.{store}.grads"]
     assert not Path(f"/dev/shm/slidedp.{store}.grads").exists()
     assert "metrics_missing_keys" not in row
-    assert f"trained {Path(row['job_file']).stem} fp32 cpu 12.0 0.0 False False True" in row["output_tail"]
+    assert f"trained {Path(row['job_file']).stem} fp32 cpu 12.0 1.0 False False True" in row["output_tail"]
     tokens = __import__("numpy").load(tmp_path / "work" / "tokens.npy")
     assert tokens.tolist() == common.batch_stream(named_shape("tiny"), 2, 16, 0).tolist()  # one batch, --seed 0
 
