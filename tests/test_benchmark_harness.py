@@ -571,3 +571,43 @@ def test_slidedp_job_lets_the_plan_choose_the_micro_batch_only_where_slidedp_acc
     monkeypatch.setattr(slidedp_run, "plan_picks_micro_batch", lambda: True)
     assert slidedp_run.job_dict(args, tmp_path / "t.npy", tmp_path / "run", "n")["train"]["micro_batch"] == 0
 
+
+FAKE_PYTHON = '''#!/usr/bin/env bash
+echo "$*" >> "$FAKE_CALLS"
+out="" prev=""
+for a in "$@"; do [ "$prev" = "--out" ] && out=$a; prev=$a; done
+[ -n "$out" ] && echo '{"rows": []}' > "$out"
+[ "$1" = "-c" ] && echo 0
+exit 0
+'''
+
+
+@pytest.mark.parametrize("budget", ["10000", "0"])
+def test_the_headline_session_runs_each_system_in_its_own_command_within_its_budget(tmp_path, budget):
+    """sessions/headline.sh PART: one harness command per system with the headline's settings, merged
+    into OUT/PART.json; with no time left it starts nothing (and says so) rather than overrun the call."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name in ("python3", "slidedp-store"):
+        (bin_dir / name).write_text(FAKE_PYTHON)
+        (bin_dir / name).chmod(0o755)
+    calls = tmp_path / "calls"
+    env = {**__import__("os").environ, "PATH": f"{bin_dir}:/usr/bin:/bin", "FAKE_CALLS": str(calls),
+           "BUDGET_S": budget}
+    done = subprocess.run(["bash", str(ROOT / "benchmarks/sessions/headline.sh"), str(tmp_path / "out"), "offload-b8"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    text = calls.read_text() if calls.exists() else ""
+    runs = [line for line in text.splitlines() if line.startswith("-m benchmarks.run --shape")]
+    if budget == "0":
+        assert runs == [] and "not starting 4b-b8 fsdp2_offload" in done.stderr and "--merge" not in text
+        return
+    systems = [r.split("--systems ")[1].split()[0] for r in runs]
+    assert systems == ["fsdp2_offload", "deepspeed", "zenflow", "megatrain", "slideformer"]
+    for r in runs:
+        assert "--shape qwen3-4b --batch 8 --seq 2048 --steps 6 --warmup 2" in r
+        assert "--max-grad-norm 1.0 --slidedp-micro-batch plan --slidedp-set memory.gpu_budget_gib=24" in r
+        assert "--timeout 130" in r
+    merge = [line for line in text.splitlines() if line.startswith("-m benchmarks.run --merge")]
+    assert len(merge) == 1 and merge[0].endswith(f"--out {tmp_path / 'out' / 'offload-b8.json'}")
+    assert (tmp_path / "out" / "offload-b8-logs.tgz").is_file()
