@@ -39,6 +39,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from benchmarks import report
+from benchmarks.table import COLUMNS, add_ratios, format_table, table_rows
 from benchmarks.teed import run_teed
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,26 +48,49 @@ GIB = 2**30
 
 
 @dataclass(frozen=True)
-class System:
-    module: str  # run as `python -m module`
-    args: tuple[str, ...] = ()
+class Published:
+    """A system whose code is not run here: its own published claims and where they are from."""
 
+    claims: str
+    source: str
+    why: str  # why it is not run
+
+
+@dataclass(frozen=True)
+class System:
+    module: str  # run as `python -m module` ("" for a published-only row)
+    args: tuple[str, ...] = ()  # after the common flags, so they win (e.g. --max-grad-norm 0)
+    published: Published | None = None
+
+
+SLIDEFORMER = Published(
+    claims=("1.40x-6.27x the throughput of offloading baselines, roughly half their CPU and GPU memory, "
+            "up to 8x larger batches, 123B+ models fine-tuned on one RTX 4090, >95% of peak on NVIDIA and AMD GPUs"),
+    source="Yang and Wen, An Efficient Heterogeneous Co-Design for Fine-Tuning on a Single GPU, DAC 2026, "
+           "arXiv:2603.16428 (abstract)",
+    why="its code is not available to this harness")
 
 SYSTEMS: dict[str, System] = {
     "slidedp": System("benchmarks.peers.slidedp_run"),
+    "slidedp_noclip": System("benchmarks.peers.slidedp_run", ("--max-grad-norm", "0")),
     "slidedp_replicated": System("benchmarks.peers.slidedp_run",
                                  ("--set", 'runtime.param_route="replicated"', "--set", 'runtime.grad_route="host"')),
+    "resident_same_kernels": System("benchmarks.peers.resident_same_kernels"),
     "fsdp2": System("benchmarks.peers.fsdp2_offload", ("--no-offload",)),
     "gpu_resident": System("benchmarks.peers.gpu_resident", ("--loss", "full")),
     "gpu_resident_chunked": System("benchmarks.peers.gpu_resident", ("--loss", "chunked")),
+    "hf_liger": System("benchmarks.peers.hf_liger", ("--liger",)),
+    "hf": System("benchmarks.peers.hf_liger", ("--no-liger",)),
     "fsdp2_offload": System("benchmarks.peers.fsdp2_offload", ("--fused",)),
     "fsdp2_offload_foreach": System("benchmarks.peers.fsdp2_offload", ("--no-fused",)),
     "deepspeed": System("benchmarks.peers.deepspeed_offload"),
+    "zenflow": System("benchmarks.peers.deepspeed_offload", ("--zenflow",)),
+    "torchao_offload": System("benchmarks.peers.torchao_offload"),
+    "megatrain": System("benchmarks.peers.megatrain_run"),
+    "slideformer": System("", published=SLIDEFORMER),
 }
-DEFAULT_SYSTEMS = "slidedp,gpu_resident,gpu_resident_chunked,fsdp2_offload,deepspeed"
+DEFAULT_SYSTEMS = "slidedp,slidedp_noclip,resident_same_kernels,gpu_resident,hf_liger,fsdp2_offload,deepspeed"
 MULTI_RANK = ("fsdp2", "fsdp2_offload", "fsdp2_offload_foreach")  # run under torchrun with --gpus N > 1
-COLUMNS = ("system", "config", "tokens/s", "step s", "vs GPU-resident", "GPU peak GiB", "host RSS + shm GiB",
-           "loss first -> last", "status")
 
 
 # ---- running one system ------------------------------------------------------------------------
@@ -75,7 +100,7 @@ def peer_argv(args: argparse.Namespace, json_path: Path) -> list[str]:
     """The flags every peer takes (benchmarks.peers.common.parser)."""
     argv = ["--shape", args.shape, "--batch", str(args.batch), "--seq", str(args.seq), "--steps", str(args.steps),
             "--warmup", str(args.warmup), "--device", args.device, "--seed", str(args.seed), "--json", str(json_path),
-            "--gpus", str(args.gpus)]
+            "--gpus", str(args.gpus), "--max-grad-norm", format(args.max_grad_norm, "g")]
     if args.micro_batch:
         argv += ["--micro-batch", str(args.micro_batch)]
     if args.budget_gib:
@@ -85,23 +110,55 @@ def peer_argv(args: argparse.Namespace, json_path: Path) -> list[str]:
     return argv
 
 
-def run_system(name: str, system: System, args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
-    """Run one system in a child process and return its row (a failure row if it wrote none)."""
-    json_path = log_dir / f"{name}.json"
-    json_path.unlink(missing_ok=True)
-    extra = []
-    if name.startswith("slidedp"):  # its job file, tokens, run dir and metrics.jsonl stay beside the logs
-        extra = ["--workdir", str(log_dir / f"{name}-work"), *(a for s in args.slidedp_set for a in ("--set", s))]
+def workload(args: argparse.Namespace) -> dict[str, Any]:
+    """The keys a row's workload is told by (every peer's row has them; rows the harness writes too)."""
+    return {"shape": args.shape, "batch": args.batch, "seq": args.seq, "gpus": args.gpus,
+            "tokens_per_step": args.batch * args.seq}
+
+
+def slidedp_argv(name: str, args: argparse.Namespace, log_dir: Path) -> list[str]:
+    """SlideDP's own flags: where its job file, tokens and run dir go (beside the logs), its micro-batch
+    (`plan`: the plan's choice where this SlideDP lets the plan choose it), and --slidedp-set keys."""
+    extra = ["--workdir", str(log_dir / f"{name}-work")]
+    if args.slidedp_micro_batch == "plan":
+        extra.append("--plan-micro-batch")
+    elif args.slidedp_micro_batch != "peers":
+        extra += ["--set", f"train.micro_batch={int(args.slidedp_micro_batch)}"]
+    return [*extra, *(a for s in args.slidedp_set for a in ("--set", s))]
+
+
+def system_argv(name: str, system: System, args: argparse.Namespace, log_dir: Path, json_path: Path) -> list[str] | None:
+    """The child process's argv (None: the system cannot run with --gpus N > 1)."""
     if args.gpus > 1 and name in MULTI_RANK:
         launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.gpus), "-m"]
     elif args.gpus > 1 and not name.startswith("slidedp"):
-        row = {"system": name, "status": f"skipped: {name} runs on one GPU only (use fsdp2 with --gpus)",
-               "config": " ".join(system.args)}
-        say(f"=== {name}: {row['status']}")
-        return row
+        return None
     else:
         launcher = [sys.executable, "-m"]
-    cmd = [*launcher, system.module, *system.args, *peer_argv(args, json_path), *extra]
+    extra = slidedp_argv(name, args, log_dir) if system.module == SYSTEMS["slidedp"].module else []
+    return [*launcher, system.module, *peer_argv(args, json_path), *system.args, *extra]
+
+
+def not_run_row(name: str, published: Published, args: argparse.Namespace) -> dict[str, Any]:
+    return {"system": name, **workload(args), "status": f"not run: {published.why}",
+            "config": f"published: {published.claims}", "published_claims": published.claims,
+            "source": published.source}
+
+
+def run_system(name: str, system: System, args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
+    """Run one system in a child process and return its row (a failure row if it wrote none)."""
+    if system.published is not None:
+        row = not_run_row(name, system.published, args)
+        say(f"=== {name}: {row['status']} ({system.published.source})")
+        return row
+    json_path = log_dir / f"{name}.json"
+    json_path.unlink(missing_ok=True)
+    cmd = system_argv(name, system, args, log_dir, json_path)
+    if cmd is None:
+        row = {"system": name, **workload(args), "config": " ".join(system.args),
+               "status": f"skipped: {name} runs on one GPU only (use fsdp2 with --gpus)"}
+        say(f"=== {name}: {row['status']}")
+        return row
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
     say(f"=== {name}: {shlex.join(cmd)}")
@@ -119,6 +176,8 @@ def run_system(name: str, system: System, args: argparse.Namespace, log_dir: Pat
         if timed_out and row.get("steps_before_stop"):
             row["status"] += f" (its figures: the {row['steps_before_stop']} steps it committed)"
     row.setdefault("config", " ".join(system.args))
+    for key, value in workload(args).items():
+        row.setdefault(key, value)
     row["system"] = name
     row.update(command=shlex.join(cmd), exit_code=rc, wall_s=wall, log=str(log_dir / f"{name}.log"))
     say(f"=== {name}: {row['status']} in {wall:.0f} s")
@@ -159,76 +218,6 @@ def _read_row(path: Path) -> dict[str, Any] | None:
     except (OSError, ValueError):
         return None
     return row if isinstance(row, dict) and "status" in row else None
-
-
-# ---- the table ---------------------------------------------------------------------------------
-
-
-def add_ratios(rows: list[dict[str, Any]]) -> float | None:
-    """Set each row's vs_gpu_resident against the first gpu_resident* row that ran (with several
-    ranks: GPU-resident FSDP2, `fsdp2`); returns its tokens/s."""
-    base = next((r["tokens_per_s"] for r in rows
-                 if (str(r.get("system", "")).startswith("gpu_resident") or r.get("system") == "fsdp2")
-                 and r.get("status") == "ok" and r.get("tokens_per_s")), None)
-    for r in rows:
-        ok = base and r.get("status") == "ok" and r.get("tokens_per_s")
-        r["vs_gpu_resident"] = r["tokens_per_s"] / base if ok else None
-    return base
-
-
-def _num(v: Any, fmt: str) -> str:
-    return "" if v is None else format(v, fmt)
-
-
-def _secs(v: Any) -> str:
-    return "" if v is None else format(v, ".2f" if v >= 1 else ".3g")
-
-
-def status_text(row: dict[str, Any]) -> str:
-    """The status, and for a failure the first line of its error (the rest is in the JSON and the log)."""
-    status = str(row.get("status", "?"))
-    if status != "ok" and not status.startswith("skipped") and row.get("error"):
-        status += " -- " + str(row["error"]).strip().splitlines()[0]
-    status = " ".join(status.split())
-    return status if len(status) <= 140 else status[:137] + "..."
-
-
-def loss_text(losses: list[float | None] | None) -> str:
-    """The first and last step's loss: every system trains on the same batch, so they fall alike."""
-    done = [x for x in losses or [] if x is not None and math.isfinite(x)]
-    return f"{done[0]:.2f} -> {done[-1]:.2f}" if done else ""
-
-
-def table_rows(rows: list[dict[str, Any]]) -> list[tuple[str, ...]]:
-    out = []
-    for r in rows:
-        step = _secs(r.get("step_s"))
-        if step and r.get("optimizer_s") is not None:
-            step += f" (optimizer {_secs(r['optimizer_s'])})"
-        if step and r.get("predicted_step_s") is not None:
-            step += f" (predicted {_secs(r['predicted_step_s'])})"
-        host = ""
-        if r.get("host_rss_gib") is not None or r.get("shm_gib") is not None:
-            host = f"{r.get('host_rss_gib') or 0:.1f} + {r.get('shm_gib') or 0:.1f}"
-        out.append((
-            str(r.get("system", "?")), str(r.get("config", "")), _num(r.get("tokens_per_s"), ",.0f"), step,
-            _num(r.get("vs_gpu_resident"), ".2f") + ("x" if r.get("vs_gpu_resident") is not None else ""),
-            _num(r.get("gpu_peak_gib"), ".1f"), host, loss_text(r.get("losses")), status_text(r),
-        ))
-    return out
-
-
-def format_table(rows: list[dict[str, Any]]) -> str:
-    """A Markdown table (pastes into docs as is)."""
-    body = table_rows(rows)
-    widths = [max(len(c), *(len(b[i]) for b in body)) if body else len(c) for i, c in enumerate(COLUMNS)]
-    right = {2, 3, 4, 5, 6, 7}
-
-    def line(cells: tuple[str, ...]) -> str:
-        return "| " + " | ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths))) + " |"
-
-    sep = "|" + "|".join(("-" * (w + 1) + ":") if i in right else "-" * (w + 2) for i, w in enumerate(widths)) + "|"
-    return "\n".join([line(COLUMNS), sep, *(line(b) for b in body)])
 
 
 # ---- the JSON ----------------------------------------------------------------------------------
@@ -277,7 +266,8 @@ def merged_environment(docs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def write_json(path: Path, rows: list[dict[str, Any]], command: str, settings: dict[str, Any], complete: bool,
-               env: dict[str, Any] | None = None) -> None:
+               env: dict[str, Any] | None = None, plot: bool = True) -> None:
+    """NAME.json, and NAME.md (and NAME.png unless plot=False: the runs' last write draws it) beside it."""
     add_ratios(rows)
     doc = {
         "command": command,
@@ -294,6 +284,7 @@ def write_json(path: Path, rows: list[dict[str, Any]], command: str, settings: d
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(doc, indent=1, default=str) + "\n")
     os.replace(tmp, path)
+    report.write(path, json.loads(path.read_text()), with_plot=plot)
 
 
 def say(msg: str) -> None:
@@ -313,6 +304,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3, help="first steps left out of the median")
     p.add_argument("--systems", default=DEFAULT_SYSTEMS, help=f"comma-separated, from: {', '.join(SYSTEMS)}")
     p.add_argument("--budget-gib", type=float, default=0.0, help="GPU memory cap for every system; 0 = none")
+    p.add_argument("--max-grad-norm", type=float, default=1.0,
+                   help="every system clips the global gradient norm to this (SlideDP's default 1.0); 0 = off")
+    p.add_argument("--slidedp-micro-batch", default="plan", metavar="plan|peers|N",
+                   help="SlideDP's train.micro_batch: plan = the plan's choice where this SlideDP lets the plan "
+                        "choose it (else the peers'), peers = --micro-batch, N = that many sequences")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: the smoke version (--shape tiny)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--gpus", type=int, default=1, help="ranks: SlideDP workers, torchrun processes for FSDP2")
@@ -332,6 +328,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.system_names = names
         if args.steps <= args.warmup:
             p.error(f"--steps ({args.steps}) must exceed --warmup ({args.warmup})")
+        if args.slidedp_micro_batch not in ("plan", "peers") and not args.slidedp_micro_batch.isdigit():
+            p.error(f"--slidedp-micro-batch {args.slidedp_micro_batch!r}: expected plan, peers or a number")
     return args
 
 
@@ -354,13 +352,14 @@ def main(argv: list[str] | None = None) -> int:
     log_dir = out.with_name(out.stem + ".logs")
     log_dir.mkdir(parents=True, exist_ok=True)
     settings = {k: getattr(args, k) for k in ("shape", "batch", "micro_batch", "seq", "steps", "warmup", "budget_gib",
-                                              "device", "seed", "exact_init", "slidedp_set", "timeout")}
+                                              "max_grad_norm", "slidedp_micro_batch", "device", "seed", "exact_init",
+                                              "slidedp_set", "timeout")}
     settings["systems"] = args.system_names
     rows: list[dict[str, Any]] = []
     try:
         for name in args.system_names:
             rows.append(run_system(name, SYSTEMS[name], args, log_dir))
-            write_json(out, rows, command, settings, complete=False)  # a run cut short keeps what it has
+            write_json(out, rows, command, settings, complete=False, plot=False)  # a run cut short keeps what it has
     finally:
         write_json(out, rows, command, settings, complete=len(rows) == len(args.system_names))
         say(f"wrote {out} (logs in {log_dir})")

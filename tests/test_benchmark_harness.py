@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # benchmarks/ is not an installed package
 
+from benchmarks import report  # noqa: E402
 from benchmarks import run as bench  # noqa: E402
 from benchmarks.peers import common, slidedp_run  # noqa: E402
 from slidedp.data import Batches, TokenStream, rank_slice, read_npy  # noqa: E402
@@ -32,38 +33,58 @@ def _header_cells(line: str) -> list[str]:
     return [c.strip() for c in line.strip().strip("|").split("|")]
 
 
-def test_cpu_smoke_run_prints_one_table_and_writes_json(tmp_path):
+def test_cpu_smoke_run_prints_one_table_and_writes_json_markdown_and_plot(tmp_path):
     out = tmp_path / "smoke.json"
+    systems = "resident_same_kernels,gpu_resident,deepspeed,slideformer"
     cmd = [sys.executable, "-m", "benchmarks.run", "--device", "cpu", "--shape", "tiny", "--batch", "2", "--seq", "32",
-           "--steps", "2", "--warmup", "1", "--systems", "gpu_resident,deepspeed", "--out", str(out)]
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+           "--steps", "2", "--warmup", "1", "--systems", systems, "--out", str(out)]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stderr[-3000:]
 
     # stdout is the table and nothing else: header, separator, one line per system
     lines = done.stdout.strip().splitlines()
-    assert len(lines) == 4, done.stdout
+    assert len(lines) == 6, done.stdout
     assert _header_cells(lines[0]) == list(bench.COLUMNS)
-    gpu_line, ds_line = _header_cells(lines[2]), _header_cells(lines[3])
-    assert gpu_line[0] == "gpu_resident" and gpu_line[4] == "1.00x" and gpu_line[-1] == "ok"
-    assert float(gpu_line[2].replace(",", "")) > 0
-    assert ds_line[0] == "deepspeed" and ds_line[-1] == "skipped: deepspeed needs CUDA"
+    limit, gpu, ds, slideformer = (_header_cells(line) for line in lines[2:])
+    # the same-kernel limit is the baseline: 1.00x, and the eager resident peer is measured against it
+    assert limit[0] == "resident_same_kernels" and limit[4] == "1.00x" and limit[-1] == "ok"
+    assert gpu[0] == "gpu_resident" and gpu[4].endswith("x") and gpu[-1] == "ok"
+    assert float(gpu[2].replace(",", "")) > 0
+    assert ds[0] == "deepspeed" and ds[-1] == "skipped: deepspeed needs CUDA"
+    assert slideformer[0] == "slideformer" and slideformer[-1] == "not run: its code is not available to this harness"
+    assert "arXiv:2603.16428" not in slideformer[1] and "published: 1.40x-6.27x" in slideformer[1]
 
     doc = json.loads(out.read_text())
     assert doc["complete"] is True
     assert doc["columns"] == list(bench.COLUMNS)
     assert doc["torch"] == torch.__version__ and doc["host"] and doc["date"]
-    assert "benchmarks.run" in doc["command"] and "--systems gpu_resident,deepspeed" in doc["command"]
-    assert [r["system"] for r in doc["rows"]] == ["gpu_resident", "deepspeed"]
-    assert [t["system"] for t in doc["table"]] == ["gpu_resident", "deepspeed"]
-    gpu = doc["rows"][0]
-    assert gpu["status"] == "ok" and gpu["tokens_per_step"] == 64 and gpu["tokens_per_s"] > 0
-    assert gpu["tokens_per_s"] == pytest.approx(64 / gpu["step_s"])
-    assert gpu["step_s"] == gpu["step_times_s"][1]  # the median of the one step after warm-up
-    assert gpu["vs_gpu_resident"] == 1.0 and gpu["host_rss_gib"] > 0
-    assert gpu["parameters"] == named_shape("tiny").num_parameters()
-    assert all(l > 0 for l in gpu["losses"])
-    assert doc["rows"][1]["status"] == "skipped: deepspeed needs CUDA" and doc["rows"][1]["vs_gpu_resident"] is None
+    assert "benchmarks.run" in doc["command"] and f"--systems {systems}" in doc["command"]
+    assert [r["system"] for r in doc["rows"]] == systems.split(",")
+    assert [t["system"] for t in doc["table"]] == systems.split(",")
+    row = doc["rows"][0]
+    assert row["status"] == "ok" and row["tokens_per_step"] == 64 and row["tokens_per_s"] > 0
+    assert row["tokens_per_s"] == pytest.approx(64 / row["step_s"])
+    assert row["step_s"] == row["step_times_s"][1]  # the median of the one step after warm-up
+    assert row["vs_resident"] == 1.0 and row["baseline"] == "resident_same_kernels" and row["host_rss_gib"] > 0
+    assert row["parameters"] == named_shape("tiny").num_parameters()
+    assert row["compiled_kernels"] is False  # train.compile = "auto" compiles on CUDA only
+    assert row["max_grad_norm"] == 1.0 and "clip 1" in row["config"]
+    assert "--max-grad-norm 1" in row["command"]
+    assert doc["rows"][1]["vs_resident"] == pytest.approx(doc["rows"][1]["tokens_per_s"] / row["tokens_per_s"])
+    # both peers trained the same weights (the exact init on CPU) on the same batch with the same clipping
+    assert doc["rows"][1]["losses"] == pytest.approx(row["losses"], rel=1e-5)
+    assert doc["rows"][2]["status"] == "skipped: deepspeed needs CUDA" and doc["rows"][2]["vs_resident"] is None
+    assert doc["rows"][3]["source"].startswith("Yang and Wen") and doc["rows"][3]["shape"] == "tiny"
     assert (tmp_path / "smoke.logs" / "gpu_resident.log").is_file()
+
+    # the per-run page and the plot beside the JSON
+    md = (tmp_path / "smoke.md").read_text()
+    assert md.startswith("# smoke\n") and "![tokens/s per system](smoke.png)" in md
+    assert "## tiny, 2 x 32 tokens/step, 1 GPU" in md
+    assert "SlideDP (`slidedp`, the default configuration) has no figure in this workload." in md
+    assert bench.format_table(doc["rows"]).splitlines()[0] in md
+    png = (tmp_path / "smoke.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_cpu_smoke_with_two_ranks_runs_fsdp2_under_torchrun_and_slidedp_with_both_routes(tmp_path):
@@ -79,7 +100,9 @@ def test_cpu_smoke_with_two_ranks_runs_fsdp2_under_torchrun_and_slidedp_with_bot
         assert rows[name]["gpus"] == 2 and rows[name]["tokens_per_step"] == 128
         assert "on 2 ranks" in rows[name]["config"], rows[name]["config"]
     assert "torch.distributed.run --standalone --nproc-per-node 2" in rows["fsdp2"]["command"]
-    assert rows["fsdp2"]["vs_gpu_resident"] == 1.0  # with several ranks the base is GPU-resident FSDP2
+    assert rows["fsdp2"]["vs_resident"] == 1.0  # with several ranks the base is GPU-resident FSDP2
+    assert rows["fsdp2"]["slidedp_ratio"] == pytest.approx(rows["slidedp"]["tokens_per_s"] / rows["fsdp2"]["tokens_per_s"])
+    assert all("clip 1" in rows[n]["config"] for n in ("fsdp2", "slidedp", "fsdp2_offload"))
     assert "sharded over 2 rank(s)" in rows["fsdp2"]["config"]
     assert 'runtime.grad_route="host"' in rows["slidedp_replicated"]["command"]
     assert rows["gpu_resident"]["status"].startswith("skipped: gpu_resident runs on one GPU only")
@@ -118,39 +141,67 @@ def test_failed_killed_and_hung_systems_become_rows(tmp_path, monkeypatch, capsy
     assert _header_cells(table[0]) == list(bench.COLUMNS) and len(table) == 5
     assert _header_cells(table[2])[-1] == (
         "failed: exit code 1, no result row -- RuntimeError: CUDA error: an illegal memory access")
+    # the harness's own rows name the workload too: a merge keeps them beside their workload's rows
+    assert all((r["shape"], r["batch"], r["seq"], r["gpus"]) == ("tiny", 8, 2048, 1) for r in rows.values())
 
 
-def test_merge_joins_runs_and_takes_ratios_against_the_first_gpu_resident_row(tmp_path, capsys):
+def test_merge_joins_runs_and_takes_ratios_within_each_workload(tmp_path, capsys):
     def doc(rows, **env):
         return json.dumps({"rows": rows, "host": "gpu-box", "gpu": "NVIDIA H200", "cpus": 16, **env})
 
+    w8 = {"shape": "qwen3-4b", "batch": 8, "seq": 2048, "gpus": 1}
+    w32 = {**w8, "batch": 32}
     ok = {"status": "ok", "config": "c", "step_s": 2.0, "gpu_peak_gib": 80.0, "host_rss_gib": 3.0, "shm_gib": 0.0}
     (tmp_path / "a.json").write_text(doc([
-        {**ok, "system": "gpu_resident", "status": "out of memory", "error": "CUDA out of memory. Tried"},
-        {**ok, "system": "gpu_resident_chunked", "tokens_per_s": 10000.0},
+        {**ok, **w8, "system": "gpu_resident", "status": "out of memory", "error": "CUDA out of memory. Tried"},
+        {**ok, **w8, "system": "gpu_resident_chunked", "tokens_per_s": 10000.0},
+        {**ok, **w8, "system": "resident_same_kernels", "tokens_per_s": 12500.0},
     ]))
     (tmp_path / "b.json").write_text(doc([
-        {**ok, "system": "slidedp", "tokens_per_s": 9500.0, "predicted_step_s": 1.9, "shm_gib": 48.25,
+        {**ok, **w8, "system": "slidedp", "tokens_per_s": 10000.0, "predicted_step_s": 1.9, "shm_gib": 48.25,
          "losses": [12.444, None, 11.206]},
-        {**ok, "system": "fsdp2_offload", "tokens_per_s": 5000.0, "optimizer_s": 0.98},
+        {**ok, **w8, "system": "fsdp2_offload", "tokens_per_s": 5000.0, "optimizer_s": 0.98},
+        {**ok, **w32, "system": "gpu_resident_chunked", "tokens_per_s": 10000.0},
+        {**ok, **w32, "system": "slidedp", "tokens_per_s": 13000.0},
+        {**ok, **w32, "system": "zenflow", "tokens_per_s": 6500.0, "step_stat": "mean"},
     ], git_commit="b" * 40, date="2026-11-29T17:00:00+00:00"))
     assert bench.main(["--merge", str(tmp_path / "a.json"), str(tmp_path / "b.json"),
                        "--out", str(tmp_path / "c.json")]) == 0
     merged = json.loads((tmp_path / "c.json").read_text())
-    assert [r["vs_gpu_resident"] for r in merged["rows"]] == [None, 1.0, 0.95, 0.5]
+    rows = merged["rows"]
+    # 8 sequences: against the same-kernel limit; 32 sequences (no such row): against the chunked resident peer
+    assert [r["vs_resident"] for r in rows] == [None, 0.8, 1.0, 0.8, 0.4, 1.0, 1.3, 0.65]
+    assert [r["baseline"] for r in rows] == ["resident_same_kernels"] * 5 + ["gpu_resident_chunked"] * 3
+    assert [r["slidedp_ratio"] for r in rows] == [None, 1.0, 0.8, 1.0, 2.0, 1.3, 1.0, 2.0]
     # where the runs ran (not where they were merged); where the sources differ, each one's value
     assert (merged["host"], merged["gpu"], merged["cpus"]) == ("gpu-box", "NVIDIA H200", 16)
     assert merged["git_commit"] == [None, "b" * 40]
     assert [(s["file"], s["git_commit"], s["date"]) for s in merged["settings"]["merged_from"]] == [
         (str(tmp_path / "a.json"), None, None), (str(tmp_path / "b.json"), "b" * 40, "2026-11-29T17:00:00+00:00")]
     table = capsys.readouterr().out.strip().splitlines()
-    assert [_header_cells(line) for line in table[2:]] == [
-        ["gpu_resident", "c", "", "2.00", "", "80.0", "3.0 + 0.0", "", "out of memory -- CUDA out of memory. Tried"],
-        ["gpu_resident_chunked", "c", "10,000", "2.00", "1.00x", "80.0", "3.0 + 0.0", "", "ok"],
-        ["slidedp", "c", "9,500", "2.00 (predicted 1.90)", "0.95x", "80.0", "3.0 + 48.2", "12.44 -> 11.21", "ok"],
-        ["fsdp2_offload", "c", "5,000", "2.00 (optimizer 0.98)", "0.50x", "80.0", "3.0 + 0.0", "", "ok"],
+    assert [_header_cells(line) for line in table[2:6]] == [
+        ["gpu_resident", "c", "", "2.00", "", "", "80.0", "3.0 + 0.0", "", "out of memory -- CUDA out of memory. Tried"],
+        ["gpu_resident_chunked", "c", "10,000", "2.00", "0.80x", "1.00x", "80.0", "3.0 + 0.0", "", "ok"],
+        ["resident_same_kernels", "c", "12,500", "2.00", "1.00x", "0.80x", "80.0", "3.0 + 0.0", "", "ok"],
+        ["slidedp", "c", "10,000", "2.00 (predicted 1.90)", "0.80x", "1.00x", "80.0", "3.0 + 48.2", "12.44 -> 11.21",
+         "ok"],
     ]
+    assert _header_cells(table[9])[3] == "2.00 (mean)"
     assert merged["table_markdown"] == "\n".join(table)
+    md = (tmp_path / "c.md").read_text()
+    assert "## qwen3-4b, 8 x 2,048 tokens/step, 1 GPU" in md and "## qwen3-4b, 32 x 2,048 tokens/step, 1 GPU" in md
+    assert "SlideDP (`slidedp`): 10,000 tokens/s." in md
+    assert "0.80x the throughput of `resident_same_kernels` (host-residence overhead +20%)." in md
+    assert "1.30x the throughput of `gpu_resident_chunked` (no same-kernel resident row ran)." in md
+    assert "SlideDP / each: `gpu_resident_chunked` 1.00x, `resident_same_kernels` 0.80x, `fsdp2_offload` 2.00x." in md
+    assert f"Merged from: `{None}`" not in md and "Merged from: `" in md
+    assert (tmp_path / "c.png").read_bytes()[:4] == b"\x89PNG"
+    # the index of a results folder lists each report with its workloads
+    index = (tmp_path / "index.md")
+    assert report.main(["--index", str(tmp_path)]) == 0
+    text = index.read_text()
+    assert "- [c](c.md) (2026-" in text and "qwen3-4b, 32 x 2,048 tokens/step, 1 GPU" in text
+    assert "[a](a.md)" not in text  # a.json has no report (it was written by hand here)
 
 
 def test_out_of_memory_inside_a_peer_is_a_row(tmp_path, capsys):
@@ -220,7 +271,7 @@ def test_slidedp_job_file_and_metrics_reduction(tmp_path, monkeypatch):
     assert row["leftover_segments_removed"] == [f"slidedp.{store}.grads"]
     assert not Path(f"/dev/shm/slidedp.{store}.grads").exists()
     assert "metrics_missing_keys" not in row
-    assert f"trained {Path(row['job_file']).stem} fp32 cpu 12.0 0.0 False False True" in row["output_tail"]
+    assert f"trained {Path(row['job_file']).stem} fp32 cpu 12.0 1.0 False False True" in row["output_tail"]
     tokens = __import__("numpy").load(tmp_path / "work" / "tokens.npy")
     assert tokens.tolist() == common.batch_stream(named_shape("tiny"), 2, 16, 0).tolist()  # one batch, --seed 0
 
@@ -305,7 +356,7 @@ def test_a_slidedp_run_stopped_by_the_timeout_keeps_the_steps_it_committed(tmp_p
     assert row["status"] == "timeout after 20 s (its figures: the 4 steps it committed)"
     assert row["steps_before_stop"] == 4 and row["step_s"] == 2.0 and row["tokens_per_s"] == 16.0
     assert row["error"].startswith("stopped by SIGTERM; the launcher's last output: trained ")
-    assert row["vs_gpu_resident"] is None  # not an ok row: no ratio is taken from it
+    assert row["vs_resident"] is None and row["slidedp_ratio"] is None  # not an ok row: no ratio is taken from it
 
 
 def test_a_rank_killed_under_torchrun_is_named():
@@ -346,3 +397,217 @@ def test_decoder_lm_is_slidedp_model(shape, loss):
     for name, leaf in leaves.items():  # float32 rounding, relative to the tensor's largest gradient
         err = (params[name].grad - leaf.grad).abs().max().item()
         assert err <= 1e-5 * leaf.grad.abs().max().item(), (name, err)
+
+
+# ---- the peers added for the default-configuration headline ----------------------------------
+
+
+def _reference_steps(cfg, ids, targets, micro, steps, max_norm, loss="chunked", chunk_tokens=24, seed=3):
+    """DecoderLM + torch AdamW + clip_grad_norm_: the plain PyTorch trainer every peer must equal."""
+    ref = common.DecoderLM(cfg, loss=loss, chunk_tokens=chunk_tokens)
+    ref.init_weights(seed)
+    opt = torch.optim.AdamW(ref.parameters(), lr=common.LR, betas=common.BETAS, eps=common.EPS, weight_decay=0.0)
+    losses = []
+    for _ in range(steps):
+        loss_value = sum(ref(a, b) for a, b in common.micro_batches(ids, targets, micro)) / targets.numel()
+        loss_value.backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss_value.item())
+    return ref, losses
+
+
+@pytest.mark.parametrize("shape", ["tiny", "small"])  # tied (Qwen3, qk-norm) and untied (Llama) heads
+def test_the_same_kernel_limit_trains_slidedps_math(shape):
+    """resident_same_kernels (SlideDP's fused layers, chunked loss without recompute, layer-major
+    micro-batches) on CPU in fp32: the reference's gradients to rounding, then the same two clipped
+    AdamW steps."""
+    from benchmarks.peers.resident_same_kernels import ResidentSameKernels
+
+    cfg = named_shape(shape)
+    ids, targets = common.random_batch(cfg, 4, 16, "cpu", seed=1)
+    model = ResidentSameKernels(cfg, "cpu", torch.float32, max_grad_norm=1.0, chunk_tokens=24)
+    model.init_weights(3, on="")
+    ref = common.DecoderLM(cfg, loss="chunked", chunk_tokens=24)
+    ref.init_weights(3)
+    assert [n for n, _ in model.named_tensors()] == [n for n, _ in ref.hf_named_parameters()]
+    loss = model.backward(ids, targets, micro_batch=2)
+    expected = sum(ref(a, b) for a, b in common.micro_batches(ids, targets, 2)) / targets.numel()
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach(), rtol=1e-6, atol=0)
+    grads, params = dict(model.named_tensors("grad")), dict(ref.hf_named_parameters())
+    for name, p in params.items():
+        err = (grads[name] - p.grad).abs().max().item()
+        assert err <= 1e-5 * p.grad.abs().max().item(), (name, err)
+    torch._foreach_zero_([g for g in grads.values()])
+
+    model2 = ResidentSameKernels(cfg, "cpu", torch.float32, max_grad_norm=1.0, chunk_tokens=24)
+    model2.init_weights(3, on="")
+    mine = [model2.step(ids, targets, micro_batch=2).item() for _ in range(2)]
+    ref2, theirs = _reference_steps(cfg, ids, targets, 2, 2, 1.0)
+    assert mine == pytest.approx(theirs, rel=1e-6)
+    weights = dict(model2.named_tensors())
+    for name, p in ref2.hf_named_parameters():
+        # fp32 rounding in the gradients moves Adam's update of near-zero gradients: a tenth of lr at most
+        assert (weights[name] - p).abs().max().item() <= 0.1 * common.LR, name
+
+
+def test_the_transformers_peer_trains_the_harness_model(tmp_path):
+    """hf (the Liger peer without Liger) builds AutoModelForCausalLM from the workload's config, with the
+    harness's weights, targets and clipped fused AdamW: its losses are the plain trainer's."""
+    from benchmarks.peers import hf_liger
+
+    out = tmp_path / "hf.json"
+    argv = ["--no-liger", "--device", "cpu", "--dtype", "fp32", "--shape", "tiny", "--batch", "4", "--seq", "16",
+            "--micro-batch", "2", "--steps", "3", "--warmup", "1", "--json", str(out)]
+    assert hf_liger.main(argv) == 0
+    row = json.loads(out.read_text())
+    assert row["status"] == "ok", row.get("error")
+    assert row["system"] == "hf" and row["parameters"] == named_shape("tiny").num_parameters()
+    assert "gradient checkpointing, fused AdamW, clip 1" in row["config"]
+    cfg = named_shape("tiny")
+    ids, targets = common.random_batch(cfg, 4, 16, "cpu", seed=0)
+    _, theirs = _reference_steps(cfg, ids, targets, 2, 3, 1.0, loss="full", seed=0)
+    assert row["losses"] == pytest.approx(theirs, rel=1e-5)
+    # with Liger (Triton kernels) it needs CUDA: on this machine a row says so
+    assert hf_liger.main(["--device", "cpu", "--shape", "tiny", "--json", str(tmp_path / "liger.json")]) == 0
+    assert json.loads((tmp_path / "liger.json").read_text())["status"] == "skipped: hf_liger needs CUDA"
+
+
+def test_peers_that_cannot_run_here_are_rows_that_say_why(tmp_path, monkeypatch):
+    from benchmarks.peers import megatrain_run, torchao_offload
+
+    assert torchao_offload.main(["--device", "cpu", "--shape", "tiny", "--json", str(tmp_path / "ao.json")]) == 0
+    ao = json.loads((tmp_path / "ao.json").read_text())
+    assert ao["status"] == "skipped: torchao_offload needs CUDA"
+    assert "no clipping (CPUOffloadOptimizer cannot clip)" in ao["config"] and ao["max_grad_norm"] == 0.0
+
+    # MegaTrain: no clone where it looks, a clone that does not import, the commit of a carried copy
+    with pytest.raises(common.Skip, match=r"MegaTrain not found at .*nowhere \(clone github.com/DLYuanGod/MegaTrain"):
+        megatrain_run.import_megatrain(tmp_path / "nowhere")
+    clone = tmp_path / "MegaTrain"
+    (clone / "infinity").mkdir(parents=True)
+    (clone / "infinity" / "__init__.py").write_text("import flash_attn_that_is_missing\n")
+    (clone / "COMMIT").write_text("919520f\n")
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    with pytest.raises(common.Skip, match=r"import infinity \(MegaTrain at .*\) failed: ModuleNotFoundError"):
+        megatrain_run.import_megatrain(clone)
+    assert megatrain_run.clone_commit(clone) == "919520f"
+    monkeypatch.setenv(megatrain_run.ENV, str(clone))
+    assert megatrain_run.megatrain_path("") == clone and megatrain_run.megatrain_path("/x") == Path("/x")
+    assert megatrain_run.NoPaddingMask().to("cuda:0") is None  # its layers then run causal SDPA
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # main sets it: undone after the test
+    assert megatrain_run.main(["--device", "cpu", "--shape", "tiny", "--json", str(tmp_path / "mt.json")]) == 0
+    mt = json.loads((tmp_path / "mt.json").read_text())
+    assert mt["status"] == "skipped: megatrain needs CUDA"
+    assert "bf16 weights and gradients on the host (not fp32 master)" in mt["config"]
+
+
+def test_deepspeed_and_zenflow_configs_clip_and_zenflow_runs_one_micro_batch_per_step():
+    from benchmarks.peers import deepspeed_offload as ds
+
+    args = common.parser("t").parse_args(["--batch", "8", "--micro-batch", "2", "--max-grad-norm", "0.5"])
+    common.check_args(args)
+    args.zenflow = False
+    plain = ds.ds_config(args)
+    assert plain["gradient_clipping"] == 0.5 and plain["gradient_accumulation_steps"] == 4
+    assert "zenflow" not in plain["zero_optimization"] and "optimizer" not in plain
+    args.zenflow, args.micro_batch = True, 8
+    zen = ds.ds_config(args)
+    assert zen["zero_optimization"]["zenflow"] == {"topk_ratio": 0.05, "select_strategy": "auto",
+                                                   "select_interval": "auto", "update_interval": 4,
+                                                   "full_warm_up_rounds": 0, "overlap_step": True}
+    assert zen["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+    assert zen["optimizer"] == {"type": "AdamW", "params": {"lr": common.LR, "betas": list(common.BETAS),
+                                                           "eps": common.EPS, "weight_decay": 0.0}}
+    assert zen["gradient_clipping"] == 0.5
+
+
+def test_each_systems_command_line(tmp_path):
+    """What each system's child process is started with: the common flags first, the system's own
+    after them (so slidedp_noclip's --max-grad-norm 0 wins), SlideDP's plan-chosen micro-batch."""
+    args = bench.parse_args(["--shape", "qwen3-4b", "--batch", "8", "--steps", "6", "--warmup", "2",
+                             "--budget-gib", "24", "--slidedp-set", "memory.prefetch_depth=2"])
+    argv = {name: bench.system_argv(name, system, args, tmp_path, tmp_path / f"{name}.json")
+            for name, system in bench.SYSTEMS.items() if system.published is None}
+    common_flags = ["--shape", "qwen3-4b", "--batch", "8", "--seq", "2048", "--steps", "6", "--warmup", "2",
+                    "--device", "cuda", "--seed", "0"]
+    for name, cmd in argv.items():
+        assert cmd[:2] == [sys.executable, "-m"] and cmd[3:3 + len(common_flags)] == common_flags, name
+        assert cmd[cmd.index("--max-grad-norm") + 1] == "1" and cmd[cmd.index("--budget-gib") + 1] == "24.0", name
+    assert argv["slidedp"][2:3] == ["benchmarks.peers.slidedp_run"]
+    assert argv["slidedp"][-5:] == ["--workdir", str(tmp_path / "slidedp-work"), "--plan-micro-batch",
+                                    "--set", "memory.prefetch_depth=2"]
+    noclip = argv["slidedp_noclip"]
+    assert noclip[len(noclip) - 1 - noclip[::-1].index("--max-grad-norm") + 1] == "0"  # the last one wins
+    assert "--zenflow" in argv["zenflow"] and argv["zenflow"][2] == "benchmarks.peers.deepspeed_offload"
+    assert argv["hf_liger"][2] == "benchmarks.peers.hf_liger" and "--liger" in argv["hf_liger"]
+    assert argv["megatrain"][2] == "benchmarks.peers.megatrain_run"
+    assert argv["resident_same_kernels"][2] == "benchmarks.peers.resident_same_kernels"
+    assert argv["torchao_offload"][2] == "benchmarks.peers.torchao_offload"
+    peers = bench.parse_args(["--slidedp-micro-batch", "4", "--systems", "slidedp"])
+    assert bench.system_argv("slidedp", bench.SYSTEMS["slidedp"], peers, tmp_path, tmp_path / "s.json")[-2:] == [
+        "--set", "train.micro_batch=4"]
+    two = bench.parse_args(["--gpus", "2", "--systems", "fsdp2"])
+    assert bench.system_argv("hf_liger", bench.SYSTEMS["hf_liger"], two, tmp_path, tmp_path / "h.json") is None
+    assert bench.system_argv("fsdp2", bench.SYSTEMS["fsdp2"], two, tmp_path, tmp_path / "f.json")[2:4] == [
+        "torch.distributed.run", "--standalone"]
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--slidedp-micro-batch", "some"])
+
+
+def test_slidedp_job_lets_the_plan_choose_the_micro_batch_only_where_slidedp_accepts_it(tmp_path, monkeypatch):
+    p = common.parser("t")
+    p.add_argument("--compute-dtype", default="")
+    p.add_argument("--set", action="append", default=[])
+    p.add_argument("--wait-timeout", type=float, default=600.0)
+    p.add_argument("--plan-micro-batch", action="store_true")
+    args = p.parse_args(["--device", "cpu", "--shape", "tiny", "--batch", "4", "--plan-micro-batch"])
+    common.check_args(args)
+    job = slidedp_run.job_dict(args, tmp_path / "t.npy", tmp_path / "run", "n")
+    assert slidedp_run.plan_picks_micro_batch() is False  # today's schema: train.micro_batch >= 1
+    assert job["train"]["micro_batch"] == 4 and job["train"]["max_grad_norm"] == 1.0
+    monkeypatch.setattr(slidedp_run, "plan_picks_micro_batch", lambda: True)
+    assert slidedp_run.job_dict(args, tmp_path / "t.npy", tmp_path / "run", "n")["train"]["micro_batch"] == 0
+
+
+FAKE_PYTHON = '''#!/usr/bin/env bash
+echo "$*" >> "$FAKE_CALLS"
+out="" prev=""
+for a in "$@"; do [ "$prev" = "--out" ] && out=$a; prev=$a; done
+[ -n "$out" ] && echo '{"rows": []}' > "$out"
+[ "$1" = "-c" ] && echo 0
+exit 0
+'''
+
+
+@pytest.mark.parametrize("budget", ["10000", "0"])
+def test_the_headline_session_runs_each_system_in_its_own_command_within_its_budget(tmp_path, budget):
+    """sessions/headline.sh PART: one harness command per system with the headline's settings, merged
+    into OUT/PART.json; with no time left it starts nothing (and says so) rather than overrun the call."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name in ("python3", "slidedp-store"):
+        (bin_dir / name).write_text(FAKE_PYTHON)
+        (bin_dir / name).chmod(0o755)
+    calls = tmp_path / "calls"
+    env = {**__import__("os").environ, "PATH": f"{bin_dir}:/usr/bin:/bin", "FAKE_CALLS": str(calls),
+           "BUDGET_S": budget}
+    done = subprocess.run(["bash", str(ROOT / "benchmarks/sessions/headline.sh"), str(tmp_path / "out"), "offload-b8"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    text = calls.read_text() if calls.exists() else ""
+    runs = [line for line in text.splitlines() if line.startswith("-m benchmarks.run --shape")]
+    if budget == "0":
+        assert runs == [] and "not starting 4b-b8 fsdp2_offload" in done.stderr and "--merge" not in text
+        return
+    systems = [r.split("--systems ")[1].split()[0] for r in runs]
+    assert systems == ["fsdp2_offload", "deepspeed", "zenflow", "megatrain", "slideformer"]
+    for r in runs:
+        assert "--shape qwen3-4b --batch 8 --seq 2048 --steps 6 --warmup 2" in r
+        assert "--max-grad-norm 1.0 --slidedp-micro-batch plan --slidedp-set memory.gpu_budget_gib=24" in r
+        assert "--timeout 130" in r
+    merge = [line for line in text.splitlines() if line.startswith("-m benchmarks.run --merge")]
+    assert len(merge) == 1 and merge[0].endswith(f"--out {tmp_path / 'out' / 'offload-b8.json'}")
+    assert (tmp_path / "out" / "offload-b8-logs.tgz").is_file()

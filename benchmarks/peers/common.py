@@ -9,6 +9,7 @@ JSON object) with `write_row`; anything that goes wrong becomes a row with a sta
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -20,7 +21,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -105,26 +106,9 @@ class DecoderLM(nn.Module):
         if self.lm_head is not None:
             yield "lm_head.weight", self.lm_head
 
-    @torch.no_grad()
     def init_weights(self, seed: int = 0, on: str = "") -> None:
-        """Random weights by SlideDP's rules: norms 1, biases 0, matrices N(0, INIT_STD).
-
-        on="" draws every matrix exactly as slidedp.model.init does (same values, same seed):
-        one CPU generator, about 0.1 G values/s, minutes for 4 B parameters. on="cuda" draws
-        the same distribution with a CUDA generator (seconds), in blocks so no big temporary
-        lands on the GPU; timings do not depend on which values the weights hold.
-        """
-        gen = torch.Generator(device=on).manual_seed(seed) if on else None
-        for name, p in self.hf_named_parameters():
-            if gen is None or p.dim() < 2:
-                init_tensor_(name, p, seed)
-            elif p.device.type == on:
-                p.normal_(0.0, INIT_STD, generator=gen)
-            else:
-                flat = p.view(-1)
-                for start in range(0, flat.numel(), _INIT_BLOCK):
-                    block = flat[start : start + _INIT_BLOCK]
-                    block.copy_(torch.empty(block.shape, device=on).normal_(0.0, INIT_STD, generator=gen))
+        """Random weights by SlideDP's rules (init_named_)."""
+        init_named_(self.hf_named_parameters(), seed, on)
 
     def forward(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         x = layers.embed(self.embed_tokens, ids)
@@ -139,6 +123,29 @@ class DecoderLM(nn.Module):
             if self.loss == "chunked":
                 return chunked_cross_entropy_sum(hidden, weight, tgt, self.chunk_tokens)
             return F.cross_entropy(F.linear(hidden, weight).float(), tgt, reduction="sum")
+
+
+@torch.no_grad()
+def init_named_(named: Iterable[tuple[str, torch.Tensor]], seed: int = 0, on: str = "") -> None:
+    """Random weights by SlideDP's rules: norms 1, biases 0, matrices N(0, INIT_STD), for
+    (Hugging Face name, tensor) pairs.
+
+    on="" draws every matrix exactly as slidedp.model.init does (same values, same seed):
+    one CPU generator, about 0.1 G values/s, minutes for 4 B parameters. on="cuda" draws
+    the same distribution with a CUDA generator (seconds), in blocks so no big temporary
+    lands on the GPU; timings do not depend on which values the weights hold.
+    """
+    gen = torch.Generator(device=on).manual_seed(seed) if on else None
+    for name, p in named:
+        if gen is None or p.dim() < 2:
+            init_tensor_(name, p, seed)
+        elif p.device.type == on:
+            p.normal_(0.0, INIT_STD, generator=gen)
+        else:
+            flat = p.view(-1)
+            for start in range(0, flat.numel(), _INIT_BLOCK):
+                block = flat[start : start + _INIT_BLOCK]
+                block.copy_(torch.empty(block.shape, device=on).normal_(0.0, INIT_STD, generator=gen))
 
 
 def batch_stream(cfg: ModelConfig, batch: int, seq: int, seed: int = 0) -> torch.Tensor:
@@ -179,6 +186,8 @@ def parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--gpus", type=int, default=1, help="ranks (one per GPU; SlideDP may share one GPU among them)")
     p.add_argument("--exact-init", action="store_true",
                    help="draw weights with slidedp.model.init's CPU generator (slow) even on CUDA")
+    p.add_argument("--max-grad-norm", type=float, default=1.0,
+                   help="clip the global gradient norm to this (one norm per step, as SlideDP's default); 0 = off")
     p.add_argument("--json", default="", help="write the result row here")
     return p
 
@@ -191,6 +200,8 @@ def check_args(args: argparse.Namespace) -> None:
         raise SystemExit(f"--steps ({args.steps}) must exceed --warmup ({args.warmup}): no step would be measured")
     if args.batch % args.micro_batch:
         raise SystemExit(f"--micro-batch ({args.micro_batch}) must divide --batch ({args.batch})")
+    if args.max_grad_norm < 0:
+        raise SystemExit(f"--max-grad-norm ({args.max_grad_norm}) must be >= 0 (0 = no clipping)")
     if args.gpus < 1 or args.batch % (args.gpus * args.micro_batch):
         raise SystemExit(f"--batch ({args.batch}) must be a multiple of --gpus ({args.gpus}) x --micro-batch "
                          f"({args.micro_batch})")
@@ -266,6 +277,37 @@ def timed_steps(step: Callable[[Stopwatch], float | None], steps: int, device: s
             extra = "".join(f" {k} {v:.3f} s" for k, v in watch.totals.items())
             log(f"step {i}: {times[-1]:.3f} s loss {losses[-1]:.4f}{extra}")
     return times, sections, losses
+
+
+def train_resident(args: argparse.Namespace, row: dict[str, Any], host: "HostMemory", model: nn.Module,
+                   loss_of: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor], opt: Any,
+                   autocast: bool = True, clip: bool = True, time_optimizer: bool = False) -> None:
+    """The step loop of the peers whose model lives on the device: every micro-batch's loss (the
+    step's token-mean, `loss_of(ids, targets, step_tokens)`) under bf16 autocast, backward, one
+    clipped (--max-grad-norm) optimizer step; timed, and the row filled."""
+    device = args.device
+    ids, targets = random_batch(shape_of(args), args.batch, args.seq, device, args.seed)
+    batches, n_tokens = micro_batches(ids, targets, args.micro_batch), ids.numel()
+    amp = torch.autocast(device, dtype=torch.bfloat16, enabled=autocast)
+    row["parameters"] = sum(p.numel() for p in model.parameters())
+
+    def step(watch: Stopwatch) -> float:
+        total = torch.zeros((), device=device)
+        for mb_ids, mb_targets in batches:
+            with amp:
+                loss = loss_of(mb_ids, mb_targets, n_tokens)
+            loss.backward()
+            total += loss.detach().float()
+        with watch.section("optimizer") if time_optimizer else contextlib.nullcontext():
+            if clip:
+                clip_gradients(model.parameters(), args.max_grad_norm)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return total.item()
+
+    times, sections, losses = timed_steps(step, args.steps, device, log)
+    fill_measurements(row, times, sections, losses, args.warmup)
+    fill_memory(row, device, host)
 
 
 def median_after_warmup(values: list[float], warmup: int) -> float:
@@ -394,6 +436,7 @@ def base_row(system: str, config: str, args: argparse.Namespace) -> dict[str, An
         "device": args.device,
         "gpu_budget_gib": args.budget_gib or None,
         "init": "cuda generator" if init_on(args) else "slidedp.model.init",
+        "max_grad_norm": args.max_grad_norm,
         "torch": torch.__version__,
         "python": platform.python_version(),
     }
@@ -414,11 +457,34 @@ def device_name(device: str, local_gpu: bool = True) -> str:
 
 
 def fill_measurements(row: dict[str, Any], times: list[float], sections: list[dict[str, float]],
-                      losses: list[float], warmup: int) -> None:
-    step_s = median_after_warmup(times, warmup)
+                      losses: list[float], warmup: int, stat: str = "median") -> None:
+    """Step time, tokens/s, per-step times and losses, and each timed section, from the steps after
+    warm-up: their median, or their mean (stat="mean", for a system whose steps differ by design,
+    such as one that applies part of its update every few steps)."""
+    reduce = median_after_warmup if stat == "median" else (lambda v, w: statistics.fmean(v[w:]))
+    step_s = reduce(times, warmup)
     row.update(step_s=step_s, tokens_per_s=row["tokens_per_step"] / step_s, step_times_s=times, losses=losses)
+    if stat != "median":
+        row["step_stat"] = stat
     for label in sorted({k for s in sections for k in s}):
-        row[f"{label}_s"] = median_after_warmup([s.get(label, 0.0) for s in sections], warmup)
+        row[f"{label}_s"] = reduce([s.get(label, 0.0) for s in sections], warmup)
+
+
+def clip_gradients(params: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor | None:
+    """Scale the gradients so their global L2 norm is at most max_norm (0: leave them); the norm
+    before clipping, as a tensor on the gradients' device (no synchronization here)."""
+    if max_norm <= 0:
+        return None
+    params = [p for p in params if p.grad is not None]
+    total = torch.nn.utils.get_total_norm([p.grad for p in params])
+    if hasattr(total, "full_tensor"):  # FSDP2: the norm of sharded gradients is a DTensor (torchtitan's way)
+        total = total.full_tensor()
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return total
+
+
+def clip_text(max_norm: float) -> str:
+    return f"clip {max_norm:g}" if max_norm > 0 else "no clipping"
 
 
 def fill_memory(row: dict[str, Any], device: str, host: HostMemory) -> None:

@@ -6,7 +6,8 @@ reduce_dtype=fp32). --offload (the default): CPUOffloadPolicy() (sharded fp32 pa
 gradients and AdamW state in pinned host memory), torch AdamW on the CPU; --no-offload:
 GPU-resident FSDP2, everything sharded over the GPUs, AdamW on the GPU. AdamW fused (--fused,
 the default) or foreach (--no-fused). Each rank takes batch / N sequences; rank 0 writes the
-row. The optimizer step is timed separately (row key optimizer_s).
+row. Gradients are clipped to --max-grad-norm (one global norm over the shards) before the step;
+the optimizer step and the clipping are timed together (row key optimizer_s).
 
     python -m benchmarks.peers.fsdp2_offload --shape qwen3-4b --batch 8 --seq 2048 --steps 6 --warmup 2 --json OUT
     python -m torch.distributed.run --standalone --nproc-per-node 4 -m benchmarks.peers.fsdp2_offload --gpus 4 ...
@@ -68,6 +69,7 @@ def measure(args: argparse.Namespace, row: dict[str, Any], host: common.HostMemo
                 loss.backward()
                 total += loss.detach()
             with watch.section("optimizer"):  # synchronized first: the offloaded grads have landed
+                common.clip_gradients(model.parameters(), args.max_grad_norm)
                 opt.step()
                 opt.zero_grad(set_to_none=True)
             dist.all_reduce(total, op=dist.ReduceOp.AVG)  # the global batch's mean loss, as the others report
@@ -96,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         where = f"CPUOffloadPolicy{pin}, CPU AdamW {opt}"
     else:
         system, where = "fsdp2", f"sharded over {args.gpus} rank(s), GPU AdamW {opt}"
-    config = f"{common.batch_text(args)}, bf16/fp32 reduce, {where}, {args.loss} CE"
+    config = f"{common.batch_text(args)}, bf16/fp32 reduce, {where}, {common.clip_text(args.max_grad_norm)}, {args.loss} CE"
     return common.run_peer(system, config, args, lambda row, host: measure(args, row, host), needs_cuda=False)
 
 

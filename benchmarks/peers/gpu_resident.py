@@ -1,7 +1,8 @@
 """GPU-resident peer: the whole training state on the GPU.
 
 fp32 parameters, gradients and AdamW moments on the GPU, bf16 autocast, torch's fused AdamW
-on the GPU, per-layer activation checkpointing; the loss over full logits (--loss full) or
+on the GPU (after clipping the global gradient norm, --max-grad-norm), per-layer activation
+checkpointing (slidedp.model.layers run eagerly, unfused projections); the loss over full logits (--loss full) or
 chunked (--loss chunked, 4,096-token chunks, logits recomputed in backward). The upper bound
 every offloading system is measured against.
 
@@ -26,25 +27,8 @@ def measure(args: argparse.Namespace, row: dict[str, Any], host: common.HostMemo
     common.sync(device)
     opt = torch.optim.AdamW(model.parameters(), lr=common.LR, betas=common.BETAS, eps=common.EPS,
                             weight_decay=common.WEIGHT_DECAY, fused=True)
-    ids, targets = common.random_batch(cfg, args.batch, args.seq, device, args.seed)
-    batches, n_tokens = common.micro_batches(ids, targets, args.micro_batch), ids.numel()
-    autocast = torch.autocast(device, dtype=torch.bfloat16, enabled=args.dtype == "bf16")
-    row["parameters"] = sum(p.numel() for p in model.parameters())
-
-    def step(watch: common.Stopwatch) -> float:
-        total = torch.zeros((), device=device)
-        for mb_ids, mb_targets in batches:
-            with autocast:
-                loss = model(mb_ids, mb_targets) / n_tokens  # mean over the whole step's tokens
-            loss.backward()
-            total += loss.detach()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return total.item()
-
-    times, sections, losses = common.timed_steps(step, args.steps, device, common.log)
-    common.fill_measurements(row, times, sections, losses, args.warmup)
-    common.fill_memory(row, device, host)
+    common.train_resident(args, row, host, model, lambda ids, targets, n: model(ids, targets) / n, opt,
+                          autocast=args.dtype == "bf16")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -55,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     common.check_args(args)
     system = "gpu_resident" if args.loss == "full" else "gpu_resident_chunked"
     amp = "bf16 autocast" if args.dtype == "bf16" else "fp32 compute"
-    config = f"{common.batch_text(args)}, fp32 on {args.device.upper()}, {amp}, fused AdamW, {args.loss} CE"
+    config = f"{common.batch_text(args)}, fp32 on {args.device.upper()}, {amp}, fused AdamW, {common.clip_text(args.max_grad_norm)}, {args.loss} CE"
     return common.run_peer(system, config, args, lambda row, host: measure(args, row, host), needs_cuda=False)
 
 

@@ -29,7 +29,7 @@ import numpy as np
 
 from benchmarks.peers import common
 from benchmarks.teed import run_teed
-from slidedp.config import MemorySection
+from slidedp.config import ConfigError, MemorySection, TrainSection
 from slidedp.model.config import ModelConfig
 from slidedp.step_records import timed_steps, write_backs
 
@@ -42,17 +42,31 @@ class Terminated(Exception):
     pass
 
 
+def plan_picks_micro_batch() -> bool:
+    """Whether this SlideDP lets the plan choose the micro-batch (train.micro_batch = 0)."""
+    try:
+        TrainSection(steps=1, global_batch=1, micro_batch=0, seq_len=1, lr=1.0).validate()
+    except (ConfigError, ZeroDivisionError, ValueError):
+        return False
+    return True
+
+
+def job_micro_batch(args: argparse.Namespace) -> int:
+    """train.micro_batch: 0 (the plan's choice) with --plan-micro-batch where SlideDP accepts it, else the peers'."""
+    return 0 if args.plan_micro_batch and plan_picks_micro_batch() else args.micro_batch
+
+
 def job_dict(args: argparse.Namespace, data: Path, run_dir: Path, name: str) -> dict[str, dict[str, Any]]:
     """The job file as sections (slidedp/config.py's schema), before --set overrides."""
     dtype = args.compute_dtype or ("bf16" if args.device == "cuda" else "fp32")
     job: dict[str, dict[str, Any]] = {
         "model": {"source": "random", "shape": args.shape, "init_seed": args.seed},
         "data": {"path": str(data), "format": "npy"},
-        # The peers' optimizer: constant lr, no weight decay, no clipping (none of them clips).
-        "train": {"steps": args.steps, "global_batch": args.batch, "micro_batch": args.micro_batch,
+        # The peers' optimizer: constant lr, no weight decay, the peers' clipping (--max-grad-norm).
+        "train": {"steps": args.steps, "global_batch": args.batch, "micro_batch": job_micro_batch(args),
                   "seq_len": args.seq, "lr": common.LR, "schedule": "constant", "weight_decay": common.WEIGHT_DECAY,
-                  "beta1": common.BETAS[0], "beta2": common.BETAS[1], "eps": common.EPS, "max_grad_norm": 0.0,
-                  "seed": args.seed, "compute_dtype": dtype},
+                  "beta1": common.BETAS[0], "beta2": common.BETAS[1], "eps": common.EPS,
+                  "max_grad_norm": args.max_grad_norm, "seed": args.seed, "compute_dtype": dtype},
         "store": {"name": name, "persist": False},
         "checkpoint": {"final": False},
         "run": {"name": name, "dir": str(run_dir)},
@@ -230,19 +244,33 @@ def run(argv: list[str] | None = None) -> int:
     p.add_argument("--workdir", default="", help="where the job file, tokens and run dir go (default: a new temp dir)")
     p.add_argument("--timeout", type=float, default=3000.0, help="seconds before the launcher is stopped")
     p.add_argument("--wait-timeout", type=float, default=600.0, help="runtime.timeout_s of the job (every wait)")
+    p.add_argument("--plan-micro-batch", action="store_true",
+                   help="let the plan choose train.micro_batch (0) where this SlideDP accepts that; else --micro-batch")
     args = p.parse_args(argv)
     sets = dict(s.replace(" ", "").partition("=")[::2] for s in args.set)  # SECTION.KEY -> VALUE
     if "train.micro_batch" in sets:  # a micro-batch set for SlideDP is the one its row reports
         args.micro_batch = int(sets["train.micro_batch"])
+        args.plan_micro_batch = False
     common.check_args(args)
     budget = args.budget_gib if args.budget_gib > 0 else MemorySection().gpu_budget_gib
     budget = f"budget {budget:g} GiB" + ("" if args.budget_gib > 0 else " (SlideDP's default)")
     if "memory.gpu_budget_gib" in sets:
         budget = "budget as set below"
-    config = f"{common.batch_text(args)}, {args.gpus} worker(s), {budget}" + "".join(f", {s}" for s in args.set)
+    planned = job_micro_batch(args) == 0
+    if planned:
+        batch = f"{args.batch}x{args.seq} (micro-batch: the plan's)" + (f" on {args.gpus} ranks" if args.gpus > 1 else "")
+    else:
+        batch = common.batch_text(args) + (" (micro-batch named: this SlideDP's plan cannot choose it)"
+                                           if args.plan_micro_batch else "")
+    config = (f"{batch}, {args.gpus} worker(s), {budget}, {common.clip_text(args.max_grad_norm)}"
+              + "".join(f", {s}" for s in args.set))
     # local_gpu=False: this process must not open a CUDA context of its own beside SlideDP's workers.
-    return common.run_peer("slidedp", config, args, lambda row, host: measure(args, row, host),
-                           needs_cuda=False, local_gpu=False)
+    def body(row: dict[str, Any], host: common.HostMemory) -> None:
+        if planned:
+            row["micro_batch"] = "plan"
+        measure(args, row, host)
+
+    return common.run_peer("slidedp", config, args, body, needs_cuda=False, local_gpu=False)
 
 
 def _on_sigterm(signum: int, frame: object) -> None:

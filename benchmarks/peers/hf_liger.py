@@ -1,0 +1,92 @@
+"""What users run today on one GPU: a `transformers` model with Liger kernels, GPU-resident.
+
+The model is `AutoModelForCausalLM` built from the workload's config (`hf_model.build`), patched
+by Liger before it is built (`apply_liger_kernel_to_<family>`: RMSNorm, RoPE, SwiGLU and the
+fused linear cross-entropy, which never materializes the logits), with gradient checkpointing
+(non-reentrant) and SDPA attention. The math of the Hugging Face Trainer's `bf16=True`: fp32
+parameters, gradients and AdamW moments on the GPU, bf16 autocast, torch's fused AdamW
+(`adamw_torch_fused`), the global gradient norm clipped to --max-grad-norm. The loss is the sum
+of the step's token losses over its token count (`num_items_in_batch`), on the same shifted
+targets as every peer (`shift_labels`).
+
+--no-liger: the same model and loop without Liger (transformers' own kernels); it runs on the
+CPU too, which is how the tests check that this peer trains the harness's model.
+
+    python -m benchmarks.peers.hf_liger --shape qwen3-4b --batch 8 --seq 2048 --steps 6 --warmup 2 --json OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any, Callable
+
+import torch
+
+from benchmarks.peers import common, hf_model
+
+_LIGER_APPLY = {"qwen3": "apply_liger_kernel_to_qwen3", "qwen2": "apply_liger_kernel_to_qwen2",
+                "llama": "apply_liger_kernel_to_llama", "mistral": "apply_liger_kernel_to_mistral"}
+
+
+def liger_patch(family: str) -> tuple[Callable[..., None], str]:
+    """Liger's patch function for the model family and liger-kernel's version; a Skip that says why not."""
+    try:
+        import liger_kernel
+        import liger_kernel.transformers as lt
+    except Exception as e:  # noqa: BLE001 -- ImportError, or a triton/transformers mismatch at import
+        raise common.Skip(f"import liger_kernel failed: {type(e).__name__}: {e}") from None
+    name = _LIGER_APPLY.get(family)
+    if name is None or not hasattr(lt, name):
+        raise common.Skip(f"liger-kernel has no patch for model family {family!r}")
+    version = getattr(liger_kernel, "__version__", None)
+    if version is None:
+        from importlib.metadata import version as dist_version
+
+        version = dist_version("liger-kernel")
+    return getattr(lt, name), version
+
+
+def measure(args: argparse.Namespace, row: dict[str, Any], host: common.HostMemory) -> None:
+    cfg, device = common.shape_of(args), args.device
+    if args.liger:
+        apply, row["liger_kernel"] = liger_patch(cfg.family)
+        apply(rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=True)
+    import transformers
+
+    row["transformers"] = transformers.__version__
+    model = hf_model.build(cfg, device, torch.float32, args.seed, common.init_on(args))
+    if hasattr(model, "activation_checkpointing_enable"):  # newer transformers' name (the old one warns)
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    common.sync(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=common.LR, betas=common.BETAS, eps=common.EPS,
+                            weight_decay=common.WEIGHT_DECAY, fused=True)
+
+    def loss_of(ids: torch.Tensor, targets: torch.Tensor, step_tokens: int) -> torch.Tensor:
+        # the sum of the token losses over the step's count: the step's token-mean, as every peer
+        return model(input_ids=ids, labels=targets, shift_labels=targets, num_items_in_batch=step_tokens).loss
+
+    common.train_resident(args, row, host, model, loss_of, opt, autocast=args.dtype == "bf16")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = common.parser(__doc__.split("\n\n")[0])
+    p.add_argument("--liger", action=argparse.BooleanOptionalAction, default=True,
+                   help="patch the model with Liger's kernels (default); --no-liger: transformers' own")
+    p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="autocast dtype (fp32: no autocast)")
+    args = p.parse_args(argv)
+    common.check_args(args)
+    kernels = "Liger RMSNorm/RoPE/SwiGLU + fused linear CE" if args.liger else "transformers' kernels, full-logits CE"
+    amp = "bf16 autocast" if args.dtype == "bf16" else "fp32 compute"
+    config = (f"{common.batch_text(args)}, transformers, {kernels}, fp32 params/grads/moments on "
+              f"{args.device.upper()}, {amp}, gradient checkpointing, fused AdamW, {common.clip_text(args.max_grad_norm)}")
+    system = "hf_liger" if args.liger else "hf"
+    return common.run_peer(system, config, args, lambda row, host: measure(args, row, host),
+                           needs_cuda=args.liger)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
