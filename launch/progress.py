@@ -42,7 +42,8 @@ METRICS: dict[str, MetricField] = {
     "loss": MetricField(float, "mean loss over every target token of the global batch; null if not finite", True),
     "grad_norm": MetricField(float, "global gradient norm before clipping; null if not finite", True),
     "lr": MetricField(float, "learning rate of the step"),
-    "skipped": MetricField(bool, "the step was skipped everywhere (a rank saw a non-finite loss)"),
+    "skipped": MetricField(bool, "the step was skipped everywhere (a rank saw a non-finite loss, or the gradient "
+                                 "norm was not finite)"),
     "tokens": MetricField(int, "target tokens per step (global_batch x seq_len)"),
     "step_s": MetricField(float, "time between this commit and the previous one (the first includes start-up)"),
     "tokens_per_s": MetricField(float, "tokens / step_s", True),
@@ -64,6 +65,13 @@ METRICS: dict[str, MetricField] = {
     "planned_gpu_bytes": MetricField(int, "the plan's GPU memory peak per rank, CUDA context included; null on CPU "
                                           "(no plan)", True),
     "update_busy_s": MetricField(float, "updater busy time of the step's chunks, summed over processes"),
+    "clipped": MetricField(bool, "the global gradient norm was over train.max_grad_norm: the update was clipped"),
+    "speculated_chunks": MetricField(int, "host chunks updated before the step's gradient norm was known (exact "
+                                          "clipping: speculated, then validated against the norm)"),
+    "corrected_chunks": MetricField(int, "of the speculated chunks, those redone with the clipped gradient (or undone: "
+                                         "a non-finite gradient skipped the step)"),
+    "correction_s": MetricField(float, "updater busy time of those corrections, summed over processes (inside "
+                                       "update_busy_s)"),
     "reduce_busy_s": MetricField(float, "aggregator busy time summing the step's gradients"),
     "host_rss_bytes": MetricField(int, "private resident memory of the launcher and all its child processes "
                                        "(the shared store is counted once, in shm_bytes)"),
@@ -132,7 +140,8 @@ def make_record(step: int, done: StepDone, stats: dict[int, WorkerStats], lr: fl
         "tokens_per_s": tokens / step_s if step_s > 0 else None,
         "worker_step_s": max((s.step_s for s in stats.values()), default=step_s),
         "predicted_step_s": predicted_step_s, "planned_gpu_bytes": planned_gpu_bytes, "ranks": len(stats),
-        "update_busy_s": done.update_s, "reduce_busy_s": done.reduce_s,
+        "update_busy_s": done.update_s, "reduce_busy_s": done.reduce_s, "clipped": bool(done.clipped),
+        "speculated_chunks": done.speculated, "corrected_chunks": done.corrected, "correction_s": done.correct_s,
         "host_rss_bytes": host_private, "shm_bytes": shm,
     }
     for key, f in METRICS.items():
@@ -233,7 +242,7 @@ class Progress:
         fill = bar_w * done_n // total
         line = f"[{'#' * fill}{'.' * (bar_w - fill)}]{text}"[:max(20, width - 1)]
         if r["skipped"]:  # a permanent line, then the bar again below it
-            self.stream.write(f"\r\x1b[Kstep {done_n} skipped: a rank saw a non-finite loss\n")
+            self.stream.write(f"\r\x1b[Kstep {done_n} skipped: a non-finite loss or gradient norm\n")
         self.stream.write(f"\r\x1b[K{line}" + ("\n" if last else ""))
         self.stream.flush()
         self._bar_drawn = not last

@@ -107,7 +107,7 @@ def test_bar_redrawn_in_place_on_a_terminal(tmp_path, monkeypatch):
     # one frame per step plus the permanent line of the skipped step; newlines only after that line and at the end
     assert len(frames) == 5
     assert frames[0].startswith("[") and " 1/4 loss 2.5000 " in frames[0] and "tok/s" in frames[0] and "ETA" in frames[0]
-    assert frames[2] == "step 3 skipped: a rank saw a non-finite loss\n"
+    assert frames[2] == "step 3 skipped: a non-finite loss or gradient norm\n"
     assert " 3/4 loss nan " in frames[3]
     assert frames[4].startswith("[" + "#" * 10) and " 4/4 loss -0.5000 " in frames[4] and frames[4].endswith("\n")
     assert text.count("\n") == 2
