@@ -18,8 +18,8 @@ import time
 import torch
 import zmq
 
+from slidedp import faults, numa
 from slidedp import log as slog
-from slidedp import numa
 from slidedp.clipping import Verdict
 from slidedp.clipping.rollback import fused_adamw_, settle_
 from slidedp.jobrecord import JobRecord, attach_job, detach_job
@@ -266,6 +266,7 @@ class UpdaterCore:
         for wd, blocks in self._groups(chunk, grads):
             for b in blocks:
                 settle_(*b, weight_decay=wd, coef=coef, **hyper)
+                faults.hold("correct", step, chunk=chunk.id)  # the crash tests: half-way through a correction
 
 
 def _blocks(mb: Member, grads: list[tuple[int, int, torch.Tensor]],

@@ -57,6 +57,12 @@ def checkpoint_weights(path: Path) -> dict[str, torch.Tensor]:
     return {name: hf.load_tensor(folder, name) for name in hf.tensor_index(folder)}
 
 
+def checkpoint_state(path: Path) -> dict[str, torch.Tensor]:
+    """A checkpoint's AdamW moments, keyed "exp_avg.<name>" and "exp_avg_sq.<name>"."""
+    folder = path / "state"
+    return {name: hf.load_tensor(folder, name) for name in hf.tensor_index(folder) if name.startswith("exp_avg")}
+
+
 def store_segments(store: str) -> list[tuple[str, int]]:
     return list_store_segments().get(store, [])
 
