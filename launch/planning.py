@@ -46,6 +46,11 @@ class RunPlan:
         return self.plan.predicted_step_s if self.plan is not None else None
 
     @property
+    def predicted_clipped_step_s(self) -> float | None:
+        """Exact clipping: the plan's prediction of a step that clips (None: no plan, or clipping off)."""
+        return (self.plan.predicted_clipped_step_s or None) if self.plan is not None else None
+
+    @property
     def keeps_plan(self) -> bool:
         """Whether the workers run the plan's choices: a plan, and no job-file override of its tiles,
         resident, offloaded or device-held layers (the choices plan_job lets the job file force)."""

@@ -48,7 +48,8 @@ METRICS: dict[str, MetricField] = {
     "step_s": MetricField(float, "time between this commit and the previous one (the first includes start-up)"),
     "tokens_per_s": MetricField(float, "tokens / step_s", True),
     "worker_step_s": MetricField(float, "the slowest rank's own step time (forward to last gradient sent)"),
-    "predicted_step_s": MetricField(float, "the plan's predicted step time; null on CPU (no plan)", True),
+    "predicted_step_s": MetricField(float, "the plan's predicted step time (of a step that clips, for one that did); "
+                                           "null on CPU (no plan)", True),
     "ranks": MetricField(int, "ranks whose stats arrived for the step"),
     "forward_s": MetricField(float, "forward time, slowest rank", True, "max"),
     "backward_s": MetricField(float, "backward time (recompute included), slowest rank", True, "max"),
@@ -178,6 +179,7 @@ class Progress:
         self.first: list[float] = []
         self.recent: list[float] = []
         self.predicted_step_s: float | None = None
+        self.predicted_clipped_step_s: float | None = None  # exact clipping: of a step that clips
         self.planned_gpu_bytes: int | None = None
         self.update_busy_s: list[float] = []  # per committed step: the updaters' summed AdamW time
         self.reduce_busy_s: list[float] = []  # per committed step: the aggregator's time summing gradients
@@ -206,7 +208,8 @@ class Progress:
         else:
             self.recent = (self.recent + [step_s])[-10:]
         shm = sum(size for _, size in list_store_segments().get(self.store, []))
-        record = make_record(step, done, stats, lr, self.tokens_per_step, step_s, self.predicted_step_s,
+        predicted = self.predicted_clipped_step_s if done.clipped and self.predicted_clipped_step_s else self.predicted_step_s
+        record = make_record(step, done, stats, lr, self.tokens_per_step, step_s, predicted,
                              process_tree_private_bytes(), shm, self.planned_gpu_bytes)
         if not done.skipped:
             self.update_busy_s.append(done.update_s)

@@ -12,8 +12,12 @@ simulation over five resources, each a FIFO server:
 
 A chunk's H2D in step s+1 waits for its update in step s (the version gate), so whatever the
 CPU has not finished when the GPU wants a chunk back is exposed: the tail (layer 0 and the
-embedding rows the next batch needs), and, with exact gradient clipping, the whole update,
-because no update starts before the last gradient is out (the global norm). A few steps are
+embedding rows the next batch needs). With exact gradient clipping the model predicts two
+steps: one whose norm stays under max_grad_norm keeps its speculative updates, overlapped with
+the backward as without clipping (but every gradient is copied into the reduction space, and
+device-held units wait for the norm); one that clips has every update wait for the global
+norm, i.e. the last gradient (charged as if the norm crossed the threshold at the first chunk:
+no speculated chunk to correct). A few steps are
 simulated and the steady-state period is the predicted step time. Ranks are symmetric, so
 one rank stands for all; `world` enters through the per-rank batch and the reduction.
 
@@ -158,6 +162,7 @@ class Plan:
     offload_layers: int = 0
     seq_tile_tokens: int = 0
     device_layers: int = 0
+    predicted_clipped_step_s: float = 0.0  # exact clipping: a step that clips (0: clipping off)
 
     @property
     def choices(self) -> Choices:
@@ -216,8 +221,13 @@ class Plan:
         lines += [
             "",
             f"predicted step {self.predicted_step_s:.3f} s (GPU busy {dict(self.busy_s)['gpu']:.3f} s, exposed "
-            f"{self.exposed_s:.3f} s): {self.tokens_per_s:,.0f} tokens/s",
+            f"{self.exposed_s:.3f} s): {self.tokens_per_s:,.0f} tokens/s"
+            + (" when the gradient norm stays under max_grad_norm" if w.clip else ""),
         ]
+        if w.clip:
+            lines.append(f"a step that clips      {self.predicted_clipped_step_s:.3f} s: "
+                         f"{w.tokens_per_step / self.predicted_clipped_step_s:,.0f} tokens/s (its updates wait for the "
+                         f"global norm)")
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
 
@@ -385,8 +395,10 @@ def gpu_work_shape(work: Workload, ch: Choices) -> str:
                      work.world, f"params {ch.param_route}, grads {ch.grad_route}")
 
 
-def _period(tasks: list[_Task], depth: int, updaters: int, clip: bool) -> float:
-    """Steady-state step time of the schedule: simulate a few steps, average the last ones."""
+def _period(tasks: list[_Task], depth: int, updaters: int, clip: bool, clips: bool) -> float:
+    """Steady-state step time of the schedule: simulate a few steps, average the last ones.
+    clip: exact clipping (device-held units wait for the norm); clips: every step clips (the host
+    updates wait for the norm too)."""
     h2d_free = gpu_free = d2h_free = reduce_free = 0.0
     servers = [0.0] * updaters
     fetch_starts: list[float] = []  # compute start of each task that copies in, in order
@@ -417,7 +429,7 @@ def _period(tasks: list[_Task], depth: int, updaters: int, clip: bool) -> float:
                     released.append((j, reduce_free))
                 else:
                     released.append((j, out))
-        norm_known = max((r for _, r in released), default=0.0) if clip else 0.0
+        norm_known = max((r for _, r in released), default=0.0) if clip and clips else 0.0
         done = {}
         for j, r in released:
             s = min(range(updaters), key=servers.__getitem__)
@@ -427,8 +439,11 @@ def _period(tasks: list[_Task], depth: int, updaters: int, clip: bool) -> float:
     return (ends[-1] - ends[-1 - _AVERAGE]) / _AVERAGE
 
 
-def predict_step(work: Workload, choices: Choices, calib: Calibration) -> tuple[dict[str, float], float, float]:
-    """The model: (busy seconds per resource per step, exposed seconds, predicted step seconds)."""
+def predict_step(work: Workload, choices: Choices, calib: Calibration,
+                 clips: bool = False) -> tuple[dict[str, float], float, float]:
+    """The model: (busy seconds per resource per step, exposed seconds, predicted step seconds).
+    With exact clipping (work.clip): of a step whose norm stays under the threshold, or (clips) of one
+    that clips."""
     if not 0 <= choices.resident_layers <= work.model.num_layers:
         raise ValueError(f"resident_layers must be between 0 and {work.model.num_layers}, got {choices.resident_layers}")
     if choices.micro_batch is not None and work.local_batch % choices.micro_batch:
@@ -442,7 +457,7 @@ def predict_step(work: Workload, choices: Choices, calib: Calibration) -> tuple[
         "reduce": sum(j.reduce_s for j in jobs),
         "update": sum(j.update_s for j in jobs) / work.updaters,
     }
-    step = _period(tasks, choices.prefetch_depth, work.updaters, work.clip)
+    step = _period(tasks, choices.prefetch_depth, work.updaters, work.clip, clips)
     return busy, step - busy["gpu"], step
 
 
@@ -685,11 +700,13 @@ def make_plan(work: Workload, budget_bytes: int, calib: Calibration,
             f"micro_batch {work.micro_batch} does not fit the budget; using {best.micro_batch} "
             f"(a divisor of the {work.local_batch} sequences per rank)"
         )
+    clipped_step = predict_step(work, best, calib, clips=True)[2] if work.clip else 0.0
     if work.clip:
         unclipped = predict_step(replace(work, clip=False), best, calib)[2]
         notes.append(
-            f"exact gradient clipping: no CPU update starts before the last gradient is out, so the update "
-            f"({busy['update']:.3f} s) is exposed; without clipping this plan predicts {unclipped:.3f} s"
+            f"exact gradient clipping: a step whose norm stays under max_grad_norm keeps the updates it ran "
+            f"during the backward ({step:.3f} s; without clipping {unclipped:.3f} s); a step that clips waits "
+            f"for the global norm, so its update ({busy['update']:.3f} s) is exposed: {clipped_step:.3f} s"
         )
     if best.delivery == "bf16":
         fp32 = min((c[0] for c in candidates if c[2].delivery == "fp32"), default=None)
@@ -709,5 +726,5 @@ def make_plan(work: Workload, budget_bytes: int, calib: Calibration,
         gpu_memory=tuple(items), gpu_total_bytes=costs.gpu_memory_peak(items, work.world).total_bytes,
         busy_s=tuple((r, busy[r]) for r in RESOURCES), exposed_s=exposed, predicted_step_s=step,
         tokens_per_s=work.tokens_per_step / step, workload=work, budget_bytes=budget_bytes, calibration=calib,
-        notes=tuple(notes),
+        notes=tuple(notes), predicted_clipped_step_s=clipped_step,
     )

@@ -159,22 +159,35 @@ def test_toy_prediction_embedding_on_host():
     assert exposed == pytest.approx(H + U + need_u + rows_in + H, rel=1e-9)
 
 
+def test_a_step_under_the_clipping_threshold_keeps_the_overlap():
+    """Speculation: a step whose norm stays under max_grad_norm updates during the backward as without
+    clipping; what it adds is the copy of every gradient into the reduction space (one rank: 2/3 of
+    the calibrated sum's traffic per element), beside the backward, not after it."""
+    for emb in ("gpu", "host"):
+        busy_free, _, free = predict_step(toy(clip=False), Choices(embedding=emb), TOY_CAL)
+        busy, _, kept = predict_step(toy(clip=True), Choices(embedding=emb), TOY_CAL)
+        _, _, clipped = predict_step(toy(clip=True), Choices(embedding=emb), TOY_CAL, clips=True)
+        assert busy["update"] == busy_free["update"] and busy["reduce"] > busy_free["reduce"] == 0
+        assert free <= kept < clipped
+        assert kept - free <= 2 * H / 3 + 1e-12  # at most the last chunk's copy is exposed
+
+
 def test_clipping_exposes_the_whole_update():
     for emb in ("gpu", "host"):
         busy, _, free = predict_step(toy(clip=False), Choices(embedding=emb), TOY_CAL)
-        _, exposed, clipped = predict_step(toy(clip=True), Choices(embedding=emb), TOY_CAL)
+        _, exposed, clipped = predict_step(toy(clip=True), Choices(embedding=emb), TOY_CAL, clips=True)
         assert clipped > free
         assert exposed >= busy["update"] - (0.1 if emb == "gpu" else 0)
     # by hand (embedding on the GPU): after layer 0's gradient is out, the aggregator copies it into
     # the reduction space (clipping keeps every gradient there; 2 of the calibrated sum's 3 buffers:
     # 2/3 H), norm + both layers update in gradient order, then layer 0 goes back in
-    _, _, step = predict_step(toy(clip=True), Choices(embedding="gpu"), TOY_CAL)
+    _, _, step = predict_step(toy(clip=True), Choices(embedding="gpu"), TOY_CAL, clips=True)
     assert step == pytest.approx(8 + G_LOSS + H + 2 * H / 3 + NORM_U + 2 * U + H, rel=1e-12)
     # embedding on the host: the embedding's gradient (0.065536 s) is out last; then norm, both
     # layers and the next batch's rows update before the gather and layer 0's H2D
     # (with the copies: the embedding's gradient comes out (0.065536 s) while layer 0's is copied
     # (2/3 H = 0.0986 s); then its own copy, 2/3 of 0.065536 s)
-    _, _, step = predict_step(toy(clip=True), Choices(embedding="host"), TOY_CAL)
+    _, _, step = predict_step(toy(clip=True), Choices(embedding="host"), TOY_CAL, clips=True)
     tail = H + 2 * H / 3 + 2 / 3 * 256 * 64 * 4 / 1e6 + NORM_U + 2 * U + 64 * 64 / 1e5 + 64 * 64 * 4 / 1e6 + H
     assert step == pytest.approx(8 + G_LOSS + tail, rel=1e-12)
 
@@ -362,6 +375,12 @@ def test_describe_lists_every_memory_item_and_resource():
         assert f"  {name} " in text
     assert f"predicted step {plan.predicted_step_s:.3f} s" in text
     assert "exact gradient clipping" in text
+    # clipping on (the default): both regimes, the one that clips slower
+    assert plan.predicted_clipped_step_s > plan.predicted_step_s
+    assert f"a step that clips      {plan.predicted_clipped_step_s:.3f} s" in text
+    assert "when the gradient norm stays under max_grad_norm" in text
+    off = make_plan(dataclasses.replace(work, clip=False), 24 * GiB, H200_REFERENCE)
+    assert off.predicted_clipped_step_s == 0.0 and "a step that clips" not in off.describe()
 
 
 def test_workload_validation_messages():
