@@ -102,6 +102,10 @@ class AggregatorCore:
         if not self.rings.full_reduce and self.rings.reduce_slots < reduction_slots(job.world, job.grad_route):
             raise RuntimeError(f"the job sums {job.world} ranks' gradients here but its rings have "
                                f"{self.rings.reduce_slots} reduction slots")
+        if job.clip and not self.rings.full_reduce and self.rings.slots < len(self.store.layout.chunks) - len(job.device_chunks):
+            raise RuntimeError(f"exact clipping keeps every chunk's gradient in the rings until the step's norm is "
+                               f"known, but they have {self.rings.slots} slots per rank for "
+                               f"{len(self.store.layout.chunks) - len(job.device_chunks)} host chunks")
         self.job = job
         self.updaters = [identity("u", i) for i in range(updaters)]
         self.device_chunks = frozenset(job.device_chunks)

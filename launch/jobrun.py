@@ -25,7 +25,7 @@ import zmq
 from slidedp import daemonlock, numa
 from slidedp.config import JobConfig, job_to_dict, job_to_toml, model_config
 from slidedp.data import DataError, open_batches
-from slidedp.jobrecord import JobRecord, held_chunk_ids, held_unit_names, reduction_slots, ring_slots
+from slidedp.jobrecord import JobRecord, gradient_space, held_chunk_ids, held_unit_names
 from slidedp.protocol import (CONTROL_CONTINUE, CONTROL_STOP, ROLE_LAUNCHER, Ack, Control, Fault, Hello, JobEnd,
                               JobStart, Reply, StepDone, WorkerStats, request)
 from slidedp.schedule import lr_at
@@ -143,11 +143,12 @@ class JobRun:
             log.info("plan: %s", self.plan.plan.describe().replace("\n", "\n    "))
         device_chunks = held_chunk_ids(
             self.layout, held_unit_names(cfg, self.plan.embedding == "device", self.plan.device_layers))
-        slots = ring_slots(job.store.grad_slots, cfg.num_layers)
+        slots, reduce_slots, _ = gradient_space(self.layout, self.world, self.plan.grad_route, job.train.max_grad_norm > 0,
+                                                job.store.grad_slots, device_chunks)
         record = JobRecord(job=job.run.name, store=self.store, world=self.world, train=job_to_dict(job)["train"],
                            layout_hash=self.layout.hash(), grad_slots=slots, device_chunks=device_chunks,
                            run_dir=str(self.run_dir), trace_steps=job.run.traced, grad_route=self.plan.grad_route,
-                           reduce_slots=reduction_slots(self.world, self.plan.grad_route))
+                           reduce_slots=reduce_slots)
         att = self._call("attach", self.timeout, job=job.run.name, pid=os.getpid(),
                    layout_hash=self.layout.hash(), model_desc=f"{cfg.family}, {cfg.num_parameters():,} parameters",
                    world=self.world, grad_slots=slots, full_reduce=record.full_reduce,

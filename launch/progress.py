@@ -212,7 +212,7 @@ class Progress:
         record = make_record(step, done, stats, lr, self.tokens_per_step, step_s, predicted,
                              process_tree_private_bytes(), shm, self.planned_gpu_bytes)
         if not done.skipped:
-            self.update_busy_s.append(done.update_s)
+            self.update_busy_s.append(done.update_s - done.correct_s)  # the AdamW rate a plan may learn
             self.reduce_busy_s.append(done.reduce_s)
             if stats:
                 self.gpu_side_s.append(max(gpu_side(s) for s in stats.values()))

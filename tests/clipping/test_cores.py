@@ -86,7 +86,8 @@ class Cores:
         rings, norms = self.agg.rings, []
         for r in range(self.world):
             self._deliver(self.agg.on_loss(Loss(r, step, 1.0, 10, 1)), norms)
-        for c in norm_order(self.store.layout):
+        for i, c in enumerate(norm_order(self.store.layout)):
+            slot = i % rings.slots  # clipping: a slot each, kept until the norm; else used again once updated
             chunk, g = self.store.layout.chunks[c], grads[c]
             for r in range(self.world):
                 if self.grad_route == "reduce_scatter":  # each rank holds its shard of the sum
@@ -94,8 +95,8 @@ class Cores:
                     part = g[sh.start:sh.end]
                 else:  # the ranks' gradients sum to g exactly: rank 0 has it all, the others zeros
                     part = g if r == 0 else torch.zeros_like(g)
-                rings.slot(r, 0, part.numel()).copy_(part)
-                self._deliver(self.agg.on_grad(Grad(r, c, step, 0, float(torch.dot(part, part)))), norms)
+                rings.slot(r, slot, part.numel()).copy_(part)
+                self._deliver(self.agg.on_grad(Grad(r, c, step, slot, float(torch.dot(part, part)))), norms)
             if overlap:
                 self._run(norms)
         assert len(norms) == (1 if self.max_norm > 0 else 0), norms
@@ -260,6 +261,7 @@ def test_a_speculated_chunk_leaves_the_store_torn_until_validated(stores):
     agg.on_loss(Loss(0, 0, 1.0, 10, 1))
     first = norm_order(layout)[0]
     cores.agg.rings.slot(0, 0, layout.chunks[first].numel).copy_(grads[first])
+    assert not cores.agg.rings.full_reduce and cores.agg.rings.slots == 4  # one rank: a slot per chunk, no copy
     out = agg.on_grad(Grad(0, first, 0, 0, float(grads[first].square().sum())))
     (update,) = [m for _, m in out if isinstance(m, Update)]
     assert update.speculative == 1

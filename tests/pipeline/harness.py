@@ -34,8 +34,16 @@ def attached_job_record(store: str, world: int, clip: bool, max_grad_norm: float
     call(store, "create", source="random", shape="tiny", vocab_size=512, init_seed=0)
     st = call(store, "status")
     train = job_to_dict(load_job(TINY, [f"train.max_grad_norm={max_grad_norm if clip else 0.0}", *sets]))["train"]
+    from slidedp.jobrecord import gradient_space
+    from slidedp.store.store import HostStore
+
     job = JobRecord("j", store, world, train, st["layout_hash"], **record)  # type: ignore[arg-type]
-    call(store, "attach", job="j", pid=os.getpid(), world=world, grad_slots=3, full_reduce=job.full_reduce,
+    hs = HostStore.attach(store)
+    try:  # exact clipping keeps a slot per chunk in the rings where nothing sums ranks: 4 for tiny
+        slots, _, _ = gradient_space(hs.layout, world, job.grad_route, job.clip, 3, job.device_chunks)
+    finally:
+        hs.close()
+    call(store, "attach", job="j", pid=os.getpid(), world=world, grad_slots=slots, full_reduce=job.full_reduce,
          reduce_slots=3, layout_hash=st["layout_hash"], shard_slots=job.grad_route == "reduce_scatter")
     return job
 
