@@ -2,12 +2,12 @@
 
 It is the hub of the data plane: workers, updaters and the launcher connect to its ROUTER.
 Per chunk and step it counts the ranks' gradient arrivals (no barrier, no global lock),
-sums them in fp32 into the reduction space (skipped without clipping for one rank, whose slot
-the updater reads directly, and for the reduce_scatter route, where the ranks summed on their
-devices and the updater reads each rank's shard in its slot; with clipping those gradients are
-copied, shards side by side, since the slots must go back before the norm is known), returns slot credits, gathers the global
-gradient norm, agrees with every rank on a finite loss before backward, and commits a
-step once all of its chunks are updated. `AggregatorCore` is the logic; `serve` the socket.
+sums them in fp32 into the reduction space (skipped for one rank, whose slot the updater reads
+directly, and for the reduce_scatter route, where the ranks summed on their devices and the
+updater reads each rank's shard in its slot), returns slot credits, gathers the global gradient
+norm (with exact clipping also deciding, from the partial norm, which chunks update before it
+is known: slidedp/clipping), agrees with every rank on a finite loss before backward, and
+commits a step once all of its chunks are updated. `AggregatorCore` is the logic; `serve` the socket.
 """
 
 from __future__ import annotations
