@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from slidedp.clipping import norm_order
-from slidedp.collectives import Shard
-from slidedp.daemons.aggregator import AggregatorCore
-from slidedp.daemons.updater_member import UpdaterCore
+from slidedp.store.layout import Shard
+from slidedp.daemons.aggregator.core import AggregatorCore
+from slidedp.daemons.updater.core import UpdaterCore
 from slidedp.protocol import Grad, Loss, Norm, StepDone, Update, Updated
 from slidedp.schedule import lr_at
 from slidedp.store.layout import unit_name
