@@ -36,11 +36,6 @@ GiB = 2**30
 _BAD_INPUT = (OSError, ValueError, RuntimeError, KeyError)
 
 
-def ring_slots(job: JobConfig, cfg: ModelConfig) -> int:
-    """Gradient slots per rank, as the launcher picks them."""
-    return jobrecord.ring_slots(job.store.grad_slots, cfg.num_layers)
-
-
 def _size(n: float) -> str:
     return f"{n / GiB:.2f} GiB" if n >= GiB / 10 else f"{n / 2**20:.1f} MiB"
 
@@ -153,11 +148,12 @@ class DryRun:
             return
         name = job.store_name
         world = job.runtime.workers
-        slots = ring_slots(job, self.cfg)
-        # the plan picks an "auto" route later: until then, the host route's larger rings
+        # the plan picks an "auto" route later: until then, the host route's (larger, where ranks are summed)
         scattered = job.runtime.grad_route == "reduce_scatter"
-        grads, reduce = rings_bytes(layout, world, slots, jobrecord.reduction_slots(world, "reduce_scatter" if scattered else "host"),
-                                    job.train.max_grad_norm > 0, shard_slots=scattered)
+        clip = job.train.max_grad_norm > 0
+        slots, reduce_slots, full = jobrecord.gradient_space(layout, world, "reduce_scatter" if scattered else "host", clip,
+                                                             job.store.grad_slots)
+        grads, reduce = rings_bytes(layout, world, slots, reduce_slots, full, shard_slots=scattered)
         segments = dict(list_store_segments().get(name, []))
         if segments:
             need = grads + reduce
@@ -167,7 +163,9 @@ class DryRun:
                 self.problem("store", str(e))
                 return
             self.say("", f"would attach and add gradient rings of {_size(need)} ({world} rank(s) x {slots} slots"
-                         f"{', a full-model reduction buffer for exact clipping' if job.train.max_grad_norm > 0 else ''})")
+                         + (", a full-model reduction buffer for exact clipping" if full else
+                            ", one per chunk: exact clipping keeps each gradient until the step's norm" if clip else "")
+                         + ")")
         else:
             state = sum(segment_sizes(layout, {}, job.store.shadow_bf16).values())
             need = state + grads + reduce

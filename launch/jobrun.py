@@ -23,7 +23,7 @@ import zmq
 from slidedp import daemonlock, numa
 from slidedp.config import JobConfig, job_to_dict, job_to_toml, model_config
 from slidedp.data import DataError, open_batches
-from slidedp.jobrecord import JobRecord, held_chunk_ids, held_unit_names, reduction_slots, ring_slots
+from slidedp.jobrecord import JobRecord, gradient_space, held_chunk_ids, held_unit_names
 from slidedp.protocol import (CONTROL_CONTINUE, CONTROL_STOP, ROLE_LAUNCHER, Ack, Control, Fault, Hello, JobEnd,
                               JobStart)
 from slidedp.schedule import lr_at
@@ -137,11 +137,12 @@ class JobRun:
         self.plan_path = self.run_dir / PLAN_FILE  # beside job.resolved.toml: what every rank carries out
         _write_atomic(self.plan_path, step.to_json().encode())
         device_chunks = held_chunk_ids(self.layout, held_unit_names(cfg, step.embedding_held, step.device_layers))
-        slots = ring_slots(job.store.grad_slots, cfg.num_layers)
+        slots, reduce_slots, _ = gradient_space(self.layout, self.world, step.grad_route, job.train.max_grad_norm > 0,
+                                                job.store.grad_slots, device_chunks)
         record = JobRecord(job=job.run.name, store=self.store, world=self.world, train=job_to_dict(job)["train"],
                            layout_hash=self.layout.hash(), grad_slots=slots, device_chunks=device_chunks,
                            run_dir=str(self.run_dir), trace_steps=job.run.traced, grad_route=step.grad_route,
-                           reduce_slots=reduction_slots(self.world, step.grad_route))
+                           reduce_slots=reduce_slots)
         att = self._call("attach", self.timeout, job=job.run.name, pid=os.getpid(),
                    layout_hash=self.layout.hash(), model_desc=f"{cfg.family}, {cfg.num_parameters():,} parameters",
                    world=self.world, grad_slots=slots, full_reduce=record.full_reduce,
@@ -422,6 +423,7 @@ def run_job(job: JobConfig, job_path: Path, progress: Progress) -> int:
         log.info("ready in %.2f s: store %s at step %d; training steps %d..%d on %d %s worker(s)",
                  time.perf_counter() - t0, run.store, start, start, end - 1, run.world, job.runtime.device)
         progress.predicted_step_s = run.plan.step.predicted_step_s
+        progress.predicted_clipped_step_s = run.plan.step.predicted_clipped_step_s
         progress.planned_gpu_bytes = run.plan.step.planned_device_bytes
         progress.begin(start, end, run.run_dir)
         if start >= end:

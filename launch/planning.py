@@ -122,10 +122,10 @@ def learned_update_rate(run_plan: JobPlan, update_busy_s: list[float]) -> float 
     when there is nothing to learn.
 
     A run whose aggregator summed the ranks' gradients (`sums_on_host`) measures the rate beside
-    those sums, which compete with the updaters for host memory (docs/tuning.md): it is kept apart,
-    for plans with such a sum only. A run whose aggregator only copied gradients (exact clipping)
-    teaches the plain rate: a copy is a third of a 2-way sum's traffic and no other run of a
-    clipped job would ever teach it."""
+    those sums, which compete with the updaters for host memory (docs/tuning.md): it is kept
+    apart, for plans with such a sum only. A run of a clipped job teaches the plain rate: its
+    corrections of speculative updates are left out of the busy time it is given (Progress), and
+    where nothing is summed nothing is copied."""
     plan = run_plan.plan
     if plan is None or len(update_busy_s) < 3:
         return None

@@ -42,12 +42,14 @@ METRICS: dict[str, MetricField] = {
     "loss": MetricField(float, "mean loss over every target token of the global batch; null if not finite", True),
     "grad_norm": MetricField(float, "global gradient norm before clipping; null if not finite", True),
     "lr": MetricField(float, "learning rate of the step"),
-    "skipped": MetricField(bool, "the step was skipped everywhere (a rank saw a non-finite loss)"),
+    "skipped": MetricField(bool, "the step was skipped everywhere (a rank saw a non-finite loss, or the gradient "
+                                 "norm was not finite)"),
     "tokens": MetricField(int, "target tokens per step (global_batch x seq_len)"),
     "step_s": MetricField(float, "time between this commit and the previous one (the first includes start-up)"),
     "tokens_per_s": MetricField(float, "tokens / step_s", True),
     "worker_step_s": MetricField(float, "the slowest rank's own step time (forward to last gradient sent)"),
-    "predicted_step_s": MetricField(float, "the plan's predicted step time; null on CPU (no plan)", True),
+    "predicted_step_s": MetricField(float, "the plan's predicted step time (of a step that clips, for one that did); "
+                                           "null on CPU (no plan)", True),
     "ranks": MetricField(int, "ranks whose stats arrived for the step"),
     "forward_s": MetricField(float, "forward time, slowest rank", True, "max"),
     "backward_s": MetricField(float, "backward time (recompute included), slowest rank", True, "max"),
@@ -64,6 +66,13 @@ METRICS: dict[str, MetricField] = {
     "planned_gpu_bytes": MetricField(int, "the plan's GPU memory peak per rank, CUDA context included; null on CPU "
                                           "(no plan)", True),
     "update_busy_s": MetricField(float, "updater busy time of the step's chunks, summed over processes"),
+    "clipped": MetricField(bool, "the global gradient norm was over train.max_grad_norm: the update was clipped"),
+    "speculated_chunks": MetricField(int, "host chunks updated before the step's gradient norm was known (exact "
+                                          "clipping: speculated, then validated against the norm)"),
+    "corrected_chunks": MetricField(int, "of the speculated chunks, those redone with the clipped gradient (or undone: "
+                                         "a non-finite gradient skipped the step)"),
+    "correction_s": MetricField(float, "updater busy time of those corrections, summed over processes (inside "
+                                       "update_busy_s)"),
     "reduce_busy_s": MetricField(float, "aggregator busy time summing the step's gradients"),
     "host_rss_bytes": MetricField(int, "private resident memory of the launcher and all its child processes "
                                        "(the shared store is counted once, in shm_bytes)"),
@@ -132,7 +141,8 @@ def make_record(step: int, done: StepDone, stats: dict[int, WorkerStats], lr: fl
         "tokens_per_s": tokens / step_s if step_s > 0 else None,
         "worker_step_s": max((s.step_s for s in stats.values()), default=step_s),
         "predicted_step_s": predicted_step_s, "planned_gpu_bytes": planned_gpu_bytes, "ranks": len(stats),
-        "update_busy_s": done.update_s, "reduce_busy_s": done.reduce_s,
+        "update_busy_s": done.update_s, "reduce_busy_s": done.reduce_s, "clipped": bool(done.clipped),
+        "speculated_chunks": done.speculated, "corrected_chunks": done.corrected, "correction_s": done.correct_s,
         "host_rss_bytes": host_private, "shm_bytes": shm,
     }
     for key, f in METRICS.items():
@@ -169,6 +179,7 @@ class Progress:
         self.first: list[float] = []
         self.recent: list[float] = []
         self.predicted_step_s: float | None = None
+        self.predicted_clipped_step_s: float | None = None  # exact clipping: of a step that clips
         self.planned_gpu_bytes: int | None = None
         self.update_busy_s: list[float] = []  # per committed step: the updaters' summed AdamW time
         self.reduce_busy_s: list[float] = []  # per committed step: the aggregator's time summing gradients
@@ -197,10 +208,11 @@ class Progress:
         else:
             self.recent = (self.recent + [step_s])[-10:]
         shm = sum(size for _, size in list_store_segments().get(self.store, []))
-        record = make_record(step, done, stats, lr, self.tokens_per_step, step_s, self.predicted_step_s,
+        predicted = self.predicted_clipped_step_s if done.clipped and self.predicted_clipped_step_s else self.predicted_step_s
+        record = make_record(step, done, stats, lr, self.tokens_per_step, step_s, predicted,
                              process_tree_private_bytes(), shm, self.planned_gpu_bytes)
         if not done.skipped:
-            self.update_busy_s.append(done.update_s)
+            self.update_busy_s.append(done.update_s - done.correct_s)  # the AdamW rate a plan may learn
             self.reduce_busy_s.append(done.reduce_s)
             if stats:
                 self.gpu_side_s.append(max(gpu_side(s) for s in stats.values()))
@@ -233,7 +245,7 @@ class Progress:
         fill = bar_w * done_n // total
         line = f"[{'#' * fill}{'.' * (bar_w - fill)}]{text}"[:max(20, width - 1)]
         if r["skipped"]:  # a permanent line, then the bar again below it
-            self.stream.write(f"\r\x1b[Kstep {done_n} skipped: a rank saw a non-finite loss\n")
+            self.stream.write(f"\r\x1b[Kstep {done_n} skipped: a non-finite loss or gradient norm\n")
         self.stream.write(f"\r\x1b[K{line}" + ("\n" if last else ""))
         self.stream.flush()
         self._bar_drawn = not last

@@ -85,7 +85,7 @@ def summary(records: list[dict[str, Any]]) -> list[str]:
     step_s = _median(rs, "step_s") or 0.0
     tokens = last.get("tokens") or 0
     lines = [f"steps        {first['step']}..{last['step']} ({len(records)} recorded"
-             f"{f', {skipped} skipped (non-finite loss)' if skipped else ''})"]
+             f"{f', {skipped} skipped (non-finite loss or gradient)' if skipped else ''})"]
     if first.get("loss") is not None and last.get("loss") is not None:
         lines.append(f"loss         {first['loss']:.4f} -> {last['loss']:.4f}")
     backs = write_backs(records, 1)
@@ -107,6 +107,7 @@ def summary(records: list[dict[str, Any]]) -> list[str]:
         if v is not None:
             lines.append(f"  {what:<30}{v:>9.3f} s  {100 * v / step_s if step_s else 0:>4.0f}% of the step, "
                          f"beside the workers")
+    lines += clipping_summary(rs)
     predicted = _median(rs, "predicted_step_s")
     if predicted:
         lines.append(f"plan         predicted {predicted:.3f} s per step, measured {step_s:.3f} s "
@@ -135,6 +136,26 @@ def plan_lines(run_dir: Path) -> list[str]:
         return [f"step plan    unreadable: {e}"]
     shown = {k: v for k, v in plan.to_dict().items() if k not in ("predicted_step_s", "planned_device_bytes", "planned_by")}
     return [f"step plan    {path} (chosen by the {plan.planned_by})"] + [f"  {k:<22}{v}" for k, v in shown.items()]
+
+
+def clipping_summary(records: list[dict[str, Any]]) -> list[str]:
+    """How exact clipping went: how many steps clipped, and what their corrections cost beside the steps that
+    did not (those keep every speculative update). Nothing for a run without clipping (or from before it)."""
+    rs = [r for r in records if "clipped" in r and not r.get("skipped")]
+    if not rs or not any(r["clipped"] or r.get("speculated_chunks") for r in rs):
+        return []
+    clipped = [r for r in rs if r["clipped"]]
+    kept = [r for r in rs if not r["clipped"]]
+    lines = [f"clipping     {len(clipped)} of {len(rs)} step(s) clipped; median "
+             f"{statistics.median(r['speculated_chunks'] for r in rs):g} chunk(s) updated before the norm was known"]
+    if kept:
+        lines.append(f"  {'steps that did not clip':<30}{statistics.median(r['step_s'] for r in kept):>9.3f} s "
+                     f"median (every speculative update kept)")
+    if clipped:
+        lines.append(f"  {'steps that clipped':<30}{statistics.median(r['step_s'] for r in clipped):>9.3f} s median, "
+                     f"{statistics.median(r['corrected_chunks'] for r in clipped):g} chunk(s) corrected in "
+                     f"{statistics.median(r['correction_s'] for r in clipped):.3f} s of updater time")
+    return lines
 
 
 def trace_summary(trace: dict[str, Any], step: int | None) -> tuple[int | None, list[str]]:

@@ -44,12 +44,14 @@ class JobRecord:
 
     @property
     def clip(self) -> bool:
-        """Exact clipping: every update of a step waits for the step's global gradient norm."""
+        """Exact clipping: every chunk's gradient is kept until the step's global norm has validated (or
+        corrected) its update (slidedp/clipping)."""
         return float(self.train["max_grad_norm"]) > 0
 
     @property
     def full_reduce(self) -> bool:
-        return self.clip
+        """The reduction space is a full-model buffer (see gradient_space)."""
+        return self.clip and sums_on_host(self.world, self.grad_route)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -98,6 +100,22 @@ def ring_slots(grad_slots: int, num_layers: int) -> int:
     """Gradient slots per rank: store.grad_slots, or auto (0): a third of the layers, 3..16, so the
     backward can run ahead of the updaters by that many chunks."""
     return grad_slots or max(GRAD_SLOTS, min(16, num_layers // 3))
+
+
+def gradient_space(layout, world: int, grad_route: str, clip: bool, grad_slots: int,
+                   device_chunks: tuple[int, ...] = ()) -> tuple[int, int, bool]:
+    """(slots per rank, reduction slots, full-model reduction space) of a job's gradient space.
+
+    Exact clipping keeps every chunk's gradient of a step until the step's norm has validated or
+    corrected its update. Where the aggregator sums several ranks' whole gradients, it sums them into
+    a full-model reduction space (4 B/param) and the ranks' slots go back at once. Otherwise (one
+    rank, or reduce-scattered shards) the gradient stays where the worker put it: each rank's ring has
+    one slot per host chunk, about one fp32 copy of the model over the ranks together, and the
+    aggregator copies nothing (it would have to copy the whole model into a reduction space)."""
+    if clip and not sums_on_host(world, grad_route):
+        host_chunks = sum(1 for c in layout.chunks if c.id not in set(device_chunks))
+        return max(2, host_chunks), 0, False
+    return ring_slots(grad_slots, layout.model.num_layers), reduction_slots(world, grad_route), clip
 
 
 def attach_job(store_name: str, job: JobRecord, process: str):

@@ -165,20 +165,23 @@ class Ready(Message):
 SOURCE_RANK_SLOT, SOURCE_REDUCE, SOURCE_NONE, SOURCE_RANK_SHARD = 0, 1, 2, 3
 
 
-@message(7, "iqBii")
+@message(7, "iqBiiB")
 class Update(Message):
     """Aggregator -> updater: the summed gradient of `chunk` for `step` (or, for SOURCE_RANK_SHARD,
-    rank `rank`'s shard of it) is in (source, rank, slot)."""
+    rank `rank`'s shard of it) is in (source, rank, slot). speculative=1 (exact clipping): update it
+    now, unclipped, and settle it when the step's Norm comes; 0: update it once the Norm is in."""
     chunk: int
     step: int
     source: int
     rank: int
     slot: int
+    speculative: int = 0
 
 
 @message(8, "qd")
 class Norm(Message):
-    """Aggregator -> updaters: step's global gradient norm; updates of that step may proceed."""
+    """Aggregator -> updaters (and workers holding chunks): the step's global gradient norm, its verdict:
+    waiting updates proceed (clipped if it clips), speculated ones settle; not finite: the step is skipped."""
     step: int
     grad_norm: float
 
@@ -193,7 +196,7 @@ class Control(Message):
     step: int
 
 
-@message(10, "iqBiiid")
+@message(10, "iqBiiidBd")
 class Updated(Message):
     """Updater -> aggregator: chunk updated (or skipped) for `step`; its gradient source is free."""
     chunk: int
@@ -202,10 +205,12 @@ class Updated(Message):
     rank: int
     slot: int
     updater: int
-    busy_s: float  # time spent on this chunk's AdamW
+    busy_s: float  # time spent on this chunk's AdamW (a speculated one's correction included)
+    corrected: int = 0  # its speculative update was redone clipped (or undone: the step was skipped)
+    correct_s: float = 0.0  # of busy_s, the correction's
 
 
-@message(11, "qddBdd")
+@message(11, "qddBddBiid")
 class StepDone(Message):
     """Aggregator -> launcher: every chunk of `step` is updated; the step is committed."""
     step: int
@@ -214,6 +219,10 @@ class StepDone(Message):
     skipped: int
     update_s: float  # summed updater busy time of the step's chunks
     reduce_s: float  # aggregator busy time summing the step's gradients
+    clipped: int = 0  # the global norm was over train.max_grad_norm: the update was clipped
+    speculated: int = 0  # host chunks updated before the norm was known (exact clipping)
+    corrected: int = 0  # of those, redone clipped (or undone: a non-finite gradient skipped the step)
+    correct_s: float = 0.0  # updater busy time of those corrections
 
 
 @message(13, "B")

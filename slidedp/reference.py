@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import torch
@@ -29,6 +29,7 @@ class ReferenceResult:
     losses: list[float]
     grad_norms: list[float]  # total norm before clipping
     params: dict[str, torch.Tensor]  # fp32, after the last step
+    moments: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)  # "exp_avg"/"exp_avg_sq" -> name -> fp32
 
 
 def train_reference(
@@ -79,6 +80,8 @@ def train_reference(
         if on_step:
             on_step(step, result.losses[-1], result.grad_norms[-1], lr)
     result.params = {k: p.detach() for k, p in master.items()}
+    result.moments = {kind: {k: opt.state[p][kind] for k, p in master.items() if p in opt.state}
+                      for kind in ("exp_avg", "exp_avg_sq")}
     return result
 
 

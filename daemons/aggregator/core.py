@@ -2,13 +2,13 @@
 
 It is the hub of the data plane: workers, updaters and the launcher connect to its ROUTER.
 Per chunk and step it counts the ranks' gradient arrivals (no barrier, no global lock),
-sums them in fp32 into the reduction space (skipped without clipping for one rank, whose slot
-the updater reads directly, and for the reduce_scatter route, where the ranks summed on their
-devices and the updater reads each rank's shard in its slot; with clipping those gradients are
-copied, shards side by side, since the slots must go back before the norm is known), returns slot credits, gathers the global
-gradient norm, agrees with every rank on a finite loss before backward, and commits a
-step once all of its chunks are updated. `AggregatorCore` is that logic, per chunk and step;
-handshake.py starts and ends jobs with the updater pool; shell.py owns the socket.
+sums them in fp32 into the reduction space (skipped for one rank, whose slot the updater reads
+directly, and for the reduce_scatter route, where the ranks summed on their devices and the
+updater reads each rank's shard in its slot), returns slot credits, gathers the global gradient
+norm (with exact clipping also deciding, from the partial norm, which chunks update before it
+is known: slidedp/clipping), agrees with every rank on a finite loss before backward, and
+commits a step once all of its chunks are updated. `AggregatorCore` is that logic, per chunk and
+step; handshake.py starts and ends jobs with the updater pool; shell.py owns the socket.
 """
 
 from __future__ import annotations
@@ -16,11 +16,12 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from slidedp import log as slog
+from slidedp.clipping import StepNorm, norm_order
 from slidedp.store.layout import Shard
 from slidedp.jobrecord import JobRecord, attach_job, detach_job, reduction_slots
 from slidedp.protocol import (SLOT_DEVICE, SOURCE_NONE, SOURCE_RANK_SHARD, SOURCE_RANK_SLOT, SOURCE_REDUCE, Credit, Go,
@@ -60,6 +61,10 @@ class _Step:
     update_s: float = 0.0
     reduce_s: float = 0.0
     t0: float = field(default_factory=time.perf_counter)
+    norm: StepNorm | None = None  # exact clipping: the partial norm and which chunks speculate
+    undecided: dict[int, list[Update]] = field(default_factory=dict)  # chunk -> its Updates, held until decided
+    corrected: int = 0
+    correct_s: float = 0.0
 
 
 class AggregatorCore:
@@ -77,6 +82,7 @@ class AggregatorCore:
         self.steps: dict[int, _Step] = {}
         self.launcher: bytes | None = None
         self.device_chunks: frozenset[int] = frozenset()
+        self.norm_order: tuple[int, ...] = ()
         self.tracer = NULL
 
     # ---- job -----------------------------------------------------------------------------
@@ -88,10 +94,15 @@ class AggregatorCore:
         if not self.rings.full_reduce and self.rings.reduce_slots < reduction_slots(job.world, job.grad_route):
             raise RuntimeError(f"the job sums {job.world} ranks' gradients here but its rings have "
                                f"{self.rings.reduce_slots} reduction slots")
+        if job.clip and not self.rings.full_reduce and self.rings.slots < len(self.store.layout.chunks) - len(job.device_chunks):
+            raise RuntimeError(f"exact clipping keeps every chunk's gradient in the rings until the step's norm is "
+                               f"known, but they have {self.rings.slots} slots per rank for "
+                               f"{len(self.store.layout.chunks) - len(job.device_chunks)} host chunks")
         self.job = job
         self.updaters = [identity("u", i) for i in range(updaters)]
         self.device_chunks = frozenset(job.device_chunks)
         self.owner = assign_updaters(self.store.layout, updaters, self.device_chunks)
+        self.norm_order = norm_order(self.store.layout, self.device_chunks) if job.clip else ()
         self.free_reduce = [] if self.rings.full_reduce else list(range(self.rings.reduce_slots))
         self.arrivals.clear()
         self.waiting.clear()
@@ -109,7 +120,13 @@ class AggregatorCore:
         return self.job.world
 
     def _step(self, step: int) -> _Step:
-        return self.steps.setdefault(step, _Step())
+        st = self.steps.get(step)
+        if st is None:
+            st = self.steps[step] = _Step()
+            if self.norm_order:
+                assert self.job is not None
+                st.norm = StepNorm(self.norm_order, float(self.job.train["max_grad_norm"]), self.device_chunks)
+        return st
 
     def _to_workers(self, msg: Message) -> Outbox:
         return [(identity("w", r), msg) for r in range(self.world)]
@@ -157,20 +174,22 @@ class AggregatorCore:
             return []
         del self.arrivals[key]
         if msg.slot == SLOT_DEVICE:  # reduced and updated on the devices; only the norm comes here
-            return self._reduced(msg.step, sum(g.sqnorm for g in arrived)) + self._chunk_updated(msg.step, 0.0)
+            return (self._reduced(msg.chunk, msg.step, sum(g.sqnorm for g in arrived), [])
+                    + self._chunk_updated(msg.step, 0.0))
         return self._reduce(msg.chunk, msg.step, sorted(arrived, key=lambda g: g.rank))
 
     def _reduce(self, chunk_id: int, step: int, grads: list[Grad]) -> Outbox:
         assert self.store is not None and self.rings is not None and self.job is not None
         chunk = self.store.layout.chunks[chunk_id]
         st = self._step(step)
+        out: Outbox = []
         if self.world == 1 and not self.rings.full_reduce:
             sq = grads[0].sqnorm
-            out: Outbox = self._to_owner(chunk_id, Update(chunk_id, step, SOURCE_RANK_SLOT, grads[0].rank, grads[0].slot))
+            updates = [Update(chunk_id, step, SOURCE_RANK_SLOT, grads[0].rank, grads[0].slot)]
         elif self.job.grad_route == "reduce_scatter" and not self.rings.full_reduce:
             sq = sum(g.sqnorm for g in grads)  # the shards' slots go back when the updater is done
             self.shard_slots[(chunk_id, step)] = [(g.rank, g.slot) for g in grads]
-            out = [m for g in grads for m in self._to_owner(chunk_id, Update(chunk_id, step, SOURCE_RANK_SHARD, g.rank, g.slot))]
+            updates = [Update(chunk_id, step, SOURCE_RANK_SHARD, g.rank, g.slot) for g in grads]
         else:
             if not self.rings.full_reduce and not self.free_reduce:
                 self.waiting.append((chunk_id, step, grads))
@@ -198,19 +217,33 @@ class AggregatorCore:
             what = "gather" if self.job.grad_route == "reduce_scatter" else "sum"
             self.tracer.event(f"{what} chunk {chunk_id}", "reduce", step, now - busy, now, chunk=chunk_id, ranks=len(grads))
             out = [(identity("w", g.rank), Credit(g.rank, g.slot)) for g in grads]
-            out += self._to_owner(chunk_id, Update(chunk_id, step, SOURCE_REDUCE, 0, j))
-        return out + self._reduced(step, sq)
+            updates = [Update(chunk_id, step, SOURCE_REDUCE, 0, j)]
+        return out + self._reduced(chunk_id, step, sq, updates)
 
-    def _reduced(self, step: int, sq: float) -> Outbox:
-        """A chunk's summed gradient is complete: add its norm; with clipping, release the step's updates."""
+    def _reduced(self, chunk_id: int, step: int, sq: float, updates: list[Update]) -> Outbox:
+        """A chunk's summed gradient is complete: add its norm and hand out its updates. With exact
+        clipping the partial norm (in `norm_order`) decides which chunks speculate and which wait for
+        the step's norm, which goes to the updaters (and to workers holding chunks) once complete."""
         assert self.store is not None and self.job is not None
         st = self._step(step)
-        st.sqnorm += sq
         st.reduced += 1
-        if st.reduced < len(self.store.layout.chunks) or not self.job.clip:
-            return []
-        norm = Norm(step, math.sqrt(st.sqnorm))
-        out = [(u, norm) for u in self.updaters]
+        if st.norm is None:
+            st.sqnorm += sq
+            return [m for u in updates for m in self._to_owner(chunk_id, u)]
+        if updates:
+            st.undecided[chunk_id] = updates
+        out: Outbox = []
+        for c, speculate in st.norm.add(chunk_id, sq):
+            out += [m for u in st.undecided.pop(c) for m in self._to_owner(c, replace(u, speculative=int(speculate)))]
+        if not st.norm.complete:
+            return out
+        verdict = st.norm.verdict()
+        st.sqnorm = st.norm.sqnorm
+        if verdict.skip:
+            st.skipped = True
+            log.warning("step %d: the gradient norm is not finite (%s); skipping the step everywhere", step, verdict.norm)
+        norm = Norm(step, verdict.norm)
+        out += [(u, norm) for u in self.updaters]
         if self.device_chunks:
             out += self._to_workers(norm)
         return out
@@ -230,6 +263,9 @@ class AggregatorCore:
             self.free_reduce.append(msg.slot)
             if self.waiting:
                 out += self._reduce(*self.waiting.popleft())
+        st = self._step(msg.step)
+        st.corrected += msg.corrected
+        st.correct_s += msg.correct_s
         return out + self._chunk_updated(msg.step, msg.busy_s)
 
     def _chunk_updated(self, step: int, busy_s: float) -> Outbox:
@@ -246,5 +282,8 @@ class AggregatorCore:
         del self.steps[step]
         if self.launcher is None:
             return []
-        norm = math.sqrt(st.sqnorm) if not st.skipped else math.nan
-        return [(self.launcher, StepDone(step, st.loss, norm, int(st.skipped), st.update_s, st.reduce_s))]
+        norm = math.sqrt(st.sqnorm) if st.reduced else math.nan  # a step skipped for its loss sent no gradient
+        clip = st.norm
+        clipped = clip is not None and clip.complete and clip.verdict().clipped
+        return [(self.launcher, StepDone(step, st.loss, norm, int(st.skipped), st.update_s, st.reduce_s, int(clipped),
+                                         len(clip.speculated) if clip is not None else 0, st.corrected, st.correct_s))]

@@ -13,24 +13,26 @@ import time
 
 import torch
 
+from slidedp import faults
 from slidedp import log as slog
+from slidedp.clipping import Verdict
+from slidedp.clipping.rollback import fused_adamw_, settle_
 from slidedp.jobrecord import JobRecord, attach_job, detach_job
 from slidedp.store.layout import Shard
 from slidedp.protocol import (SOURCE_NONE, SOURCE_RANK_SHARD, SOURCE_RANK_SLOT, Ack, JobEnd, JobStart, Message, Norm,
                               Update, Updated)
 from slidedp.schedule import lr_at
 from slidedp.store.layout import Chunk, Member
-from slidedp.store.manifest import UPDATING
+from slidedp.store.manifest import SPECULATIVE, UPDATING
 from slidedp.store.rings import GradRings
 from slidedp.store.store import STATE_KINDS, HostStore, member_view
 from slidedp.tracing import NULL
 
 log = slog.get("updater")
 
-
-def clip_coefficient(grad_norm: float, max_norm: float) -> float:
-    """torch.nn.utils.clip_grad_norm_'s factor: max_norm / (norm + 1e-6), never above 1."""
-    return min(1.0, max_norm / (grad_norm + 1e-6))
+# What a unit of work does: an update with the step's verdict known (or no clipping), a speculative
+# (unclipped) update before the verdict, or the settling of a speculative one once the verdict is in.
+APPLY, SPECULATE, SETTLE = 0, 1, 2
 
 
 class UpdaterCore:
@@ -45,9 +47,10 @@ class UpdaterCore:
         # A unit of work is the Updates of one chunk and step: one, or one per rank for SOURCE_RANK_SHARD.
         self.shards: dict[tuple[int, int], list[Update]] = {}  # (chunk, step) -> the ranks' shards so far
         self.pending: dict[int, list[tuple[Update, ...]]] = {}  # step -> work waiting for the step's norm
-        self.ready: list[tuple[int, int, int, tuple[Update, ...]]] = []  # heap of work that may run now
+        self.ready: list[tuple[int, int, int, int, tuple[Update, ...]]] = []  # heap of work that may run now
         self._order = itertools.count()  # heap tie-break: work is never compared
-        self.coef: dict[int, float] = {}  # step -> clip coefficient
+        self.verdicts: dict[int, Verdict] = {}  # step -> what its global norm says (exact clipping)
+        self.speculated: dict[tuple[int, int], tuple[tuple[Update, ...], float]] = {}  # (chunk, step) -> work, busy s
         self.busy_s = 0.0
         self.tracer = NULL
 
@@ -58,12 +61,14 @@ class UpdaterCore:
         self.shards.clear()
         self.pending.clear()
         self.ready.clear()
-        self.coef.clear()
+        self.verdicts.clear()
+        self.speculated.clear()
 
     def end_job(self) -> None:
         self.ready.clear()  # updates of an ended job must never touch the next job's store
         self.pending.clear()
         self.shards.clear()
+        self.speculated.clear()  # speculated and never settled: their chunks stay marked, the store torn
         detach_job(self.store, self.rings, self.tracer)
         self.store = self.rings = self.job = None
         self.tracer = NULL
@@ -77,10 +82,14 @@ class UpdaterCore:
             if len(got) < self.job.world:
                 return
             work = tuple(self.shards.pop((msg.chunk, msg.step)))
-        if msg.source != SOURCE_NONE and self.job.clip and msg.step not in self.coef:
+        if msg.speculative:
+            if not self.job.clip or msg.source == SOURCE_NONE:
+                raise ValueError(f"speculative Update for chunk {msg.chunk} step {msg.step} outside exact clipping")
+            self._push(SPECULATE, work)
+        elif msg.source != SOURCE_NONE and self.job.clip and msg.step not in self.verdicts:
             self.pending.setdefault(msg.step, []).append(work)
-            return
-        self._push(work)
+        else:
+            self._push(APPLY, work)
 
     def receive(self, msg: Message | None) -> list[Message]:
         """One message from the aggregator; what to answer it (the Ack of a job's start or end)."""
@@ -97,30 +106,45 @@ class UpdaterCore:
             return [Ack(1, f"updater {self.index} done")]
         return []
 
-    def _push(self, work: tuple[Update, ...]) -> None:
-        heapq.heappush(self.ready, (work[0].step, work[0].chunk, next(self._order), work))
+    def _push(self, kind: int, work: tuple[Update, ...]) -> None:
+        heapq.heappush(self.ready, (work[0].step, work[0].chunk, next(self._order), kind, work))
 
     def on_norm(self, msg: Norm) -> None:
+        """The step's verdict: its waiting updates may run, its speculated chunks settle (in forward order)."""
         assert self.job is not None
-        self.coef[msg.step] = clip_coefficient(msg.grad_norm, float(self.job.train["max_grad_norm"]))
-        for old in [s for s in self.coef if s < msg.step - 4]:
-            del self.coef[old]
+        self.verdicts[msg.step] = Verdict.of(msg.grad_norm, float(self.job.train["max_grad_norm"]))
+        for old in [s for s in self.verdicts if s < msg.step - 4]:
+            del self.verdicts[old]
         for work in self.pending.pop(msg.step, []):
-            self._push(work)
+            self._push(APPLY, work)
+        for key in sorted(k for k in self.speculated if k[1] == msg.step):
+            self._push(SETTLE, self.speculated[key][0])
 
     def next(self) -> Updated | None:
-        """Apply the most urgent ready update: the oldest step, then forward order (embedding, layer 0, ...).
+        """Run the most urgent ready work: the oldest step, then forward order (embedding, layer 0, ...).
+        Returns the chunk's Updated once its new weights are final (None after a speculative update).
 
         The next forward needs layer 0 first and its gradient comes last, so whatever backlog the
-        updater has, the chunk the GPU will ask for soonest goes first."""
+        updater has, the chunk the GPU will ask for soonest goes first; corrections of speculated
+        chunks (the last layers: their gradients come first) thus run beside the next forward."""
         if not self.ready:
             return None
-        return self.apply(*heapq.heappop(self.ready)[3])
+        step, _, _, kind, work = heapq.heappop(self.ready)
+        if kind == SPECULATE:
+            self.speculate(*work)
+            if step in self.verdicts:  # the norm came before this speculation ran: settle it now
+                self._push(SETTLE, work)
+            return None
+        if kind == SETTLE:
+            return self.settle(*work)
+        return self.apply(*work)
 
     def drain(self) -> list[Updated]:
         out = []
-        while (done := self.next()) is not None:
-            out.append(done)
+        while self.ready:
+            done = self.next()
+            if done is not None:
+                out.append(done)
         return out
 
     def _grads(self, work: tuple[Update, ...], chunk: Chunk) -> list[tuple[int, int, torch.Tensor]]:
@@ -134,59 +158,124 @@ class UpdaterCore:
             return [(sh.start, sh.end, self.rings.slot(u.rank, u.slot, sh.end - sh.start)) for sh, u in shards]
         return [(0, n, self.rings.reduce_slot(work[0].slot, chunk))]
 
-    def apply(self, *work: Update) -> Updated:
-        """Update one chunk from `work`: its Update, or every rank's shard of it (SOURCE_RANK_SHARD)."""
-        msg = work[0]
-        store, job = self.store, self.job
-        assert store is not None and job is not None
+    def _chunk(self, msg: Update) -> Chunk:
+        store = self.store
+        assert store is not None
         if not 0 <= msg.chunk < len(store.layout.chunks):
             raise ValueError(f"Update for chunk {msg.chunk}, the store has {len(store.layout.chunks)}")
         chunk = store.layout.chunks[msg.chunk]
-        m = store.manifest
-        if m.versions[chunk.id] != msg.step:
-            raise RuntimeError(f"chunk {chunk.id} is at version {m.versions[chunk.id]}, update is for step {msg.step}")
-        t0 = time.perf_counter()
-        if msg.source != SOURCE_NONE:
-            m.wait_snapshot(chunk.id)  # a checkpoint written during training copies it first
-            m.updating[chunk.id] = UPDATING
-            self._adamw(chunk, self._grads(work, chunk), msg.step)
-            m.adam_steps[chunk.id] += 1
-            if store.has_shadow:
-                store.refresh_shadow(chunk)
-            m.updating[chunk.id] = 0
-        m.versions[chunk.id] = msg.step + 1  # last: a reader that sees the version sees the weights
+        if store.manifest.versions[chunk.id] != msg.step:
+            raise RuntimeError(f"chunk {chunk.id} is at version {store.manifest.versions[chunk.id]}, "
+                               f"update is for step {msg.step}")
+        return chunk
+
+    def _done(self, chunk: Chunk, msg: Update, t0: float, what: str, spent: float = 0.0, corrected: bool = False,
+              skipped: bool = False) -> Updated:
+        """The chunk's weights for step + 1 are final: its version (first: a crash before the flag is
+        cleared leaves the store torn, never clean at a wrong state), then the flag; and the Updated."""
+        m = self.store.manifest  # type: ignore[union-attr]
+        m.versions[chunk.id] = msg.step + 1  # a reader that sees the version sees the weights
+        m.updating[chunk.id] = 0
         busy = time.perf_counter() - t0
         self.busy_s += busy
         now = time.time()
-        self.tracer.event(f"adamw chunk {chunk.id}", "adamw", msg.step, now - busy, now, chunk=chunk.id,
-                          params=chunk.numel, skipped=msg.source == SOURCE_NONE)
-        return Updated(chunk.id, msg.step, msg.source, msg.rank, msg.slot, self.index, busy)
+        self.tracer.event(f"{what} chunk {chunk.id}", "adamw", msg.step, now - busy, now, chunk=chunk.id,
+                          params=chunk.numel, skipped=skipped)
+        return Updated(chunk.id, msg.step, msg.source, msg.rank, msg.slot, self.index, spent + busy,
+                       int(corrected), busy if corrected else 0.0)
 
-    def _adamw(self, chunk: Chunk, grads: list[tuple[int, int, torch.Tensor]], step: int) -> None:
+    def apply(self, *work: Update) -> Updated:
+        """Update one chunk from `work`: its Update, or every rank's shard of it (SOURCE_RANK_SHARD),
+        clipped by the step's verdict (skipped, with nothing applied, when its norm is not finite)."""
+        msg = work[0]
         store, job = self.store, self.job
         assert store is not None and job is not None
-        train = job.train_section
-        lr = lr_at(train, step)
-        scale = None
-        if job.clip:
-            coef = self.coef[step]
-            if coef < 1.0:
-                scale = torch.tensor(1.0 / coef, dtype=torch.float32)  # the kernel divides grads by grad_scale
-        views = [store.chunk(k, chunk) for k in STATE_KINDS]
-        adam_step = torch.tensor(float(store.manifest.adam_steps[chunk.id] + 1))
+        chunk = self._chunk(msg)
+        m = store.manifest
+        verdict = self.verdicts.get(msg.step) if job.clip else None
+        skip = msg.source == SOURCE_NONE or (verdict is not None and verdict.skip)
+        t0 = time.perf_counter()
+        if not skip:
+            m.wait_snapshot(chunk.id)  # a checkpoint written during training copies it first
+            m.updating[chunk.id] = UPDATING
+            self._adamw(chunk, self._grads(work, chunk), msg.step, verdict.coef if verdict is not None else 1.0)
+            m.adam_steps[chunk.id] += 1
+            if store.has_shadow:
+                store.refresh_shadow(chunk)
+        return self._done(chunk, msg, t0, "adamw", skipped=skip)
+
+    def speculate(self, *work: Update) -> None:
+        """The unclipped update, before the step's norm is known. The chunk stays marked SPECULATIVE and at
+        its version until the verdict settles it: no forward reads it, and a crash leaves the store torn."""
+        msg = work[0]
+        store = self.store
+        assert store is not None
+        chunk = self._chunk(msg)
+        m = store.manifest
+        t0 = time.perf_counter()
+        m.wait_snapshot(chunk.id)
+        m.updating[chunk.id] = SPECULATIVE
+        self._adamw(chunk, self._grads(work, chunk), msg.step, 1.0)
+        m.adam_steps[chunk.id] += 1
+        if store.has_shadow:
+            store.refresh_shadow(chunk)
+        busy = time.perf_counter() - t0
+        self.busy_s += busy
+        self.speculated[(chunk.id, msg.step)] = (work, busy)
+        now = time.time()
+        self.tracer.event(f"speculate chunk {chunk.id}", "adamw", msg.step, now - busy, now, chunk=chunk.id,
+                          params=chunk.numel)
+
+    def settle(self, *work: Update) -> Updated:
+        """A speculated chunk once the verdict is in: kept as it is (no clipping), redone with the clipped
+        gradient, or undone (the step is skipped: nothing applied, the AdamW step not counted)."""
+        msg = work[0]
+        store, job = self.store, self.job
+        assert store is not None and job is not None
+        _, spent = self.speculated.pop((msg.chunk, msg.step))
+        verdict = self.verdicts[msg.step]
+        chunk = self._chunk(msg)
+        m = store.manifest
+        t0 = time.perf_counter()
+        if not verdict.clipped and not verdict.skip:
+            return self._done(chunk, msg, t0, "validate", spent)
+        m.updating[chunk.id] = UPDATING
+        self._settle(chunk, self._grads(work, chunk), msg.step, None if verdict.skip else verdict.coef)
+        if verdict.skip:
+            m.adam_steps[chunk.id] -= 1
+        if store.has_shadow:
+            store.refresh_shadow(chunk)
+        return self._done(chunk, msg, t0, "undo" if verdict.skip else "correct", spent, corrected=True,
+                          skipped=verdict.skip)
+
+    def _hyper(self, chunk: Chunk, step: int) -> dict:
+        train = self.job.train_section  # type: ignore[union-attr]
+        return dict(lr=lr_at(train, step), beta1=train.beta1, beta2=train.beta2, eps=train.eps,
+                    step=int(self.store.manifest.adam_steps[chunk.id]) + 1)  # type: ignore[union-attr]
+
+    def _groups(self, chunk: Chunk, grads: list[tuple[int, int, torch.Tensor]]):
+        """(weight decay, [(master, grad, exp_avg, exp_avg_sq) of each member piece]) for decay and no decay."""
+        store, train = self.store, self.job.train_section  # type: ignore[union-attr]
+        views = [store.chunk(k, chunk) for k in STATE_KINDS]  # type: ignore[union-attr]
         for decay in (True, False):
             blocks = [b for mb in chunk.members if mb.decay == decay for b in _blocks(mb, grads, views)]
-            if not blocks:
-                continue
+            if blocks:
+                yield (train.weight_decay if decay else 0.0), blocks
+
+    def _adamw(self, chunk: Chunk, grads: list[tuple[int, int, torch.Tensor]], step: int, coef: float) -> None:
+        hyper = self._hyper(chunk, step)
+        for wd, blocks in self._groups(chunk, grads):
             params, grad, exp_avg, exp_avg_sq = (list(t) for t in zip(*blocks))
-            torch._fused_adamw_(
-                params, grad, exp_avg, exp_avg_sq,
-                [],
-                [adam_step] * len(blocks),
-                lr=lr, beta1=train.beta1, beta2=train.beta2,
-                weight_decay=train.weight_decay if decay else 0.0, eps=train.eps,
-                amsgrad=False, maximize=False, grad_scale=scale, found_inf=None,
-            )
+            fused_adamw_(params, grad, exp_avg, exp_avg_sq, weight_decay=wd, coef=coef, **hyper)
+
+    def _settle(self, chunk: Chunk, grads: list[tuple[int, int, torch.Tensor]], step: int, coef: float | None) -> None:
+        """Undo the chunk's speculative step (its AdamW count not yet taken back), redo it clipped by coef."""
+        hyper = self._hyper(chunk, step)
+        hyper["step"] -= 1  # the count the speculative update used
+        for wd, blocks in self._groups(chunk, grads):
+            for b in blocks:
+                settle_(*b, weight_decay=wd, coef=coef, **hyper)
+                faults.hold("correct", step, chunk=chunk.id)  # the crash tests: half-way through a correction
 
 
 def _blocks(mb: Member, grads: list[tuple[int, int, torch.Tensor]],

@@ -123,11 +123,11 @@ def reduce_traffic_factor(world: int, grad_route: str = "host", clip: bool = Fal
 
     The calibration measures out = a + b (3 buffers touched per output element); N inputs touch
     N + 1. One rank's gradient, and reduce-scattered gradients (summed on the devices), are read
-    by the updaters where they lie: nothing, unless exact clipping keeps every gradient in the
-    reduction space until the norm is known (a copy: 2 touched).
-    """
+    by the updaters where they lie: nothing, with exact clipping too (the gradients stay in the
+    ranks' rings, a slot per chunk, until the step's norm is known). `clip` changes nothing; it
+    stays for the callers that name the job's clipping."""
     if world <= 1 or grad_route == "reduce_scatter":
-        return 2.0 / 3.0 if clip else 0.0
+        return 0.0
     return (world + 1) / 3.0
 
 

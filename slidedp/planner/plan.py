@@ -56,6 +56,7 @@ class Plan:
     offload_layers: int = 0
     seq_tile_tokens: int = 0
     device_layers: int = 0
+    predicted_clipped_step_s: float = 0.0  # exact clipping: a step that clips (0: clipping off)
 
     @property
     def choices(self) -> Choices:
@@ -76,6 +77,7 @@ class Plan:
             seq_tile_tokens=self.seq_tile_tokens, loss_chunk_tokens=self.loss_chunk_tokens,
             device_layers=self.device_layers, embedding=self.embedding,
             grad_route=self.grad_route, predicted_step_s=self.predicted_step_s,
+            predicted_clipped_step_s=self.predicted_clipped_step_s or None,
             planned_device_bytes=self.gpu_total_bytes, planned_by="planner",
         )
 
@@ -126,8 +128,13 @@ class Plan:
         lines += [
             "",
             f"predicted step {self.predicted_step_s:.3f} s (GPU busy {dict(self.busy_s)['gpu']:.3f} s, exposed "
-            f"{self.exposed_s:.3f} s): {self.tokens_per_s:,.0f} tokens/s",
+            f"{self.exposed_s:.3f} s): {self.tokens_per_s:,.0f} tokens/s"
+            + (" when the gradient norm stays under max_grad_norm" if w.clip else ""),
         ]
+        if w.clip:
+            lines.append(f"a step that clips      {self.predicted_clipped_step_s:.3f} s: "
+                         f"{w.tokens_per_step / self.predicted_clipped_step_s:,.0f} tokens/s (its updates wait for the "
+                         f"global norm)")
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
 
@@ -392,11 +399,13 @@ def make_plan(work: Workload, budget_bytes: int, calib: Calibration,
             f"micro_batch {work.micro_batch} does not fit the budget; using {best.micro_batch} "
             f"(a divisor of the {work.local_batch} sequences per rank)"
         )
+    clipped_step = predict_step(work, best, calib, clips=True)[2] if work.clip else 0.0
     if work.clip:
         unclipped = predict_step(replace(work, clip=False), best, calib)[2]
         notes.append(
-            f"exact gradient clipping: no CPU update starts before the last gradient is out, so the update "
-            f"({busy['update']:.3f} s) is exposed; without clipping this plan predicts {unclipped:.3f} s"
+            f"exact gradient clipping: a step whose norm stays under max_grad_norm keeps the updates it ran "
+            f"during the backward ({step:.3f} s; without clipping {unclipped:.3f} s); a step that clips waits "
+            f"for the global norm, so its update ({busy['update']:.3f} s) is exposed: {clipped_step:.3f} s"
         )
     if best.delivery == "bf16":
         fp32 = min((c[0] for c in candidates if c[2].delivery == "fp32"), default=None)
@@ -416,5 +425,5 @@ def make_plan(work: Workload, budget_bytes: int, calib: Calibration,
         gpu_memory=tuple(items), gpu_total_bytes=costs.gpu_memory_peak(items, work.world).total_bytes,
         busy_s=tuple((r, busy[r]) for r in RESOURCES), exposed_s=exposed, predicted_step_s=step,
         tokens_per_s=work.tokens_per_step / step, workload=work, budget_bytes=budget_bytes, calibration=calib,
-        notes=tuple(notes),
+        notes=tuple(notes), predicted_clipped_step_s=clipped_step,
     )

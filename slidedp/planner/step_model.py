@@ -12,8 +12,11 @@ simulation over five resources, each a FIFO server:
 
 A chunk's H2D in step s+1 waits for its update in step s (the version gate), so whatever the
 CPU has not finished when the GPU wants a chunk back is exposed: the tail (layer 0 and the
-embedding rows the next batch needs), and, with exact gradient clipping, the whole update,
-because no update starts before the last gradient is out (the global norm). A few steps are
+embedding rows the next batch needs). With exact gradient clipping the model predicts two
+steps: one whose norm stays under max_grad_norm keeps its speculative updates, overlapped with
+the backward as without clipping (device-held units wait for the norm); one that clips has
+every update wait for the global norm, i.e. the last gradient (charged as if the norm crossed
+the threshold at the first chunk: no speculated chunk to correct). A few steps are
 simulated and the steady-state period is the predicted step time. Ranks are symmetric, so
 one rank stands for all; `world` enters through the per-rank batch and the reduction.
 
@@ -177,8 +180,10 @@ def gpu_work_shape(work: Workload, ch: Choices) -> str:
                      work.world, f"params {ch.param_route}, grads {ch.grad_route}")
 
 
-def _period(tasks: list[_Task], depth: int, updaters: int, clip: bool) -> float:
-    """Steady-state step time of the schedule: simulate a few steps, average the last ones."""
+def _period(tasks: list[_Task], depth: int, updaters: int, clip: bool, clips: bool) -> float:
+    """Steady-state step time of the schedule: simulate a few steps, average the last ones.
+    clip: exact clipping (device-held units wait for the norm); clips: every step clips (the host
+    updates wait for the norm too)."""
     h2d_free = gpu_free = d2h_free = reduce_free = 0.0
     servers = [0.0] * updaters
     fetch_starts: list[float] = []  # compute start of each task that copies in, in order
@@ -209,7 +214,7 @@ def _period(tasks: list[_Task], depth: int, updaters: int, clip: bool) -> float:
                     released.append((j, reduce_free))
                 else:
                     released.append((j, out))
-        norm_known = max((r for _, r in released), default=0.0) if clip else 0.0
+        norm_known = max((r for _, r in released), default=0.0) if clip and clips else 0.0
         done = {}
         for j, r in released:
             s = min(range(updaters), key=servers.__getitem__)
@@ -219,7 +224,8 @@ def _period(tasks: list[_Task], depth: int, updaters: int, clip: bool) -> float:
     return (ends[-1] - ends[-1 - _AVERAGE]) / _AVERAGE
 
 
-def predict_step(work: Workload, choices: Choices, calib: Calibration) -> tuple[dict[str, float], float, float]:
+def predict_step(work: Workload, choices: Choices, calib: Calibration,
+                 clips: bool = False) -> tuple[dict[str, float], float, float]:
     """The model: (busy seconds per resource per step, exposed seconds, predicted step seconds)."""
     if not 0 <= choices.resident_layers <= work.model.num_layers:
         raise ValueError(f"resident_layers must be between 0 and {work.model.num_layers}, got {choices.resident_layers}")
@@ -234,5 +240,5 @@ def predict_step(work: Workload, choices: Choices, calib: Calibration) -> tuple[
         "reduce": sum(j.reduce_s for j in jobs),
         "update": sum(j.update_s for j in jobs) / work.updaters,
     }
-    step = _period(tasks, choices.prefetch_depth, work.updaters, work.clip)
+    step = _period(tasks, choices.prefetch_depth, work.updaters, work.clip, clips)
     return busy, step - busy["gpu"], step

@@ -27,7 +27,9 @@ _FIXED = struct.Struct("<8sII Q 64s Q Q d")  # magic, format, header size, gener
 _MUTABLE_AT = 256  # committed_step, attached_pid, attach_token, torn (int64 each)
 _JOB_AT = 1024  # job record: u32 length + UTF-8 JSON, up to 3 KiB
 _JOB_MAX = PAGE - _JOB_AT - 4
-UPDATING, LEASED = 1, 2  # values of updating[c]: being rewritten by an updater / held on a job's GPUs
+# values of updating[c]: being rewritten by an updater / held on a job's GPUs / updated before the step's
+# gradient norm was known and not yet validated against it (exact clipping: speculate, validate, correct)
+UPDATING, LEASED, SPECULATIVE = 1, 2, 3
 
 
 class ManifestError(RuntimeError):
@@ -175,6 +177,10 @@ class Manifest:
         busy = np.nonzero(self.updating == UPDATING)[0]
         if len(busy):
             return f"chunk(s) {busy[:8].tolist()} were being updated when their writer stopped"
+        unsure = np.nonzero(self.updating == SPECULATIVE)[0]
+        if len(unsure):
+            return (f"chunk(s) {unsure[:8].tolist()} hold a speculative update that was never validated against "
+                    f"the step's gradient norm (the updater or aggregator stopped)")
         leased = np.nonzero(self.updating == LEASED)[0]
         if len(leased) and not allow_leased:
             return (f"chunk(s) {leased[:8].tolist()} are held on a job's GPUs and were not written back "

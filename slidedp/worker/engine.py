@@ -31,6 +31,7 @@ from typing import Callable, Iterator, Protocol
 import torch
 
 from .activations import SavedInputs
+from ..clipping import Verdict
 from .collectives import Group
 from .delivery import GradOut, ParamDelivery, Unit, unit_tensors
 from .device_state import DeviceHeld
@@ -313,8 +314,10 @@ class Engine:
         coef = None
         if self.max_grad_norm > 0:
             self._flush(step, block=True)  # the global norm needs every host gradient out
-            norm = self.link.wait_norm(step)
-            coef = min(1.0, self.max_grad_norm / (norm + 1e-6))
+            verdict = Verdict.of(self.link.wait_norm(step), self.max_grad_norm)
+            if verdict.skip:  # a non-finite gradient: the step is skipped everywhere, these units too
+                return
+            coef = verdict.coef
         with self._span("device AdamW (held units)", step):
             for name, g in grads.items():
                 self.held[name].update(g, step, coef)

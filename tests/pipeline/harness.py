@@ -22,18 +22,28 @@ def unique_store(prefix: str = "t") -> str:
     return f"{prefix}-{uuid.uuid4().hex[:8]}"
 
 
-def attached_job_record(store: str, world: int, clip: bool, **record: object):
+def attached_job_record(store: str, world: int, clip: bool, max_grad_norm: float = 1.0, sets: tuple[str, ...] = (),
+                        **record: object):
     """A created store (tiny shape, in this process) with a job attached (rings made), and its job record,
-    for driving a daemon's core in-process. `record` overrides JobRecord fields (e.g. grad_route)."""
+    for driving a daemon's core in-process. clip: train.max_grad_norm = max_grad_norm, else 0; `sets`
+    more job file values; `record` overrides JobRecord fields (e.g. grad_route)."""
     from slidedp.config import job_to_dict, load_job
     from slidedp.jobrecord import JobRecord
     from slidedp.store.client import call
 
     call(store, "create", source="random", shape="tiny", vocab_size=512, init_seed=0)
     st = call(store, "status")
-    train = job_to_dict(load_job(TINY, [f"train.max_grad_norm={1.0 if clip else 0.0}"]))["train"]
+    train = job_to_dict(load_job(TINY, [f"train.max_grad_norm={max_grad_norm if clip else 0.0}", *sets]))["train"]
+    from slidedp.jobrecord import gradient_space
+    from slidedp.store.store import HostStore
+
     job = JobRecord("j", store, world, train, st["layout_hash"], **record)  # type: ignore[arg-type]
-    call(store, "attach", job="j", pid=os.getpid(), world=world, grad_slots=3, full_reduce=job.full_reduce,
+    hs = HostStore.attach(store)
+    try:  # exact clipping keeps a slot per chunk in the rings where nothing sums ranks: 4 for tiny
+        slots, _, _ = gradient_space(hs.layout, world, job.grad_route, job.clip, 3, job.device_chunks)
+    finally:
+        hs.close()
+    call(store, "attach", job="j", pid=os.getpid(), world=world, grad_slots=slots, full_reduce=job.full_reduce,
          reduce_slots=3, layout_hash=st["layout_hash"], shard_slots=job.grad_route == "reduce_scatter")
     return job
 
@@ -53,6 +63,12 @@ def metrics(run_dir: Path) -> list[dict]:
 def checkpoint_weights(path: Path) -> dict[str, torch.Tensor]:
     folder = path / "model"
     return {name: hf.load_tensor(folder, name) for name in hf.tensor_index(folder)}
+
+
+def checkpoint_state(path: Path) -> dict[str, torch.Tensor]:
+    """A checkpoint's AdamW moments, keyed "exp_avg.<name>" and "exp_avg_sq.<name>"."""
+    folder = path / "state"
+    return {name: hf.load_tensor(folder, name) for name in hf.tensor_index(folder) if name.startswith("exp_avg")}
 
 
 def store_segments(store: str) -> list[tuple[str, int]]:

@@ -101,8 +101,9 @@ def test_matches_reference(tmp_path, monkeypatch, workers, micro, clip, shape, e
     assert store_segments(store) == []  # the job created the store and did not persist it
 
 
-def assert_matches_reference(run_dir, sets: list[str], grad_route: str) -> None:
-    """The run's losses, gradient norms and final weights against the reference trainer's."""
+def assert_matches_reference(run_dir, sets: list[str], grad_route: str, bound: float | None = None) -> None:
+    """The run's losses, gradient norms and final weights against the reference trainer's (weights to
+    `bound`, relative, per tensor; default 1e-5, 2e-5 reduce-scattered)."""
     ref = reference(sets)
     got = metrics(run_dir)
     assert [m["step"] for m in got] == list(range(STEPS))
@@ -115,7 +116,7 @@ def assert_matches_reference(run_dir, sets: list[str], grad_route: str) -> None:
     worst = max((rel_err(weights[n], ref.params[n]), n) for n in ref.params)
     # gloo's ring sums each shard in another rank order than the aggregator; AdamW's 1/sqrt(v)
     # magnifies those last-bit differences where a gradient is near zero
-    assert worst[0] < (2e-5 if grad_route == "reduce_scatter" else 1e-5), worst
+    assert worst[0] < (bound or (2e-5 if grad_route == "reduce_scatter" else 1e-5)), worst
 
 
 @pytest.mark.parametrize("workers,extra", [

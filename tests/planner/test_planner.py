@@ -160,23 +160,36 @@ def test_toy_prediction_embedding_on_host():
     assert exposed == pytest.approx(H + U + need_u + rows_in + H, rel=1e-9)
 
 
+def test_a_step_under_the_clipping_threshold_keeps_the_overlap():
+    """Speculation: a step whose norm stays under max_grad_norm updates during the backward as without
+    clipping; what it adds is the copy of every gradient into the reduction space (one rank: 2/3 of
+    the calibrated sum's traffic per element), beside the backward, not after it."""
+    for emb in ("device", "host"):
+        busy_free, _, free = predict_step(toy(clip=False), Choices(embedding=emb), TOY_CAL)
+        busy, _, kept = predict_step(toy(clip=True), Choices(embedding=emb), TOY_CAL)
+        _, _, clipped = predict_step(toy(clip=True), Choices(embedding=emb), TOY_CAL, clips=True)
+        assert busy == busy_free  # nothing copied: the gradients stay in the rank's slots, one per chunk
+        assert kept < clipped
+        if emb == "host":
+            assert kept == pytest.approx(free, rel=1e-12)
+        else:  # the device-held embedding's update waits for the norm: for the last host gradient out
+            assert free <= kept <= free + H + 1e-12
+
+
 def test_clipping_exposes_the_whole_update():
     for emb in ("device", "host"):
         busy, _, free = predict_step(toy(clip=False), Choices(embedding=emb), TOY_CAL)
-        _, exposed, clipped = predict_step(toy(clip=True), Choices(embedding=emb), TOY_CAL)
+        _, exposed, clipped = predict_step(toy(clip=True), Choices(embedding=emb), TOY_CAL, clips=True)
         assert clipped > free
-        assert exposed >= busy["update"] - (0.1 if emb == "gpu" else 0)
-    # by hand (embedding on the GPU): after layer 0's gradient is out, the aggregator copies it into
-    # the reduction space (clipping keeps every gradient there; 2 of the calibrated sum's 3 buffers:
-    # 2/3 H), norm + both layers update in gradient order, then layer 0 goes back in
-    _, _, step = predict_step(toy(clip=True), Choices(embedding="device"), TOY_CAL)
-    assert step == pytest.approx(8 + G_LOSS + H + 2 * H / 3 + NORM_U + 2 * U + H, rel=1e-12)
+        assert exposed >= busy["update"] - (0.1 if emb == "device" else 0)
+    # by hand (embedding on the GPU): after layer 0's gradient is out (the gradients stay in the rank's
+    # slots, nothing copied), norm + both layers update in gradient order, then layer 0 goes back in
+    _, _, step = predict_step(toy(clip=True), Choices(embedding="device"), TOY_CAL, clips=True)
+    assert step == pytest.approx(8 + G_LOSS + H + NORM_U + 2 * U + H, rel=1e-12)
     # embedding on the host: the embedding's gradient (0.065536 s) is out last; then norm, both
     # layers and the next batch's rows update before the gather and layer 0's H2D
-    # (with the copies: the embedding's gradient comes out (0.065536 s) while layer 0's is copied
-    # (2/3 H = 0.0986 s); then its own copy, 2/3 of 0.065536 s)
-    _, _, step = predict_step(toy(clip=True), Choices(embedding="host"), TOY_CAL)
-    tail = H + 2 * H / 3 + 2 / 3 * 256 * 64 * 4 / 1e6 + NORM_U + 2 * U + 64 * 64 / 1e5 + 64 * 64 * 4 / 1e6 + H
+    _, _, step = predict_step(toy(clip=True), Choices(embedding="host"), TOY_CAL, clips=True)
+    tail = H + 256 * 64 * 4 / 1e6 + NORM_U + 2 * U + 64 * 64 / 1e5 + 64 * 64 * 4 / 1e6 + H
     assert step == pytest.approx(8 + G_LOSS + tail, rel=1e-12)
 
 
@@ -363,6 +376,12 @@ def test_describe_lists_every_memory_item_and_resource():
         assert f"  {name} " in text
     assert f"predicted step {plan.predicted_step_s:.3f} s" in text
     assert "exact gradient clipping" in text
+    # clipping on (the default): both regimes, the one that clips slower
+    assert plan.predicted_clipped_step_s > plan.predicted_step_s
+    assert f"a step that clips      {plan.predicted_clipped_step_s:.3f} s" in text
+    assert "when the gradient norm stays under max_grad_norm" in text
+    off = make_plan(dataclasses.replace(work, clip=False), 24 * GiB, REFERENCE_CALIBRATION)
+    assert off.predicted_clipped_step_s == 0.0 and "a step that clips" not in off.describe()
 
 
 def test_workload_validation_messages():
@@ -567,10 +586,11 @@ def test_routes_follow_the_transfer_formula_and_the_links():
     busy, _, _ = predict_step(work, Choices(embedding="device", param_route="sharded"), slow)
     gathered = (2 * nl * p + h) * 2 * 3 / 4
     assert busy["h2d"] == pytest.approx((2 * nl * p + h) * 4 / 4 / 55e9 + gathered / 10e9, rel=1e-6)
-    # the aggregator only places reduce-scattered shards: 2 of the sum's 3 buffer touches, and no N + 1
+    # the aggregator sums 4 ranks' whole gradients (N + 1 buffer touches), and leaves reduce-scattered
+    # shards where they lie, with exact clipping too (a ring slot per chunk)
     host = predict_step(work, Choices(embedding="device"), slow)[0]["reduce"]
     scattered = predict_step(work, Choices(embedding="device", grad_route="reduce_scatter"), slow)[0]["reduce"]
-    assert scattered == pytest.approx(host * 2 / 5, rel=1e-9)  # (2/3) / ((4 + 1) / 3)
+    assert work.clip and host > 0 and scattered == 0.0
 
 
 def test_planner_picks_routes_from_the_measured_links():
@@ -791,9 +811,9 @@ def test_replicated_ranks_share_the_hosts_measured_h2d():
 
 
 @pytest.mark.parametrize("world,route,clip,factor", [
-    (1, "host", False, 0.0), (1, "host", True, 2 / 3),  # one rank: read in its slot, or copied for clipping
+    (1, "host", False, 0.0), (1, "host", True, 0.0),  # one rank: read in its slot (clipping: a slot per chunk)
     (4, "host", False, 5 / 3), (4, "host", True, 5 / 3),  # a 4-way sum: 4 inputs + 1 output
-    (4, "reduce_scatter", False, 0.0), (4, "reduce_scatter", True, 2 / 3),  # shards read in place, or copied
+    (4, "reduce_scatter", False, 0.0), (4, "reduce_scatter", True, 0.0),  # shards read in place
 ])
 def test_aggregator_traffic_follows_the_gradient_route(world, route, clip, factor):
     assert costs.reduce_traffic_factor(world, route, clip) == pytest.approx(factor)

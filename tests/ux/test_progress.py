@@ -76,6 +76,20 @@ def test_records_combine_the_ranks(tmp_path):
     assert r["tokens_per_s"] == pytest.approx(1024 / r["step_s"])
 
 
+def test_a_clipping_step_records_its_correction_and_the_plans_clipping_prediction(tmp_path):
+    p = Progress(unique_store("pg"), 1024, stream=io.StringIO())
+    p.predicted_step_s, p.predicted_clipped_step_s = 0.4, 0.7
+    p.begin(0, 2, tmp_path)
+    p.step(0, StepDone(0, 2.5, 0.8, 0, 0.3, 0.1, 0, 4, 0, 0.0), {0: stats(0, 0)}, 1e-3)
+    p.step(1, StepDone(1, 2.4, 3.5, 0, 0.5, 0.1, 1, 2, 2, 0.12), {0: stats(0, 1)}, 1e-3)
+    p.end()
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [check_record(r) for r in records] == [[], []]
+    got = [(r["clipped"], r["speculated_chunks"], r["corrected_chunks"], r["correction_s"], r["predicted_step_s"])
+           for r in records]
+    assert got == [(False, 4, 0, 0.0, 0.4), (True, 2, 2, 0.12, 0.7)]
+
+
 def test_non_finite_loss_is_null_not_nan(tmp_path):
     out = io.StringIO()
     records = run_progress(tmp_path, out, skipped_step=1)
@@ -107,7 +121,7 @@ def test_bar_redrawn_in_place_on_a_terminal(tmp_path, monkeypatch):
     # one frame per step plus the permanent line of the skipped step; newlines only after that line and at the end
     assert len(frames) == 5
     assert frames[0].startswith("[") and " 1/4 loss 2.5000 " in frames[0] and "tok/s" in frames[0] and "ETA" in frames[0]
-    assert frames[2] == "step 3 skipped: a rank saw a non-finite loss\n"
+    assert frames[2] == "step 3 skipped: a non-finite loss or gradient norm\n"
     assert " 3/4 loss nan " in frames[3]
     assert frames[4].startswith("[" + "#" * 10) and " 4/4 loss -0.5000 " in frames[4] and frames[4].endswith("\n")
     assert text.count("\n") == 2

@@ -35,7 +35,8 @@ def test_summary_of_a_fixture(tmp_path):
     lines, pngs = report.report(tmp_path, plots=False)
     assert pngs == []
     text = "\n".join(lines)
-    assert "steps        0..4 (5 recorded, 1 skipped (non-finite loss))" in text
+    assert "steps        0..4 (5 recorded, 1 skipped (non-finite loss or gradient))" in text
+    assert "clipping" not in text  # records from before exact clipping kept its fields
     assert "loss         3.0000 -> 1.0000" in text
     # median of 2.0, 1.9, 2.2, 2.0 (the first step, 9.0 s of start-up, left out)
     assert "step         median 2.000 s over 4 step(s) (the first, with start-up, left out)" in text
@@ -45,6 +46,24 @@ def test_summary_of_a_fixture(tmp_path):
     assert "  updaters busy (AdamW)             1.000 s    50% of the step, beside the workers" in text
     assert "plan         predicted 1.600 s per step, measured 2.000 s (1.25x the prediction)" in text
     assert "memory       GPU peak 3.00 GiB, host private peak 1.00 GiB, shared (store + rings) 12.00 GiB" in text
+
+
+def test_summary_says_how_clipping_went(tmp_path):
+    """Exact clipping: which steps clipped, and what their corrections cost beside the steps that kept
+    every speculative update."""
+    clip = dict(clipped=False, speculated_chunks=4, corrected_chunks=0, correction_s=0.0)
+    records = [record(0, 9.0, **clip), record(1, 2.0, **clip), record(2, 2.1, **clip),
+               record(3, 2.6, **dict(clip, clipped=True, speculated_chunks=2, corrected_chunks=2, correction_s=0.25)),
+               record(4, 2.4, **dict(clip, clipped=True, speculated_chunks=1, corrected_chunks=1, correction_s=0.15))]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    text = "\n".join(report.report(tmp_path, plots=False)[0])
+    assert "clipping     2 of 4 step(s) clipped; median 3 chunk(s) updated before the norm was known" in text
+    assert "  steps that did not clip           2.050 s median (every speculative update kept)" in text
+    assert "  steps that clipped                2.500 s median, 1.5 chunk(s) corrected in 0.200 s of updater time" in text
+    # clipping off: nothing speculated, nothing clipped, no line
+    off = dict(clip, speculated_chunks=0)
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(record(s, 2.0, **off)) + "\n" for s in range(3)))
+    assert "clipping" not in "\n".join(report.report(tmp_path, plots=False)[0])
 
 
 def test_the_steps_median_leaves_out_a_write_back_of_device_held_units(tmp_path):
