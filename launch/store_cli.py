@@ -95,6 +95,10 @@ def main(argv: list[str] | None = None) -> int:
             st = call(args.store, "status")
             st["daemon"] = daemon_running(args.store)
             print(json.dumps(st, indent=1) if args.json else "", end="\n" if args.json else "")
+            if not st.get("exists", True):  # a script's `status NAME || create` must see it
+                print(f"slidedp-store: error: store {args.store!r} does not exist (`slidedp-store list` shows the "
+                      f"stores; `slidedp-store create {args.store} --model ...` makes it)", file=sys.stderr)
+                return 1
             if not args.json:
                 print_status(st)
         elif args.cmd == "checkpoint":
