@@ -18,6 +18,7 @@ import time
 from slidedp import daemonlock
 from slidedp import log as slog
 from slidedp import numa
+from slidedp.lifetime import die_with_parent, end_strays
 from slidedp.sdnotify import Watchdog, notify
 
 log = slog.get("updater-pool")
@@ -40,18 +41,33 @@ def split_cpus(nodes: list[list[int]], count: int) -> list[list[int]]:
 
 
 def _member_command(store: str, index: int, pool: int, cpus: list[int], threads: int, ready_fd: int) -> list[str]:
-    return [sys.executable, "-m", "slidedp.daemons.updater_member", "--store", store, "--member", str(index),
+    return [sys.executable, "-m", MEMBER_MODULE, "--store", store, "--member", str(index),
             "--pool", str(pool), "--cpus", ",".join(map(str, cpus)), "--threads", str(threads),
             "--ready-fd", str(ready_fd)]
+
+
+MEMBER_MODULE = "slidedp.daemons.updater_member"
+
+
+def describe_member_exit(index: int, child: subprocess.Popen) -> str:
+    rc = child.returncode
+    how = f"was killed by signal {signal.Signals(-rc).name}" if rc is not None and rc < 0 else f"exited with code {rc}"
+    return f"updater member {index} (pid {child.pid}) {how}"
+
+
+def _spawn_member(argv: list[str], ready_w: int) -> subprocess.Popen:
+    """A member that gets SIGTERM when this pool process dies, however it dies (kill -9 included)."""
+    parent = os.getpid()
+    return subprocess.Popen(argv, pass_fds=(ready_w,), preexec_fn=lambda: die_with_parent(signal.SIGTERM, parent))
 
 
 def _await_members(children: list[subprocess.Popen], ready_r: int, timeout_s: float) -> str | None:
     """Wait until every member has said it is up (one byte each on the pipe); the problem, or None."""
     got, deadline = 0, time.monotonic() + timeout_s
     while got < len(children):
-        dead = [(i, c.returncode) for i, c in enumerate(children) if c.poll() is not None]
+        dead = [i for i, c in enumerate(children) if c.poll() is not None]
         if dead:
-            return f"updater member {dead[0][0]} exited with code {dead[0][1]} while starting"
+            return f"{describe_member_exit(dead[0], children[dead[0]])} while starting"
         left = deadline - time.monotonic()
         if left <= 0:
             return f"only {got} of {len(children)} updater members came up within {timeout_s:.0f} s"
@@ -72,7 +88,18 @@ def main(argv: list[str] | None = None) -> int:
                         "0 with no GPU)")
     args = p.parse_args(argv)
     slog.setup("updater-pool")
-    lock_fd = daemonlock.acquire(args.store, "updater")  # noqa: F841 (held for the pool's lifetime)
+    lock_fd = daemonlock.acquire(args.store, "updater")  # held for the pool's lifetime
+    try:
+        return _run_pool(args, lock_fd)
+    finally:
+        daemonlock.release(args.store, "updater", lock_fd)
+
+
+def _run_pool(args: argparse.Namespace, lock_fd: int) -> int:
+    daemonlock.clear_exit_note(args.store, "updater")
+    # We hold the lock: a member of this store that is not ours belongs to a pool that died, and
+    # would take a new member's place on the aggregator's socket.
+    end_strays(MEMBER_MODULE, args.store, os.getpid(), "updater member")
     reserve = args.reserve_cpus
     if reserve < 0:  # a service started before any job: make room for a job on every GPU
         gpus = numa.gpu_count()
@@ -81,13 +108,14 @@ def main(argv: list[str] | None = None) -> int:
     count = args.processes or len(nodes)
     plan = split_cpus(nodes, count)
     ready_r, ready_w = os.pipe()
-    children = [subprocess.Popen(_member_command(args.store, i, count, cpus, args.threads, ready_w), pass_fds=(ready_w,))
+    children = [_spawn_member(_member_command(args.store, i, count, cpus, args.threads, ready_w), ready_w)
                 for i, cpus in enumerate(plan)]
     os.close(ready_w)
     problem = _await_members(children, ready_r, 120.0)
     os.close(ready_r)
     if problem:  # readiness means every member runs: say why not, and go (systemd restarts us)
         log.error("%s; stopping the pool", problem)
+        daemonlock.note_exit(args.store, "updater", problem)
         for c in children:
             if c.poll() is None:
                 c.terminate()
@@ -104,10 +132,11 @@ def main(argv: list[str] | None = None) -> int:
     code = 0
     while not stop.requested:
         watchdog.maybe_ping()
-        dead = [(i, c.returncode) for i, c in enumerate(children) if c.poll() is not None]
+        dead = [i for i, c in enumerate(children) if c.poll() is not None]
         if dead:
-            i, rc = dead[0]
-            log.error("updater member %d exited with code %s; stopping the pool", i, rc)
+            why = describe_member_exit(dead[0], children[dead[0]])
+            log.error("%s; stopping the pool", why)
+            daemonlock.note_exit(args.store, "updater", why)  # the launcher names the member, not just the pool
             code = 1
             break
         time.sleep(0.2)

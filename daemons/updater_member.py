@@ -21,6 +21,7 @@ import zmq
 from slidedp import log as slog
 from slidedp import numa
 from slidedp.jobrecord import JobRecord, attach_job, detach_job
+from slidedp.lifetime import ParentWatch
 from slidedp.collectives import Shard
 from slidedp.protocol import (ROLE_UPDATER, SOURCE_NONE, SOURCE_RANK_SHARD, SOURCE_RANK_SLOT, Ack, Hello, JobEnd, JobStart,
                               Norm, Update, Updated)
@@ -207,13 +208,14 @@ class _Stop:
 
 def serve_member(store: str, index: int, pool: int, timeout_s: float = 60.0, ready_fd: int = -1) -> int:
     """One member of the pool: take Update/Norm/JobStart/JobEnd from the aggregator, answer Updated/Ack."""
+    parent = ParentWatch()
+    if ready_fd >= 0 and not _tell_ready(ready_fd):  # the pool stopped while we started (a refused job)
+        log.debug("updater %d: the pool is gone before this member came up; exiting", index)
+        return 0
     core = UpdaterCore(store, index)
     ctx = zmq.Context()
     sock = connect_dealer(ctx, store, "agg", identity("u", index))
     send(sock, Hello(ROLE_UPDATER, index, pool, os.getpid()))
-    if ready_fd >= 0:  # tell the pool parent this member is up (it reports readiness for all)
-        os.write(ready_fd, b"1")
-        os.close(ready_fd)
     stop = _Stop()
     signal.signal(signal.SIGTERM, lambda s, f: setattr(stop, "requested", True))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent or launcher decides; Ctrl-C goes to the group
@@ -222,6 +224,9 @@ def serve_member(store: str, index: int, pool: int, timeout_s: float = 60.0, rea
     last_hello = time.monotonic()
     try:
         while not stop.requested:
+            if parent.gone():  # its pool died before PR_SET_PDEATHSIG could tell us: never outlive it
+                log.warning("updater %d: the pool (pid %d) is gone; exiting", index, parent.parent)
+                return 1
             # Take every message waiting, then run the most urgent update; repeat.
             if not sock.poll(0 if core.ready else 500):
                 if not core.ready and time.monotonic() - last_hello > 2.0 and core.job is None:
@@ -253,6 +258,17 @@ def serve_member(store: str, index: int, pool: int, timeout_s: float = 60.0, rea
         sock.close(linger=500)
         ctx.term()
     return 0
+
+
+def _tell_ready(fd: int) -> bool:
+    """Tell the pool parent this member is up (it reports readiness for all); False if it is gone."""
+    try:
+        os.write(fd, b"1")
+        return True
+    except BrokenPipeError:
+        return False
+    finally:
+        os.close(fd)
 
 
 def main(argv: list[str] | None = None) -> int:

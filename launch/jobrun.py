@@ -225,13 +225,14 @@ class JobRun:
         for c in self.daemons:
             role = c.name.removeprefix("slidedp-")
             if role not in self._gone and not c.alive():
-                self._gone[role] = c.describe_exit()
+                self._gone[role] = _with_note(c.describe_exit(), daemonlock.exit_note(self.store, role))
         now = time.monotonic()
         if self.external and now >= self._next_lock_check:
             self._next_lock_check = now + 0.5
             for role, pid in self.external.items():
                 if role not in self._gone and not daemonlock.held(self.store, role):
-                    self._gone[role] = f"slidedp-{role} (pid {pid}, not started by this launcher) is gone"
+                    self._gone[role] = _with_note(f"slidedp-{role} (pid {pid}, not started by this launcher) is gone",
+                                                  daemonlock.exit_note(self.store, role))
         return next((self._gone[r] for r in roles if r in self._gone), None)
 
     def _call(self, kind: str, timeout_s: float, **args) -> dict:
@@ -420,6 +421,12 @@ class JobRun:
                 s.close(linger=0)
         children.stop(self.daemons)
         self.ctx.term()
+        daemonlock.remove_idle_run_dir(self.store)  # daemons that stopped together may each have left it to another
+
+
+def _with_note(exit_text: str, note: str) -> str:
+    """A daemon's exit and, where it left one, its own word on why (the updater pool names its member)."""
+    return f"{exit_text}: {note}" if note else exit_text
 
 
 def _write_atomic(path: Path, data: bytes) -> None:

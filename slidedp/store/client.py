@@ -51,7 +51,7 @@ def _serve_here(store: str, kind: str, args: dict[str, Any]) -> dict[str, Any]:
         finally:
             core.close()
     finally:
-        os.close(fd)
+        daemonlock.release(store, "hoststate", fd)  # no run dir left behind by a request served here
 
 
 def call(store: str, kind: str, timeout_s: float = 600.0, **args: Any) -> dict[str, Any]:
