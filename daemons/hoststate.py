@@ -31,6 +31,7 @@ from slidedp.sdnotify import Watchdog, notify
 from slidedp.store import checkpoint as ckpt
 from slidedp.store.layout import make_layout
 from slidedp.store.manifest import ManifestError
+from slidedp.store.resume import restore_unless_held
 from slidedp.store.rings import GradRings
 from slidedp.store.shm import list_store_segments
 from slidedp.store.store import HostStore, StoreError, fill_from_hf, fill_random
@@ -94,6 +95,8 @@ class HostStateCore:
         if self.store is not None:
             raise RequestError(f"store {self.name!r} already exists; destroy it first or attach to it")
         cfg, meta = model_from_source(args)
+        if not args.get("persist", True):  # made by a job for itself: whoever finds it left behind must know
+            meta.update(persist=False, creator=dict(args.get("creator") or {}))
         layout = make_layout(cfg, int(args.get("chunk_rows") or 0) or None)
         fill = fill_random(meta["init_seed"]) if args["source"] == "random" else fill_from_hf(args["path"])
         t0 = time.perf_counter()
@@ -196,7 +199,9 @@ class HostStateCore:
                 raise RequestError(f"checkpoint: extra file {f} does not exist")
         self._wait_writer()  # one checkpoint at a time
         step = store.manifest.committed_step
-        write = functools.partial(ckpt.write_checkpoint, store, args["dir"], step, args.get("extra") or {}, dtype,
+        # which store (and which creation of it) the state is of: a run directory's checkpoints say whose they are
+        extra = dict(args.get("extra") or {}, store=self.name, store_generation=store.manifest.generation)
+        write = functools.partial(ckpt.write_checkpoint, store, args["dir"], step, extra, dtype,
                                   int(args.get("keep", 3)), extra_files=extra_files)
         if not args.get("background"):
             t0 = time.perf_counter()
@@ -251,9 +256,16 @@ class HostStateCore:
         pid = store.manifest.attached_pid
         if pid and _alive(pid) and int(args.get("token", -1)) != store.manifest.attach_token:
             raise RequestError(f"restore refused: a job (pid {pid}) is attached to store {self.name!r}")
-        record = ckpt.restore_checkpoint(store, args["path"])
-        log.info("restored %s: store %s now at step %d", args["path"], self.name, record["step"])
-        return {"step": record["step"], "extra": record.get("extra", {})}
+        if args.get("unless_held"):  # a job's resume: verified always, restored unless the store holds it already
+            record, restored = restore_unless_held(store, args["path"])
+        else:
+            record, restored = ckpt.restore_checkpoint(store, args["path"]), True
+        if restored:
+            log.info("restored %s: store %s now at step %d", args["path"], self.name, record["step"])
+        else:
+            log.info("store %s already holds %s byte for byte (step %d)", self.name, args["path"], record["step"])
+        out = {"step": record["step"], "extra": record.get("extra", {})}
+        return dict(out, restored=restored) if args.get("unless_held") else out
 
     def do_destroy(self, args: dict[str, Any]) -> dict[str, Any]:
         store = self._need_store()

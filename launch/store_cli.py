@@ -13,6 +13,7 @@ import sys
 from slidedp.daemonlock import holder_pid
 from slidedp import daemonlock
 from slidedp.store.client import StoreRequestError, call, daemon_running
+from slidedp.store.ephemeral import left_behind
 from slidedp.store.shm import list_store_segments
 
 
@@ -44,6 +45,11 @@ def print_status(st: dict) -> None:
     print(f"  bytes/parameter {st['bytes_per_parameter']}")
     print(f"  committed step  {st['committed_step']}")
     print(f"  state           {'TORN: ' + st['torn'] if st.get('torn') else 'clean'}")
+    if not st.get("persist", True):
+        creator = st.get("creator") or {}
+        dead = left_behind(st)
+        print(f"  persist         no: made by job {creator.get('job', '?')!r} (launcher pid {creator.get('pid', '?')}) "
+              f"for itself; " + ("it is gone, so the next job with this store destroys it" if dead else "it still runs"))
     job = st.get("job") or {}
     print(f"  attached job    {('%s (launcher pid %d)' % (job.get('job'), st['attached_pid'])) if st.get('attached_pid') else 'none'}")
 

@@ -232,6 +232,7 @@ def run(args: argparse.Namespace) -> int:
                     param_group=group if args.param_route == "sharded" else None,
                     grad_group=group if args.grad_route == "reduce_scatter" else None)
     done_steps = args.start
+    stop_after: int | None = None  # the step after which the launcher asked every rank to stop
     tracer = Tracer(Path(args.job).parent, f"worker{rank}", job.run.traced)
     engine.set_tracer(tracer)
     link.tracer = tracer
@@ -286,11 +287,14 @@ def run(args: argparse.Namespace) -> int:
             hold = args.checkpoint_every and (step + 1) % args.checkpoint_every == 0 and step + 1 < args.end
             deadline = time.monotonic() + (job.runtime.timeout_s * 10 if hold else 0)
             while True:
+                if stop_after is not None and step >= stop_after:
+                    log.info("stopping after step %d as the launcher asked", step)
+                    return 0
                 msg = recv_dealer(job_sock, (Control,)) if job_sock.poll(0 if not hold else 100) else None
                 if isinstance(msg, Control):
-                    if msg.kind == CONTROL_STOP:
-                        log.info("stopping after step %d as the launcher asked", step)
-                        return 0
+                    if msg.kind == CONTROL_STOP:  # after step msg.step: every rank stops at the same step
+                        stop_after = msg.step
+                        continue
                     if msg.step == step:
                         break
                 if not hold:
