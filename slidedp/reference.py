@@ -19,9 +19,9 @@ import torch.nn.functional as F
 from slidedp.config import JobConfig, load_job, model_config
 from slidedp.data import Batches, open_batches
 from slidedp.model import layers
+from slidedp.model.dtypes import torch_dtype
 from slidedp.schedule import lr_at
 
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 @dataclass
@@ -110,7 +110,7 @@ def reference_main(argv: Sequence[str] | None = None) -> int:
     def report(step: int, loss: float, norm: float, lr: float) -> None:
         print(f"step {step + 1}/{total} loss {loss:.4f} grad_norm {norm:.3f} lr {lr:.3e}", flush=True)
 
-    train_reference(job, params, batches, steps=args.steps, dtype=_DTYPES[job.train.compute_dtype], on_step=report)
+    train_reference(job, params, batches, steps=args.steps, dtype=torch_dtype(job.train.compute_dtype), on_step=report)
     return 0
 
 

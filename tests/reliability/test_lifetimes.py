@@ -22,7 +22,7 @@ from slidedp.paths import resolve_run_dir
 
 from . import PY, unique_store, wait_gone
 
-MEMBER = "slidedp.daemons.updater_member"
+MEMBER = "slidedp.daemons.updater.member"
 
 
 def _wait_text(path: Path, pattern: str, proc: subprocess.Popen, timeout: float = 120.0) -> None:

@@ -130,7 +130,9 @@ def test_checkpoint_restore_into_new_store(tmp_path, dtype):
         assert not torch.equal(bits(s.tensor("master", "model.embed_tokens.weight")),
                                want["master"]["model.embed_tokens.weight"])
         s.close()
-        assert call(b, "restore", path=str(path)) == {"step": 7, "extra": {}}
+        restored = call(b, "restore", path=str(path))  # the checkpoint says whose state it is (store a's)
+        assert restored["step"] == 7 and restored["extra"].keys() == {"store", "store_generation"}
+        assert restored["extra"]["store"] == a and isinstance(restored["extra"]["store_generation"], int)
         s = attached(b)
         try:
             for kind in STATE_KINDS:
