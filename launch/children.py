@@ -9,7 +9,6 @@ out runtime.timeout_s for peers that are gone, and its job cannot finish anyway)
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import signal
@@ -19,19 +18,9 @@ import time
 from dataclasses import dataclass
 
 from slidedp import daemonlock
+from slidedp.lifetime import die_with_parent
 
 log = logging.getLogger("slidedp.launcher")
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent(sig: int, parent: int) -> None:
-    """In the child, before exec: get `sig` when the parent dies -- or now, if it died since the fork."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(sig))
-    except (OSError, AttributeError):
-        return
-    if os.getppid() != parent:  # the launcher died between fork and prctl: nobody would signal us
-        os.kill(os.getpid(), sig)
 
 
 @dataclass
@@ -56,7 +45,7 @@ def spawn(name: str, argv: list[str], env: dict[str, str] | None = None,
     """Start a child in its own session that receives `on_parent_death` when the launcher dies."""
     parent = os.getpid()
     proc = subprocess.Popen(argv, env=env, start_new_session=True, stdin=subprocess.DEVNULL,
-                            preexec_fn=lambda: _die_with_parent(on_parent_death, parent))
+                            preexec_fn=lambda: die_with_parent(on_parent_death, parent))
     return Child(name, proc)
 
 

@@ -18,6 +18,7 @@ from slidedp.config import ConfigError, load_job
 
 from .jobrun import run_job
 from .planning import plan_job
+from .preflight import cuda_problem
 from .progress import Progress
 
 
@@ -67,22 +68,36 @@ def print_plan(job) -> int:
     return 0
 
 
+def _asked_for_cuda(args: argparse.Namespace) -> str:
+    if args.gpus:
+        return f"--gpus {args.gpus}"
+    if args.device == "cuda":
+        return "--device cuda"
+    return f'runtime.device = "cuda" in {args.job}'
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     slog.setup("launcher")
     try:
         job = load_job(args.job, overrides(args))
     except ConfigError as e:
-        if args.dry_run:
-            print(f"job        {args.job}\n{'':<11}PROBLEM: {e}\ndry run: 1 problem(s) a run would hit; nothing was "
-                  f"started or created")
+        if args.dry_run:  # every problem of the job file, each on its line
+            lines = "".join(f"{'':<11}PROBLEM: {p}\n" for p in e.problems)
+            print(f"job        {args.job}\n{lines}dry run: {len(e.problems)} problem(s) a run would hit; nothing "
+                  f"was started or created")
             return 1
-        print(f"slidedp-launch: error: {e}", file=sys.stderr)
+        for p in e.problems:
+            print(f"slidedp-launch: error: {p}", file=sys.stderr)
         return 2
     if args.dry_run:
         from .dryrun import dry_run
 
         return dry_run(job, Path(args.job))
+    problem = cuda_problem(job, _asked_for_cuda(args))  # before any store, daemon or plan
+    if problem:
+        print(f"slidedp-launch: error: {problem}", file=sys.stderr)
+        return 1
     if args.plan:
         return print_plan(job)
     progress = Progress(job.store_name, job.train.global_batch * job.train.seq_len, log_every=job.run.log_every)

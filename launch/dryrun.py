@@ -24,8 +24,10 @@ from slidedp import daemonlock, paths
 from slidedp.config import JobConfig, model_config
 from slidedp.model.config import ModelConfig
 from slidedp.store import checkpoint as ckpt
+from slidedp.store.ephemeral import left_behind
 from slidedp.store.layout import Layout, make_layout
 from slidedp.store.manifest import Manifest
+from slidedp.store.mismatch import describe_layouts
 from slidedp.store.rings import rings_bytes
 from slidedp.store.shm import SHM_DIR, list_store_segments, segment_name, shm_free_bytes
 from slidedp.store.store import segment_sizes
@@ -75,6 +77,7 @@ class DryRun:
     layout: Layout | None = None
     start: int = 0
     torn: str | None = None  # why the existing store cannot be trained from as it is
+    store_status: dict = field(default_factory=dict)  # the existing store as a run would find it (exists, ...)
 
     _topic: str = ""  # the topic whose lines are being printed
 
@@ -109,8 +112,6 @@ class DryRun:
         why = writable_dir(job.run_dir)
         if why:
             self.problem("job", f"{why}; set run.dir to a writable directory")
-        elif (job.run_dir / "metrics.jsonl").exists():
-            self.say("", f"{job.run_dir / 'metrics.jsonl'} exists: this run appends to it")
 
     def model(self) -> None:
         m = self.job.model
@@ -155,6 +156,8 @@ class DryRun:
                                                              job.store.grad_slots)
         grads, reduce = rings_bytes(layout, world, slots, reduce_slots, full, shard_slots=scattered)
         segments = dict(list_store_segments().get(name, []))
+        if segments and self._left_behind(name, segments):
+            segments = {}  # the run destroys it first: what it needs is a new store's space
         if segments:
             need = grads + reduce
             try:
@@ -180,6 +183,23 @@ class DryRun:
         elif need > avail:
             self.problem("store", f"needs {_size(need)} of memory but the host has only {_size(avail)} available")
 
+    def _left_behind(self, name: str, segments: dict[str, int]) -> bool:
+        """A store that a dead job made for itself (store.persist = false): a run destroys it, never adopts it."""
+        if "manifest" not in segments:
+            return False
+        try:
+            m = Manifest.open(segment_name(name, "manifest"))
+        except _BAD_INPUT:
+            return False
+        try:
+            dead = left_behind({"exists": True, "persist": m.meta.get("persist", True), "creator": m.meta.get("creator")})
+        finally:
+            m.close()
+        if dead:
+            self.say("store", f"store {name!r} was left behind by {dead}, which made it with store.persist = false "
+                              f"and is gone: a run would destroy it and create it anew")
+        return dead is not None
+
     def _existing_store(self, name: str, segments: dict[str, int]) -> None:
         if "manifest" not in segments:
             raise RuntimeError(f"store {name!r} exists without a manifest segment (incomplete); "
@@ -191,17 +211,21 @@ class DryRun:
             if held.hash() != mine.hash():
                 raise RuntimeError(
                     f"store {name!r} holds another model ({m.meta.get('source', '?')}, {held.model.family}, "
-                    f"{held.num_parameters:,} parameters) than this job ({mine.model.family}, {mine.num_parameters:,}); "
-                    f"set store.name to another store, or destroy it with `slidedp-store destroy {name}`")
+                    f"{held.num_parameters:,} parameters) than this job ({mine.model.family}, {mine.num_parameters:,}): "
+                    f"{describe_layouts(held, mine)}; set store.name to another store, or destroy it with `slidedp-store destroy {name}`")
             self.start = m.committed_step
+            self.store_status = {"exists": True, "generation": m.generation, "committed_step": m.committed_step,
+                                 "attached_pid": m.attached_pid if _alive(m.attached_pid) else 0}
             self.say("store", f"store {name!r} exists ({_size(sum(segments.values()))}, same model), "
                               f"committed step {m.committed_step}")
             pid = m.attached_pid
             if pid and _alive(pid):
                 job = m.job().get("job", "?")
+                # a running job's store is mid-step (chunk versions mixed, layers leased), not torn: say it is in use
                 self.problem("store", f"store {name!r} has a job attached: {job!r} (launcher pid {pid}); wait for it to "
                                       f"finish or stop it")
-            elif pid:
+                return
+            if pid:
                 self.say("", f"a job of pid {pid} left without detaching; its attachment would be cleared")
             torn = self.torn = m.torn_reason(allow_leased=False)
             if torn and not self.job.checkpoint.resume:
@@ -243,6 +267,19 @@ class DryRun:
             self.start = int(record["step"])
             self.say("resume", f"{path}: step {self.start}, files verified; would restore it into the store")
             self._data_position(record)
+
+    def history(self) -> None:
+        """What the run directory holds of another run, as the launcher decides it (launch/rundir.py)."""
+        from .rundir import RunDirInUse, to_replace
+
+        with self.check("job"):
+            try:
+                past = to_replace(self.job, self.store_status)
+            except RunDirInUse as e:
+                raise RuntimeError(str(e)) from None
+            if past is not None:
+                self.say("job", f"run.overwrite = true: would remove the previous run from {self.job.run_dir} "
+                                f"({past.describe()})")
 
     def _data_position(self, record: dict) -> None:
         state = (record.get("extra") or {}).get("data")
@@ -348,6 +385,7 @@ class DryRun:
         self.data()
         self.store()
         self.resume()
+        self.history()
         self.steps()
         self.checkpoints()
         self.daemons()

@@ -29,12 +29,18 @@ from slidedp.protocol import (CONTROL_CONTINUE, CONTROL_STOP, ROLE_LAUNCHER, Ack
 from slidedp.schedule import lr_at
 from slidedp.stepplan import PLAN_FILE
 from slidedp.store import checkpoint as ckpt
-from slidedp.store.client import StoreRequestError, call
+from slidedp.store.client import StoreRequestError, call, daemon_running
+from slidedp.store.ephemeral import creator_record, left_behind
 from slidedp.store.layout import make_layout
+from slidedp.store.mismatch import describe as describe_mismatch
 from slidedp.transport import bind_router, connect_dealer, identity, recv_dealer, recv_router, send
 
 from . import children
 from .planning import plan_job, record_training
+from .preflight import cuda_probe
+from .rundir import RunDirInUse, check_run_dir, write_run_record
+from .schedule_note import schedule_note
+from .summary import summary
 from .progress import Progress
 from .steps import StepLedger
 
@@ -56,9 +62,7 @@ class JobFailed(RuntimeError):
 
 def cuda_device_count() -> int:
     """GPUs visible to the workers, asked of a subprocess so the launcher holds no CUDA context."""
-    out = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.device_count())"],
-                         capture_output=True, text=True, timeout=120)
-    return int(out.stdout.strip() or 0) if out.returncode == 0 else 0
+    return cuda_probe()[0]
 
 
 def model_source(job: JobConfig) -> dict:
@@ -81,6 +85,8 @@ class JobRun:
         self.attached_token: int | None = None
         self.job_started = False
         self.stop_requested = 0
+        self.stop_signal = 0  # the first signal that asked the job to stop
+        self.last_checkpoint: Path | None = None  # the newest one this job wrote
         self.ctx = zmq.Context()
         self.agg: zmq.Socket | None = None
         self.job_sock: zmq.Socket | None = None
@@ -98,16 +104,10 @@ class JobRun:
     def prepare(self) -> tuple[int, int]:
         job = self.job
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        _write_atomic(self.run_dir / "job.resolved.toml", job_to_toml(job).encode())
         cfg = model_config(job)
         self.layout = make_layout(cfg)
         t0 = time.perf_counter()
         self.batches = open_batches(job, cfg.vocab_size)
-        self.tokens_path = self.run_dir / "tokens.npy"
-        if job.data.format == "npy":
-            self.tokens_path = Path(job.data.path)
-        else:
-            _save_npy_atomic(self.tokens_path, np.asarray(self.batches.stream.tokens))
         log.info("data: %s, %d tokens, %d sequences of %d (%.2f s)", job.data.path, len(self.batches.stream),
                  self.batches.num_sequences, job.train.seq_len, time.perf_counter() - t0)
         self.daemons = children.ensure_daemons(self.store, job.runtime.updaters, job.runtime.updater_threads, self.timeout,
@@ -115,21 +115,46 @@ class JobRun:
         started = {c.name.removeprefix("slidedp-") for c in self.daemons}
         self.external = {r: daemonlock.holder_pid(self.store, r) for r in daemonlock.ROLES if r not in started}
         status = self._call("status", self.timeout)
+        previous_train = status.get("last_train")  # before this job's attach replaces it
+        dead_owner = left_behind(status)
+        if dead_owner:
+            log.warning("store %s was left behind by %s, which is gone: it created the store with store.persist = "
+                        "false and should have destroyed it at its end. Destroying it and creating the store anew "
+                        "rather than training on from its state (checkpoint.resume = \"latest\" restores the newest "
+                        "checkpoint into the new store; store.persist = true keeps a store between jobs)",
+                        self.store, dead_owner)
+            self._call("destroy", self.timeout)
+            status = self._call("status", self.timeout)
+        if status.get("exists") and status["layout_hash"] != self.layout.hash():
+            raise JobFailed(
+                f"store {self.store!r} holds another model ({status['model']}, {status['parameters']:,} parameters) "
+                f"than this job ({job.model.source}:{job.model.shape or job.model.path}): "
+                f"{describe_mismatch(status.get('model_config') or {}, status.get('chunk_rows'), status['layout_hash'], self.layout)}; "
+                f"set store.name to another store, or destroy it with `slidedp-store destroy {self.store}`"
+            )
+        try:
+            cleared = check_run_dir(job, status)  # before anything is created, restored or written
+        except RunDirInUse as e:
+            raise JobFailed(str(e)) from None
+        if cleared:
+            log.warning("%s", cleared)
+        _write_atomic(self.run_dir / "job.resolved.toml", job_to_toml(job).encode())
+        self.tokens_path = self.run_dir / "tokens.npy"
+        if job.data.format == "npy":
+            self.tokens_path = Path(job.data.path)
+        else:
+            _save_npy_atomic(self.tokens_path, np.asarray(self.batches.stream.tokens))
         if not status.get("exists"):
             log.info("creating store %s from %s", self.store, model_source(job))
             t0 = time.perf_counter()
-            st = self._call("create", max(self.timeout, 3600), shadow_bf16=job.store.shadow_bf16, **model_source(job))
+            st = self._call("create", max(self.timeout, 3600), shadow_bf16=job.store.shadow_bf16,
+                            persist=job.store.persist, creator=creator_record(job.run.name), **model_source(job))
             self.created_store = True
             log.info("store %s created: %.3f B parameters, %.2f bytes/parameter, in %.2f s", self.store,
                      st["parameters"] / 1e9, st["bytes_per_parameter"], time.perf_counter() - t0)
             status = st
-        elif status["layout_hash"] != self.layout.hash():
-            raise JobFailed(
-                f"store {self.store!r} holds another model ({status['model']}, {status['parameters']:,} parameters) "
-                f"than this job ({job.model.source}:{job.model.shape or job.model.path}); "
-                f"set store.name to another store, or destroy it with `slidedp-store destroy {self.store}`"
-            )
         self._maybe_resume(status)
+        write_run_record(job, status)
         self.plan = plan_job(job)
         if self.plan.plan is not None:
             log.info("plan: %s", self.plan.plan.describe().replace("\n", "\n    "))
@@ -149,6 +174,9 @@ class JobRun:
                    reduce_slots=record.reduce_slots, shard_slots=record.grad_route == "reduce_scatter",
                    hyper=job_to_dict(job)["train"])
         self.attached_token = att["token"]
+        note = schedule_note(previous_train, job.train, att["committed_step"])
+        if note:
+            log.info("%s", note)
         self.agg = connect_dealer(self.ctx, self.store, "agg", identity("launcher", 0))
         send(self.agg, Hello(ROLE_LAUNCHER, 0, 1, os.getpid()))
         send(self.agg, JobStart(0, record.to_json()))
@@ -182,11 +210,16 @@ class JobRun:
                 self.batches.check_state(int(record["step"]), data)
             except DataError as e:
                 raise JobFailed(f"cannot resume from {path}: {e}") from None
-        if not status.get("torn") and record["step"] == status["committed_step"] and not self.created_store:
-            log.info("store already at the checkpoint's step %d; nothing to restore", record["step"])
-            return
-        out = self._call("restore", max(self.timeout, 3600), path=str(path))
-        log.info("resumed from %s (step %d)", path, out["step"])
+        # Verified (every file's sha256) and restored, unless the store holds it already to the bit: never
+        # skipped because the steps agree (a corrupt checkpoint, or another run's at the same step).
+        try:
+            out = self._call("restore", max(self.timeout, 3600), path=str(path), unless_held=True)
+        except StoreRequestError as e:
+            raise JobFailed(f"checkpoint.resume: {e}") from None
+        if out.get("restored", True):
+            log.info("resumed from %s (step %d)", path, out["step"])
+        else:
+            log.info("resume: the store already holds %s byte for byte (step %d); nothing to restore", path, out["step"])
 
     def _latest_checkpoint(self) -> Path | None:
         """The newest checkpoint whose files all verify; each one skipped is logged with the reason."""
@@ -220,13 +253,14 @@ class JobRun:
         for c in self.daemons:
             role = c.name.removeprefix("slidedp-")
             if role not in self._gone and not c.alive():
-                self._gone[role] = c.describe_exit()
+                self._gone[role] = _with_note(c.describe_exit(), daemonlock.exit_note(self.store, role))
         now = time.monotonic()
         if self.external and now >= self._next_lock_check:
             self._next_lock_check = now + 0.5
             for role, pid in self.external.items():
                 if role not in self._gone and not daemonlock.held(self.store, role):
-                    self._gone[role] = f"slidedp-{role} (pid {pid}, not started by this launcher) is gone"
+                    self._gone[role] = _with_note(f"slidedp-{role} (pid {pid}, not started by this launcher) is gone",
+                                                  daemonlock.exit_note(self.store, role))
         return next((self._gone[r] for r in roles if r in self._gone), None)
 
     def _call(self, kind: str, timeout_s: float, **args) -> dict:
@@ -274,38 +308,58 @@ class JobRun:
         stop_at: int | None = None
         last_activity = time.monotonic()
         while ledger.committed < (stop_at if stop_at is not None else end):
-            committed = ledger.committed
             if self.stop_requested and stop_at is None:
-                stop_at = committed + 1  # the step in flight finishes; committed < end inside the loop
-                log.info("stop requested: finishing step %d, then stopping", stop_at - 1)
-                for r in range(self.world):
-                    self._control(r, CONTROL_STOP, stop_at - 1)
+                # first take all that was sent: a rank may be one step past the count so far
+                self._take_messages(ledger)
+                self._report_completed(ledger, progress)
+                stop_at = self._tell_stop(ledger.committed, end) + 1
             if self.stop_requested > 1:
                 raise JobFailed("stopped by a second interrupt; the store may be torn (restore a checkpoint)")
-            events = dict(poller.poll(200))
-            if self.agg in events:
-                while self.agg.poll(0):
-                    msg = recv_dealer(self.agg)
-                    if isinstance(msg, Fault):
-                        raise JobFailed(f"{'updater' if msg.role == 2 else 'rank'} {msg.rank} failed: {msg.text}")
-                    if ledger.on_message(msg):
-                        last_activity = time.monotonic()
-            if self.job_sock in events:
-                while self.job_sock.poll(0):
-                    item = recv_router(self.job_sock)
-                    if item:
-                        ledger.on_message(item[1])
-            while (done := ledger.complete(self._workers_gone())) is not None:
-                progress.step(done.step, done.done, done.stats, lr_at(self.job.train, done.step))
-                if done.checkpoint:
-                    self.checkpoint(ledger.committed, background=True)
-                    for r in range(self.world):
-                        self._control(r, CONTROL_CONTINUE, done.step)
+            if poller.poll(200) and self._take_messages(ledger):
+                last_activity = time.monotonic()
+            self._report_completed(ledger, progress)
             committed = ledger.committed
             self._check_children(committed)
             if time.monotonic() - last_activity > self.timeout * 3 and not any(w.alive() for w in self.workers):
                 raise JobFailed(f"the workers exited but step {committed} was never committed")
         return ledger.committed
+
+    def _take_messages(self, ledger: StepLedger) -> bool:
+        """Everything the aggregator and the workers have sent so far; True if a step was committed."""
+        assert self.agg is not None and self.job_sock is not None
+        progressed = False
+        while self.agg.poll(0):
+            msg = recv_dealer(self.agg)
+            if isinstance(msg, Fault):
+                raise JobFailed(f"{'updater' if msg.role == 2 else 'rank'} {msg.rank} failed: {msg.text}")
+            progressed |= ledger.on_message(msg)
+        while self.job_sock.poll(0):
+            item = recv_router(self.job_sock)
+            if item:
+                ledger.on_message(item[1])
+        return progressed
+
+    def _report_completed(self, ledger: StepLedger, progress: Progress) -> None:
+        """Report every completed step, in order; start the checkpoints due after them."""
+        while (done := ledger.complete(self._workers_gone())) is not None:
+            progress.step(done.step, done.done, done.stats, lr_at(self.job.train, done.step))
+            if done.checkpoint:
+                self.checkpoint(ledger.committed, background=True)
+                for r in range(self.world):
+                    self._control(r, CONTROL_CONTINUE, done.step)
+
+    def _tell_stop(self, committed: int, end: int) -> int:
+        """The last step of a job asked to stop, told to every worker: one that no rank has started past.
+
+        A rank may be one step ahead of the launcher's count (its forward of step s needs step s-2
+        committed, whose StepDone the launcher has taken once it took all that was sent): so every
+        rank can finish step committed + 1 and stop there, together (stopping after `committed`
+        would leave a rank already in the next step waiting for the others' loss)."""
+        last = min(end - 1, committed + 1)
+        log.info("stop requested: finishing step %d, then stopping", last)
+        for r in range(self.world):
+            self._control(r, CONTROL_STOP, last)
+        return last
 
     def wait_workers(self) -> None:
         """Workers write device-held state back as they finish: wait for them before the last checkpoint."""
@@ -352,7 +406,8 @@ class JobRun:
             log.info("checkpoint of step %d started; training goes on while it is written", out["step"])
             return None
         log.info("checkpoint of step %d written to %s in %.2f s", out["step"], out["path"], time.perf_counter() - t0)
-        return Path(out["path"])
+        self.last_checkpoint = Path(out["path"])
+        return self.last_checkpoint
 
     def finish_checkpoints(self) -> None:
         """Wait for a checkpoint still being written in the background; its failure fails the job."""
@@ -362,6 +417,7 @@ class JobRun:
         out = self._call("checkpoint_wait", max(self.timeout, 3600))
         if "path" in out:
             log.info("checkpoint of step %d is complete: %s", out["step"], out["path"])
+            self.last_checkpoint = Path(out["path"])
 
     def teardown(self, failed: bool) -> None:
         children.stop(self.workers, timeout_s=5 if failed else 30)
@@ -391,6 +447,12 @@ class JobRun:
                 s.close(linger=0)
         children.stop(self.daemons)
         self.ctx.term()
+        daemonlock.remove_idle_run_dir(self.store)  # daemons that stopped together may each have left it to another
+
+
+def _with_note(exit_text: str, note: str) -> str:
+    """A daemon's exit and, where it left one, its own word on why (the updater pool names its member)."""
+    return f"{exit_text}: {note}" if note else exit_text
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
@@ -411,15 +473,17 @@ def run_job(job: JobConfig, job_path: Path, progress: Progress) -> int:
 
     def on_signal(signum, frame):
         run.stop_requested += 1
+        run.stop_signal = run.stop_signal or signum
         if run.stop_requested > 1:
             log.warning("second interrupt: stopping now")
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     failed = True
+    t0 = time.perf_counter()
     try:
-        t0 = time.perf_counter()
         start, end = run.prepare()
+        committed = start
         log.info("ready in %.2f s: store %s at step %d; training steps %d..%d on %d %s worker(s)",
                  time.perf_counter() - t0, run.store, start, start, end - 1, run.world, job.runtime.device)
         progress.predicted_step_s = run.plan.step.predicted_step_s
@@ -439,6 +503,10 @@ def run_job(job: JobConfig, job_path: Path, progress: Progress) -> int:
             # last: what the run teaches the planner matters less than the job's state
             record_training(run.plan, progress.update_busy_s, progress.gpu_side_s, reduce_busy_s=progress.reduce_busy_s)
         failed = False
+        if run.stop_signal:  # stopped cleanly, but not finished: a script must not take it for done
+            log.warning("stopped by %s before train.steps = %d%s; exit status %d", signal.Signals(run.stop_signal).name,
+                        end, f" (checkpoint {run.last_checkpoint})" if run.last_checkpoint else "", 128 + run.stop_signal)
+            return 128 + run.stop_signal
         return 0
     except (JobFailed, StoreRequestError, TimeoutError, RuntimeError, OSError, ValueError) as e:
         log.error("job failed: %s", e)
@@ -446,3 +514,7 @@ def run_job(job: JobConfig, job_path: Path, progress: Progress) -> int:
     finally:
         progress.end()
         run.teardown(failed)
+        text = summary(progress.records, time.perf_counter() - t0, run.last_checkpoint,
+                       "stopped early" if run.stop_signal else "failed" if failed else "")
+        if text:
+            print(text, file=progress.stream, flush=True)

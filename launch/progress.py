@@ -1,6 +1,7 @@
 """What the user sees while a job runs: a progress line per step, and metrics.jsonl in the run dir.
 
-On a terminal, one progress bar redrawn in place; anywhere else (journald, CI, a pipe) plain
+On a terminal, one tqdm progress bar redrawn in place, with the job's log lines written above
+it (logging_redirect_tqdm) so that none breaks it; anywhere else (journald, CI, a pipe) plain
 `key=value` lines that grep and awk read. Every committed step appends one JSON object to
 <run dir>/metrics.jsonl; METRICS below is its schema, the one place that says what each key
 holds (a test checks every line of a real run against it).
@@ -8,10 +9,10 @@ holds (a test checks every line of a real run against it).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
-import shutil
 import sys
 import time
 from dataclasses import dataclass, fields
@@ -19,6 +20,8 @@ from pathlib import Path
 from typing import Any, TextIO
 
 import psutil
+from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 from slidedp.protocol import StepDone, WorkerStats
 from slidedp.store.shm import list_store_segments
@@ -184,12 +187,18 @@ class Progress:
         self.update_busy_s: list[float] = []  # per committed step: the updaters' summed AdamW time
         self.reduce_busy_s: list[float] = []  # per committed step: the aggregator's time summing gradients
         self.gpu_side_s: list[float] = []  # per committed step: the slowest rank's step less its waits for the host
-        self._bar_drawn = False
+        self.records: list[dict[str, Any]] = []  # this run's metrics records, for the summary at the end
+        self._bar: tqdm | None = None
+        self._redirect = contextlib.ExitStack()
 
     def begin(self, start: int, end: int, run_dir: Path) -> None:
         self.start, self.end_step, self.run_dir = start, end, run_dir
         self.metrics = open(run_dir / "metrics.jsonl", "a")
         self.t_last = time.perf_counter()
+        if self.tty and end > start:
+            self._bar = tqdm(total=end, initial=start, file=self.stream, dynamic_ncols=True, leave=True,
+                             bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt}{postfix}", desc="steps")
+            self._redirect.enter_context(logging_redirect_tqdm())  # log lines above the bar, never through it
 
     def eta_s(self, step: int) -> float:
         """Seconds left at the mean of the last ten step times (the first, which holds start-up, once others exist)."""
@@ -219,10 +228,11 @@ class Progress:
         if self.metrics is not None:
             self.metrics.write(json.dumps(record) + "\n")
             self.metrics.flush()
+        self.records.append(record)
         eta = self.eta_s(step)
         last = step + 1 >= self.end_step
-        if self.tty:
-            self._draw(step, record, eta, last)
+        if self._bar is not None:
+            self._draw(step, record, eta)
         elif done.skipped or last or (step + 1 - self.start) % self.log_every == 0:
             self._line(step, record, eta)
 
@@ -235,26 +245,20 @@ class Progress:
               f"step_s={r['step_s']:.3f} eta_s={eta:.1f}" + (" skipped=1" if r["skipped"] else ""),
               file=self.stream, flush=True)
 
-    def _draw(self, step: int, r: dict[str, Any], eta: float, last: bool) -> None:
-        done_n, total = step + 1, max(1, self.end_step)
+    def _draw(self, step: int, r: dict[str, Any], eta: float) -> None:
+        assert self._bar is not None
+        if r["skipped"]:  # a permanent line above the bar
+            self._bar.write(f"step {step + 1} skipped: a non-finite loss or gradient norm", file=self.stream)
         loss = "nan" if r["loss"] is None else f"{r['loss']:.4f}"
-        text = (f" {done_n}/{total} loss {loss} {_rate(r['tokens_per_s'])} tok/s "
-                f"{r['step_s']:.2f} s/step ETA {_clock(eta)}")
-        width = shutil.get_terminal_size((100, 24)).columns
-        bar_w = max(10, min(40, width - len(text) - 3))
-        fill = bar_w * done_n // total
-        line = f"[{'#' * fill}{'.' * (bar_w - fill)}]{text}"[:max(20, width - 1)]
-        if r["skipped"]:  # a permanent line, then the bar again below it
-            self.stream.write(f"\r\x1b[Kstep {done_n} skipped: a non-finite loss or gradient norm\n")
-        self.stream.write(f"\r\x1b[K{line}" + ("\n" if last else ""))
-        self.stream.flush()
-        self._bar_drawn = not last
+        self._bar.set_postfix_str(f"loss {loss} {_rate(r['tokens_per_s'])} tok/s {r['step_s']:.2f} s/step "
+                                  f"ETA {_clock(eta)}", refresh=False)
+        self._bar.update(step + 1 - self._bar.n)
 
     def end(self) -> None:
-        if self._bar_drawn:  # leave the cursor on a fresh line for what follows
-            self.stream.write("\n")
-            self.stream.flush()
-            self._bar_drawn = False
+        if self._bar is not None:  # the bar stays as the last line; what follows starts below it
+            self._bar.close()
+            self._bar = None
+        self._redirect.close()
         if self.metrics is not None:
             self.metrics.close()
             self.metrics = None

@@ -13,6 +13,7 @@ import sys
 from slidedp.daemonlock import holder_pid
 from slidedp import daemonlock
 from slidedp.store.client import StoreRequestError, call, daemon_running
+from slidedp.store.ephemeral import left_behind
 from slidedp.store.shm import list_store_segments
 
 
@@ -44,6 +45,11 @@ def print_status(st: dict) -> None:
     print(f"  bytes/parameter {st['bytes_per_parameter']}")
     print(f"  committed step  {st['committed_step']}")
     print(f"  state           {'TORN: ' + st['torn'] if st.get('torn') else 'clean'}")
+    if not st.get("persist", True):
+        creator = st.get("creator") or {}
+        dead = left_behind(st)
+        print(f"  persist         no: made by job {creator.get('job', '?')!r} (launcher pid {creator.get('pid', '?')}) "
+              f"for itself; " + ("it is gone, so the next job with this store destroys it" if dead else "it still runs"))
     job = st.get("job") or {}
     print(f"  attached job    {('%s (launcher pid %d)' % (job.get('job'), st['attached_pid'])) if st.get('attached_pid') else 'none'}")
 
@@ -95,6 +101,10 @@ def main(argv: list[str] | None = None) -> int:
             st = call(args.store, "status")
             st["daemon"] = daemon_running(args.store)
             print(json.dumps(st, indent=1) if args.json else "", end="\n" if args.json else "")
+            if not st.get("exists", True):  # a script's `status NAME || create` must see it
+                print(f"slidedp-store: error: store {args.store!r} does not exist (`slidedp-store list` shows the "
+                      f"stores; `slidedp-store create {args.store} --model ...` makes it)", file=sys.stderr)
+                return 1
             if not args.json:
                 print_status(st)
         elif args.cmd == "checkpoint":

@@ -3,4 +3,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec .venv/bin/slidedp-launch examples/tiny.toml "$@"
+exec .venv/bin/slidedp-launch examples/tiny.toml --set run.overwrite=true "$@"  # re-runnable: replaces runs/tiny

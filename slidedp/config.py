@@ -24,7 +24,11 @@ if TYPE_CHECKING:
 
 
 class ConfigError(ValueError):
-    pass
+    """A bad job file. `problems` holds every one found (a job file is checked whole, not to its first error)."""
+
+    def __init__(self, message: str = "", problems: Sequence[str] = ()) -> None:
+        self.problems = list(problems) or [message]
+        super().__init__("\n".join(self.problems))
 
 
 _TYPE_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "true or false"}
@@ -37,6 +41,7 @@ class _Section:
     _paths: ClassVar[tuple[str, ...]] = ()
 
     def __post_init__(self) -> None:
+        problems: list[str] = []
         for f in dataclasses.fields(self):  # type: ignore[arg-type]
             want = _FIELD_TYPES[f.type] if isinstance(f.type, str) else f.type
             value = getattr(self, f.name)
@@ -46,10 +51,22 @@ class _Section:
                 object.__setattr__(self, f.name, float(value))
                 ok = True
             if not ok:
-                raise ConfigError(
+                problems.append(
                     f"{self._key(f.name)} must be {_TYPE_NAMES[want]}, got {_show(value)} ({type(value).__name__})"
                 )
-        self.validate()
+        if not problems:  # values of the wrong type cannot be range-checked
+            object.__setattr__(self, "_problems", problems)  # _range and _choice add to it and go on
+            try:
+                self.validate()
+            except ConfigError as e:
+                problems.extend(e.problems)
+            except (TypeError, ValueError, ArithmeticError):
+                if not problems:
+                    raise
+                # a consequence of a value already reported (e.g. a zero divisor)
+            object.__delattr__(self, "_problems")
+        if problems:
+            raise ConfigError(problems=problems)
 
     def validate(self) -> None:
         pass
@@ -57,10 +74,17 @@ class _Section:
     def _key(self, name: str) -> str:
         return f"{self._name}.{name}"
 
+    def _report(self, message: str) -> None:
+        """A problem of one key: noted while the section checks the rest of its keys."""
+        found = self.__dict__.get("_problems")
+        if found is None:
+            raise ConfigError(message)
+        found.append(message)
+
     def _choice(self, name: str, allowed: Sequence[str]) -> None:
         value = getattr(self, name)
         if value not in allowed:
-            raise ConfigError(f"{self._key(name)} must be one of {', '.join(map(repr, allowed))}; got {value!r}")
+            self._report(f"{self._key(name)} must be one of {', '.join(map(repr, allowed))}; got {value!r}")
 
     def _range(self, name: str, lo: float | None = None, hi: float | None = None,
                lo_open: bool = False, hi_open: bool = False) -> None:
@@ -73,7 +97,7 @@ class _Section:
                 allowed = f"{'>' if lo_open else '>='} {lo}"
             else:
                 allowed = f"in {'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}"
-            raise ConfigError(f"{self._key(name)} must be {allowed}; got {_show(value)}")
+            self._report(f"{self._key(name)} must be {allowed}; got {_show(value)}")
 
     def _existing(self, name: str, what: str) -> Path:
         path = Path(getattr(self, name))
@@ -160,6 +184,8 @@ class TrainSection(_Section):
     min_lr_ratio: float = 0.1
     warmup_steps: int = 0
     schedule: str = "cosine"
+    schedule_start: int = 0  # the step the LR schedule (warmup, decay) starts at: a new schedule on a trained store
+    schedule_steps: int = 0  # the step it ends at (0 = train.steps): an old train.steps continues the old schedule
     weight_decay: float = 0.0
     beta1: float = 0.9
     beta2: float = 0.95
@@ -176,6 +202,12 @@ class TrainSection(_Section):
         self._range("min_lr_ratio", 0, 1)
         self._range("warmup_steps", 0)
         self._choice("schedule", ("cosine", "constant", "linear"))
+        self._range("schedule_start", 0)
+        self._range("schedule_steps", 0)
+        end = self.schedule_steps or self.steps
+        if not self.__dict__.get("_problems") and self.schedule_start >= end:  # only from keys that are valid
+            self._report(f"train.schedule_start ({self.schedule_start}) must be below the schedule's end "
+                         f"(train.schedule_steps, else train.steps: {end})")
         self._range("weight_decay", 0)
         self._range("beta1", 0, 1, hi_open=True)
         self._range("beta2", 0, 1, hi_open=True)
@@ -184,7 +216,7 @@ class TrainSection(_Section):
         self._range("seed", 0)
         self._choice("compute_dtype", ("bf16", "fp32"))
         self._choice("compile", ("auto", "on", "off"))
-        if self.global_batch % self.micro_batch:
+        if not self.__dict__.get("_problems") and self.global_batch % self.micro_batch:
             raise ConfigError(
                 f"train.micro_batch ({self.micro_batch}) must divide train.global_batch ({self.global_batch})"
             )
@@ -255,6 +287,7 @@ class RunSection(_Section):
     dir: str = ""  # "" = runs/<name> under the current directory
     log_every: int = 1
     trace_steps: str = ""  # steps to record in trace.json, e.g. "5" or "5,6" ("" = none)
+    overwrite: bool = False  # a run dir holding another run: replace it (else the job is refused; launch/rundir.py)
 
     def validate(self) -> None:
         self._range("log_every", 1)
@@ -367,12 +400,19 @@ def load_job(path: str | Path, overrides: Sequence[str] = ()) -> JobConfig:
         d = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: malformed TOML: {e}") from None
+    problems: list[str] = []
     for item in overrides:
-        _apply_override(d, item)
+        try:
+            _apply_override(d, item)
+        except ConfigError as e:
+            problems.extend(e.problems)
     try:
-        return job_from_dict(d, path.resolve().parent, path.stem)
+        job = job_from_dict(d, path.resolve().parent, path.stem)
     except ConfigError as e:
-        raise ConfigError(f"{path}: {e}") from None
+        problems.extend(f"{path}: {p}" for p in e.problems)
+    if problems:
+        raise ConfigError(problems=problems)
+    return job
 
 
 def _apply_override(d: dict[str, Any], item: str) -> None:
@@ -397,22 +437,25 @@ def _apply_override(d: dict[str, Any], item: str) -> None:
 
 def job_from_dict(d: dict[str, Any], base_dir: Path, name_hint: str) -> JobConfig:
     """Build a JobConfig from parsed TOML; relative paths resolve against `base_dir`."""
+    problems: list[str] = []  # every one, not the first: a job file is fixed in one go
     for name, table in d.items():
         if name not in SECTIONS:
             what = f"section [{name}]" if isinstance(table, dict) else f"top-level key {name!r}"
-            raise ConfigError(f"unknown {what}; allowed sections: {', '.join(SECTIONS)}")
-        if not isinstance(table, dict):
-            raise ConfigError(f"[{name}] must be a section (a table), got {_show(table)}")
+            problems.append(f"unknown {what}; allowed sections: {', '.join(SECTIONS)}")
+        elif not isinstance(table, dict):
+            problems.append(f"[{name}] must be a section (a table), got {_show(table)}")
     sections: dict[str, _Section] = {}
     for name, cls in SECTIONS.items():
-        values = dict(d.get(name, {}))
+        values = d.get(name, {})
+        values = dict(values) if isinstance(values, dict) else {}
         fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
-        for key in values:
-            if key not in fields:
-                raise ConfigError(f"unknown key {name}.{key}; allowed keys in [{name}]: {', '.join(fields)}")
-        for key, f in fields.items():
-            if key not in values and f.default is dataclasses.MISSING:
-                raise ConfigError(f"{name}.{key} is required")
+        bad = [f"unknown key {name}.{key}; allowed keys in [{name}]: {', '.join(fields)}"
+               for key in values if key not in fields]
+        bad += [f"{name}.{key} is required" for key, f in fields.items()
+                if key not in values and f.default is dataclasses.MISSING]
+        if bad:
+            problems.extend(bad)
+            continue
         if name == "run":
             values.setdefault("name", name_hint)
         for key in cls._paths:
@@ -422,7 +465,12 @@ def job_from_dict(d: dict[str, Any], base_dir: Path, name_hint: str) -> JobConfi
         if name == "run" and not values.get("dir") and isinstance(values.get("name"), str) and values["name"]:
             # Fix the run directory at load time so later chdirs and a saved copy agree.
             values["dir"] = str(Path.cwd() / "runs" / values["name"])
-        sections[name] = cls(**values)
+        try:
+            sections[name] = cls(**values)
+        except ConfigError as e:
+            problems.extend(e.problems)
+    if problems:
+        raise ConfigError(problems=problems)
     return JobConfig(**sections)  # type: ignore[arg-type]
 
 

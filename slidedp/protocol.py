@@ -294,6 +294,8 @@ class Create:
     path: str = ""
     chunk_rows: int = 0  # 0: one decoder layer's parameters per embedding/head chunk
     shadow_bf16: bool = False
+    persist: bool = True  # False: a job's own store, destroyed when it ends (found left behind: its creator died)
+    creator: dict | None = None  # with persist False: the creating job (pid, start time, name)
 
 
 @dataclass(frozen=True)
@@ -343,6 +345,7 @@ class Restore:
     """Load a checkpoint into the store."""
     path: str
     token: int = -1  # the attached job's, which may restore while attached
+    unless_held: bool = False  # a job's resume: always verified, restored unless the store holds it byte for byte
 
 
 @dataclass(frozen=True)

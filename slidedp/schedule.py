@@ -9,20 +9,29 @@ if TYPE_CHECKING:
     from slidedp.config import TrainSection
 
 
-def lr_at(train: "TrainSection", step: int) -> float:
-    """LR for 0-based `step`: linear warmup, then decay to lr * min_lr_ratio at step == steps - 1.
+def schedule_span(train: "TrainSection") -> tuple[int, int]:
+    """(first, end) of the steps the schedule spans: train.schedule_start .. (train.schedule_steps or train.steps) - 1."""
+    return train.schedule_start, train.schedule_steps or train.steps
 
-    Warmup: lr * (step + 1) / warmup_steps, so the first step already moves. After warmup,
-    "cosine" and "linear" decay from lr (at step == warmup_steps) to the floor (at steps - 1)
-    and stay there beyond; "constant" keeps lr. With no step left to decay over
-    (warmup_steps >= steps - 1) the lr after warmup is lr.
+
+def lr_at(train: "TrainSection", step: int) -> float:
+    """LR for 0-based `step`: linear warmup, then decay to lr * min_lr_ratio at the schedule's last step.
+
+    The schedule spans steps schedule_start .. end - 1 (end = schedule_steps, default train.steps;
+    schedule_start default 0): a store trained further can continue its old schedule (schedule_steps
+    = the old train.steps) or start a new one (schedule_start = its committed step). Counting s =
+    step - schedule_start: warmup lr * (s + 1) / warmup_steps, so the first step already moves; after
+    warmup, "cosine" and "linear" decay from lr (at s == warmup_steps) to the floor (at end - 1) and
+    stay there beyond; "constant" keeps lr. With no step left to decay over the lr after warmup is lr.
     """
     if step < 0:
         raise ValueError(f"step must be >= 0, got {step}")
+    first, end = schedule_span(train)
+    step = max(0, step - first)
     lr, warmup = train.lr, train.warmup_steps
     if step < warmup:
         return lr * (step + 1) / warmup
-    span = train.steps - 1 - warmup
+    span = end - first - 1 - warmup
     if train.schedule == "constant" or span <= 0:
         return lr
     progress = min((step - warmup) / span, 1.0)

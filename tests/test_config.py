@@ -223,7 +223,7 @@ def test_bad_overrides(jobdir):
         assert error(p, [bad]) == f"bad override {bad!r}: expected section.key=value, e.g. train.steps=100"
     assert error(p, ["train.stepz=3"]).endswith("unknown key train.stepz; allowed keys in [train]: steps, "
                                                  "global_batch, micro_batch, seq_len, lr, min_lr_ratio, warmup_steps, "
-                                                 "schedule, weight_decay, beta1, beta2, eps, max_grad_norm, seed, "
+                                                 "schedule, schedule_start, schedule_steps, weight_decay, beta1, beta2, eps, max_grad_norm, seed, "
                                                  "compute_dtype, compile")
 
 

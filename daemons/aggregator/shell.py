@@ -58,7 +58,7 @@ def serve(store_name: str, timeout_s: float = 120.0) -> int:
         core.end_job()
         sock.close(linger=0)
         ctx.term()
-        os.close(lock_fd)
+        daemonlock.release(store_name, "aggregator", lock_fd)
     return 0
 
 

@@ -63,7 +63,7 @@ def serve(store_name: str) -> int:
         core = HostStateCore(store_name)
     except (StoreError, ManifestError) as e:
         log.error("cannot attach store %s: %s (`slidedp-store destroy %s` removes it)", store_name, e, store_name)
-        os.close(lock_fd)
+        daemonlock.release(store_name, "hoststate", lock_fd)
         return 2
     ctx = zmq.Context()
     sock = bind_router(ctx, store_name, "control")
@@ -94,7 +94,7 @@ def serve(store_name: str) -> int:
         core.close()
         sock.close(linger=0)
         ctx.term()
-        os.close(lock_fd)
+        daemonlock.release(store_name, "hoststate", lock_fd)
         if list_store_segments().get(store_name):
             log.info("stopped; store %s left in place", store_name)
         else:

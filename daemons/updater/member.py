@@ -20,6 +20,7 @@ from slidedp import log as slog
 from slidedp import numa
 from slidedp.daemons.loop import serve_loop
 from slidedp.daemons.updater.core import UpdaterCore
+from slidedp.lifetime import ParentWatch
 from slidedp.protocol import ROLE_UPDATER, Ack, Hello, JobEnd, JobStart, Norm, Update
 from slidedp.stopflag import stop_on
 from slidedp.transport import connect_dealer, identity, recv_dealer, send
@@ -29,15 +30,27 @@ log = slog.get("updater")
 HELLO_EVERY_S = 2.0  # an idle member says hello again: an aggregator that restarted needs it
 
 
+def _tell_ready(fd: int) -> bool:
+    """Tell the pool parent this member is up (it reports readiness for all); False if it is gone."""
+    try:
+        os.write(fd, b"1")
+        return True
+    except BrokenPipeError:
+        return False
+    finally:
+        os.close(fd)
+
+
 def serve_member(store: str, index: int, pool: int, ready_fd: int = -1) -> int:
+    parent = ParentWatch()
+    if ready_fd >= 0 and not _tell_ready(ready_fd):  # the pool stopped while we started (a refused job)
+        log.debug("updater %d: the pool is gone before this member came up; exiting", index)
+        return 0
     core = UpdaterCore(store, index)
     ctx = zmq.Context()
     sock = connect_dealer(ctx, store, "agg", identity("u", index))
     hello = Hello(ROLE_UPDATER, index, pool, os.getpid())
     send(sock, hello)
-    if ready_fd >= 0:  # tell the pool parent this member is up (it reports readiness for all)
-        os.write(ready_fd, b"1")
-        os.close(ready_fd)
     stop = stop_on(signal.SIGTERM, ignore=(signal.SIGINT,))  # the parent or launcher decides; Ctrl-C goes to the group
     log.info("updater %d/%d up, %d threads on CPUs %s", index, pool, torch.get_num_threads(),
              numa.format_cpulist(list(os.sched_getaffinity(0))))
@@ -45,7 +58,11 @@ def serve_member(store: str, index: int, pool: int, ready_fd: int = -1) -> int:
     failed = False
 
     def wait() -> bool:
-        nonlocal last_hello
+        nonlocal last_hello, failed
+        if parent.gone():  # its pool died before PR_SET_PDEATHSIG could tell us: never outlive it
+            log.warning("updater %d: the pool (pid %d) is gone; exiting", index, parent.parent)
+            failed = True
+            return True  # handle() sees it and ends the loop
         if not sock.poll(0 if core.ready else 500) and not core.ready and core.job is None:
             if time.monotonic() - last_hello > HELLO_EVERY_S:
                 send(sock, hello)
@@ -55,6 +72,8 @@ def serve_member(store: str, index: int, pool: int, ready_fd: int = -1) -> int:
     def handle() -> bool:
         """Take every message waiting, then run the most urgent update."""
         nonlocal failed
+        if failed:
+            return True
         try:
             while sock.poll(0):
                 for reply in core.receive(recv_dealer(sock, (Update, Norm, JobStart, JobEnd))):

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import os
 import select
+import signal
 import subprocess
 import sys
 import time
 
 from slidedp import log as slog
+from slidedp.lifetime import die_with_parent
 
 log = slog.get("updater-pool")
 
@@ -29,8 +31,11 @@ def split_cpus(nodes: list[list[int]], count: int) -> list[list[int]]:
     return plan
 
 
+MEMBER_MODULE = "slidedp.daemons.updater.member"
+
+
 def member_argv(store: str, index: int, pool: int, cpus: list[int], threads: int, ready_fd: int) -> list[str]:
-    return [sys.executable, "-m", "slidedp.daemons.updater.member", "--store", store, "--member", str(index),
+    return [sys.executable, "-m", MEMBER_MODULE, "--store", store, "--member", str(index),
             "--pool", str(pool), "--cpus", ",".join(map(str, cpus)), "--threads", str(threads),
             "--ready-fd", str(ready_fd)]
 
@@ -47,7 +52,7 @@ class Pool:
         the problem, or None."""
         ready_r, ready_w = os.pipe()
         count = len(self.cpus)
-        self.members = [subprocess.Popen(member_argv(self.store, i, count, c, self.threads, ready_w), pass_fds=(ready_w,))
+        self.members = [_spawn(member_argv(self.store, i, count, c, self.threads, ready_w), ready_w)
                         for i, c in enumerate(self.cpus)]
         os.close(ready_w)
         try:
@@ -60,7 +65,7 @@ class Pool:
         while got < len(self.members):
             dead = self.first_dead()
             if dead:
-                return f"updater member {dead[0]} exited with code {dead[1]} while starting"
+                return f"{self.describe_exit(dead[0])} while starting"
             left = deadline - time.monotonic()
             if left <= 0:
                 return f"only {got} of {len(self.members)} updater members came up within {timeout_s:.0f} s"
@@ -71,6 +76,13 @@ class Pool:
     def first_dead(self) -> tuple[int, int] | None:
         """(index, exit code) of the first member that has exited, or None while all run."""
         return next(((i, c.returncode) for i, c in enumerate(self.members) if c.poll() is not None), None)
+
+    def describe_exit(self, index: int) -> str:
+        """How member `index` ended, naming it: what the launcher reports for the pool."""
+        c = self.members[index]
+        rc = c.returncode
+        how = f"was killed by signal {signal.Signals(-rc).name}" if rc is not None and rc < 0 else f"exited with code {rc}"
+        return f"updater member {index} (pid {c.pid}) {how}"
 
     def terminate(self) -> None:
         for c in self.members:
@@ -85,3 +97,9 @@ class Pool:
                 c.wait(timeout_s)
             except subprocess.TimeoutExpired:
                 c.kill()
+
+
+def _spawn(argv: list[str], ready_w: int) -> subprocess.Popen:
+    """A member that gets SIGTERM when this pool process dies, however it dies (kill -9 included)."""
+    parent = os.getpid()
+    return subprocess.Popen(argv, pass_fds=(ready_w,), preexec_fn=lambda: die_with_parent(signal.SIGTERM, parent))

@@ -17,7 +17,8 @@ from slidedp import log as slog
 from slidedp import numa
 from slidedp.daemons.loop import serve_loop
 from slidedp.daemons.sdnotify import notify
-from slidedp.daemons.updater.pool import Pool, split_cpus
+from slidedp.daemons.updater.pool import MEMBER_MODULE, Pool, split_cpus
+from slidedp.lifetime import end_strays
 from slidedp.stopflag import stop_on
 
 log = slog.get("updater-pool")
@@ -35,7 +36,18 @@ def main(argv: list[str] | None = None) -> int:
                         "0 with no GPU)")
     args = p.parse_args(argv)
     slog.setup("updater-pool")
-    lock_fd = daemonlock.acquire(args.store, "updater")  # noqa: F841 (held for the pool's lifetime)
+    lock_fd = daemonlock.acquire(args.store, "updater")  # held for the pool's lifetime
+    try:
+        return _run(args)
+    finally:
+        daemonlock.release(args.store, "updater", lock_fd)
+
+
+def _run(args: argparse.Namespace) -> int:
+    daemonlock.clear_exit_note(args.store, "updater")
+    # We hold the lock: a member of this store that is not ours belongs to a pool that died, and
+    # would take a new member's place on the aggregator's socket.
+    end_strays(MEMBER_MODULE, args.store, os.getpid(), "updater member")
     reserve = args.reserve_cpus
     if reserve < 0:  # a service started before any job: make room for a job on every GPU
         gpus = numa.gpu_count()
@@ -45,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     problem = pool.start()
     if problem:  # readiness means every member runs: say why not, and go (systemd restarts us)
         log.error("%s; stopping the pool", problem)
+        daemonlock.note_exit(args.store, "updater", problem)
         pool.terminate()
         return 1
     stop = stop_on(signal.SIGTERM, signal.SIGINT)
@@ -55,7 +68,9 @@ def main(argv: list[str] | None = None) -> int:
         nonlocal code
         dead = pool.first_dead()
         if dead:
-            log.error("updater member %d exited with code %s; stopping the pool", *dead)
+            why = pool.describe_exit(dead[0])
+            log.error("%s; stopping the pool", why)
+            daemonlock.note_exit(args.store, "updater", why)  # the launcher names the member, not just the pool
             code = 1
         return dead is not None
 

@@ -46,7 +46,7 @@ def _serve_here(store: str, req: ControlRequest) -> dict[str, Any]:
         finally:
             core.close()
     finally:
-        os.close(fd)
+        daemonlock.release(store, "hoststate", fd)  # no run dir left behind by a request served here
 
 
 def typed(kind: str | ControlRequest, **args: Any) -> ControlRequest:

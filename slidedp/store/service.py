@@ -25,6 +25,7 @@ from slidedp.protocol import (KIND_OF, Attach, Checkpoint, CheckpointWait, Contr
                               Ping, Restore, Status)
 from slidedp.store import checkpoint as ckpt
 from slidedp.store.layout import make_layout
+from slidedp.store.resume import restore_unless_held
 from slidedp.store.rings import GradRings
 from slidedp.store.shm import list_store_segments
 from slidedp.store.store import HostStore, fill_from_hf, fill_random
@@ -87,6 +88,8 @@ class HostStateCore:
         if self.store is not None:
             raise RequestError(f"store {self.name!r} already exists; destroy it first or attach to it")
         cfg, meta = model_from_source(req)
+        if not req.persist:  # made by a job for itself: whoever finds it left behind must know
+            meta.update(persist=False, creator=dict(req.creator or {}))
         layout = make_layout(cfg, int(req.chunk_rows or 0) or None)
         fill = fill_random(meta["init_seed"]) if req.source == "random" else fill_from_hf(req.path)
         t0 = time.perf_counter()
@@ -189,7 +192,9 @@ class HostStateCore:
                 raise RequestError(f"checkpoint: extra file {f} does not exist")
         self._wait_writer()  # one checkpoint at a time
         step = store.manifest.committed_step
-        write = functools.partial(ckpt.write_checkpoint, store, req.dir, step, req.extra or {}, dtype,
+        # which store (and which creation of it) the state is of: a run directory's checkpoints say whose they are
+        extra = dict(req.extra or {}, store=self.name, store_generation=store.manifest.generation)
+        write = functools.partial(ckpt.write_checkpoint, store, req.dir, step, extra, dtype,
                                   int(req.keep), extra_files=extra_files)
         if not req.background:
             t0 = time.perf_counter()
@@ -244,9 +249,16 @@ class HostStateCore:
         pid = store.manifest.attached_pid
         if pid and _alive(pid) and int(req.token) != store.manifest.attach_token:
             raise RequestError(f"restore refused: a job (pid {pid}) is attached to store {self.name!r}")
-        record = ckpt.restore_checkpoint(store, req.path)
-        log.info("restored %s: store %s now at step %d", req.path, self.name, record["step"])
-        return {"step": record["step"], "extra": record.get("extra", {})}
+        if req.unless_held:  # a job's resume: verified always, restored unless the store holds it already
+            record, restored = restore_unless_held(store, req.path)
+        else:
+            record, restored = ckpt.restore_checkpoint(store, req.path), True
+        if restored:
+            log.info("restored %s: store %s now at step %d", req.path, self.name, record["step"])
+        else:
+            log.info("store %s already holds %s byte for byte (step %d)", self.name, req.path, record["step"])
+        out = {"step": record["step"], "extra": record.get("extra", {})}
+        return dict(out, restored=restored) if req.unless_held else out
 
     def do_destroy(self, req: Destroy) -> dict[str, Any]:
         store = self._need_store()

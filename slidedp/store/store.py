@@ -164,9 +164,14 @@ class HostStore:
             "committed_step": m.committed_step,
             "generation": m.generation,
             "layout_hash": self.layout.hash(),
+            "model_config": self.layout.model.to_dict(),  # a job for another model is told which fields differ
+            "chunk_rows": self.layout.chunk_rows,
             "torn": m.torn_reason(),
             "attached_pid": m.attached_pid,
             "job": m.job() if m.attached_pid else {},
+            "last_train": m.job().get("hyper"),  # the [train] of the last job attached: what its LR schedule was
+            "persist": bool(m.meta.get("persist", True)),  # false: made by a job for itself (store/ephemeral.py)
+            "creator": m.meta.get("creator"),
         }
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -65,16 +66,28 @@ def open_batches_for(job: JobConfig, vocab_size: int, tokens: Path | None) -> Ba
     return Batches(stream, job.train.seq_len, job.train.global_batch, job.data.shuffle, job.data.seed)
 
 
-def await_launcher(launcher: LauncherLink, step: int, hold: bool, hold_s: float, stop: StopFlag, rank: int) -> bool:
+@dataclass
+class LauncherOrders:
+    """What the launcher has asked between steps: the step after which every rank stops (None: not asked)."""
+    stop_after: int | None = None
+
+
+def await_launcher(launcher: LauncherLink, step: int, hold: bool, hold_s: float, stop: StopFlag, rank: int,
+                   orders: LauncherOrders | None = None) -> bool:
     """After `step`: take the launcher's order if one is there; at a checkpoint (`hold`) wait for it,
-    up to `hold_s`. True to stop (the launcher said so, or SIGTERM came while held)."""
+    up to `hold_s`. True to stop: the launcher asked every rank to stop after a step this rank has
+    reached (a rank behind the others runs on to it), or SIGTERM came while held."""
+    orders = orders if orders is not None else LauncherOrders()
     deadline = time.monotonic() + (hold_s if hold else 0)
     while True:
+        if orders.stop_after is not None and step >= orders.stop_after:
+            log.info("stopping after step %d as the launcher asked", step)
+            return True
         msg = launcher.control(100 if hold else 0)
         if msg is not None:
-            if msg.kind == CONTROL_STOP:
-                log.info("stopping after step %d as the launcher asked", step)
-                return True
+            if msg.kind == CONTROL_STOP:  # after step msg.step: every rank stops at the same step
+                orders.stop_after = msg.step
+                continue
             if msg.step == step:
                 return False
         if not hold:
@@ -96,6 +109,7 @@ class WorkerCore:
         self.store, self.rings, self.link, self.launcher, self.stop = store, rings, link, launcher, stop
         self.run_dir, self.start, self.end = run_dir, start, end
         self.done_steps = start
+        self.orders = LauncherOrders()  # the launcher's stop, once it has asked for one
         t = job.train
         torch.manual_seed(t.seed + rank)
         cfg = model_config(job)
@@ -174,7 +188,8 @@ class WorkerCore:
         """The launcher may hold us for a checkpoint after `step`, or tell us to stop: True to stop."""
         every = self.job.checkpoint.every
         hold = bool(every) and (step + 1) % every == 0 and step + 1 < self.end
-        return await_launcher(self.launcher, step, hold, self.job.runtime.timeout_s * 10, self.stop, self.rank)
+        return await_launcher(self.launcher, step, hold, self.job.runtime.timeout_s * 10, self.stop, self.rank,
+                              self.orders)
 
     def close(self) -> None:
         """Stopped early: leave the store at the last completed step."""

@@ -316,8 +316,9 @@ def test_two_jobs_on_a_service_store_across_a_hoststate_crash(service: Service, 
     run_c = tmp_path / "c"
     job_c = svc.launch(run_c, 6, 'model.shape="tiny-llama"')
     assert job_c.returncode != 0
-    assert (f"store '{store}' holds another model (random:tiny, 106,880 parameters) than this job (random:tiny-llama); "
-            f"set store.name to another store, or destroy it with `slidedp-store destroy {store}`") in job_c.stderr
+    assert (f"store '{store}' holds another model (random:tiny, 106,880 parameters) than this job (random:tiny-llama): "
+            f"family: store 'qwen3', job 'llama'; intermediate_size: store 128, job 160; qk_norm: store True, job False; "
+            f"tie_word_embeddings: store True, job False; set store.name to another store, or destroy it with `slidedp-store destroy {store}`") in job_c.stderr
     st = status(svc, tmp_path)
     assert field_of(st, "daemons") == ", ".join(f"{r} pid {svc.daemons[r].pid}" for r in ROLES)
     assert (field_of(st, "committed step"), field_of(st, "state"), field_of(st, "attached job")) == ("6", "clean", "none")

@@ -320,14 +320,24 @@ def test_pickled_npy_is_refused(tmp_path, caplog, served):
 def test_model_does_not_match_the_store(tmp_path, caplog, served):
     rc, logs = run_inprocess(fast_sets(served.store, tmp_path / "run", 'model.shape="tiny-llama"'), caplog)
     assert rc == 1
-    assert re.search(rf"job failed: store '{served.store}' holds another model \(random:tiny, 106,880 parameters\) than "
-                     rf"this job \(random:tiny-llama\); set store.name to another store, or destroy it with "
-                     rf"`slidedp-store destroy {served.store}`", logs), logs
+    assert (f"job failed: store '{served.store}' holds another model (random:tiny, 106,880 parameters) than this job "
+            f"(random:tiny-llama): family: store 'qwen3', job 'llama'; intermediate_size: store 128, job 160; qk_norm: "
+            f"store True, job False; tie_word_embeddings: store True, job False; set store.name to another store, or "
+            f"destroy it with `slidedp-store destroy {served.store}`") in logs, logs
     # the daemon's own check, for a client that skips the launcher's
     with pytest.raises(StoreRequestError, match=r"the job's model does not match store .*: the store holds random:tiny "
                                                 r"\(qwen3, 106,880 parameters, layout [0-9a-f]{12}\), the job asks for "
                                                 r"layout 0123456789ab"):
         call(served.store, "attach", timeout_s=30, job="x", pid=os.getpid(), layout_hash="0123456789abcdef", world=1)
+    served.check()
+
+
+def test_model_mismatch_names_the_fields_that_differ(tmp_path, caplog, served):
+    """The same named shape with another vocabulary: the refusal says which field differs, not the name twice."""
+    rc, logs = run_inprocess(fast_sets(served.store, tmp_path / "run", "model.vocab_size=1024"), caplog)
+    assert rc == 1
+    assert re.search(r"holds another model \(random:tiny, 106,880 parameters\) than this job \(random:tiny\): "
+                     r"vocab_size: store 512, job 1024; set store.name", logs), logs
     served.check()
 
 

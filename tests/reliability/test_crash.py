@@ -52,8 +52,10 @@ class Outcome:
 def _expected_message(kind: str, victim: psutil.Process) -> str:
     if kind == "worker":
         return rf"worker rank \d+ \(pid {victim.pid}\) was killed by signal SIGKILL"
-    if kind == "updater_member":  # the pool stops with its member and says which member died and how
-        return rf"slidedp-updater \(pid {victim.ppid()}\) exited with code 1"
+    if kind == "updater_member":  # the pool stops with its member; the launcher names both, and how the member died
+        index = re.search(r"--member (\d+)", " ".join(victim.cmdline())).group(1)
+        return (rf"slidedp-updater \(pid {victim.ppid()}\) exited with code 1: updater member {index} "
+                rf"\(pid {victim.pid}\) was killed by signal SIGKILL")
     return rf"slidedp-{kind} \(pid {victim.pid}\) was killed by signal SIGKILL"
 
 
@@ -90,7 +92,7 @@ def crash_trial(kind: str, tmp: Path, rng: random.Random, store: str, at: int | 
             exit_s = time.monotonic() - t0
             assert rc == 1, run.output[-4000:]
             if member_index is not None:
-                assert f"updater member {member_index} exited with code -9" in run.output
+                assert f"updater member {member_index} (pid {victim.pid}) was killed by signal SIGKILL" in run.output
             left = wait_gone(family, 30)
             assert left == [], f"processes left after the launcher exited: {left}\n{run.output[-4000:]}"
         committed, versions, torn = manifest_state(store)

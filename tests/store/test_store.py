@@ -130,7 +130,9 @@ def test_checkpoint_restore_into_new_store(tmp_path, dtype):
         assert not torch.equal(bits(s.tensor("master", "model.embed_tokens.weight")),
                                want["master"]["model.embed_tokens.weight"])
         s.close()
-        assert call(b, "restore", path=str(path)) == {"step": 7, "extra": {}}
+        restored = call(b, "restore", path=str(path))  # the checkpoint says whose state it is (store a's)
+        assert restored["step"] == 7 and restored["extra"].keys() == {"store", "store_generation"}
+        assert restored["extra"]["store"] == a and isinstance(restored["extra"]["store_generation"], int)
         s = attached(b)
         try:
             for kind in STATE_KINDS:
@@ -194,6 +196,7 @@ def test_too_big_store_refused_before_any_segment(store):
 # ---- permissions -------------------------------------------------------------------------------------
 def test_segments_0600_and_run_dir_0700(store):
     d = run_dir(store)
+    (d / "in-use").touch()  # a file of someone's keeps the dir after the requests (an idle one is removed)
     os.chmod(d, 0o755)  # loosened by someone: the next use makes it private again
     old = os.umask(0)  # the most permissive umask must not widen the segments
     try:

@@ -45,10 +45,13 @@ class InProcess:
     def __init__(self, capsys) -> None:
         self.capsys = capsys
 
-    def __call__(self, *args: str) -> str:
+    def __call__(self, *args: str, fails: bool = False) -> str:
         self.capsys.readouterr()
         rc = store_cli.main(list(args))
         out, err = self.capsys.readouterr()
+        if fails:  # exit status 1, the error on stderr: returned after what went to stdout
+            assert rc == 1 and err.startswith("slidedp-store: error: "), (args, rc, out, err)
+            return out + err
         assert rc == 0 and err == "", (args, rc, out, err)
         return out
 
@@ -122,8 +125,9 @@ def session(run, name: str, ck: Path, daemon_pid: int | None) -> list[str]:
     assert out == f"store {name} destroyed (4 segments removed)\n"
     assert shm_entries(name) == []
     transcript.append(out)
-    out = run("status", name)
-    assert out == f"store {name}: does not exist\n"
+    out = run("status", name, fails=True)  # a store that does not exist: exit status 1, for scripts
+    assert out == (f"slidedp-store: error: store {name!r} does not exist (`slidedp-store list` shows the stores; "
+                   f"`slidedp-store create {name} --model ...` makes it)\n")
     transcript.append(out)
     return transcript
 
@@ -137,8 +141,9 @@ def test_cli_same_results_with_and_without_daemon(tmp_path, capsys):
         d.wait_serving()
         served = session(InProcess(capsys), name, tmp_path / "ck-daemon", d.pid)
         assert served == alone
-        assert ok("status", name, "--json") == json.dumps({"store": name, "exists": False, "daemon_pid": d.pid,
-                                                           "daemon": True}, indent=1) + "\n"  # as a process too
+        r = cli("status", name, "--json")  # as a process too
+        assert r.returncode == 1 and r.stdout == json.dumps({"store": name, "exists": False, "daemon_pid": d.pid,
+                                                             "daemon": True}, indent=1) + "\n", r
         for what in ("creating store", "checkpoint of step 0 written to", "restored", f"store {name} destroyed"):
             assert what in d.text(), what
         assert d.proc.poll() is None

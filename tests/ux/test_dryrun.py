@@ -97,6 +97,41 @@ def test_config_error_through_the_cli(tmp_path, capsys):
                              f"train.micro_batch (2) = 4"]
 
 
+def test_every_configuration_error_at_once(tmp_path, capsys):
+    """Four bad keys in three sections and an unknown one: all reported in one dry run, not one per try."""
+    sets = ["train.steps=0", "train.lr=-1", "runtime.workers=0", "checkpoint.keep=0", "run.log_evry=2"]
+    assert cli.main(["--dry-run", str(TINY), *[a for s in sets for a in ("--set", s)]]) == 1
+    out = capsys.readouterr().out
+    assert problems(out) == [f"{TINY}: train.steps must be >= 1; got 0",
+                             f"{TINY}: train.lr must be > 0; got -1.0",
+                             f"{TINY}: checkpoint.keep must be >= 1; got 0",
+                             f"{TINY}: unknown key run.log_evry; allowed keys in [run]: name, dir, log_every, "
+                             f"trace_steps, overwrite",
+                             f"{TINY}: runtime.workers must be >= 1; got 0"]
+    assert out.splitlines()[-1] == "dry run: 5 problem(s) a run would hit; nothing was started or created"
+    # the same list from a real launch, one line each, before anything starts
+    assert cli.main([str(TINY), *[a for s in sets for a in ("--set", s)]]) == 2
+    assert capsys.readouterr().err.splitlines() == [f"slidedp-launch: error: {p}" for p in problems(out)]
+
+
+def test_a_store_a_running_job_holds_is_in_use_not_torn(tmp_path, made_store):
+    """Mid-step a running job's store has mixed chunk versions and leased layers: that is a job at work, not a
+    torn store, and the dry run says only that the store is in use."""
+    st = made_store("tiny")
+    try:
+        st.manifest.set_committed_step(7)
+        st.manifest.versions[:] = 7
+        st.manifest.versions[0] = 8  # chunk 0 already updated for step 7, the others not yet
+        st.manifest.updating[1] = 2  # LEASED: held on the job's GPUs
+        st.manifest.set_attached(os.getpid(), 1)
+        rc, text = dry(tmp_path, store=st.name)
+        assert rc == 1 and problems(text) == [f"store {st.name!r} has a job attached: '?' (launcher pid "
+                                              f"{os.getpid()}); wait for it to finish or stop it"]
+        assert "torn" not in text, text
+    finally:
+        st.close()
+
+
 def test_token_outside_the_vocabulary(tmp_path):
     tokens = np.arange(2000, dtype=np.int32) % 500
     tokens[1234] = 600
@@ -153,7 +188,8 @@ def test_store_holding_another_model(tmp_path, made_store):
     assert rc == 1
     assert problems(text) == [
         f"store {other.name!r} holds another model (random:tiny-llama, llama, {other.layout.num_parameters:,} parameters) "
-        f"than this job (qwen3, 106,880); set store.name to another store, or destroy it with "
+        f"than this job (qwen3, 106,880): family: store 'llama', job 'qwen3'; intermediate_size: store 160, job 128; "
+        f"qk_norm: store False, job True; tie_word_embeddings: store False, job True; set store.name to another store, or destroy it with "
         f"`slidedp-store destroy {other.name}`"]
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
+import logging
 import re
 import subprocess
 import sys
@@ -112,19 +113,36 @@ def test_plain_lines_when_not_a_terminal(tmp_path):
     assert "\r" not in out.getvalue() and "\x1b" not in out.getvalue()
 
 
-def test_bar_redrawn_in_place_on_a_terminal(tmp_path, monkeypatch):
-    monkeypatch.setenv("COLUMNS", "120")
+def test_bar_on_a_terminal_with_log_lines_above_it(tmp_path, monkeypatch):
+    """On a terminal the bar is tqdm's; the job's log lines (stderr, the same terminal) are written above it,
+    each a whole line, never glued to the bar ('...ETA 0:1706:12:22 INFO [launcher] checkpoint ...')."""
     out = Terminal()
-    run_progress(tmp_path, out, steps=4, skipped_step=2)
+    monkeypatch.setattr(sys, "stderr", out)  # stdout and stderr: one terminal
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(levelname)s [launcher] %(message)s"))
+    root = logging.getLogger()
+    saved = root.handlers[:], root.level
+    root.handlers[:] = [handler]
+    root.setLevel(logging.INFO)
+    try:
+        p = Progress(unique_store("pg"), 1024, stream=out)
+        p.begin(0, 4, tmp_path)
+        for s in range(4):
+            nan = s == 2
+            p.step(s, done(s, float("nan") if nan else 2.5 - s, int(nan)), {0: stats(0, s)}, 1e-3)
+            logging.getLogger("slidedp.launcher").info("checkpoint of step %d written", s)
+        p.end()
+    finally:
+        root.handlers[:], level = saved
+        root.setLevel(level)
     text = out.getvalue()
-    frames = text.split("\r\x1b[K")[1:]
-    # one frame per step plus the permanent line of the skipped step; newlines only after that line and at the end
-    assert len(frames) == 5
-    assert frames[0].startswith("[") and " 1/4 loss 2.5000 " in frames[0] and "tok/s" in frames[0] and "ETA" in frames[0]
-    assert frames[2] == "step 3 skipped: a non-finite loss or gradient norm\n"
-    assert " 3/4 loss nan " in frames[3]
-    assert frames[4].startswith("[" + "#" * 10) and " 4/4 loss -0.5000 " in frames[4] and frames[4].endswith("\n")
-    assert text.count("\n") == 2
+    visible = [line.split("\r")[-1] for line in text.split("\n")]  # what each terminal line shows at the end
+    assert [v for v in visible if "checkpoint of step" in v] == [
+        f"INFO [launcher] checkpoint of step {s} written" for s in range(4)]
+    assert "step 3 skipped: a non-finite loss or gradient norm" in visible
+    assert visible[-1] == "" and visible[-2].startswith("steps: 100%|") and "4/4, loss -0.5000 " in visible[-2]
+    assert "tok/s" in visible[-2] and "ETA" in visible[-2]
+    assert len(p.records) == 4 and [r["step"] for r in p.records] == [0, 1, 2, 3]
 
 
 def test_eta_leaves_out_the_first_step():
