@@ -24,10 +24,13 @@ import zmq
 
 from slidedp import daemonlock, numa
 from slidedp.config import JobConfig, job_to_dict, job_to_toml, model_config
-from slidedp.data import DataError, open_batches
+from slidedp.data import DataError
+from slidedp.sft import setup as sft_setup
+from slidedp.sft.packing import DocBatches
+from slidedp.sft.serve import stage_serve_files
 from slidedp.jobrecord import JobRecord, held_chunk_ids, held_unit_names, reduction_slots, ring_slots
-from slidedp.protocol import (CONTROL_CONTINUE, CONTROL_STOP, ROLE_LAUNCHER, Ack, Control, Fault, Hello, JobEnd,
-                              JobStart, Reply, StepDone, WorkerStats, request)
+from slidedp.protocol import (CONTROL_CONTINUE, CONTROL_STOP, ROLE_LAUNCHER, Ack, Control, EvalLoss, Fault, Hello,
+                              JobEnd, JobStart, Reply, StepDone, WorkerStats, request)
 from slidedp.schedule import lr_at
 from slidedp.store import checkpoint as ckpt
 from slidedp.store.client import StoreRequestError, call, daemon_running
@@ -66,6 +69,14 @@ def cuda_device_count() -> int:
 class _Step:
     done: StepDone | None = None
     stats: dict[int, WorkerStats] = field(default_factory=dict)
+    evals: dict[int, EvalLoss] = field(default_factory=dict)
+
+    def eval_loss(self) -> float | None:
+        """The eval loss over every rank's share (None when no eval ran after this step)."""
+        if not self.evals:
+            return None
+        count = sum(e.tokens for e in self.evals.values())
+        return sum(e.loss_sum for e in self.evals.values()) / max(count, 1)
 
 
 def model_source(job: JobConfig) -> dict:
@@ -110,14 +121,29 @@ class JobRun:
         cfg = model_config(job)
         self.layout = make_layout(cfg)
         t0 = time.perf_counter()
-        self.batches = open_batches(job, cfg.vocab_size)
+        self.batches = sft_setup.open_training(job, cfg.vocab_size)
         self.tokens_path = self.run_dir / "tokens.npy"
-        if job.data.format == "npy":
+        self.docs_path = self.eval_path = None
+        if isinstance(self.batches, DocBatches):  # rows of documents, mapped by the workers
+            rows = self.batches.stream
+            self.docs_path = self.run_dir / "data" / "train"
+            rows.save(self.docs_path)
+            log.info("data: %s: %s", ", ".join(job.data.paths), rows.docs.stats.describe(job.train.seq_len))
+            log.info("data: %s (%.2f s)", sft_setup.describe(rows), time.perf_counter() - t0)
+        elif job.data.format == "npy":
             self.tokens_path = Path(job.data.path)
         else:
             _save_npy_atomic(self.tokens_path, np.asarray(self.batches.stream.tokens))
-        log.info("data: %s, %d tokens, %d sequences of %d (%.2f s)", job.data.path, len(self.batches.stream),
-                 self.batches.num_sequences, job.train.seq_len, time.perf_counter() - t0)
+        if not isinstance(self.batches, DocBatches):
+            log.info("data: %s, %d tokens, %d sequences of %d (%.2f s)", ", ".join(job.data.paths),
+                     len(self.batches.stream), self.batches.num_sequences, job.train.seq_len, time.perf_counter() - t0)
+        self.serve_files = stage_serve_files(job, self.run_dir / "serve")
+        eval_rows = sft_setup.open_eval(job, cfg.vocab_size)
+        if eval_rows is not None:
+            self.eval_path = self.run_dir / "data" / "eval"
+            eval_rows.save(self.eval_path)
+            log.info("eval data: %s: %s; the eval loss after every %s and the last step", job.data.eval_path,
+                     sft_setup.describe(eval_rows), f"{job.train.eval_every} steps" if job.train.eval_every else "")
         self.daemons = children.ensure_daemons(self.store, job.runtime.updaters, job.runtime.updater_threads, self.timeout,
                                                reserve_cpus=self.reserved_cpus)
         started = {c.name.removeprefix("slidedp-") for c in self.daemons}
@@ -275,7 +301,7 @@ class JobRun:
             dev = f"cuda:{rank % count}" if device == "cuda" else "cpu"
             argv = [sys.executable, "-m", "slidedp.worker", "--store", self.store, "--rank", str(rank), "--world",
                     str(self.world), "--job", str(self.run_dir / "job.resolved.toml"), "--start", str(start), "--end",
-                    str(end), "--device", dev, "--tokens", str(self.tokens_path),
+                    str(end), "--device", dev, *self._data_args(),
                     "--checkpoint-every", str(job.checkpoint.every), "--resident-layers", str(plan.resident_layers),
                     "--prefetch", str(plan.prefetch_depth), "--loss-chunk-tokens", str(plan.loss_chunk_tokens),
                     "--embedding", plan.embedding, "--dist-file", str(dist_file), "--micro-batch", str(plan.micro_batch),
@@ -290,6 +316,15 @@ class JobRun:
                          "--kept-cpus", ",".join(map(str, kept))]
             self.workers.append(children.spawn(f"worker rank {rank}", argv, env=worker_env(),
                                                on_parent_death=signal.SIGKILL))
+
+    def _trained_tokens(self, step: int) -> int:
+        if isinstance(self.batches, DocBatches):
+            return self.batches.batch(step).trained_tokens
+        return self.job.train.global_batch * self.job.train.seq_len
+
+    def _data_args(self) -> list[str]:
+        out = ["--docs", str(self.docs_path)] if self.docs_path else ["--tokens", str(self.tokens_path)]
+        return out + (["--eval-docs", str(self.eval_path)] if self.eval_path else [])
 
     def follow(self, start: int, end: int, progress: Progress) -> int:
         """Run steps start..end-1; returns the last committed step + 1."""
@@ -322,10 +357,13 @@ class JobRun:
                     item = recv_router(self.job_sock)
                     if item and isinstance(item[1], WorkerStats):
                         self.steps.setdefault(item[1].step, _Step()).stats[item[1].rank] = item[1]
+                    elif item and isinstance(item[1], EvalLoss):
+                        self.steps.setdefault(item[1].step, _Step()).evals[item[1].rank] = item[1]
             while committed in self.steps and self.steps[committed].done is not None and (
                     len(self.steps[committed].stats) == self.world or self._workers_gone()):
                 st = self.steps.pop(committed)
-                progress.step(committed, st.done, st.stats, lr_at(self.job.train, committed))
+                progress.step(committed, st.done, st.stats, lr_at(self.job.train, committed), st.eval_loss(),
+                              self._trained_tokens(committed))
                 committed += 1
                 if self.job.checkpoint.every and committed % self.job.checkpoint.every == 0 and committed < end:
                     self.checkpoint(committed, background=True)
@@ -372,8 +410,9 @@ class JobRun:
         job = self.job
         extra = {"job": job.run.name, "data": self.batches.state(step), "seed": job.train.seed}
         t0 = time.perf_counter()
-        # the tokenizer goes into model/ (hashed with the rest) so the folder is usable as is
-        extra_files = [str(job.data.tokenizer)] if job.data.tokenizer else []
+        # the tokenizer's files, chat template, generation and source config go into model/ (hashed with the
+        # rest) so the folder is ready to serve as is
+        extra_files = [str(f) for f in self.serve_files]
         out = self._call("checkpoint", max(self.timeout, 3600), dir=str(job.checkpoint_dir), dtype=job.checkpoint.dtype,
                          keep=job.checkpoint.keep, extra=extra, extra_files=extra_files, background=background)
         if background:

@@ -261,6 +261,15 @@ class WorkerStats(Message):
     write_back_s: float = 0.0  # inside step_s: device-held units written back to the store (a checkpoint, the end)
 
 
+@message(18, "iqdq")
+class EvalLoss(Message):
+    """Worker -> launcher, before its WorkerStats of `step`: its share of the eval loss on the weights after `step`."""
+    rank: int
+    step: int
+    loss_sum: float
+    tokens: int
+
+
 # ---- control plane: requests to the host-state daemon ------------------------------------------
 REQUESTS = ("ping", "create", "attach", "detach", "status", "checkpoint", "restore", "destroy", "shutdown",
             "checkpoint_wait")

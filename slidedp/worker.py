@@ -33,8 +33,10 @@ from .engine import Engine, EnginePolicy, units_of
 from .hostmem import Registration
 from .model import layers as L
 from .numa import device_cpus, format_cpulist, parse_cpulist
-from .protocol import (CONTROL_STOP, ROLE_WORKER, SLOT_DEVICE, Control, Credit, Go, Grad, Hello, Loss, Norm, Ready,
-                       WorkerStats)
+from .protocol import (CONTROL_STOP, ROLE_WORKER, SLOT_DEVICE, Control, Credit, EvalLoss, Go, Grad, Hello, Loss, Norm,
+                       Ready, WorkerStats)
+from .sft import feed
+from .sft.packing import DocBatches, PackedRows, SftBatch
 from .store.layout import Chunk
 from .store.rings import GradRings
 from .store.store import HostStore
@@ -214,8 +216,13 @@ def run(args: argparse.Namespace) -> int:
     send(job_sock, Hello(ROLE_WORKER, rank, world, os.getpid()))
     link = WorkerLink(store, rings, rank, agg, job.runtime.timeout_s)
     tokens = TokenStream(np.load(args.tokens, mmap_mode="r", allow_pickle=False), cfg.vocab_size, args.tokens) if args.tokens else None
-    batches = (Batches(tokens, job.train.seq_len, job.train.global_batch, job.data.shuffle, job.data.seed)
-               if tokens is not None else open_batches(job, cfg.vocab_size))
+    if args.docs:  # rows of documents the launcher packed
+        batches = DocBatches(PackedRows.load(Path(args.docs), job.train.seq_len), job.train.global_batch,
+                             job.data.shuffle, job.data.seed)
+    else:
+        batches = (Batches(tokens, job.train.seq_len, job.train.global_batch, job.data.shuffle, job.data.seed)
+                   if tokens is not None else open_batches(job, cfg.vocab_size))
+    eval_rows = PackedRows.load(Path(args.eval_docs), job.train.seq_len) if args.eval_docs else None
     t = job.train
     dtype = DTYPES[t.compute_dtype]
     if L.compiled_kernels_wanted(t.compile, device):
@@ -259,18 +266,26 @@ def run(args: argparse.Namespace) -> int:
             link.waits = dict.fromkeys(link.waits, 0.0)
             link.step = step
             h2d0 = engine.delivery.h2d_bytes
-            seqs = torch.from_numpy(rank_slice(batches.batch(step), rank, world).astype(np.int64))
-            seqs = seqs.view(micro, mbs, t.seq_len + 1)
-            if step == profile_step:
-                times = profiled(lambda: engine.run_step(step, seqs[..., :-1], seqs[..., 1:]),
-                                 Path(args.job).parent / f"profile-rank{rank}-step{step}.json", device)
+            batch = batches.batch(step)
+            if isinstance(batch, SftBatch):
+                run_step = lambda: feed.run_step(engine, batch, step, rank, world, micro, mbs)  # noqa: E731
             else:
-                times = engine.run_step(step, seqs[..., :-1], seqs[..., 1:])
+                seqs = torch.from_numpy(rank_slice(batch, rank, world).astype(np.int64)).view(micro, mbs, t.seq_len + 1)
+                run_step = lambda: engine.run_step(step, seqs[..., :-1], seqs[..., 1:])  # noqa: E731
+            if step == profile_step:
+                times = profiled(run_step, Path(args.job).parent / f"profile-rank{rank}-step{step}.json", device)
+            else:
+                times = run_step()
             peak = reserved = 0
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
                 peak, reserved = torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)
             done_steps = step + 1
+            if eval_rows is not None and ((t.eval_every and done_steps % t.eval_every == 0) or done_steps == t.steps):
+                # on the weights after this step (version done_steps), before held units are written back and
+                # before the stats (so the launcher has every rank's share when it records the step)
+                loss_sum, count = feed.run_eval(engine, eval_rows, done_steps, rank, world, micro, mbs, t.global_batch)
+                send(job_sock, EvalLoss(rank, step, loss_sum, count))
             at_checkpoint = args.checkpoint_every and done_steps % args.checkpoint_every == 0
             write_back_s = 0.0
             if held and (at_checkpoint or done_steps == args.end):  # the store must hold them before a checkpoint
@@ -326,6 +341,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--end", type=int, required=True)
     p.add_argument("--device", default="cpu")
     p.add_argument("--tokens", default="", help="pre-tokenized .npy written by the launcher")
+    p.add_argument("--docs", default="", help="a folder of document rows written by the launcher (instead of --tokens)")
+    p.add_argument("--eval-docs", default="", help="a folder of held-out document rows (train.eval_every)")
     p.add_argument("--checkpoint-every", type=int, default=0)
     p.add_argument("--resident-layers", type=int, default=0, help="last layers kept on the device for backward")
     p.add_argument("--prefetch", type=int, default=1)
