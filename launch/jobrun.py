@@ -142,8 +142,9 @@ class JobRun:
         if eval_rows is not None:
             self.eval_path = self.run_dir / "data" / "eval"
             eval_rows.save(self.eval_path)
-            log.info("eval data: %s: %s; the eval loss after every %s and the last step", job.data.eval_path,
-                     sft_setup.describe(eval_rows), f"{job.train.eval_every} steps" if job.train.eval_every else "")
+            when = f"every {job.train.eval_every} steps and " if job.train.eval_every else ""
+            log.info("eval data: %s: %s; the eval loss after %sthe last step", ", ".join(job.data.paths_of_eval),
+                     sft_setup.describe(eval_rows), when)
         self.daemons = children.ensure_daemons(self.store, job.runtime.updaters, job.runtime.updater_threads, self.timeout,
                                                reserve_cpus=self.reserved_cpus)
         started = {c.name.removeprefix("slidedp-") for c in self.daemons}

@@ -179,6 +179,11 @@ class DataSection(_Section):
     def paths(self) -> tuple[str, ...]:
         return (self.path,) if isinstance(self.path, str) else tuple(self.path)
 
+    @property
+    def paths_of_eval(self) -> tuple[str, ...]:
+        return () if not self.eval_path else (self.eval_path,) if isinstance(self.eval_path, str) else \
+            tuple(self.eval_path)
+
 
 @dataclass(frozen=True)
 class TrainSection(_Section):

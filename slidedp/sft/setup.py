@@ -50,10 +50,6 @@ def spec_of(job: "JobConfig") -> DocumentSpec:
                         d.overlong)
 
 
-def paths_of(value: str | tuple[str, ...]) -> list[str]:
-    return [value] if isinstance(value, str) else list(value)
-
-
 def resolved_mode(job: "JobConfig", bundle: TokenizerBundle | None = None) -> tuple[str, str]:
     """(kind, packing) with "auto" settled: the first record says the kind; raw text streams by default."""
     d = job.data
@@ -61,9 +57,9 @@ def resolved_mode(job: "JobConfig", bundle: TokenizerBundle | None = None) -> tu
         return "text", "stream"
     kind = d.kind
     if kind == "auto":
-        first = next(read_records(paths_of(d.path), d.format), None)
+        first = next(read_records(list(d.paths), d.format), None)
         if first is None:
-            raise DataError(f"{', '.join(paths_of(d.path))}: no records")
+            raise DataError(f"{', '.join(list(d.paths))}: no records")
         kind = spec_of(job).resolve(first)
     packing = d.packing if d.packing != "auto" else ("stream" if kind == "text" else "packed")
     if packing == "stream" and kind != "text":
@@ -101,7 +97,7 @@ def open_training(job: "JobConfig", vocab_size: int) -> Batches:
         return Batches(TokenStream.from_section(d, vocab_size), t.seq_len, t.global_batch, d.shuffle, d.seed)
     bundle = load_tokenizer(job)
     kind, packing = resolved_mode(job, bundle)
-    paths = paths_of(d.path)
+    paths = list(d.paths)
     if packing == "stream":
         stream = TokenStream(text_stream(job, paths, bundle), vocab_size, ", ".join(paths))
         return Batches(stream, t.seq_len, t.global_batch, d.shuffle, d.seed)
@@ -121,7 +117,7 @@ def open_eval(job: "JobConfig", vocab_size: int) -> PackedRows | None:
     d, L = job.data, job.train.seq_len
     if not d.eval_path:
         return None
-    paths = paths_of(d.eval_path)
+    paths = list(d.paths_of_eval)
     if d.format in TOKEN_FORMATS:
         raise DataError("data.eval_path needs text data (jsonl, parquet or arrow); token files have no documents")
     bundle = load_tokenizer(job)
