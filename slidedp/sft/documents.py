@@ -284,28 +284,34 @@ def _tokenize(kind: str, recs: list[Record], spec: DocumentSpec,
     else:
         prompts = [_field(r, spec.prompt_key, "data.prompt_key") for r in recs]
         completions = [_field(r, spec.completion_key, "data.completion_key") for r in recs]
-        if all(isinstance(p, str) and isinstance(c, str) for p, c in zip(prompts, completions)):
-            p_ids = bundle.encode_text(prompts, bos=True)
-            c_ids = bundle.encode_text(completions, bos=False)
-            for p, c in zip(p_ids, c_ids):
-                yield p + c + eos, [0] * len(p) + [1] * (len(c) + len(eos))
-            return
-        for r, p, c in zip(recs, prompts, completions):  # conversational: lists of messages
-            if isinstance(p, str) or isinstance(c, str):
-                raise DataError(f"{r.where}: {spec.prompt_key!r} and {spec.completion_key!r} must both be strings "
-                                f"or both lists of messages")
-            if bundle.template is None:
-                raise DataError(f"{r.where}: conversational prompt/completion needs a chat template, and "
-                                f"{bundle.path.parent} has none (set data.chat_template)")
-            pm = check_messages(p, r.where, spec.prompt_key)
-            cm = check_messages(c, r.where, spec.completion_key)
-            prefix = bundle.template.render(pm, add_generation_prompt=True)
-            full = bundle.template.render(pm + cm)
-            if not full.startswith(prefix):
-                raise DataError(f"{r.where}: the chat template renders the prompt differently once the completion "
-                                f"follows; cannot tell the completion's tokens apart")
-            enc = bundle.tokenizer.encode(full, add_special_tokens=False)
-            yield list(enc.ids), token_mask(enc.offsets, [(len(prefix), len(full.rstrip()))])
+        strings = [isinstance(p, str) and isinstance(c, str) for p, c in zip(prompts, completions)]
+        pick = [i for i, ok in enumerate(strings) if ok]
+        p_ids = dict(zip(pick, bundle.encode_text([prompts[i] for i in pick], bos=True)))
+        c_ids = dict(zip(pick, bundle.encode_text([completions[i] for i in pick], bos=False)))
+        for i, (r, p, c) in enumerate(zip(recs, prompts, completions)):
+            if strings[i]:
+                yield p_ids[i] + c_ids[i] + eos, [0] * len(p_ids[i]) + [1] * (len(c_ids[i]) + len(eos))
+            else:
+                yield _conversational(r, p, c, spec, bundle)
+
+
+def _conversational(r: Record, p: Any, c: Any, spec: DocumentSpec, bundle: TokenizerBundle) -> tuple[list[int], list[int]]:
+    """Prompt and completion as lists of messages: the completion's part of the rendered text is trained."""
+    if isinstance(p, str) or isinstance(c, str) or not isinstance(p, list) or not isinstance(c, list):
+        raise DataError(f"{r.where}: {spec.prompt_key!r} and {spec.completion_key!r} must both be strings or both "
+                        f"lists of messages, got {type(p).__name__} and {type(c).__name__}")
+    if bundle.template is None:
+        raise DataError(f"{r.where}: conversational prompt/completion needs a chat template, and "
+                        f"{bundle.path.parent} has none (set data.chat_template)")
+    pm = check_messages(p, r.where, spec.prompt_key)
+    cm = check_messages(c, r.where, spec.completion_key)
+    prefix = bundle.template.render(pm, add_generation_prompt=True)
+    full = bundle.template.render(pm + cm)
+    if not full.startswith(prefix):
+        raise DataError(f"{r.where}: the chat template renders the prompt differently once the completion "
+                        f"follows; cannot tell the completion's tokens apart")
+    enc = bundle.tokenizer.encode(full, add_special_tokens=False)
+    return list(enc.ids), token_mask(enc.offsets, [(len(prefix), len(full.rstrip()))])
 
 
 def _render_chats(convs: list[list[dict]], recs: list[Record],
