@@ -210,7 +210,7 @@ class Engine:
         each document); positions, segments: [M, m, T] on the CPU, or None for plain causal rows."""
         rope = self.rope(T)
         if positions is None or segments is None:
-            return [rope] * (1 if positions is None else positions.shape[0])
+            return [rope]
         return [rope if single_segment(segments[i]) else
                 document_rope(rope, positions[i].to(self.device), segments[i].to(self.device))
                 for i in range(positions.shape[0])]

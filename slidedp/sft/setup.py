@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from slidedp.data import Batches, DataError, TokenStream, eot_id
+from slidedp.data import Batches, DataError, TokenStream, join_texts, record_texts
 
 from .documents import Documents, DocumentSpec, TokenizerBundle, read_documents
 from .packing import DocBatches, PackedRows
@@ -70,24 +70,8 @@ def resolved_mode(job: "JobConfig", bundle: TokenizerBundle | None = None) -> tu
 
 def text_stream(job: "JobConfig", paths: list[str], bundle: TokenizerBundle) -> np.ndarray:
     """Raw text documents joined with end-of-text (no special tokens), the stream the windows cut."""
-    eot = eot_id(bundle.tokenizer)
-    texts = []
-    for rec in read_records(paths, job.data.format):
-        v = rec.value
-        if not isinstance(v, dict) or job.data.text_key not in v:
-            raise DataError(f"{rec.where}: no key {job.data.text_key!r} (data.text_key) in this record")
-        if not isinstance(v[job.data.text_key], str):
-            raise DataError(f"{rec.where}: {job.data.text_key!r} is {type(v[job.data.text_key]).__name__}, "
-                            f"expected a string")
-        texts.append(v[job.data.text_key])
-    if not texts:
-        raise DataError(f"{', '.join(paths)}: no documents")
-    ids: list[int] = []
-    for i, enc in enumerate(bundle.tokenizer.encode_batch(texts, add_special_tokens=False)):
-        if i:
-            ids.append(eot)
-        ids.extend(enc.ids)
-    return np.asarray(ids, dtype=np.int64)
+    texts = record_texts(read_records(paths, job.data.format), job.data.text_key)
+    return join_texts(texts, bundle.tokenizer, ", ".join(paths))
 
 
 def open_training(job: "JobConfig", vocab_size: int) -> Batches:

@@ -8,7 +8,6 @@ micro-batches differ several-fold, so a per-micro-batch mean would not match."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from slidedp.config import load_job, model_config
 from slidedp.reference import step_documents
