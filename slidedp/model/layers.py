@@ -143,7 +143,7 @@ def _attention(cfg: ModelConfig, p: Mapping[str, Tensor], h: Tensor, rope: tuple
     causal = dict(is_causal=True) if mask is None else dict(attn_mask=mask)
     if nkv == nh:
         o = F.scaled_dot_product_attention(q, k, v, scale=d**-0.5, **causal)
-    elif _SDPA_GQA:
+    elif _SDPA_GQA and not (mask is not None and q.is_cuda):  # CUDA's kernel for a mask takes whole heads
         o = F.scaled_dot_product_attention(q, k, v, scale=d**-0.5, enable_gqa=True, **causal)
     else:
         k, v = k.repeat_interleave(nh // nkv, dim=1), v.repeat_interleave(nh // nkv, dim=1)
