@@ -261,3 +261,21 @@ def test_overlong_conversations_are_truncated_or_dropped_and_counted(tmp_path, o
         assert f"{long} longer than seq_len + 1 = {seq_len + 1} tokens truncated" in s.describe(seq_len)
     assert int(docs.lengths().max()) <= seq_len + 1
     PackedRows.build(docs, seq_len, packed=True)  # every document fits a row
+
+
+def test_conversational_prompt_completion_trains_the_completion_turns(tmp_path):
+    tok = transformers.AutoTokenizer.from_pretrained(CHAT)
+    bundle = TokenizerBundle.load(CHAT_TOKENIZER)
+    messages = CONVERSATIONS[-1]
+    record = {"prompt": messages[:-1], "completion": messages[-1:]}
+    (tmp_path / "pc.jsonl").write_text(json.dumps(record) + "\n")
+    docs = read_documents([str(tmp_path / "pc.jsonl")], "jsonl", DocumentSpec("auto"), bundle, 512, VOCAB)
+    assert docs.kind == "prompt_completion"
+    ids, mask = docs.document(0)
+    want_ids, want_mask = theirs(tok, messages)
+    assert ids.tolist() == want_ids
+    # only the completion's turn (the last assistant reply and its <|im_end|>), not the earlier reply
+    last = [0] * len(want_mask)
+    at = max(i for i in range(len(want_mask)) if want_mask[i] and not want_mask[i - 1])
+    last[at:] = want_mask[at:]
+    assert mask.tolist() == last and 0 < sum(last) < sum(want_mask)
