@@ -98,3 +98,42 @@ def test_tensorboard_and_the_report_show_both_losses(run):
         (m["step"] + 1, m["eval_loss"]) for m in records if m["eval_loss"] is not None]
     text = "\n".join(summary(records))
     assert f"eval loss    {records[EVERY - 1]['eval_loss']:.4f} -> {records[-1]['eval_loss']:.4f} (2 eval(s)" in text
+
+
+@pytest.mark.parametrize("extra", [
+    ('runtime.param_route="sharded"', 'runtime.grad_route="reduce_scatter"', "memory.device_layers=1",
+     'memory.embedding="device"', "memory.resident_layers=1"),
+])
+def test_eval_between_steps_reads_current_weights_on_every_route(tmp_path, monkeypatch, extra):
+    """Eval after steps 2 and 4 with sharded parameters (gathers paired between 2 ranks), reduce-scattered
+    gradients, a device-held first layer and embedding: each eval loss equals the loss of the
+    checkpoint taken at that step, computed by our plain forward, each document alone."""
+    from slidedp.model import layers
+
+    from pipeline.harness import checkpoint_weights
+
+    run_dir = tmp_path / "run"
+    sets = ['model.shape="tiny-llama"', f'data.path="{CHAT / "train.jsonl"}"', f'data.tokenizer="{CHAT / "tokenizer.json"}"',
+            f'data.eval_path="{CHAT / "eval.jsonl"}"', "train.seq_len=64", f"train.steps={STEPS}",
+            f"train.eval_every={EVERY}", "train.global_batch=4", "train.micro_batch=1", 'train.compute_dtype="fp32"',
+            "runtime.workers=2", f'store.name="{unique_store("sev")}"', f'run.dir="{run_dir}"',
+            'checkpoint.dtype="fp32"', f"checkpoint.every={EVERY}", *extra]
+    proc = launch(TINY, *sets, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    job = load_job(TINY, sets)
+    cfg = model_config(job)
+    rows = open_eval(job, cfg.vocab_size)
+    evals = {m["step"]: m["eval_loss"] for m in metrics(run_dir) if m["eval_loss"] is not None}
+    assert sorted(evals) == [EVERY - 1, STEPS - 1]
+    for step, got in evals.items():
+        params = checkpoint_weights(run_dir / "checkpoints" / f"step-{step + 1:08d}")
+        total, count = 0.0, 0
+        with torch.no_grad():
+            for d in range(len(rows.docs)):
+                tok, trained = (torch.from_numpy(a.astype("int64")) for a in rows.docs.document(d))
+                targets = torch.where(trained[1:] == 1, tok[1:], IGNORE_INDEX)
+                logits = layers.forward_logits(cfg, params, tok[None, :-1])[0]
+                total += float(F.cross_entropy(logits, targets, reduction="sum"))
+                count += int((targets != IGNORE_INDEX).sum())
+        assert abs(got - total / count) <= 1e-5 * (total / count), (step, got, total / count)
+    assert evals[STEPS - 1] != evals[EVERY - 1]
