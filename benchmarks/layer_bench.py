@@ -26,9 +26,9 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from slidedp.delivery import unit_tensors
-from slidedp.engine import units_of
-from slidedp.loss import chunked_cross_entropy_sum, norm_head_backward
+from slidedp.worker.delivery import unit_tensors
+from slidedp.worker.engine import units_of
+from slidedp.worker.loss import chunked_cross_entropy_sum, norm_head_backward
 from slidedp.model import layers as L
 from slidedp.model.config import named_shape
 from slidedp.store.layout import make_layout

@@ -61,11 +61,7 @@ def print_plan(job) -> int:
         print(f"slidedp-launch: no plan: {e}", file=sys.stderr)
         return 1
     if run_plan.plan is None:
-        print(f"CPU run: no GPU plan; resident_layers={run_plan.resident_layers}, embedding={run_plan.embedding}, "
-              f"micro_batch={run_plan.micro_batch}, seq_tile_tokens={run_plan.seq_tile_tokens}, "
-              f"offload_layers={run_plan.offload_layers}, device_layers={run_plan.device_layers}, "
-              f"param_route={run_plan.param_route}, "
-              f"grad_route={run_plan.grad_route}")
+        print("CPU run: no GPU plan; " + ", ".join(f"{k}={v}" for k, v in run_plan.step.to_dict().items()))
     else:
         print(run_plan.plan.describe())
     return 0

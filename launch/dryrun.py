@@ -346,9 +346,9 @@ class DryRun:
             return
         with self.check("plan"):
             if job.runtime.device != "cuda":
-                p = plan_job(job)
-                self.say("plan", f"CPU run: no plan needed (resident_layers={p.resident_layers}, "
-                                 f"embedding={p.embedding}, micro_batch={p.micro_batch})")
+                step = plan_job(job).step
+                self.say("plan", f"CPU run: no plan needed (resident_layers={step.resident_layers}, "
+                                 f"embedding={step.embedding}, micro_batch={step.micro_batch})")
                 return
             from slidedp.planner import PlanError
 

@@ -16,7 +16,6 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -29,9 +28,10 @@ from slidedp.sft import setup as sft_setup
 from slidedp.sft.packing import DocBatches
 from slidedp.sft.serve import stage_serve_files
 from slidedp.jobrecord import JobRecord, held_chunk_ids, held_unit_names, reduction_slots, ring_slots
-from slidedp.protocol import (CONTROL_CONTINUE, CONTROL_STOP, ROLE_LAUNCHER, Ack, Control, EvalLoss, Fault, Hello,
-                              JobEnd, JobStart, Reply, StepDone, WorkerStats, request)
+from slidedp.protocol import (CONTROL_CONTINUE, CONTROL_STOP, ROLE_LAUNCHER, Ack, Control, Fault, Hello, JobEnd,
+                              JobStart, Reply, request)
 from slidedp.schedule import lr_at
+from slidedp.stepplan import PLAN_FILE
 from slidedp.store import checkpoint as ckpt
 from slidedp.store.client import StoreRequestError, call, daemon_running
 from slidedp.store.layout import make_layout
@@ -40,6 +40,7 @@ from slidedp.transport import bind_router, connect_dealer, identity, recv_dealer
 from . import children
 from .planning import plan_job, record_training
 from .progress import Progress
+from .steps import StepLedger
 
 log = logging.getLogger("slidedp.launcher")
 
@@ -65,20 +66,6 @@ def cuda_device_count() -> int:
     return int(out.stdout.strip() or 0) if out.returncode == 0 else 0
 
 
-@dataclass
-class _Step:
-    done: StepDone | None = None
-    stats: dict[int, WorkerStats] = field(default_factory=dict)
-    evals: dict[int, EvalLoss] = field(default_factory=dict)
-
-    def eval_loss(self) -> float | None:
-        """The eval loss over every rank's share (None when no eval ran after this step)."""
-        if not self.evals:
-            return None
-        count = sum(e.tokens for e in self.evals.values())
-        return sum(e.loss_sum for e in self.evals.values()) / max(count, 1)
-
-
 def model_source(job: JobConfig) -> dict:
     m = job.model
     if m.source == "random":
@@ -102,7 +89,6 @@ class JobRun:
         self.ctx = zmq.Context()
         self.agg: zmq.Socket | None = None
         self.job_sock: zmq.Socket | None = None
-        self.steps: dict[int, _Step] = {}
         self.checkpoint_pending = False
         self.external: dict[str, int] = {}  # role -> pid of the daemons this launcher found running
         self._gone: dict[str, str] = {}  # role -> how a daemon of the store died
@@ -168,13 +154,15 @@ class JobRun:
         self.plan = plan_job(job)
         if self.plan.plan is not None:
             log.info("plan: %s", self.plan.plan.describe().replace("\n", "\n    "))
-        device_chunks = held_chunk_ids(
-            self.layout, held_unit_names(cfg, self.plan.embedding == "device", self.plan.device_layers))
+        step = self.plan.step
+        self.plan_path = self.run_dir / PLAN_FILE  # beside job.resolved.toml: what every rank carries out
+        _write_atomic(self.plan_path, step.to_json().encode())
+        device_chunks = held_chunk_ids(self.layout, held_unit_names(cfg, step.embedding_held, step.device_layers))
         slots = ring_slots(job.store.grad_slots, cfg.num_layers)
         record = JobRecord(job=job.run.name, store=self.store, world=self.world, train=job_to_dict(job)["train"],
                            layout_hash=self.layout.hash(), grad_slots=slots, device_chunks=device_chunks,
-                           run_dir=str(self.run_dir), trace_steps=job.run.traced, grad_route=self.plan.grad_route,
-                           reduce_slots=reduction_slots(self.world, self.plan.grad_route))
+                           run_dir=str(self.run_dir), trace_steps=job.run.traced, grad_route=step.grad_route,
+                           reduce_slots=reduction_slots(self.world, step.grad_route))
         att = self._call("attach", self.timeout, job=job.run.name, pid=os.getpid(),
                    layout_hash=self.layout.hash(), model_desc=f"{cfg.family}, {cfg.num_parameters():,} parameters",
                    world=self.world, grad_slots=slots, full_reduce=record.full_reduce,
@@ -296,19 +284,12 @@ class JobRun:
             count = cuda_device_count()
             if count == 0:
                 raise JobFailed("runtime.device = \"cuda\" but no CUDA device is visible")
-        plan = self.plan
         dist_file = self.run_dir / f".dist-{os.getpid()}-{time.monotonic_ns()}"
         for rank in range(self.world):
             dev = f"cuda:{rank % count}" if device == "cuda" else "cpu"
-            argv = [sys.executable, "-m", "slidedp.worker", "--store", self.store, "--rank", str(rank), "--world",
-                    str(self.world), "--job", str(self.run_dir / "job.resolved.toml"), "--start", str(start), "--end",
-                    str(end), "--device", dev, *self._data_args(),
-                    "--checkpoint-every", str(job.checkpoint.every), "--resident-layers", str(plan.resident_layers),
-                    "--prefetch", str(plan.prefetch_depth), "--loss-chunk-tokens", str(plan.loss_chunk_tokens),
-                    "--embedding", plan.embedding, "--dist-file", str(dist_file), "--micro-batch", str(plan.micro_batch),
-                    "--gpu-budget-gib", str(job.memory.gpu_budget_gib), "--seq-tile-tokens", str(plan.seq_tile_tokens),
-                    "--offload-layers", str(plan.offload_layers), "--param-route", plan.param_route,
-                    "--grad-route", plan.grad_route, "--device-layers", str(plan.device_layers)]
+            argv = [sys.executable, "-m", "slidedp.worker", "--rank", str(rank), "--job", str(self.run_dir / "job.resolved.toml"),
+                    "--plan", str(self.plan_path), "--start", str(start), "--end", str(end), "--device", dev,
+                    *self._data_args(), "--dist-file", str(dist_file)]
             if device == "cuda" and self.world > count:
                 argv.append("--shared-device")
             if self.reserved_cpus:
@@ -333,10 +314,11 @@ class JobRun:
         poller = zmq.Poller()
         poller.register(self.agg, zmq.POLLIN)
         poller.register(self.job_sock, zmq.POLLIN)
-        committed = start
+        ledger = StepLedger(start, end, self.world, self.job.checkpoint.every)
         stop_at: int | None = None
         last_activity = time.monotonic()
-        while committed < (stop_at if stop_at is not None else end):
+        while ledger.committed < (stop_at if stop_at is not None else end):
+            committed = ledger.committed
             if self.stop_requested and stop_at is None:
                 stop_at = committed + 1  # the step in flight finishes; committed < end inside the loop
                 log.info("stop requested: finishing step %d, then stopping", stop_at - 1)
@@ -348,32 +330,27 @@ class JobRun:
             if self.agg in events:
                 while self.agg.poll(0):
                     msg = recv_dealer(self.agg)
-                    if isinstance(msg, StepDone):
-                        self.steps.setdefault(msg.step, _Step()).done = msg
-                        last_activity = time.monotonic()
-                    elif isinstance(msg, Fault):
+                    if isinstance(msg, Fault):
                         raise JobFailed(f"{'updater' if msg.role == 2 else 'rank'} {msg.rank} failed: {msg.text}")
+                    if ledger.on_message(msg):
+                        last_activity = time.monotonic()
             if self.job_sock in events:
                 while self.job_sock.poll(0):
                     item = recv_router(self.job_sock)
-                    if item and isinstance(item[1], WorkerStats):
-                        self.steps.setdefault(item[1].step, _Step()).stats[item[1].rank] = item[1]
-                    elif item and isinstance(item[1], EvalLoss):
-                        self.steps.setdefault(item[1].step, _Step()).evals[item[1].rank] = item[1]
-            while committed in self.steps and self.steps[committed].done is not None and (
-                    len(self.steps[committed].stats) == self.world or self._workers_gone()):
-                st = self.steps.pop(committed)
-                progress.step(committed, st.done, st.stats, lr_at(self.job.train, committed), st.eval_loss(),
-                              self._trained_tokens(committed))
-                committed += 1
-                if self.job.checkpoint.every and committed % self.job.checkpoint.every == 0 and committed < end:
-                    self.checkpoint(committed, background=True)
+                    if item:
+                        ledger.on_message(item[1])
+            while (done := ledger.complete(self._workers_gone())) is not None:
+                progress.step(done.step, done.done, done.stats, lr_at(self.job.train, done.step), done.eval_loss,
+                              self._trained_tokens(done.step))
+                if done.checkpoint:
+                    self.checkpoint(ledger.committed, background=True)
                     for r in range(self.world):
-                        self._control(r, CONTROL_CONTINUE, committed - 1)
+                        self._control(r, CONTROL_CONTINUE, done.step)
+            committed = ledger.committed
             self._check_children(committed)
             if time.monotonic() - last_activity > self.timeout * 3 and not any(w.alive() for w in self.workers):
                 raise JobFailed(f"the workers exited but step {committed} was never committed")
-        return committed
+        return ledger.committed
 
     def wait_workers(self) -> None:
         """Workers write device-held state back as they finish: wait for them before the last checkpoint."""
@@ -491,8 +468,8 @@ def run_job(job: JobConfig, job_path: Path, progress: Progress) -> int:
         start, end = run.prepare()
         log.info("ready in %.2f s: store %s at step %d; training steps %d..%d on %d %s worker(s)",
                  time.perf_counter() - t0, run.store, start, start, end - 1, run.world, job.runtime.device)
-        progress.predicted_step_s = run.plan.predicted_step_s
-        progress.planned_gpu_bytes = run.plan.planned_gpu_bytes
+        progress.predicted_step_s = run.plan.step.predicted_step_s
+        progress.planned_gpu_bytes = run.plan.step.planned_device_bytes
         progress.begin(start, end, run.run_dir)
         if start >= end:
             log.info("the store is already at step %d >= train.steps = %d: nothing to train", start, end)

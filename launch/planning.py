@@ -11,14 +11,16 @@ import logging
 import statistics
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from slidedp.config import JobConfig, model_config
 from slidedp.jobrecord import sums_on_host
 from slidedp.planner import Calibration, Plan, Workload, costs, make_plan
 from slidedp.planner.calibration import record_training as record_training_measured
-from slidedp.planner.plan import gpu_work_shape
+from slidedp.planner.step_model import gpu_work_shape
 from slidedp.planner.costs import GiB
+from slidedp.stepplan import StepPlan
+from slidedp.store.layout import default_chunk_rows
 
 log = logging.getLogger("slidedp.launcher")
 
@@ -28,37 +30,19 @@ _CALIBRATE = ("import json, sys; from slidedp.planner import load_or_calibrate; 
 
 
 @dataclass(frozen=True)
-class RunPlan:
-    resident_layers: int = 0
-    prefetch_depth: int = 1
-    loss_chunk_tokens: int = 4096
-    embedding: str = "host"  # "host" | "device"
-    micro_batch: int = 1
-    seq_tile_tokens: int = 0
-    offload_layers: int = 0
-    device_layers: int = 0  # the first layers held on the devices with their AdamW state
-    param_route: str = "replicated"
-    grad_route: str = "host"
-    plan: Plan | None = None
+class JobPlan:
+    """A job's step plan and the planner's report it came from (None where no planner ran: CPU)."""
 
-    @property
-    def predicted_step_s(self) -> float | None:
-        return self.plan.predicted_step_s if self.plan is not None else None
+    step: StepPlan
+    plan: Plan | None = None
 
     @property
     def keeps_plan(self) -> bool:
         """Whether the workers run the plan's choices: a plan, and no job-file override of its tiles,
         resident, offloaded or device-held layers (the choices plan_job lets the job file force)."""
-        p = self.plan
-        return p is not None and (self.seq_tile_tokens, self.resident_layers, self.offload_layers,
-                                  self.device_layers) == (p.seq_tile_tokens, p.resident_layers, p.offload_layers,
-                                                          p.device_layers)
-
-    @property
-    def planned_gpu_bytes(self) -> int | None:
-        """The plan's GPU memory peak, where the run keeps the plan's choices (None where the job file
-        overrode one, or on CPU)."""
-        return self.plan.gpu_total_bytes if self.keeps_plan and self.plan is not None else None
+        p, s = self.plan, self.step
+        return p is not None and (s.seq_tile_tokens, s.resident_layers, s.offload_layers, s.device_layers) == (
+            p.seq_tile_tokens, p.resident_layers, p.offload_layers, p.device_layers)
 
 
 def calibration(gpus: int = 1, model_params: int | None = None, timeout_s: float = 300.0) -> Calibration:
@@ -91,20 +75,23 @@ def _routes(job: JobConfig, calib: Calibration) -> dict[str, tuple[str, ...]]:
             "grad_route": options(job.runtime.grad_route, ("host", "reduce_scatter"))}
 
 
-def plan_job(job: JobConfig, calib: Calibration | None = None) -> RunPlan:
+def plan_job(job: JobConfig, calib: Calibration | None = None) -> JobPlan:
+    """The job's step plan: on CUDA the planner's, with the job file's [memory] overrides (its
+    inputs) applied; on CPU the job file's values, clamped to the model."""
     mem, t, rt = job.memory, job.train, job.runtime
     forced_embedding = {"auto": None, "host": "host", "device": "device"}[mem.embedding]
     one = rt.workers == 1  # one rank: nothing to shard
+    cfg = model_config(job)
+    nl = cfg.num_layers
     if rt.device != "cuda":
-        nl = model_config(job).num_layers
-        return RunPlan(resident_layers=max(0, mem.resident_layers), prefetch_depth=max(1, mem.prefetch_depth),
-                       embedding=forced_embedding or "host",
-                       micro_batch=t.micro_batch, seq_tile_tokens=max(0, mem.seq_tile_tokens),
-                       offload_layers=min(max(0, mem.offload_layers), nl),
-                       device_layers=min(max(0, mem.device_layers), nl),
-                       param_route="sharded" if rt.param_route == "sharded" and not one else "replicated",
-                       grad_route="reduce_scatter" if rt.grad_route == "reduce_scatter" and not one else "host")
-    work = Workload(model=model_config(job), global_batch=t.global_batch, seq_len=t.seq_len, world=rt.workers,
+        return JobPlan(StepPlan(
+            micro_batch=t.micro_batch, compute_dtype=t.compute_dtype, chunk_rows=default_chunk_rows(cfg),
+            resident_layers=max(0, mem.resident_layers), prefetch_depth=max(1, mem.prefetch_depth),
+            embedding=forced_embedding or "host", seq_tile_tokens=max(0, mem.seq_tile_tokens),
+            offload_layers=min(max(0, mem.offload_layers), nl), device_layers=min(max(0, mem.device_layers), nl),
+            param_route="sharded" if rt.param_route == "sharded" and not one else "replicated",
+            grad_route="reduce_scatter" if rt.grad_route == "reduce_scatter" and not one else "host"))
+    work = Workload(model=cfg, global_batch=t.global_batch, seq_len=t.seq_len, world=rt.workers,
                     micro_batch=t.micro_batch, compute_dtype=t.compute_dtype, clip=t.max_grad_norm > 0,
                     updaters=max(1, rt.updaters), compiled=t.compile in ("auto", "on"))
     calib = calib or calibration(rt.workers, work.model.num_parameters())
@@ -118,18 +105,18 @@ def plan_job(job: JobConfig, calib: Calibration | None = None) -> RunPlan:
         allowed["prefetch_depth"] = (mem.prefetch_depth,)
     plan = make_plan(work, int(mem.gpu_budget_gib * GiB), calib, allowed,
                      device_layers=None if mem.device_layers < 0 else mem.device_layers)
-    nl = work.model.num_layers
-    return RunPlan(resident_layers=min(_forced(mem.resident_layers, plan.resident_layers), nl),
-                   prefetch_depth=plan.prefetch_depth, loss_chunk_tokens=plan.loss_chunk_tokens,
-                   embedding="device" if plan.embedding == "gpu" else "host", micro_batch=plan.micro_batch,
+    planned = plan.step_plan()
+    step = replace(planned, resident_layers=min(_forced(mem.resident_layers, plan.resident_layers), nl),
                    seq_tile_tokens=_forced(mem.seq_tile_tokens, plan.seq_tile_tokens),
                    offload_layers=min(_forced(mem.offload_layers, plan.offload_layers), nl),
-                   device_layers=plan.device_layers,  # the job's value, made to fit, or the plan's
                    param_route=plan.param_route if not one else "replicated",
-                   grad_route=plan.grad_route if not one else "host", plan=plan)
+                   grad_route=plan.grad_route if not one else "host")
+    if step != planned:  # the job file overrode a choice: the plan's memory peak is not this run's
+        step = replace(step, planned_device_bytes=None, planned_by="planner + job file")
+    return JobPlan(step, plan)
 
 
-def learned_update_rate(run_plan: RunPlan, update_busy_s: list[float]) -> float | None:
+def learned_update_rate(run_plan: JobPlan, update_busy_s: list[float]) -> float | None:
     """The AdamW rate the updaters reached per process in a planned (CUDA) run of 3 steps or more
     (median step after the first), in the units the planner charges (fp32 master traffic); None
     when there is nothing to learn.
@@ -146,11 +133,11 @@ def learned_update_rate(run_plan: RunPlan, update_busy_s: list[float]) -> float 
     busy = statistics.median(update_busy_s[1:])
     if busy <= 0:
         return None
-    params = costs.host_updated_params(w.model, plan.embedding, run_plan.device_layers)
+    params = costs.host_updated_params(w.model, plan.embedding, run_plan.step.device_layers)
     return params / busy * costs.update_bytes_per_param(plan.delivery) / 28.0
 
 
-def learned_gpu_scale(run_plan: RunPlan, gpu_side_s: list[float]) -> float | None:
+def learned_gpu_scale(run_plan: JobPlan, gpu_side_s: list[float]) -> float | None:
     """The workers' GPU-side step time (each rank's step less its waits for the host; the slowest
     rank; median step after the first) over the plan's GPU time from the calibrated rates.
 
@@ -170,12 +157,12 @@ def learned_gpu_scale(run_plan: RunPlan, gpu_side_s: list[float]) -> float | Non
     return measured / planned if measured > 0 and planned > 0 else None
 
 
-def learned_sum_rate(run_plan: RunPlan, reduce_busy_s: list[float]) -> float | None:
+def learned_sum_rate(run_plan: JobPlan, reduce_busy_s: list[float]) -> float | None:
     """The rate (GB/s, as reduce_gbps) the aggregator summed ranks' gradients at beside the updaters in
     a planned run of 3 steps or more: the bytes the plan charged over the busy time measured
     (median step after the first). None when it summed nothing or there is too little to learn."""
     plan = run_plan.plan
-    if plan is None or len(reduce_busy_s) < 3 or not sums_on_host(plan.workload.world, run_plan.grad_route):
+    if plan is None or len(reduce_busy_s) < 3 or not sums_on_host(plan.workload.world, run_plan.step.grad_route):
         return None
     planned = dict(plan.busy_s)["reduce"]
     measured = statistics.median(reduce_busy_s[1:])
@@ -185,7 +172,7 @@ def learned_sum_rate(run_plan: RunPlan, reduce_busy_s: list[float]) -> float | N
     return planned * plan.calibration.reduce_rate_gbps(n, summed=True) / measured
 
 
-def record_training(run_plan: RunPlan, update_busy_s: list[float], gpu_side_s: list[float],
+def record_training(run_plan: JobPlan, update_busy_s: list[float], gpu_side_s: list[float],
                     cache_dir: str | None = None, reduce_busy_s: list[float] | None = None) -> Calibration | None:
     """After a planned (CUDA) run: keep the updaters' AdamW rate and the GPU time the run measured
     with this host's calibration, for the next plan of that model. Returns the calibration kept,
@@ -197,7 +184,7 @@ def record_training(run_plan: RunPlan, update_busy_s: list[float], gpu_side_s: l
     measured: dict[str, float] = {}
     rate = learned_update_rate(run_plan, update_busy_s)
     sum_rate = learned_sum_rate(run_plan, reduce_busy_s or [])
-    if rate is not None and sums_on_host(plan.workload.world, run_plan.grad_route):
+    if rate is not None and sums_on_host(plan.workload.world, run_plan.step.grad_route):
         measured.update(adamw_train_summed_params_per_s=rate, adamw_train_summed_model_params=params)
         if sum_rate:  # not measured: an earlier run's figure is kept
             measured.update(reduce_train_summed_gbps=sum_rate)

@@ -20,13 +20,13 @@ import torch.nn.functional as F
 
 from slidedp.config import JobConfig, load_job, model_config
 from slidedp.data import Batches
-from slidedp.loss import IGNORE_INDEX
+from slidedp.worker.loss import IGNORE_INDEX
 from slidedp.model import layers
+from slidedp.model.dtypes import torch_dtype
 from slidedp.sft.packing import DocBatches
 from slidedp.sft.setup import open_training
 from slidedp.schedule import lr_at
 
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 @dataclass
@@ -138,7 +138,7 @@ def reference_main(argv: Sequence[str] | None = None) -> int:
     def report(step: int, loss: float, norm: float, lr: float) -> None:
         print(f"step {step + 1}/{total} loss {loss:.4f} grad_norm {norm:.3f} lr {lr:.3e}", flush=True)
 
-    train_reference(job, params, batches, steps=args.steps, dtype=_DTYPES[job.train.compute_dtype], on_step=report)
+    train_reference(job, params, batches, steps=args.steps, dtype=torch_dtype(job.train.compute_dtype), on_step=report)
     return 0
 
 

@@ -7,7 +7,9 @@ from slidedp.planner.calibration import (
     calibrate,
     load_or_calibrate,
 )
-from slidedp.planner.plan import Choices, Plan, PlanError, Workload, make_plan, predict_step
+from slidedp.planner.plan import Plan, PlanError, make_plan
+from slidedp.planner.step_model import predict_step
+from slidedp.planner.workload import Choices, Workload
 
 __all__ = [
     "H200_REFERENCE",

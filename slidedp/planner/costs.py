@@ -233,7 +233,7 @@ def layer_workspace_bytes(model: ModelConfig, micro_batch: int, seq_len: int, se
     return tokens * attention_bytes_per_token(model, compute_dtype) + tile * mlp_bytes_per_token(model, compute_dtype)
 
 
-STAGING_BYTES = (32 << 20) * 4  # slidedp.delivery.STAGING_ELEMENTS fp32
+STAGING_BYTES = (32 << 20) * 4  # slidedp.worker.delivery.STAGING_ELEMENTS fp32
 
 
 # When an item is live, for the items that are not live the whole step. The step's peak is the

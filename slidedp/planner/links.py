@@ -51,7 +51,7 @@ def measure_links(n: int, device: str = "cuda", mib: int = 256, reps: int = 10,
 def _rank_main(rank: int, world: int, rendezvous: str, device: str, mib: int, reps: int) -> dict[str, float]:
     import torch
     import torch.distributed as dist
-    from slidedp.collectives import all_gather_single
+    from slidedp.worker.collectives import all_gather_single
 
     cuda = device == "cuda"
     if cuda:

@@ -1,28 +1,8 @@
-"""The step-time model and the planner.
+"""The planner: the fastest choices that fit a GPU memory budget, and the plan it reports.
 
-The model replays one rank's schedule (ARCHITECTURE.md, "The step") as a small event
-simulation over five resources, each a FIFO server:
-
-  h2d     the copy-in stream: parameter chunks (prefetched `prefetch_depth` chunks ahead),
-          embedding rows, offloaded activations
-  gpu     compute: forward, loss, recompute + backward, the GPU AdamW of a GPU-resident embedding
-  d2h     the copy-out stream: fp32 chunk gradients, offloaded activations
-  reduce  the aggregator summing the ranks' gradients of a chunk (nothing to do with one rank)
-  update  the updater pool: K processes running the fused CPU AdamW, one chunk at a time each
-
-A chunk's H2D in step s+1 waits for its update in step s (the version gate), so whatever the
-CPU has not finished when the GPU wants a chunk back is exposed: the tail (layer 0 and the
-embedding rows the next batch needs), and, with exact gradient clipping, the whole update,
-because no update starts before the last gradient is out (the global norm). A few steps are
-simulated and the steady-state period is the predicted step time. Ranks are symmetric, so
-one rank stands for all; `world` enters through the per-rank batch and the reduction.
-
-What the model leaves out (so the measured step may be a little longer): host memory
-bandwidth shared by DMA, aggregator and updaters (charged as a fixed share of the bare AdamW
-rate, Calibration.adamw_train_fraction, until a run on the host has measured the updaters' rate
-in training, which the next plan charges instead);
-kernel-launch and Python overheads; the efficiency loss of small micro-batches; messages
-and version polling.
+`make_plan` searches the choices (micro-batch, activations, embedding placement, prefetch depth,
+routes, tiles, resident and device-held layers), charges each with the step-time model
+(step_model.predict_step) and the memory model (costs), and returns the `Plan`.
 """
 
 from __future__ import annotations
@@ -32,14 +12,13 @@ from dataclasses import dataclass, replace
 from typing import Callable
 
 from slidedp.jobrecord import sums_on_host
-from slidedp.model.config import ModelConfig
+from slidedp.stepplan import StepPlan
 from slidedp.planner import costs
-from slidedp.planner.calibration import Calibration, gpu_shape
+from slidedp.planner.calibration import Calibration
 from slidedp.planner.costs import GiB
+from slidedp.planner.step_model import RESOURCES, predict_step
+from slidedp.planner.workload import Choices, Workload
 
-RESOURCES = ("gpu", "h2d", "d2h", "reduce", "update")
-_STEPS = 8  # simulated steps; the period is averaged over the last _AVERAGE of them
-_AVERAGE = 4
 _LOSS_CHUNKS = (1024, 512, 256, 128)  # tokens per logits chunk, largest that fits first
 _TIE = 1e-9  # relative: resident layers that change a prediction by less than this buy nothing
 # Plans predicted within 2% of the fastest count as equally fast when choosing among them: the
@@ -52,85 +31,6 @@ _EQUAL = 0.02
 class PlanError(ValueError):
     """No plan fits: the message names the smallest budget that would and the knob to turn."""
 
-
-@dataclass(frozen=True)
-class Workload:
-    model: ModelConfig
-    global_batch: int  # sequences per optimizer step, all ranks together
-    seq_len: int
-    world: int
-    micro_batch: int  # sequences per forward/backward pass on one rank
-    compute_dtype: str = "bf16"
-    clip: bool = True  # exact global-norm gradient clipping (max_grad_norm > 0)
-    updaters: int = 1  # CPU updater processes (K)
-    compiled: bool = False  # the worker runs the layers' pointwise kernels compiled (train.compile)
-
-    def __post_init__(self) -> None:
-        for name in ("global_batch", "seq_len", "world", "micro_batch", "updaters"):
-            if int(getattr(self, name)) < 1:
-                raise ValueError(f"workload {name} must be a positive integer, got {getattr(self, name)!r}")
-        if self.global_batch % self.world:
-            raise ValueError(f"global_batch ({self.global_batch}) must be a multiple of world ({self.world})")
-        if self.local_batch % self.micro_batch:
-            raise ValueError(
-                f"micro_batch ({self.micro_batch}) must divide the sequences per rank "
-                f"(global_batch / world = {self.local_batch})"
-            )
-        costs.dtype_bytes(self.compute_dtype)
-
-    @property
-    def local_batch(self) -> int:
-        return self.global_batch // self.world
-
-    @property
-    def local_tokens(self) -> int:
-        return self.local_batch * self.seq_len
-
-    @property
-    def tokens_per_step(self) -> int:
-        return self.global_batch * self.seq_len
-
-
-@dataclass(frozen=True)
-class Choices:
-    """What the planner decides; everything `predict_step` needs besides the workload."""
-
-    activations: str = "keep"  # "keep" on the GPU | "offload" to pinned host memory
-    embedding: str = "host"  # "host" (rows gathered, CPU update) | "gpu" (resident, GPU AdamW)
-    delivery: str = "fp32"  # what crosses PCIe to the GPU: fp32 master | bf16 shadow
-    prefetch_depth: int = 1
-    resident_layers: int = 0  # last layers kept on the GPU from forward to backward
-    device_layers: int = 0  # first layers held on the GPU with their AdamW state (no copies, GPU AdamW)
-    micro_batch: int | None = None  # None: the workload's
-    chunk_rows: int | None = None  # None: as many rows as one decoder layer has parameters
-    loss_chunk_tokens: int = 1024
-    offload_layers: int | None = None  # with activations = "offload": the first layers offloaded (None: all)
-    seq_tile_tokens: int = 0  # MLP/norm/head tile along the sequence; 0: untiled
-    param_route: str = "replicated"  # | "sharded": 1/N per rank over PCIe, all-gathered over the GPU links
-    grad_route: str = "host"  # | "reduce_scatter": summed on the GPUs, 1/N per rank over PCIe
-
-    def __post_init__(self) -> None:
-        if self.activations not in ("keep", "offload"):
-            raise ValueError(f"activations must be 'keep' or 'offload', got {self.activations!r}")
-        if self.param_route not in ("replicated", "sharded"):
-            raise ValueError(f"param_route must be 'replicated' or 'sharded', got {self.param_route!r}")
-        if self.grad_route not in ("host", "reduce_scatter"):
-            raise ValueError(f"grad_route must be 'host' or 'reduce_scatter', got {self.grad_route!r}")
-        if self.embedding not in ("host", "gpu"):
-            raise ValueError(f"embedding must be 'host' or 'gpu', got {self.embedding!r}")
-        costs.delivery_bytes(self.delivery)
-        if not 1 <= self.prefetch_depth <= 8:
-            raise ValueError(f"prefetch_depth must be between 1 and 8, got {self.prefetch_depth}")
-        if self.seq_tile_tokens < 0:
-            raise ValueError(f"seq_tile_tokens must be >= 0, got {self.seq_tile_tokens}")
-        if self.device_layers < 0:
-            raise ValueError(f"device_layers must be >= 0, got {self.device_layers}")
-
-    def offloaded(self, num_layers: int) -> int:
-        """How many layers' inputs wait in host memory."""
-        if self.activations == "keep":
-            return 0
-        return num_layers if self.offload_layers is None else min(self.offload_layers, num_layers)
 
 
 @dataclass(frozen=True)
@@ -167,6 +67,18 @@ class Plan:
             micro_batch=self.micro_batch, chunk_rows=self.chunk_rows, loss_chunk_tokens=self.loss_chunk_tokens,
             offload_layers=self.offload_layers, seq_tile_tokens=self.seq_tile_tokens, param_route=self.param_route,
             grad_route=self.grad_route, device_layers=self.device_layers,
+        )
+
+    def step_plan(self) -> StepPlan:
+        """What the ranks carry out of this plan, with its prediction."""
+        return StepPlan(
+            micro_batch=self.micro_batch, compute_dtype=self.workload.compute_dtype, param_route=self.param_route,
+            delivery=self.delivery, prefetch_depth=self.prefetch_depth, chunk_rows=self.chunk_rows,
+            resident_layers=self.resident_layers, offload_layers=self.offload_layers,
+            seq_tile_tokens=self.seq_tile_tokens, loss_chunk_tokens=self.loss_chunk_tokens,
+            device_layers=self.device_layers, embedding="device" if self.embedding == "gpu" else "host",
+            grad_route=self.grad_route, predicted_step_s=self.predicted_step_s,
+            planned_device_bytes=self.gpu_total_bytes, planned_by="planner",
         )
 
     @staticmethod
@@ -241,209 +153,6 @@ def _update_rate_note(work: Workload, ch: Choices, calib: Calibration) -> str:
         f"{predict_step(work, ch, low)[2]:.3f} s")
     return (f"update charged at {rate:.2f} G params/s per updater: {calib.adamw_train_fraction:g} x the bare kernel "
             f"until a run of this model on this host measures its rate in training" + guard)
-
-
-# --------------------------------------------------------------------------------------
-# the schedule as tasks
-
-
-@dataclass(frozen=True)
-class _Job:
-    """Host work on one chunk's gradient: the aggregator's sum, then the CPU AdamW."""
-
-    name: str
-    reduce_s: float
-    update_s: float
-
-
-@dataclass(frozen=True)
-class _Task:
-    """One GPU step of the schedule: copy in, compute, copy out, then release host jobs."""
-
-    name: str
-    h2d_s: float = 0.0
-    gpu_s: float = 0.0
-    d2h_s: float = 0.0
-    gate: tuple[str, ...] = ()  # jobs of the previous step that must be done before the copy-in
-    jobs: tuple[_Job, ...] = ()
-    clip_gated: bool = False  # an optimizer step on the GPU: needs the global norm when clipping
-
-
-def _rates(calib: Calibration, both: bool, ranks: int = 1) -> tuple[float, float]:
-    """H2D and D2H bytes/s of one rank; when a phase moves data both ways, they share the
-    bidirectional rate in proportion to their solo rates (never above a solo rate). With several
-    ranks copying in at once, each gets at most its share of the host's measured total."""
-    h, d = calib.h2d_gbps * 1e9, calib.d2h_gbps * 1e9
-    if ranks > 1 and calib.h2d_total_gbps:
-        h = min(h, calib.h2d_total_gbps * 1e9 / ranks)
-    if not both:
-        return h, d
-    share = calib.bidir_gbps * 1e9
-    return min(h, share * h / (h + d)), min(d, share * d / (h + d))
-
-
-def _tasks(work: Workload, ch: Choices, calib: Calibration) -> list[_Task]:
-    m, nl, h, v = work.model, work.model.num_layers, work.model.hidden_size, work.model.vocab_size
-    db = costs.delivery_bytes(ch.delivery)
-    gb = costs.GRAD_BYTES
-    p_layer = costs.layer_params(m)
-    tokens = work.local_tokens
-    act = costs.activation_bytes(m, tokens, work.compute_dtype)
-    off = ch.offloaded(nl)
-    offload = off > 0
-    k = ch.resident_layers
-    n, bus = work.world, calib.allreduce_gbps * 1e9
-    fwd_in, fwd_out = _rates(calib, both=offload, ranks=n)
-    held = min(ch.device_layers, nl)  # layers 0..held-1 never leave the GPU: no copies, no host update
-    bwd_in, bwd_out = _rates(calib, both=offload or k + held < nl, ranks=n)  # backward re-fetches, if any
-    cb = costs.dtype_bytes(work.compute_dtype)
-
-    def params_in(params: float, rate: float) -> float:
-        """Copy-stream time of `params` parameters: whole over PCIe, or 1/N over PCIe then the all-gather."""
-        if ch.param_route == "replicated" or n == 1:
-            return params * db / rate
-        return params * db / n / rate + params * cb * (n - 1) / n / bus
-
-    def grads_out(params: float, rate: float) -> float:
-        """Copy-out time of `params` fp32 gradients: whole, or the reduce-scatter then 1/N over PCIe."""
-        if ch.grad_route == "host" or n == 1:
-            return params * gb / rate
-        return params * gb / n / rate + params * gb * (n - 1) / n / bus
-
-    flops = calib.gpu_tflops * 1e12
-    g_fwd = tokens * costs.layer_forward_flops_per_token(m, work.seq_len) / flops
-    if work.compiled:
-        g_fwd /= costs.COMPILED_LAYER_SPEEDUP
-    g_loss = tokens * costs.head_step_flops_per_token(m) / flops
-    summed = sums_on_host(work.world, ch.grad_route)
-    upd_scale = costs.update_bytes_per_param(ch.delivery) / 28.0 / calib.update_params_per_s(m.num_parameters(), summed)
-    red_scale = gb * costs.reduce_traffic_factor(work.world, ch.grad_route, work.clip) / (
-        calib.reduce_rate_gbps(m.num_parameters(), summed) * 1e9)
-
-    def job(name: str, params: float) -> _Job:
-        return _Job(name, params * red_scale, params * upd_scale)
-
-    host_emb = ch.embedding == "host"
-    rows = costs.row_blocks(v, ch.chunk_rows or costs.default_chunk_rows(m))
-    tasks: list[_Task] = []
-    # ---- forward
-    if host_emb:
-        tasks.append(_Task("embedding rows", h2d_s=tokens * h * db / fwd_in, gate=("embedding:next",)))
-    for c in range(nl):
-        tasks.append(_Task(
-            f"layer {c} fwd", h2d_s=params_in(p_layer, fwd_in) if c >= held else 0.0, gpu_s=g_fwd,
-            d2h_s=act / fwd_out if c < off else 0.0, gate=(f"layer {c}",) if c >= held else (),
-        ))
-    # ---- loss: the final norm and the head (fetched in row blocks when it lives on the host)
-    norm_in, norm_job = params_in(h, fwd_in), job("norm", h)
-    if host_emb:
-        for j, r in enumerate(rows):
-            gate = ("embedding:next", f"embedding:{j}") if m.tie_word_embeddings else (f"head:{j}",)
-            tasks.append(_Task(
-                f"head block {j} in", h2d_s=params_in(r * h, fwd_in) + (norm_in if j == 0 else 0.0),
-                gate=gate + (("norm",) if j == 0 else ()),
-            ))
-        tasks.append(_Task("loss", gpu_s=g_loss, d2h_s=grads_out(h, bwd_out), jobs=(norm_job,)))
-        if not m.tie_word_embeddings:  # an untied head's gradient is complete now: out it goes
-            tasks += [
-                _Task(f"head block {j} grad", d2h_s=grads_out(r * h, bwd_out), jobs=(job(f"head:{j}", r * h),))
-                for j, r in enumerate(rows)
-            ]
-    else:
-        tasks.append(_Task("loss", h2d_s=norm_in, gpu_s=g_loss, d2h_s=grads_out(h, bwd_out), gate=("norm",), jobs=(norm_job,)))
-    # ---- backward
-    for c in reversed(range(nl)):
-        fetch = (0.0 if c >= nl - k or c < held else params_in(p_layer, bwd_in)) + (act / bwd_in if c < off else 0.0)
-        tasks.append(_Task(
-            f"layer {c} bwd", h2d_s=fetch, gpu_s=3.0 * g_fwd, d2h_s=grads_out(p_layer, bwd_out) if c >= held else 0.0,
-            jobs=(job(f"layer {c}", p_layer),) if c >= held else (),
-        ))
-    if host_emb:
-        # the whole embedding gradient leaves the GPU; the updater first updates the rows the
-        # next batch needs (at most one per token of the global batch), then the rest by block
-        need = min(v, work.tokens_per_step)
-        emb_jobs = (job("embedding:next", need * h),) + tuple(
-            job(f"embedding:{j}", r * h * (1 - need / v)) for j, r in enumerate(rows)
-        )
-        tasks += [
-            _Task(f"embedding block {j} grad", d2h_s=grads_out(r * h, bwd_out), jobs=emb_jobs if j == len(rows) - 1 else ())
-            for j, r in enumerate(rows)
-        ]
-    gpu_held = held * p_layer + (0 if host_emb else costs.embedding_params(m) + costs.head_params(m))
-    if gpu_held:  # the device-held units: gradients all-reduced among ranks, AdamW on the GPU, after backward
-        allreduce = 2 * (work.world - 1) / work.world * gpu_held * gb / (calib.allreduce_gbps * 1e9)
-        tasks.append(_Task("device-held AdamW (GPU)", gpu_s=gpu_held / calib.gpu_adamw_params_per_s + allreduce,
-                           clip_gated=True))
-    # what a run of this model with GPU work of this shape measured of it, against the rates above
-    scale = calib.gpu_scale(m.num_parameters(), gpu_work_shape(work, ch))
-    return [replace(t, gpu_s=t.gpu_s * scale) for t in tasks] if scale != 1.0 else tasks
-
-
-def gpu_work_shape(work: Workload, ch: Choices) -> str:
-    """The shape of a plan's GPU work, as a calibration keeps the GPU time a run of it measured."""
-    return gpu_shape((ch.micro_batch or work.micro_batch) * work.seq_len, ch.loss_chunk_tokens, ch.seq_tile_tokens,
-                     work.world, f"params {ch.param_route}, grads {ch.grad_route}")
-
-
-def _period(tasks: list[_Task], depth: int, updaters: int, clip: bool) -> float:
-    """Steady-state step time of the schedule: simulate a few steps, average the last ones."""
-    h2d_free = gpu_free = d2h_free = reduce_free = 0.0
-    servers = [0.0] * updaters
-    fetch_starts: list[float] = []  # compute start of each task that copies in, in order
-    done: dict[str, float] = {}  # job -> time its update finished in the previous step
-    ends: list[float] = []
-    for _ in range(_STEPS):
-        released: list[tuple[_Job, float]] = []
-        for t in tasks:
-            ready = max([done.get(g, 0.0) for g in t.gate], default=0.0)
-            # depth + 1 slots: this copy may start once the fetch `depth` back has begun computing
-            slot = fetch_starts[-depth] if len(fetch_starts) >= depth else 0.0
-            h2d_end = max(h2d_free, ready, slot) + t.h2d_s
-            if t.h2d_s > 0:
-                h2d_free = h2d_end
-            start = max(gpu_free, h2d_end)
-            if t.clip_gated and clip and released:
-                start = max(start, max(r for _, r in released))
-            if t.h2d_s > 0:
-                fetch_starts.append(start)
-            gpu_free = start + t.gpu_s
-            out = gpu_free
-            if t.d2h_s > 0:
-                d2h_free = max(d2h_free, gpu_free) + t.d2h_s
-                out = d2h_free
-            for j in t.jobs:
-                if j.reduce_s > 0:
-                    reduce_free = max(reduce_free, out) + j.reduce_s
-                    released.append((j, reduce_free))
-                else:
-                    released.append((j, out))
-        norm_known = max((r for _, r in released), default=0.0) if clip else 0.0
-        done = {}
-        for j, r in released:
-            s = min(range(updaters), key=servers.__getitem__)
-            servers[s] = max(servers[s], r, norm_known) + j.update_s
-            done[j.name] = servers[s]
-        ends.append(gpu_free)
-    return (ends[-1] - ends[-1 - _AVERAGE]) / _AVERAGE
-
-
-def predict_step(work: Workload, choices: Choices, calib: Calibration) -> tuple[dict[str, float], float, float]:
-    """The model: (busy seconds per resource per step, exposed seconds, predicted step seconds)."""
-    if not 0 <= choices.resident_layers <= work.model.num_layers:
-        raise ValueError(f"resident_layers must be between 0 and {work.model.num_layers}, got {choices.resident_layers}")
-    if choices.micro_batch is not None and work.local_batch % choices.micro_batch:
-        raise ValueError(f"micro_batch ({choices.micro_batch}) must divide the sequences per rank ({work.local_batch})")
-    tasks = _tasks(work, choices, calib)
-    jobs = [j for t in tasks for j in t.jobs]
-    busy = {
-        "gpu": sum(t.gpu_s for t in tasks),
-        "h2d": sum(t.h2d_s for t in tasks),
-        "d2h": sum(t.d2h_s for t in tasks),
-        "reduce": sum(j.reduce_s for j in jobs),
-        "update": sum(j.update_s for j in jobs) / work.updaters,
-    }
-    step = _period(tasks, choices.prefetch_depth, work.updaters, work.clip)
-    return busy, step - busy["gpu"], step
 
 
 # --------------------------------------------------------------------------------------

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from slidedp.delivery import unit_tensors
-from slidedp.loss import IGNORE_INDEX, chunked_cross_entropy_sum
+from slidedp.worker.delivery import unit_tensors
+from slidedp.worker.loss import IGNORE_INDEX, chunked_cross_entropy_sum
 from slidedp.model import layers as L
 
 
@@ -47,7 +47,7 @@ def eval_loss(engine, version: int, ids: torch.Tensor, targets: torch.Tensor, po
             if layer + 1 < cfg.num_layers and nxt not in held:
                 engine.delivery.prefetch(engine.units[nxt], version)
         p = L.fuse_projections(p)
-        xs = [L.layer_forward(cfg, p, x, r, engine.policy.seq_tile_tokens) for x, r in zip(xs, ropes)]
+        xs = [L.layer_forward(cfg, p, x, r, engine.plan.seq_tile_tokens) for x, r in zip(xs, ropes)]
         del p
     norm_unit = engine.units["norm"]
     norm_w = unit_tensors(engine.delivery.fetch(norm_unit, version), norm_unit)["model.norm.weight"]
@@ -56,5 +56,5 @@ def eval_loss(engine, version: int, ids: torch.Tensor, targets: torch.Tensor, po
     targets_dev = targets.to(engine.device)
     for x, tgt in zip(xs, targets_dev):
         h = L.final_norm(cfg, norm_w, x).reshape(-1, H)
-        total += chunked_cross_entropy_sum(h, head_w, tgt.reshape(-1), engine.policy.loss_chunk_tokens)
+        total += chunked_cross_entropy_sum(h, head_w, tgt.reshape(-1), engine.plan.loss_chunk_tokens)
     return float(total), int((targets != IGNORE_INDEX).sum())

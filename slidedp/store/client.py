@@ -28,13 +28,8 @@ def daemon_running(store: str) -> bool:
     return daemonlock.held(store, "hoststate")
 
 
-# What serving a request in this process can raise that the daemon sends back as a refusal
-# (daemons/hoststate.py `serve`): the same errors give the same StoreRequestError either way.
-_REFUSALS = (RuntimeError, ValueError, KeyError, OSError)
-
-
 def _serve_here(store: str, kind: str, args: dict[str, Any]) -> dict[str, Any]:
-    from slidedp.daemons.hoststate import HostStateCore
+    from .service import REFUSALS, HostStateCore, refusal_text  # the daemon's logic; it imports torch
 
     fd = daemonlock.acquire(store, "hoststate")  # keeps a daemon from starting while we work on the segments
     try:
@@ -46,8 +41,8 @@ def _serve_here(store: str, kind: str, args: dict[str, Any]) -> dict[str, Any]:
             raise StoreRequestError(f"{e} (`slidedp-store destroy {store}` removes it)") from None
         try:
             return core.handle(kind, args)
-        except _REFUSALS as e:
-            raise StoreRequestError(str(e) if not isinstance(e, KeyError) else f"missing argument {e.args[0]!r}") from None
+        except REFUSALS as e:  # as the daemon refuses it
+            raise StoreRequestError(refusal_text(e)) from None
         finally:
             core.close()
     finally:

@@ -128,6 +128,31 @@ def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
+@dataclass(frozen=True)
+class Shard:
+    """Rank `rank`'s part [start, end) of a flat range of `numel` elements cut into `world` shards of `size`."""
+
+    numel: int
+    world: int
+    rank: int
+
+    @property
+    def size(self) -> int:
+        return -(-self.numel // self.world)
+
+    @property
+    def padded(self) -> int:
+        return self.size * self.world
+
+    @property
+    def start(self) -> int:
+        return min(self.rank * self.size, self.numel)
+
+    @property
+    def end(self) -> int:
+        return min(self.start + self.size, self.numel)
+
+
 def default_chunk_rows(cfg: ModelConfig) -> int:
     """Row blocks of embedding/head no larger than one decoder layer."""
     layer_numel = sum(math.prod(s) for _, s in cfg.layer_parameter_shapes())

@@ -31,8 +31,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from slidedp import sdnotify
-from slidedp.daemons import hoststate
+from slidedp.daemons import sdnotify
+from slidedp.daemons.hoststate import shell as hoststate
 from slidedp.store.shm import list_store_segments, unlink_store
 
 try:  # tests/ a package (tests.integration) or not (integration, pipeline: top-level)

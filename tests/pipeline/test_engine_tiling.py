@@ -14,9 +14,10 @@ from typing import Callable
 import pytest
 import torch
 
-from slidedp.activations import SavedInputs
-from slidedp.delivery import Unit, unit_tensors
-from slidedp.engine import Engine, EnginePolicy, units_of
+from slidedp.worker.activations import SavedInputs
+from slidedp.worker.delivery import Unit, unit_tensors
+from slidedp.stepplan import StepPlan
+from slidedp.worker.engine import Engine, units_of
 from slidedp.model.config import NAMED_SHAPES, ModelConfig
 from slidedp.model.init import init_tensor_
 from slidedp.store.layout import Chunk, Layout, make_layout
@@ -60,7 +61,7 @@ def initial_master(layout: Layout) -> torch.Tensor:
     return master
 
 
-def make_engine(cfg: ModelConfig, policy: EnginePolicy, link: FakeLink, held_layers: int = 0) -> Engine:
+def make_engine(cfg: ModelConfig, policy: StepPlan, link: FakeLink, held_layers: int = 0) -> Engine:
     """An fp32 CPU engine over a fresh master, with one gradient slot per chunk (none reused in a step)
     and its first `held_layers` layers held (HeldStandIn)."""
     layout = make_layout(cfg)
@@ -72,7 +73,7 @@ def make_engine(cfg: ModelConfig, policy: EnginePolicy, link: FakeLink, held_lay
                   lambda slot, numel: slots[slot, :numel], M * MB * T, policy, held=held)
 
 
-def train(cfg: ModelConfig, policy: EnginePolicy, observe: Callable[[Engine], None] = lambda engine: None,
+def train(cfg: ModelConfig, policy: StepPlan, observe: Callable[[Engine], None] = lambda engine: None,
           ) -> tuple[list[float], list[dict[int, torch.Tensor]]]:
     """Losses and every chunk's gradient of STEPS engine steps with SGD between them (`observe` gets
     the engine before its first step)."""
@@ -103,10 +104,10 @@ def train(cfg: ModelConfig, policy: EnginePolicy, observe: Callable[[Engine], No
 @pytest.mark.parametrize("shape", ["tiny", "tiny-llama"])  # tied Qwen3 (qk norm), untied Llama
 def test_tiling_and_offload_match_the_plain_step(shape):
     cfg = NAMED_SHAPES[shape]
-    base_losses, base_grads = train(cfg, EnginePolicy())
-    for policy in (EnginePolicy(seq_tile_tokens=7, offload_layers=2),
-                   EnginePolicy(seq_tile_tokens=7, offload_layers=cfg.num_layers, resident_layers=1),
-                   EnginePolicy(offload_layers=1)):
+    base_losses, base_grads = train(cfg, StepPlan())
+    for policy in (StepPlan(seq_tile_tokens=7, offload_layers=2),
+                   StepPlan(seq_tile_tokens=7, offload_layers=cfg.num_layers, resident_layers=1),
+                   StepPlan(offload_layers=1)):
         losses, grads = train(cfg, policy)
         for step in range(STEPS):
             assert abs(losses[step] - base_losses[step]) < 1e-5 * base_losses[step], (policy, step)
@@ -117,8 +118,8 @@ def test_tiling_and_offload_match_the_plain_step(shape):
 def test_offload_only_is_exact():
     """Offloading moves the saved inputs, it computes nothing: bit-identical gradients."""
     cfg = NAMED_SHAPES["tiny"]
-    base_losses, base_grads = train(cfg, EnginePolicy())
-    losses, grads = train(cfg, EnginePolicy(offload_layers=cfg.num_layers))
+    base_losses, base_grads = train(cfg, StepPlan())
+    losses, grads = train(cfg, StepPlan(offload_layers=cfg.num_layers))
     assert losses == base_losses
     assert all(torch.equal(grads[s][c], base_grads[s][c]) for s in range(STEPS) for c in base_grads[s])
 
@@ -145,14 +146,14 @@ def test_saved_inputs_reuse_the_host_buffer():
 
 def test_policy_is_validated():
     with pytest.raises(ValueError, match="seq_tile_tokens"):
-        EnginePolicy(seq_tile_tokens=-1)
-    with pytest.raises(ValueError, match="prefetch_depth must be >= 1, got 0"):
-        EnginePolicy(prefetch_depth=0)
+        StepPlan(seq_tile_tokens=-1)
+    with pytest.raises(ValueError, match="prefetch_depth must be between 1 and 8, got 0"):
+        StepPlan(prefetch_depth=0)
     cfg = NAMED_SHAPES["tiny"]
     layout = make_layout(cfg)
     with pytest.raises(ValueError, match="offload_layers"):
         Engine(cfg, layout, initial_master(layout), torch.device("cpu"), torch.float32, FakeLink(1),
-               lambda slot, numel: None, 1, EnginePolicy(offload_layers=cfg.num_layers + 1))
+               lambda slot, numel: None, 1, StepPlan(offload_layers=cfg.num_layers + 1))
 
 
 def log_copies(engine: Engine, events: list[tuple[str, str, int]]) -> None:
@@ -176,9 +177,9 @@ def test_prefetch_depth_keeps_that_many_layer_copies_ahead(depth, resident):
     """Before a layer is taken, the copies of the next `depth` layers the pass fetches are running
     (never more); the numbers are those of the default depth, bit for bit."""
     cfg = replace(NAMED_SHAPES["tiny"], num_layers=6)
-    base_losses, base_grads = train(cfg, EnginePolicy(resident_layers=resident))
+    base_losses, base_grads = train(cfg, StepPlan(resident_layers=resident))
     events: list[tuple[str, str, int]] = []
-    losses, grads = train(cfg, EnginePolicy(prefetch_depth=depth, resident_layers=resident),
+    losses, grads = train(cfg, StepPlan(prefetch_depth=depth, resident_layers=resident),
                           lambda engine: log_copies(engine, events))
     assert losses == base_losses
     assert all(torch.equal(grads[s][c], base_grads[s][c]) for s in range(STEPS) for c in base_grads[s])
@@ -240,7 +241,7 @@ def test_held_layers_are_queued_before_the_wait_for_the_first_fetched_layer(monk
     import slidedp.model.layers as layers
 
     cfg, held = replace(NAMED_SHAPES["tiny"], num_layers=6), 3
-    engine = make_engine(cfg, EnginePolicy(prefetch_depth=depth), HeldLink(len(make_layout(cfg).chunks)), held)
+    engine = make_engine(cfg, StepPlan(prefetch_depth=depth), HeldLink(len(make_layout(cfg).chunks)), held)
     events: list[tuple[str, str, int]] = []
     log_copies(engine, events)
     forward = layers.layer_forward
@@ -265,7 +266,7 @@ def test_a_skipped_step_leaves_no_copy_behind():
             return True
 
     cfg = replace(NAMED_SHAPES["tiny"], num_layers=6)
-    engine = make_engine(cfg, EnginePolicy(prefetch_depth=2), SkippingLink(len(make_layout(cfg).chunks)))
+    engine = make_engine(cfg, StepPlan(prefetch_depth=2), SkippingLink(len(make_layout(cfg).chunks)))
     events: list[tuple[str, str, int]] = []
     log_copies(engine, events)
     seqs = torch.randint(0, cfg.vocab_size, (M, MB, T + 1), generator=torch.Generator().manual_seed(5))

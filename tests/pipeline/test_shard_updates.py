@@ -13,9 +13,9 @@ import math
 import pytest
 import torch
 
-from slidedp.collectives import Shard
-from slidedp.daemons.aggregator import AggregatorCore
-from slidedp.daemons.updater_member import UpdaterCore
+from slidedp.store.layout import Shard
+from slidedp.daemons.aggregator.core import AggregatorCore
+from slidedp.daemons.updater.core import UpdaterCore
 from slidedp.protocol import SOURCE_RANK_SHARD, Credit, Grad, Ready, Update
 from slidedp.schedule import lr_at
 from slidedp.store.store import STATE_KINDS

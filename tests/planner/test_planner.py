@@ -27,6 +27,7 @@ from slidedp.planner import (
     predict_step,
 )
 from slidedp.planner import calibration as calibration_mod
+from slidedp.stepplan import StepPlan
 from slidedp.planner import costs
 from slidedp.planner.costs import GiB
 
@@ -633,14 +634,14 @@ def test_long_sequence_plans_tile_then_offload_as_the_budget_shrinks():
 def test_a_training_run_teaches_the_planner_its_adamw_rate_for_that_model(tmp_path):
     """The launcher keeps the updaters' measured rate with the calibration; plans of that model
     charge it, plans of other models keep the bare kernel's rate."""
-    from slidedp.launch.planning import RunPlan, learned_update_rate, record_training  # noqa: PLC0415
+    from slidedp.launch.planning import JobPlan, learned_update_rate, record_training  # noqa: PLC0415
 
     cal = dataclasses.replace(H200_REFERENCE, host="host-a", device_name="GPU X")
     work = Workload(named_shape("qwen3-4b"), global_batch=8, seq_len=2048, world=1, micro_batch=2, clip=False)
     plan = make_plan(work, 24 * GiB, cal, {"delivery": ("fp32",)})  # fp32 master: 28 B per param updated
     host_params = costs.host_updated_params(work.model, plan.embedding)
     busy = [9.0, host_params / 2.0e9, host_params / 2.5e9, host_params / 2.2e9]  # the first step is left out
-    saved = record_training(RunPlan(plan=plan), busy, [], cache_dir=str(tmp_path))
+    saved = record_training(JobPlan(StepPlan(), plan), busy, [], cache_dir=str(tmp_path))
     assert saved is not None and saved.adamw_train_params_per_s == pytest.approx(2.2e9)
     assert saved == calibration_mod.load(tmp_path / "calibration-host-a-GPU_X.json", work.model.num_parameters())
     assert saved == dataclasses.replace(cal, adamw_train_params_per_s=saved.adamw_train_params_per_s,
@@ -662,12 +663,12 @@ def test_a_training_run_teaches_the_planner_its_adamw_rate_for_that_model(tmp_pa
             in make_plan(work, 24 * GiB, saved, {"delivery": ("fp32",)}).describe())
     assert "0.6 x the bare kernel" in make_plan(other, 24 * GiB, saved).describe()
     # too few steps, or no plan (a CPU run): nothing learned, nothing written
-    assert record_training(RunPlan(plan=plan), busy[:2], [], cache_dir=str(tmp_path / "x")) is None
-    assert record_training(RunPlan(), busy, busy, cache_dir=str(tmp_path / "x")) is None
+    assert record_training(JobPlan(StepPlan(), plan), busy[:2], [], cache_dir=str(tmp_path / "x")) is None
+    assert record_training(JobPlan(StepPlan()), busy, busy, cache_dir=str(tmp_path / "x")) is None
     # reduce-scattered gradients of two ranks (nothing summed on the host) teach the plain rate
     two = dataclasses.replace(work, global_batch=16, world=2)
     plan2 = make_plan(two, 24 * GiB, cal, {"delivery": ("fp32",), "grad_route": ("reduce_scatter",)})
-    assert learned_update_rate(RunPlan(plan=plan2, grad_route="reduce_scatter"), busy) is not None
+    assert learned_update_rate(JobPlan(StepPlan(grad_route="reduce_scatter"), plan2), busy) is not None
     assert not (tmp_path / "x").exists()
 
 
@@ -675,7 +676,7 @@ def test_a_run_that_summed_ranks_gradients_on_the_host_teaches_plans_with_such_a
     """Beside the aggregator's sum of several ranks' whole gradients the updaters and the sum both run
     far below their bare rates. Such a run keeps both rates apart: plans of that model with a host
     sum charge them, plans without one (one rank, reduce-scattered gradients) keep the plain rate."""
-    from slidedp.launch.planning import RunPlan, learned_sum_rate, record_training  # noqa: PLC0415
+    from slidedp.launch.planning import JobPlan, learned_sum_rate, record_training  # noqa: PLC0415
 
     cal = dataclasses.replace(H200_REFERENCE, host="host-s", device_name="GPU S", bus_gpus=2, allreduce_gbps=240.0,
                               h2d_total_gbps=110.0)
@@ -687,7 +688,7 @@ def test_a_run_that_summed_ranks_gradients_on_the_host_teaches_plans_with_such_a
     assert planned_reduce > 0
     update_busy = [9.0, params / 1.5e9, params / 1.6e9, params / 1.55e9]  # the first step is left out
     reduce_busy = [5.0, 4 * planned_reduce, 5 * planned_reduce, 4.5 * planned_reduce]
-    run = RunPlan(plan=plan, grad_route="host", device_layers=plan.device_layers)
+    run = JobPlan(StepPlan(grad_route="host", device_layers=plan.device_layers), plan)
     assert learned_sum_rate(run, reduce_busy) == pytest.approx(cal.reduce_gbps / 4.5)
     saved = record_training(run, update_busy, [], cache_dir=str(tmp_path), reduce_busy_s=reduce_busy)
     assert saved is not None
@@ -716,7 +717,7 @@ def test_a_run_that_summed_ranks_gradients_on_the_host_teaches_plans_with_such_a
     assert f"and the host sum at {cal.reduce_gbps:.1f} GB/s (its bare rate)" in make_plan(two, 24 * GiB, alone, summed).describe()
     # a run without a host sum teaches no sum rate
     one = make_plan(dataclasses.replace(two, global_batch=8, world=1), 24 * GiB, cal, {"delivery": ("fp32",)})
-    assert learned_sum_rate(RunPlan(plan=one, grad_route="host"), reduce_busy) is None
+    assert learned_sum_rate(JobPlan(StepPlan(grad_route="host"), one), reduce_busy) is None
 
 
 def test_a_training_run_teaches_the_planner_its_gpu_time_for_that_model_and_shape(tmp_path):
@@ -724,12 +725,12 @@ def test_a_training_run_teaches_the_planner_its_gpu_time_for_that_model_and_shap
     same shape (micro-batch, loss chunk and tile sizes, ranks and routes) charges it that much
     longer; a shape no run measured is charged the model's largest factor, so that it never looks
     faster for being unmeasured; another model keeps the calibrated rates."""
-    from slidedp.launch.planning import RunPlan, record_training  # noqa: PLC0415
+    from slidedp.launch.planning import JobPlan, record_training  # noqa: PLC0415
     from slidedp.planner.calibration import gpu_shape  # noqa: PLC0415
 
     def as_planned(p, **kw):
-        return RunPlan(plan=p, seq_tile_tokens=p.seq_tile_tokens, resident_layers=p.resident_layers,
-                       offload_layers=p.offload_layers, device_layers=p.device_layers, **kw)
+        return JobPlan(StepPlan(seq_tile_tokens=p.seq_tile_tokens, resident_layers=p.resident_layers,
+                                offload_layers=p.offload_layers, device_layers=p.device_layers, **kw), p)
 
     cal = dataclasses.replace(H200_REFERENCE, host="host-b", device_name="GPU Y")
     work = Workload(named_shape("qwen3-4b"), global_batch=8, seq_len=2048, world=1, micro_batch=2, clip=False)
@@ -758,7 +759,7 @@ def test_a_training_run_teaches_the_planner_its_gpu_time_for_that_model_and_shap
     assert both.gpu_scale(named_shape("qwen3-1.7b").num_parameters(), shape) == 1.0
     assert json.loads(both.with_gpu_factor(1, shape, 1.1).gpu_train_factors) == {shape: 1.1}  # another model: anew
     # nothing learned: a job that overrode the plan's tiles or layers, or too few steps
-    assert record_training(RunPlan(plan=plan, seq_tile_tokens=1024), [], side, cache_dir=str(tmp_path / "y")) is None
+    assert record_training(JobPlan(StepPlan(seq_tile_tokens=1024), plan), [], side, cache_dir=str(tmp_path / "y")) is None
     assert record_training(as_planned(plan), [], side[:2], cache_dir=str(tmp_path / "y")) is None
     assert not (tmp_path / "y").exists()
 

@@ -18,64 +18,64 @@ CUDA = ['runtime.device="cuda"', "runtime.workers=2", "train.global_batch=8", "t
 def test_cpu_runs_take_the_job_files_values_clamped_to_the_model():
     plan = plan_job(load_job(TINY, ["memory.seq_tile_tokens=24", "memory.offload_layers=99", "runtime.workers=2",
                                     'runtime.param_route="sharded"', 'runtime.grad_route="reduce_scatter"']))
-    assert (plan.seq_tile_tokens, plan.offload_layers) == (24, 2)  # tiny has 2 layers: "more means all"
-    assert (plan.param_route, plan.grad_route) == ("sharded", "reduce_scatter")
+    assert (plan.step.seq_tile_tokens, plan.step.offload_layers) == (24, 2)  # tiny has 2 layers: "more means all"
+    assert (plan.step.param_route, plan.step.grad_route) == ("sharded", "reduce_scatter")
     one = plan_job(load_job(TINY, ['runtime.param_route="sharded"', "runtime.workers=1"]))
-    assert (one.param_route, one.grad_route, one.seq_tile_tokens, one.offload_layers) == ("replicated", "host", 0, 0)
+    assert (one.step.param_route, one.step.grad_route, one.step.seq_tile_tokens, one.step.offload_layers) == ("replicated", "host", 0, 0)
 
 
 def test_routes_need_measured_links_unless_the_job_names_them():
     unmeasured = plan_job(load_job(TINY, CUDA), H200_REFERENCE)
-    assert (unmeasured.param_route, unmeasured.grad_route) == ("replicated", "host")
+    assert (unmeasured.step.param_route, unmeasured.step.grad_route) == ("replicated", "host")
     forced = plan_job(load_job(TINY, CUDA + ['runtime.param_route="sharded"']), H200_REFERENCE)
-    assert (forced.param_route, forced.grad_route) == ("sharded", "host")
+    assert (forced.step.param_route, forced.step.grad_route) == ("sharded", "host")
     assert forced.plan is not None and forced.plan.param_route == "sharded"  # the prediction is of that route
     nvlink = dataclasses.replace(H200_REFERENCE, allreduce_gbps=300.0, bus_gpus=2)  # links measured, and fast
     big = CUDA + ['model.shape="qwen3-4b"', "train.seq_len=2048"]
     measured = plan_job(load_job(TINY, big), nvlink)
-    assert (measured.param_route, measured.grad_route) == ("sharded", "reduce_scatter")
+    assert (measured.step.param_route, measured.step.grad_route) == ("sharded", "reduce_scatter")
     slow = plan_job(load_job(TINY, big), dataclasses.replace(nvlink, allreduce_gbps=2.0))
-    assert (slow.param_route, slow.grad_route) == ("replicated", "host")
+    assert (slow.step.param_route, slow.step.grad_route) == ("replicated", "host")
 
 
 def test_cuda_overrides_are_carried_and_offload_clamped():
     plan = plan_job(load_job(TINY, CUDA + ["memory.seq_tile_tokens=16", "memory.offload_layers=7"]), H200_REFERENCE)
-    assert (plan.seq_tile_tokens, plan.offload_layers) == (16, 2)
+    assert (plan.step.seq_tile_tokens, plan.step.offload_layers) == (16, 2)
     auto = plan_job(load_job(TINY, CUDA), H200_REFERENCE)
     assert auto.plan is not None
-    assert (auto.seq_tile_tokens, auto.offload_layers) == (auto.plan.seq_tile_tokens, auto.plan.offload_layers)
+    assert (auto.step.seq_tile_tokens, auto.step.offload_layers) == (auto.plan.seq_tile_tokens, auto.plan.offload_layers)
     # the metrics carry the plan's GPU peak only where the run keeps the plan's memory choices
-    assert auto.planned_gpu_bytes == auto.plan.gpu_total_bytes > 0
-    assert plan.planned_gpu_bytes is None
-    assert plan_job(load_job(TINY, ["memory.seq_tile_tokens=16"])).planned_gpu_bytes is None  # CPU: no plan
+    assert auto.step.planned_device_bytes == auto.plan.gpu_total_bytes > 0
+    assert plan.step.planned_device_bytes is None
+    assert plan_job(load_job(TINY, ["memory.seq_tile_tokens=16"])).step.planned_device_bytes is None  # CPU: no plan
 
 
 def test_device_layers_are_the_jobs_value_or_the_plans():
     """memory.device_layers: on CPU the job's value (clamped to the model, -1 = none); on CUDA a value
     >= 0 is planned with (resident layers dropped to make room; its memory in the plan's table), or
     refused when it cannot fit; -1 takes the plan's."""
-    assert plan_job(load_job(TINY, ["memory.device_layers=5"])).device_layers == 2  # tiny has 2 layers
-    assert plan_job(load_job(TINY, [])).device_layers == 0
+    assert plan_job(load_job(TINY, ["memory.device_layers=5"])).step.device_layers == 2  # tiny has 2 layers
+    assert plan_job(load_job(TINY, [])).step.device_layers == 0
     forced = plan_job(load_job(TINY, CUDA + ["memory.device_layers=1"]), H200_REFERENCE)
-    assert forced.device_layers == 1 and forced.plan is not None and forced.plan.device_layers == 1
+    assert forced.step.device_layers == 1 and forced.plan is not None and forced.plan.device_layers == 1
     assert "device-held layers" in dict(forced.plan.gpu_memory)
     big = ['model.shape="qwen3-4b"', "train.seq_len=2048", "memory.gpu_budget_gib=24"]
     with pytest.raises(PlanError, match=r"memory.device_layers = 20 does not fit the GPU memory budget of 24.00 GiB"):
         plan_job(load_job(TINY, CUDA + big + ["memory.device_layers=20"]), H200_REFERENCE)
     auto = plan_job(load_job(TINY, CUDA), H200_REFERENCE)
-    assert auto.plan is not None and auto.device_layers == auto.plan.device_layers
+    assert auto.plan is not None and auto.step.device_layers == auto.plan.device_layers
 
 
 def test_prefetch_depth_is_the_jobs_value_planned_with_its_buffers_or_the_plans():
-    assert plan_job(load_job(TINY, [])).prefetch_depth == 1  # CPU: one copy ahead unless the job says
-    assert plan_job(load_job(TINY, ["memory.prefetch_depth=3"])).prefetch_depth == 3
+    assert plan_job(load_job(TINY, [])).step.prefetch_depth == 1  # CPU: one copy ahead unless the job says
+    assert plan_job(load_job(TINY, ["memory.prefetch_depth=3"])).step.prefetch_depth == 3
     big = CUDA + ['model.shape="qwen3-4b"', "train.seq_len=2048", "memory.gpu_budget_gib=40"]
     auto = plan_job(load_job(TINY, big), H200_REFERENCE)
-    assert auto.plan is not None and auto.prefetch_depth == auto.plan.prefetch_depth == 1
+    assert auto.plan is not None and auto.step.prefetch_depth == auto.plan.prefetch_depth == 1
     slots = {}
     for depth in (2, 5):
         forced = plan_job(load_job(TINY, big + [f"memory.prefetch_depth={depth}"]), H200_REFERENCE)
-        assert forced.plan is not None and forced.prefetch_depth == forced.plan.prefetch_depth == depth
+        assert forced.plan is not None and forced.step.prefetch_depth == forced.plan.prefetch_depth == depth
         assert forced.plan.gpu_total_bytes <= 40 * 2**30
         slots[depth] = dict(forced.plan.gpu_memory)["parameter slots"]
     slots[1] = dict(auto.plan.gpu_memory)["parameter slots"]

@@ -31,7 +31,7 @@ KINDS = {
     "slidedp.daemons.hoststate": "hoststate",
     "slidedp.daemons.aggregator": "aggregator",
     "slidedp.daemons.updater": "updater",
-    "slidedp.daemons.updater_member": "updater_member",
+    "slidedp.daemons.updater.member": "updater_member",
 }
 
 

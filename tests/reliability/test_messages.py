@@ -200,7 +200,7 @@ def test_a_job_trains_through_garbage(daemons, tmp_path):
 
 # ---- decodable messages with fields out of range, driven through the daemons' cores ----------------------
 def test_aggregator_rejects_a_grad_slot_outside_the_ring():
-    from slidedp.daemons.aggregator import AggregatorCore
+    from slidedp.daemons.aggregator.core import AggregatorCore
 
     store = unique_store("msgslot")
     try:
@@ -217,7 +217,7 @@ def test_aggregator_rejects_a_grad_slot_outside_the_ring():
 
 
 def test_updater_drops_queued_updates_when_the_job_ends():
-    from slidedp.daemons.updater_member import UpdaterCore
+    from slidedp.daemons.updater.core import UpdaterCore
     from slidedp.protocol import SOURCE_NONE, Update
 
     store = unique_store("msgend")

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from slidedp.data import DataError
-from slidedp.loss import IGNORE_INDEX
+from slidedp.worker.loss import IGNORE_INDEX
 from slidedp.model import layers
 from slidedp.model.attention import document_rope, single_segment
 from slidedp.model.config import named_shape

@@ -14,7 +14,7 @@ import threading
 
 import torch
 
-from slidedp.daemons.hoststate import HostStateCore
+from slidedp.store.service import HostStateCore
 from slidedp.model import hf
 from slidedp.store import checkpoint as ckpt
 from slidedp.store.shm import unlink_store

@@ -19,7 +19,7 @@ import weakref
 import torch
 
 from .hostmem import Registration
-from .tracing import NULL
+from ..tracing import NULL
 
 
 class SavedInputs:

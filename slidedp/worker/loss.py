@@ -14,9 +14,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import log as slog
-from .model import layers
-from .model.layers import token_slices
+from .. import log as slog
+from ..model import layers
+from ..model.layers import token_slices
 
 _log = slog.get("loss")
 

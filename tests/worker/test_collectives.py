@@ -12,7 +12,7 @@ import textwrap
 
 RANK = textwrap.dedent("""
     import sys, torch, torch.distributed as dist
-    from slidedp.collectives import Group
+    from slidedp.worker.collectives import Group
     rank, world, rendezvous = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
     group = Group(rank, world, "gloo")

@@ -18,7 +18,7 @@ import threading
 import time
 from collections.abc import Iterator
 
-_log = logging.getLogger("slidedp.sdnotify")
+_log = logging.getLogger("slidedp.daemons.sdnotify")
 
 
 def _address(spec: str) -> str | None:

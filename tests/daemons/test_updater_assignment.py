@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from slidedp.daemons.aggregator import assign_updaters
+from slidedp.daemons.aggregator.core import assign_updaters
 from slidedp.jobrecord import held_chunk_ids, held_unit_names
 from slidedp.model.config import named_shape
 from slidedp.store.layout import make_layout

@@ -12,40 +12,16 @@ gloo; gloo's CUDA support is partial, so a CUDA tensor crosses it through host m
 from __future__ import annotations
 
 import datetime
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from ..store.layout import Shard
 
 # torch 2.13 renamed the tensor collectives and warns (FutureWarning) on every call of the old
 # names; torch 2.11, on the GPU hosts we measure on, has only the old ones.
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
-@dataclass(frozen=True)
-class Shard:
-    """Rank `rank`'s part [start, end) of a flat range of `numel` elements cut into `world` shards of `size`."""
-
-    numel: int
-    world: int
-    rank: int
-
-    @property
-    def size(self) -> int:
-        return -(-self.numel // self.world)
-
-    @property
-    def padded(self) -> int:
-        return self.size * self.world
-
-    @property
-    def start(self) -> int:
-        return min(self.rank * self.size, self.numel)
-
-    @property
-    def end(self) -> int:
-        return min(self.start + self.size, self.numel)
 
 
 class Group:

@@ -1,36 +1,29 @@
 """A member of the updater pool: fused AdamW on chunks as their gradients complete.
 
 Pinned by its pool to one NUMA node's CPUs, it runs torch's fused AdamW on zero-copy views
-of the store. `UpdaterCore` is the logic (tests drive it in-process); `serve_member` owns
-the socket.
+of the store. `UpdaterCore` is the logic (tests drive it in-process); member.py is the
+member's shell (its socket and signals), pool.py and shell.py the pool that starts the members.
 """
 
 from __future__ import annotations
 
-import argparse
 import heapq
 import itertools
-import os
-import signal
-import sys
 import time
 
 import torch
-import zmq
 
 from slidedp import log as slog
-from slidedp import numa
 from slidedp.jobrecord import JobRecord, attach_job, detach_job
-from slidedp.collectives import Shard
-from slidedp.protocol import (ROLE_UPDATER, SOURCE_NONE, SOURCE_RANK_SHARD, SOURCE_RANK_SLOT, Ack, Hello, JobEnd, JobStart,
-                              Norm, Update, Updated)
+from slidedp.store.layout import Shard
+from slidedp.protocol import (SOURCE_NONE, SOURCE_RANK_SHARD, SOURCE_RANK_SLOT, Ack, JobEnd, JobStart, Message, Norm,
+                              Update, Updated)
 from slidedp.schedule import lr_at
 from slidedp.store.layout import Chunk, Member
 from slidedp.store.manifest import UPDATING
 from slidedp.store.rings import GradRings
 from slidedp.store.store import STATE_KINDS, HostStore, member_view
 from slidedp.tracing import NULL
-from slidedp.transport import connect_dealer, identity, recv_dealer, send
 
 log = slog.get("updater")
 
@@ -88,6 +81,21 @@ class UpdaterCore:
             self.pending.setdefault(msg.step, []).append(work)
             return
         self._push(work)
+
+    def receive(self, msg: Message | None) -> list[Message]:
+        """One message from the aggregator; what to answer it (the Ack of a job's start or end)."""
+        if isinstance(msg, Update):
+            self.on_update(msg)
+        elif isinstance(msg, Norm):
+            self.on_norm(msg)
+        elif isinstance(msg, JobStart):
+            self.start_job(JobRecord.from_json(msg.text))
+            log.info("job %s started", self.job.job if self.job else "?")
+            return [Ack(1, f"updater {self.index} ready")]
+        elif isinstance(msg, JobEnd):
+            self.end_job()
+            return [Ack(1, f"updater {self.index} done")]
+        return []
 
     def _push(self, work: tuple[Update, ...]) -> None:
         heapq.heappush(self.ready, (work[0].step, work[0].chunk, next(self._order), work))
@@ -199,77 +207,3 @@ def _blocks(mb: Member, grads: list[tuple[int, int, torch.Tensor]],
         else:
             out.append((master[lo:hi], g, exp_avg[lo:hi], exp_avg_sq[lo:hi]))
     return out
-
-
-class _Stop:
-    requested = False
-
-
-def serve_member(store: str, index: int, pool: int, timeout_s: float = 60.0, ready_fd: int = -1) -> int:
-    """One member of the pool: take Update/Norm/JobStart/JobEnd from the aggregator, answer Updated/Ack."""
-    core = UpdaterCore(store, index)
-    ctx = zmq.Context()
-    sock = connect_dealer(ctx, store, "agg", identity("u", index))
-    send(sock, Hello(ROLE_UPDATER, index, pool, os.getpid()))
-    if ready_fd >= 0:  # tell the pool parent this member is up (it reports readiness for all)
-        os.write(ready_fd, b"1")
-        os.close(ready_fd)
-    stop = _Stop()
-    signal.signal(signal.SIGTERM, lambda s, f: setattr(stop, "requested", True))
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent or launcher decides; Ctrl-C goes to the group
-    log.info("updater %d/%d up, %d threads on CPUs %s", index, pool, torch.get_num_threads(),
-             numa.format_cpulist(list(os.sched_getaffinity(0))))
-    last_hello = time.monotonic()
-    try:
-        while not stop.requested:
-            # Take every message waiting, then run the most urgent update; repeat.
-            if not sock.poll(0 if core.ready else 500):
-                if not core.ready and time.monotonic() - last_hello > 2.0 and core.job is None:
-                    send(sock, Hello(ROLE_UPDATER, index, pool, os.getpid()))  # an aggregator restarted needs it again
-                    last_hello = time.monotonic()
-            try:
-                while sock.poll(0):
-                    msg = recv_dealer(sock, (Update, Norm, JobStart, JobEnd))
-                    if isinstance(msg, Update):
-                        core.on_update(msg)
-                    elif isinstance(msg, Norm):
-                        core.on_norm(msg)
-                    elif isinstance(msg, JobStart):
-                        core.start_job(JobRecord.from_json(msg.text))
-                        send(sock, Ack(1, f"updater {index} ready"))
-                        log.info("job %s started", core.job.job if core.job else "?")
-                    elif isinstance(msg, JobEnd):
-                        core.end_job()
-                        send(sock, Ack(1, f"updater {index} done"))
-                done = core.next()
-            except Exception as e:  # a failed update would silently corrupt training: report and die
-                log.exception("update failed")
-                send(sock, Ack(0, f"updater {index}: {type(e).__name__}: {e}"))
-                return 1
-            if done is not None:
-                send(sock, done)
-    finally:
-        core.end_job()
-        sock.close(linger=500)
-        ctx.term()
-    return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="slidedp-updater member", description="one process of the updater pool")
-    p.add_argument("--store", required=True)
-    p.add_argument("--member", type=int, required=True)
-    p.add_argument("--pool", type=int, required=True)
-    p.add_argument("--cpus", default="")
-    p.add_argument("--threads", type=int, default=0)
-    p.add_argument("--ready-fd", type=int, default=-1)
-    args = p.parse_args(argv)
-    slog.setup("updater", args.member)
-    cpus = numa.parse_cpulist(args.cpus) if args.cpus else sorted(os.sched_getaffinity(0))
-    os.sched_setaffinity(0, cpus)
-    torch.set_num_threads(args.threads or len(cpus))
-    return serve_member(args.store, args.member, args.pool, ready_fd=args.ready_fd)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

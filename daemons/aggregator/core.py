@@ -7,37 +7,29 @@ the updater reads directly, and for the reduce_scatter route, where the ranks su
 devices and the updater reads each rank's shard in its slot; with clipping those gradients are
 copied, shards side by side, since the slots must go back before the norm is known), returns slot credits, gathers the global
 gradient norm, agrees with every rank on a finite loss before backward, and commits a
-step once all of its chunks are updated. `AggregatorCore` is the logic; `serve` the socket.
+step once all of its chunks are updated. `AggregatorCore` is that logic, per chunk and step;
+handshake.py starts and ends jobs with the updater pool; shell.py owns the socket.
 """
 
 from __future__ import annotations
 
-import argparse
 import math
-import os
-import signal
-import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
 
 import torch
-import zmq
 
-from slidedp import daemonlock
 from slidedp import log as slog
-from slidedp.collectives import Shard
+from slidedp.store.layout import Shard
 from slidedp.jobrecord import JobRecord, attach_job, detach_job, reduction_slots
-from slidedp.protocol import (ROLE_LAUNCHER, ROLE_UPDATER, SLOT_DEVICE, SOURCE_NONE, SOURCE_RANK_SHARD,
-                              SOURCE_RANK_SLOT, SOURCE_REDUCE,
-                              Ack, Credit, Fault, Go, Grad, Hello, JobEnd, JobStart, Loss, Message, Norm, Ready,
-                              StepDone, Update, Updated)
-from slidedp.sdnotify import Watchdog, notify
+from slidedp.protocol import (SLOT_DEVICE, SOURCE_NONE, SOURCE_RANK_SHARD, SOURCE_RANK_SLOT, SOURCE_REDUCE, Credit, Go,
+                              Grad, Loss, Message, Norm, Ready, StepDone, Update, Updated)
 from slidedp.store.layout import Layout
 from slidedp.store.rings import GradRings
 from slidedp.store.store import HostStore
 from slidedp.tracing import NULL
-from slidedp.transport import bind_router, identity, recv_router, send
+from slidedp.transport import identity
 
 log = slog.get("aggregator")
 
@@ -256,140 +248,3 @@ class AggregatorCore:
             return []
         norm = math.sqrt(st.sqnorm) if not st.skipped else math.nan
         return [(self.launcher, StepDone(step, st.loss, norm, int(st.skipped), st.update_s, st.reduce_s))]
-
-
-class _Stop:
-    requested = False
-
-
-@dataclass
-class _PendingStart:
-    launcher: bytes
-    record: JobRecord
-    acks: set[int] = field(default_factory=set)
-    sent: bool = False
-    deadline: float = 0.0
-    pool: int = 0
-
-
-def serve(store_name: str, timeout_s: float = 120.0) -> int:
-    lock_fd = daemonlock.acquire(store_name, "aggregator")
-    core = AggregatorCore(store_name)
-    ctx = zmq.Context()
-    sock = bind_router(ctx, store_name, "agg")
-    stop = _Stop()
-    signal.signal(signal.SIGTERM, lambda s, f: setattr(stop, "requested", True))
-    signal.signal(signal.SIGINT, lambda s, f: setattr(stop, "requested", True))
-    watchdog = Watchdog()
-    pool = 0  # updater pool size, learned from the updaters' Hello
-    present: set[int] = set()
-    pending: _PendingStart | None = None
-    ending: tuple[bytes, set[int]] | None = None
-    notify("READY=1", f"STATUS=aggregating for store {store_name}")
-    log.info("aggregator for store %s up (pid %d)", store_name, os.getpid())
-
-    def deliver(out: Outbox) -> None:
-        for to, m in out:
-            try:
-                send(sock, m, to=to)
-            except zmq.ZMQError as e:  # a vanished peer: the launcher's process watcher reports it
-                level = log.debug if isinstance(m, (Credit, Ready)) else log.warning  # workers that finished
-                level("could not send %s to %r: %s", type(m).__name__, to, e)
-
-    try:
-        while not stop.requested:
-            watchdog.maybe_ping()
-            if pending is not None and not pending.sent and pool and len(present) >= pool:
-                for i in range(pool):
-                    deliver([(identity("u", i), JobStart(0, pending.record.to_json()))])
-                pending.sent, pending.pool = True, pool
-            if pending is not None and time.monotonic() > pending.deadline:
-                deliver([(pending.launcher, Ack(0, f"updater pool not ready: {len(pending.acks)} of {pool or '?'} "
-                                                   f"updater process(es) answered within {timeout_s:.0f} s "
-                                                   f"(is `slidedp-updater --store {store_name}` running?)"))])
-                pending = None
-            if not sock.poll(100):
-                continue
-            item = recv_router(sock)
-            if item is None:
-                continue
-            peer, msg = item
-            try:
-                if isinstance(msg, Grad):
-                    deliver(core.on_grad(msg))
-                elif isinstance(msg, Updated):
-                    deliver(core.on_updated(msg))
-                elif isinstance(msg, Loss):
-                    deliver(core.on_loss(msg))
-                elif isinstance(msg, Hello):
-                    if msg.role == ROLE_UPDATER:
-                        pool = msg.size
-                        present.add(msg.rank)
-                    elif msg.role == ROLE_LAUNCHER:
-                        core.launcher = peer
-                elif isinstance(msg, JobStart):
-                    core.launcher = peer
-                    pending = _PendingStart(peer, JobRecord.from_json(msg.text), deadline=time.monotonic() + timeout_s)
-                elif isinstance(msg, JobEnd):
-                    core.end_job()
-                    ending = (peer, set())
-                    deliver([(identity("u", i), JobEnd(0, "")) for i in range(pool)])
-                    if not pool:
-                        deliver([(peer, Ack(1, "job ended"))])
-                        ending = None
-                elif isinstance(msg, Ack) and peer.startswith(b"u"):
-                    index = int(peer[1:])
-                    if not msg.ok:
-                        log.error("updater %d failed: %s", index, msg.text)
-                        if core.launcher is not None:
-                            deliver([(core.launcher, Fault(ROLE_UPDATER, index, msg.text))])
-                    elif pending is not None and pending.sent:
-                        pending.acks.add(index)
-                        if len(pending.acks) == pending.pool:
-                            try:
-                                core.start_job(pending.record, pending.pool)
-                            except (RuntimeError, ValueError, OSError) as e:  # the launcher reports why
-                                log.error("job %s not started: %s", pending.record.job, e)
-                                deliver([(pending.launcher, Ack(0, f"aggregator: {e}"))])
-                                pending = None
-                                continue
-                            deliver([(pending.launcher, Ack(1, f"job started with {pending.pool} updater(s)"))])
-                            log.info("job %s started: %d rank(s), %d updater(s)", pending.record.job,
-                                     pending.record.world, pending.pool)
-                            pending = None
-                    elif ending is not None:
-                        ending[1].add(index)
-                        if len(ending[1]) == pool:
-                            deliver([(ending[0], Ack(1, "job ended"))])
-                            ending = None
-                elif isinstance(msg, Fault):
-                    log.error("fault from %r: %s", peer, msg.text)
-                    if core.launcher is not None:
-                        deliver([(core.launcher, msg)])
-            except (ValueError, TypeError, IndexError, RuntimeError, AssertionError, FileNotFoundError) as e:
-                log.warning("dropped %s from %r: %s", type(msg).__name__, peer, e)
-                if isinstance(msg, JobStart):
-                    deliver([(peer, Ack(0, str(e)))])
-                    pending = None
-    finally:
-        notify("STOPPING=1")
-        core.end_job()
-        sock.close(linger=0)
-        ctx.term()
-        os.close(lock_fd)
-    return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="slidedp-aggregator", description=__doc__.splitlines()[0])
-    p.add_argument("--store", required=True)
-    p.add_argument("--threads", type=int, default=0, help="torch threads for the sums (0 = all CPUs)")
-    p.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the updater pool at job start")
-    args = p.parse_args(argv)
-    slog.setup("aggregator")
-    torch.set_num_threads(args.threads or len(os.sched_getaffinity(0)))
-    return serve(args.store, args.timeout)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

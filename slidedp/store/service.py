@@ -1,40 +1,31 @@
-"""slidedp-hoststate: the daemon that owns a store (segments, manifest, checkpoints).
+"""The store's service: the requests that create, attach, checkpoint, restore and destroy a store.
 
-It outlives jobs: it creates a store (from a Hugging Face folder or the `random` source),
+`HostStateCore` is the host-state daemon's logic (daemons/hoststate/shell.py serves it on the
+store's control socket); slidedp-store serves it in-process when no daemon runs
+(store/client.py). It creates a store (from a Hugging Face folder or the `random` source),
 re-attaches to the segments after a restart, attaches and detaches jobs (creating their
-gradient rings), and writes and restores checkpoints. It never unlinks a store unless
-told to destroy it. `HostStateCore` is the logic (tests drive it in-process); `serve`
-owns the socket.
+gradient rings), and writes and restores checkpoints. It never unlinks a store unless told
+to destroy it.
 """
 
 from __future__ import annotations
 
-import argparse
 import functools
-import json
 import os
-import signal
-import sys
 import threading
 import time
 from typing import Any
 
 import psutil
-import torch
-import zmq
 
 from slidedp import log as slog
 from slidedp.model.config import ModelConfig, named_shape
-from slidedp import daemonlock
-from slidedp.protocol import Reply, Request
-from slidedp.sdnotify import Watchdog, notify
+from slidedp.model.dtypes import torch_dtype
 from slidedp.store import checkpoint as ckpt
 from slidedp.store.layout import make_layout
-from slidedp.store.manifest import ManifestError
 from slidedp.store.rings import GradRings
 from slidedp.store.shm import list_store_segments
-from slidedp.store.store import HostStore, StoreError, fill_from_hf, fill_random
-from slidedp.transport import bind_router, recv_router, send
+from slidedp.store.store import HostStore, fill_from_hf, fill_random
 
 log = slog.get("hoststate")
 
@@ -189,7 +180,7 @@ class HostStateCore:
         torn = store.manifest.torn_reason(allow_leased=True)
         if torn:
             raise RequestError(f"checkpoint refused: store {self.name!r} is torn ({torn})")
-        dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.get("dtype", "bf16")]
+        dtype = torch_dtype(args.get("dtype", "bf16"))
         extra_files = [str(f) for f in args.get("extra_files") or []]
         for f in extra_files:
             if not os.path.isfile(f):
@@ -277,95 +268,10 @@ class HostStateCore:
             self.store.close()
 
 
-# Requests whose work grows with the model (touching pages, writing or reading a checkpoint,
-# creating or unmapping the gradient rings): they run under the watchdog's keepalive thread,
-# so a 100 GB store does not look hung to systemd. Each is finite: no wait on a peer.
-LONG_REQUESTS = frozenset({"create", "attach", "checkpoint", "checkpoint_wait", "restore", "destroy"})
+# What serving a request can raise that is answered as a refusal (the text goes back, the
+# daemon serves on): the daemon and an in-process call (store/client.py) refuse alike.
+REFUSALS = (RuntimeError, ValueError, TypeError, KeyError, OSError)
 
 
-def _handle(core: HostStateCore, watchdog: Watchdog, kind: str, args: dict[str, Any]) -> dict[str, Any]:
-    if kind not in LONG_REQUESTS:
-        return core.handle(kind, args)
-    with watchdog.keepalive():
-        notify(f"STATUS={kind} of store {core.name} in progress")
-        try:
-            return core.handle(kind, args)
-        finally:
-            notify(f"STATUS=serving store {core.name}")
-
-
-class _Stop:
-    requested = False
-
-
-def serve(store_name: str, exit_when_idle: bool = False) -> int:
-    lock_fd = daemonlock.acquire(store_name, "hoststate")
-    try:
-        core = HostStateCore(store_name)
-    except (StoreError, ManifestError) as e:
-        log.error("cannot attach store %s: %s (`slidedp-store destroy %s` removes it)", store_name, e, store_name)
-        os.close(lock_fd)
-        return 2
-    ctx = zmq.Context()
-    sock = bind_router(ctx, store_name, "control")
-    stop = _Stop()
-
-    def on_signal(signum, frame):  # only set a flag: the loop finishes the request in hand
-        stop.requested = True
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    watchdog = Watchdog()
-    notify("READY=1", f"STATUS=serving store {store_name}")
-    log.info("serving store %s (pid %d)", store_name, os.getpid())
-    try:
-        while not stop.requested:
-            watchdog.maybe_ping()
-            if not sock.poll(200):
-                continue
-            item = recv_router(sock, (Request,))
-            if item is None:
-                continue
-            peer, req = item
-            try:
-                args = json.loads(req.text or "{}")
-                if not isinstance(args, dict):
-                    raise RequestError("request arguments must be a JSON object")
-                if req.name == "shutdown":
-                    send(sock, Reply(1, json.dumps({"pid": os.getpid()})), to=peer)
-                    break
-                result = _handle(core, watchdog, req.name, args)
-                reply = Reply(1, json.dumps(result))
-            except (RequestError, StoreError, ckpt.CheckpointError, ValueError, TypeError, KeyError, OSError,
-                    RuntimeError) as e:  # a bad request is answered and dropped; the daemon serves on
-                msg = str(e) if not isinstance(e, KeyError) else f"missing argument {e.args[0]!r}"
-                log.warning("%s request failed: %s", req.name, msg)
-                reply = Reply(0, msg)
-            try:
-                send(sock, reply, to=peer)
-            except zmq.ZMQError:
-                log.warning("client of a %s request went away before the reply", req.name)
-    finally:
-        notify("STOPPING=1")
-        core.close()
-        sock.close(linger=0)
-        ctx.term()
-        os.close(lock_fd)
-        if list_store_segments().get(store_name):
-            log.info("stopped; store %s left in place", store_name)
-        else:
-            log.info("stopped")
-    return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="slidedp-hoststate", description=__doc__.splitlines()[0])
-    parser.add_argument("--store", required=True, help="store name (segments /dev/shm/slidedp.<store>.*)")
-    args = parser.parse_args(argv)
-    slog.setup("hoststate")
-    torch.set_num_threads(max(1, os.cpu_count() or 1))
-    return serve(args.store)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+def refusal_text(e: BaseException) -> str:
+    return str(e) if not isinstance(e, KeyError) else f"missing argument {e.args[0]!r}"

@@ -17,11 +17,11 @@ from __future__ import annotations
 import torch
 
 from .collectives import Group
-from .config import TrainSection
+from ..config import TrainSection
 from .delivery import Unit, unit_tensors
-from .schedule import lr_at
-from .store.manifest import LEASED
-from .store.store import HostStore
+from ..schedule import lr_at
+from ..store.manifest import LEASED
+from ..store.store import HostStore
 
 
 class DeviceResident:

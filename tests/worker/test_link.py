@@ -13,7 +13,7 @@ import pytest
 import zmq
 
 from slidedp.transport import PeerTimeout
-from slidedp.worker import WorkerLink
+from slidedp.worker.link import WorkerLink
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from slidedp import sdnotify
+from slidedp.daemons import sdnotify
 
 _ENV_KEYS = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")
 
@@ -22,7 +22,7 @@ _ENV_KEYS = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")
 # which is at least one period after the first ping, so at least two pings are sent.
 _CHILD = """
 import sys, time
-from slidedp import sdnotify
+from slidedp.daemons import sdnotify
 assert sdnotify.notify("READY=1", "STATUS=x")
 wd = sdnotify.Watchdog()
 start = time.monotonic()
@@ -112,7 +112,7 @@ def test_notify_sends_one_datagram(path_socket, monkeypatch: pytest.MonkeyPatch)
 
 
 def test_unset_notify_socket_returns_false(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.DEBUG, logger="slidedp.sdnotify"):
+    with caplog.at_level(logging.DEBUG, logger="slidedp.daemons.sdnotify"):
         assert sdnotify.notify("READY=1") is False
     assert caplog.records == []
 
@@ -120,7 +120,7 @@ def test_unset_notify_socket_returns_false(caplog: pytest.LogCaptureFixture) -> 
 def test_unreachable_socket_returns_false_with_warning(tmp_path: Path, monkeypatch, caplog) -> None:
     missing = str(tmp_path / "gone.sock")
     monkeypatch.setenv("NOTIFY_SOCKET", missing)
-    with caplog.at_level(logging.WARNING, logger="slidedp.sdnotify"):
+    with caplog.at_level(logging.WARNING, logger="slidedp.daemons.sdnotify"):
         assert sdnotify.notify("READY=1") is False
     assert len(caplog.records) == 1
     assert caplog.records[0].getMessage().startswith(f"could not notify systemd at NOTIFY_SOCKET={missing!r}: ")
@@ -128,7 +128,7 @@ def test_unreachable_socket_returns_false_with_warning(tmp_path: Path, monkeypat
 
 def test_unsupported_address_returns_false(monkeypatch, caplog) -> None:
     monkeypatch.setenv("NOTIFY_SOCKET", "vsock:2:1234")
-    with caplog.at_level(logging.WARNING, logger="slidedp.sdnotify"):
+    with caplog.at_level(logging.WARNING, logger="slidedp.daemons.sdnotify"):
         assert sdnotify.notify("READY=1") is False
     assert caplog.records[0].getMessage() == (
         "NOTIFY_SOCKET='vsock:2:1234' is neither a path nor an '@' abstract name; not notifying systemd"

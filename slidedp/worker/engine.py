@@ -35,11 +35,12 @@ from .collectives import Group
 from .delivery import GradOut, ParamDelivery, Unit, unit_tensors
 from .device_state import DeviceResident
 from .loss import IGNORE_INDEX, norm_head_backward
-from .model import layers as L
-from .model.attention import document_rope, single_segment
-from .model.config import ModelConfig
-from .tracing import NULL, Tracer
-from .store.layout import Chunk, Layout, unit_name
+from ..model import layers as L
+from ..model.attention import document_rope, single_segment
+from ..model.config import ModelConfig
+from ..stepplan import StepPlan
+from ..tracing import NULL, Tracer
+from ..store.layout import Chunk, Layout, unit_name
 
 
 class Link(Protocol):
@@ -71,32 +72,14 @@ def units_of(layout: Layout) -> dict[str, Unit]:
     return units
 
 
-@dataclass(frozen=True)
-class EnginePolicy:
-    """The planner's choices that the engine carries out."""
-
-    resident_layers: int = 0  # last layers kept on the device from forward to backward (no re-fetch)
-    prefetch_depth: int = 1  # fetched layers whose copies run ahead of the compute (one device buffer each)
-    loss_chunk_tokens: int = 4096
-    max_grad_norm: float = 0.0  # > 0: device-held chunks wait for the global norm before updating
-    seq_tile_tokens: int = 0  # > 0: MLP halves and the final norm + head run over tiles of this many tokens
-    offload_layers: int = 0  # the first layers whose saved inputs wait in pinned host memory for backward
-
-    def __post_init__(self) -> None:
-        for name in ("resident_layers", "seq_tile_tokens", "offload_layers"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"EnginePolicy.{name} must be >= 0, got {getattr(self, name)}")
-        if self.prefetch_depth < 1:
-            raise ValueError(f"EnginePolicy.prefetch_depth must be >= 1, got {self.prefetch_depth}")
-
-
 class Engine:
     def __init__(self, cfg: ModelConfig, layout: Layout, master: torch.Tensor, device: torch.device,
-                 dtype: torch.dtype, link: Link, slot_view, global_tokens: int, policy: EnginePolicy = EnginePolicy(),
-                 held: dict[str, DeviceResident] | None = None, param_group: Group | None = None,
+                 dtype: torch.dtype, link: Link, slot_view, global_tokens: int, plan: StepPlan = StepPlan(),
+                 max_grad_norm: float = 0.0, held: dict[str, DeviceResident] | None = None, param_group: Group | None = None,
                  grad_group: Group | None = None) -> None:
         self.cfg, self.layout, self.master = cfg, layout, master
-        self.device, self.dtype, self.link, self.policy = device, dtype, link, policy
+        self.device, self.dtype, self.link, self.plan = device, dtype, link, plan
+        self.max_grad_norm = max_grad_norm  # > 0: device-held chunks wait for the global norm before updating
         self.units = units_of(layout)
         self.held = held or {}  # unit name -> its device-held state ("layer.0".., "embed", "head" when untied)
         self.delivery = ParamDelivery(master, device, dtype, link.wait_ready, param_group)
@@ -104,9 +87,9 @@ class Engine:
         self.scale = 1.0 / global_tokens  # loss = sum of token losses / global token count
         self._rope: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._resident: dict[int, torch.Tensor] = {}
-        if policy.offload_layers > cfg.num_layers:
-            raise ValueError(f"offload_layers ({policy.offload_layers}) exceeds the model's {cfg.num_layers} layers")
-        self.saved = SavedInputs(device, policy.offload_layers)
+        if plan.offload_layers > cfg.num_layers:
+            raise ValueError(f"offload_layers ({plan.offload_layers}) exceeds the model's {cfg.num_layers} layers")
+        self.saved = SavedInputs(device, plan.offload_layers)
         self.tracer: Tracer = NULL
 
     def set_tracer(self, tracer: Tracer) -> None:
@@ -135,7 +118,7 @@ class Engine:
         return self._rope[seq_len]
 
     def _is_resident(self, layer: int) -> bool:
-        return layer >= self.cfg.num_layers - self.policy.resident_layers
+        return layer >= self.cfg.num_layers - self.plan.resident_layers
 
     def _fetched(self, layer: int, backward: bool) -> bool:
         """Whether the layer comes from the host in this pass (not held, not kept from the forward)."""
@@ -175,12 +158,12 @@ class Engine:
         last: held layers are there to hide that wait). Backward: the next `prefetch_depth`
         fetched layers, over held and kept ones (their versions are in: nothing blocks)."""
         if not backward:
-            for nxt in range(layer + 1, min(layer + self.policy.prefetch_depth, self.cfg.num_layers - 1) + 1):
+            for nxt in range(layer + 1, min(layer + self.plan.prefetch_depth, self.cfg.num_layers - 1) + 1):
                 if self._fetched(nxt, backward):
                     self.delivery.prefetch(self.units[f"layer.{nxt}"], step)
             return
         nxt, started = layer - 1, 0
-        while nxt >= 0 and started < self.policy.prefetch_depth:
+        while nxt >= 0 and started < self.plan.prefetch_depth:
             if self._fetched(nxt, backward):
                 self.delivery.prefetch(self.units[f"layer.{nxt}"], step)
                 started += 1
@@ -223,7 +206,7 @@ class Engine:
         engine's 1 / (global batch x seq_len), every target trained)."""
         times = StepTimes(tokens=int((targets != IGNORE_INDEX).sum()))
         t0 = time.perf_counter()
-        cfg, H, tile = self.cfg, self.cfg.hidden_size, self.policy.seq_tile_tokens
+        cfg, H, tile = self.cfg, self.cfg.hidden_size, self.plan.seq_tile_tokens
         M, m, T = ids.shape
         rope = self.rope(T)
         ropes = self.micro_ropes(T, positions, segments) if positions is not None else [rope] * M
@@ -275,7 +258,7 @@ class Engine:
         with self._span("loss + head backward", step):
             for i, x in enumerate(xs):  # each x becomes its own gradient, in place
                 loss_sum += norm_head_backward(x, targets_dev[i], norm_w, head_w, cfg.rms_norm_eps, scale, tile,
-                                               self.policy.loss_chunk_tokens, norm_grad[:H], head_grad_2d)
+                                               self.plan.loss_chunk_tokens, norm_grad[:H], head_grad_2d)
         grads_out = xs
         del xs, head_w, norm_w
         times.forward_s = time.perf_counter() - t0
@@ -346,10 +329,10 @@ class Engine:
             for c in self.units[name].chunks:  # one chunk carries the unit's norm, the others 0
                 self.link.device_grad(c, sq if c is first and self.held[name].rank == 0 else 0.0, step)
         coef = None
-        if self.policy.max_grad_norm > 0:
+        if self.max_grad_norm > 0:
             self._flush(step, block=True)  # the global norm needs every host gradient out
             norm = self.link.wait_norm(step)
-            coef = min(1.0, self.policy.max_grad_norm / (norm + 1e-6))
+            coef = min(1.0, self.max_grad_norm / (norm + 1e-6))
         with self._span("device AdamW (held units)", step):
             for name, g in grads.items():
                 self.held[name].update(g, step, coef)

@@ -4,7 +4,7 @@ Parameters arrive as fp32 master (zero-copy DMA from registered shared memory) a
 cast to the compute dtype on the device; gradients are accumulated in fp32 on the device
 and leave it in fp32, so the CPU touches each parameter once per step, inside AdamW.
 On CUDA, H2D runs on its own copy stream (as many units ahead of compute as the engine
-prefetches: its policy's prefetch_depth) and D2H on another; every buffer has one event.
+prefetches: the step plan's prefetch_depth) and D2H on another; every buffer has one event.
 On CPU the same calls are plain (zero-copy when the compute dtype is fp32).
 
 Routes. `replicated`: every rank copies the whole unit in. `sharded`: each rank copies
@@ -23,8 +23,8 @@ import torch
 import torch.nn.functional as F
 
 from .collectives import Group
-from .store.layout import Chunk
-from .tracing import NULL
+from ..store.layout import Chunk
+from ..tracing import NULL
 
 
 STAGING_ELEMENTS = 32 << 20  # fp32 staging piece for the device-side cast: 128 MiB

@@ -1,0 +1,1 @@
+"""slidedp-aggregator: sums the ranks' gradients per chunk and hands each chunk to the updater pool."""

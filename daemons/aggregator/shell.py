@@ -1,0 +1,73 @@
+"""slidedp-aggregator: sums the ranks' gradients of each chunk and hands the chunk to the updater pool.
+
+The shell around AggregatorCore and JobHandshake: it owns the lock, the store's `agg` ROUTER
+(workers, updaters and the launcher join it), signals, readiness and the watchdog, and delivers
+what the core and the handshake return.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import time
+
+import torch
+import zmq
+
+from slidedp import daemonlock
+from slidedp import log as slog
+from slidedp.daemons.aggregator.core import AggregatorCore, Outbox
+from slidedp.daemons.aggregator.handshake import JobHandshake, route
+from slidedp.daemons.loop import serve_loop
+from slidedp.daemons.sdnotify import notify
+from slidedp.protocol import Credit, Ready
+from slidedp.stopflag import stop_on
+from slidedp.transport import bind_router, recv_router, send
+
+log = slog.get("aggregator")
+
+
+def serve(store_name: str, timeout_s: float = 120.0) -> int:
+    lock_fd = daemonlock.acquire(store_name, "aggregator")
+    core = AggregatorCore(store_name)
+    handshake = JobHandshake(core, store_name, timeout_s)
+    ctx = zmq.Context()
+    sock = bind_router(ctx, store_name, "agg")
+    stop = stop_on(signal.SIGTERM, signal.SIGINT)
+
+    def deliver(out: Outbox) -> None:
+        for to, m in out:
+            try:
+                send(sock, m, to=to)
+            except zmq.ZMQError as e:  # a vanished peer: the launcher's process watcher reports it
+                level = log.debug if isinstance(m, (Credit, Ready)) else log.warning  # workers that finished
+                level("could not send %s to %r: %s", type(m).__name__, to, e)
+
+    def handle() -> None:
+        item = recv_router(sock)
+        if item is not None:
+            deliver(route(core, handshake, *item, time.monotonic()))
+
+    notify("READY=1", f"STATUS=aggregating for store {store_name}")
+    log.info("aggregator for store %s up (pid %d)", store_name, os.getpid())
+    try:
+        serve_loop(stop, lambda: bool(sock.poll(100)), handle, tick=lambda: deliver(handshake.tick(time.monotonic())))
+    finally:
+        notify("STOPPING=1")
+        core.end_job()
+        sock.close(linger=0)
+        ctx.term()
+        os.close(lock_fd)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="slidedp-aggregator", description=__doc__.splitlines()[0])
+    p.add_argument("--store", required=True)
+    p.add_argument("--threads", type=int, default=0, help="torch threads for the sums (0 = all CPUs)")
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the updater pool at job start")
+    args = p.parse_args(argv)
+    slog.setup("aggregator")
+    torch.set_num_threads(args.threads or len(os.sched_getaffinity(0)))
+    return serve(args.store, args.timeout)

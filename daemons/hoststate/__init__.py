@@ -1,0 +1,1 @@
+"""slidedp-hoststate: the daemon that owns a store; its logic is slidedp.store.service."""

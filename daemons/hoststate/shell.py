@@ -1,0 +1,113 @@
+"""slidedp-hoststate: the daemon that owns a store (segments, manifest, checkpoints).
+
+The shell around slidedp.store.service.HostStateCore: the lock, the control socket, signals,
+systemd's readiness and watchdog. It outlives jobs and never unlinks a store unless told to
+destroy it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+from typing import Any
+
+import torch
+import zmq
+
+from slidedp import daemonlock
+from slidedp import log as slog
+from slidedp.daemons.loop import serve_loop
+from slidedp.daemons.sdnotify import Watchdog, notify
+from slidedp.protocol import Reply, Request
+from slidedp.stopflag import stop_on
+from slidedp.store.manifest import ManifestError
+from slidedp.store.service import REFUSALS, HostStateCore, RequestError, refusal_text
+from slidedp.store.shm import list_store_segments
+from slidedp.store.store import StoreError
+from slidedp.transport import bind_router, recv_router, send
+
+log = slog.get("hoststate")
+
+# Requests whose work grows with the model (touching pages, writing or reading a checkpoint,
+# creating or unmapping the gradient rings): they run under the watchdog's keepalive thread,
+# so a 100 GB store does not look hung to systemd. Each is finite: no wait on a peer.
+LONG_REQUESTS = frozenset({"create", "attach", "checkpoint", "checkpoint_wait", "restore", "destroy"})
+
+
+def _handle(core: HostStateCore, watchdog: Watchdog, kind: str, args: dict[str, Any]) -> dict[str, Any]:
+    if kind not in LONG_REQUESTS:
+        return core.handle(kind, args)
+    with watchdog.keepalive():
+        notify(f"STATUS={kind} of store {core.name} in progress")
+        try:
+            return core.handle(kind, args)
+        finally:
+            notify(f"STATUS=serving store {core.name}")
+
+
+def answer(core: HostStateCore, watchdog: Watchdog, req: Request) -> Reply:
+    """The reply to one request: its result, or the reason it was refused (the daemon serves on)."""
+    try:
+        args = json.loads(req.text or "{}")
+        if not isinstance(args, dict):
+            raise RequestError("request arguments must be a JSON object")
+        return Reply(1, json.dumps(_handle(core, watchdog, req.name, args)))
+    except REFUSALS as e:
+        log.warning("%s request failed: %s", req.name, refusal_text(e))
+        return Reply(0, refusal_text(e))
+
+
+def serve(store_name: str) -> int:
+    lock_fd = daemonlock.acquire(store_name, "hoststate")
+    try:
+        core = HostStateCore(store_name)
+    except (StoreError, ManifestError) as e:
+        log.error("cannot attach store %s: %s (`slidedp-store destroy %s` removes it)", store_name, e, store_name)
+        os.close(lock_fd)
+        return 2
+    ctx = zmq.Context()
+    sock = bind_router(ctx, store_name, "control")
+    stop = stop_on(signal.SIGTERM, signal.SIGINT)  # the loop finishes the request in hand
+    watchdog = Watchdog()
+
+    def handle() -> bool:
+        item = recv_router(sock, (Request,))
+        if item is None:
+            return False
+        peer, req = item
+        if req.name == "shutdown":
+            send(sock, Reply(1, json.dumps({"pid": os.getpid()})), to=peer)
+            return True
+        reply = answer(core, watchdog, req)
+        try:
+            send(sock, reply, to=peer)
+        except zmq.ZMQError:
+            log.warning("client of a %s request went away before the reply", req.name)
+        return False
+
+    notify("READY=1", f"STATUS=serving store {store_name}")
+    log.info("serving store %s (pid %d)", store_name, os.getpid())
+    try:
+        serve_loop(stop, lambda: bool(sock.poll(200)), handle, watchdog=watchdog)
+    finally:
+        notify("STOPPING=1")
+        core.close()
+        sock.close(linger=0)
+        ctx.term()
+        os.close(lock_fd)
+        if list_store_segments().get(store_name):
+            log.info("stopped; store %s left in place", store_name)
+        else:
+            log.info("stopped")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="slidedp-hoststate", description=__doc__.splitlines()[0])
+    parser.add_argument("--store", required=True, help="store name (segments /dev/shm/slidedp.<store>.*)")
+    args = parser.parse_args(argv)
+    slog.setup("hoststate")
+    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    return serve(args.store)

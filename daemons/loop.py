@@ -1,0 +1,26 @@
+"""The loop every daemon shell runs: wait for input, hand it to the core, ping the watchdog, stop on the flag.
+
+A daemon's shell supplies what to wait on (`wait`, which returns whether there is input) and
+what to do with it (`handle`, which returns True to stop serving); `tick` runs every turn, before
+the wait (timers: a handshake's deadline, a periodic hello). The wait must return within the
+watchdog's period, so the daemon never looks hung to systemd.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from slidedp.daemons.sdnotify import Watchdog
+from slidedp.stopflag import StopFlag
+
+
+def serve_loop(stop: StopFlag, wait: Callable[[], bool], handle: Callable[[], bool | None],
+               tick: Callable[[], None] | None = None, watchdog: Watchdog | None = None) -> None:
+    """Until `stop` is set or `handle` returns True: ping, tick, wait, handle."""
+    watchdog = watchdog or Watchdog()
+    while not stop.requested:
+        watchdog.maybe_ping()
+        if tick is not None:
+            tick()
+        if wait() and handle():
+            return

@@ -1,0 +1,7 @@
+"""`python -m slidedp.daemons.updater --store NAME`: the pool."""
+
+import sys
+
+from slidedp.daemons.updater.shell import main
+
+sys.exit(main())

@@ -1,0 +1,98 @@
+"""One member of the updater pool: the shell around UpdaterCore.
+
+Started by the pool (`python -m slidedp.daemons.updater.member`), pinned to its CPUs, it joins
+the aggregator's socket, takes Update/Norm/JobStart/JobEnd and answers Updated/Ack. A failed
+update would silently corrupt training: it is reported and the member exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import time
+
+import torch
+import zmq
+
+from slidedp import log as slog
+from slidedp import numa
+from slidedp.daemons.loop import serve_loop
+from slidedp.daemons.updater.core import UpdaterCore
+from slidedp.protocol import ROLE_UPDATER, Ack, Hello, JobEnd, JobStart, Norm, Update
+from slidedp.stopflag import stop_on
+from slidedp.transport import connect_dealer, identity, recv_dealer, send
+
+log = slog.get("updater")
+
+HELLO_EVERY_S = 2.0  # an idle member says hello again: an aggregator that restarted needs it
+
+
+def serve_member(store: str, index: int, pool: int, ready_fd: int = -1) -> int:
+    core = UpdaterCore(store, index)
+    ctx = zmq.Context()
+    sock = connect_dealer(ctx, store, "agg", identity("u", index))
+    hello = Hello(ROLE_UPDATER, index, pool, os.getpid())
+    send(sock, hello)
+    if ready_fd >= 0:  # tell the pool parent this member is up (it reports readiness for all)
+        os.write(ready_fd, b"1")
+        os.close(ready_fd)
+    stop = stop_on(signal.SIGTERM, ignore=(signal.SIGINT,))  # the parent or launcher decides; Ctrl-C goes to the group
+    log.info("updater %d/%d up, %d threads on CPUs %s", index, pool, torch.get_num_threads(),
+             numa.format_cpulist(list(os.sched_getaffinity(0))))
+    last_hello = time.monotonic()
+    failed = False
+
+    def wait() -> bool:
+        nonlocal last_hello
+        if not sock.poll(0 if core.ready else 500) and not core.ready and core.job is None:
+            if time.monotonic() - last_hello > HELLO_EVERY_S:
+                send(sock, hello)
+                last_hello = time.monotonic()
+        return True  # ready work runs whether or not a message came
+
+    def handle() -> bool:
+        """Take every message waiting, then run the most urgent update."""
+        nonlocal failed
+        try:
+            while sock.poll(0):
+                for reply in core.receive(recv_dealer(sock, (Update, Norm, JobStart, JobEnd))):
+                    send(sock, reply)
+            done = core.next()
+        except Exception as e:  # a failed update would silently corrupt training: report and die
+            log.exception("update failed")
+            send(sock, Ack(0, f"updater {index}: {type(e).__name__}: {e}"))
+            failed = True
+            return True
+        if done is not None:
+            send(sock, done)
+        return False
+
+    try:
+        serve_loop(stop, wait, handle)
+    finally:
+        core.end_job()
+        sock.close(linger=500)
+        ctx.term()
+    return 1 if failed else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="slidedp-updater member", description="one process of the updater pool")
+    p.add_argument("--store", required=True)
+    p.add_argument("--member", type=int, required=True)
+    p.add_argument("--pool", type=int, required=True)
+    p.add_argument("--cpus", default="")
+    p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--ready-fd", type=int, default=-1)
+    args = p.parse_args(argv)
+    slog.setup("updater", args.member)
+    cpus = numa.parse_cpulist(args.cpus) if args.cpus else sorted(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, cpus)
+    torch.set_num_threads(args.threads or len(cpus))
+    return serve_member(args.store, args.member, args.pool, ready_fd=args.ready_fd)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
