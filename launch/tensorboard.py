@@ -42,8 +42,8 @@ class EventWriter:
 
 def check_available() -> str | None:
     """Why event files cannot be written here (None when they can)."""
-    try:
-        import tensorboard  # noqa: F401
-    except ImportError:
+    import importlib.util
+
+    if importlib.util.find_spec("tensorboard") is None:
         return "run.tensorboard = true but the tensorboard package is not installed (pip install tensorboard)"
     return None

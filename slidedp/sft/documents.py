@@ -76,10 +76,6 @@ class TokenizerBundle:
         return cls(path, tok, config, _find_template(folder, config, special, chat_template), ids.get("bos_token"),
                    eos, bool(config.get("add_bos_token", False)))
 
-    def folder_files(self) -> list[Path]:
-        """The tokenizer's files in its folder (what a served model folder needs beside the weights)."""
-        return [self.path.parent / n for n in TOKENIZER_FILES if (self.path.parent / n).is_file()]
-
     def encode_text(self, texts: list[str], bos: bool) -> list[list[int]]:
         """Token ids of each text; bos: with the BOS the tokenizer's post-processor or add_bos_token adds."""
         out = []

@@ -50,7 +50,7 @@ def spec_of(job: "JobConfig") -> DocumentSpec:
                         d.overlong)
 
 
-def resolved_mode(job: "JobConfig", bundle: TokenizerBundle | None = None) -> tuple[str, str]:
+def resolved_mode(job: "JobConfig") -> tuple[str, str]:
     """(kind, packing) with "auto" settled: the first record says the kind; raw text streams by default."""
     d = job.data
     if d.format in TOKEN_FORMATS:
@@ -80,7 +80,7 @@ def open_training(job: "JobConfig", vocab_size: int) -> Batches:
     if d.format in TOKEN_FORMATS:
         return Batches(TokenStream.from_section(d, vocab_size), t.seq_len, t.global_batch, d.shuffle, d.seed)
     bundle = load_tokenizer(job)
-    kind, packing = resolved_mode(job, bundle)
+    kind, packing = resolved_mode(job)
     paths = list(d.paths)
     if packing == "stream":
         stream = TokenStream(text_stream(job, paths, bundle), vocab_size, ", ".join(paths))
@@ -105,7 +105,7 @@ def open_eval(job: "JobConfig", vocab_size: int) -> PackedRows | None:
     if d.format in TOKEN_FORMATS:
         raise DataError("data.eval_path needs text data (jsonl, parquet or arrow); token files have no documents")
     bundle = load_tokenizer(job)
-    kind, packing = resolved_mode(job, bundle)
+    kind, packing = resolved_mode(job)
     if packing != "stream":
         return document_rows(job, paths, bundle, vocab_size, packing == "packed")
     tokens = TokenStream(text_stream(job, paths, bundle), vocab_size, ", ".join(paths)).tokens
