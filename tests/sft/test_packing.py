@@ -127,3 +127,24 @@ def test_eval_rounds_cover_every_row_once():
     assert all(b.ids.shape == (4, 32) for b in batches)
     assert sum(b.trained_tokens for b in batches) == sum(rows.rows_batch(np.arange(11)).trained_tokens for _ in [0])
     assert batches[-1].targets[3:].tolist() == [[IGNORE_INDEX] * 32]  # the filler row trains nothing
+
+
+def test_eval_of_a_text_stream_is_its_windows():
+    """With raw text streamed (packing = "stream"), the held-out rows are the eval file's windows."""
+    from slidedp.config import load_job
+    from slidedp.data import TokenStream, read_jsonl
+    from slidedp.sft.setup import open_eval
+
+    from pipeline.harness import TINY
+
+    job = load_job(TINY)
+    job = load_job(TINY, [f'data.eval_path="{job.data.path}"'])
+    rows = open_eval(job, 512)
+    L = job.train.seq_len
+    tokens = TokenStream(read_jsonl(job.data.path, job.data.tokenizer), 512).tokens
+    assert rows.num_sequences(L) == (len(tokens) - 1) // L
+    for r in (0, 7, rows.num_sequences(L) - 1):
+        ids, targets, positions, segments = rows.row(r)
+        assert ids.tolist() == tokens[r * L:r * L + L].tolist()
+        assert targets.tolist() == tokens[r * L + 1:r * L + L + 1].tolist()
+        assert positions.tolist() == list(range(L)) and not segments.any()

@@ -137,3 +137,28 @@ def test_eval_between_steps_reads_current_weights_on_every_route(tmp_path, monke
                 count += int((targets != IGNORE_INDEX).sum())
         assert abs(got - total / count) <= 1e-5 * (total / count), (step, got, total / count)
     assert evals[STEPS - 1] != evals[EVERY - 1]
+
+
+def test_report_plots_the_eval_loss(run, tmp_path):
+    pytest.importorskip("matplotlib")
+    from slidedp.launch import report
+
+    _, run_dir, _, _ = run
+    assert report.main([str(run_dir)]) == 0
+    assert (run_dir / "report" / "loss.png").stat().st_size > 0
+
+
+def test_a_chat_template_override_is_what_the_checkpoint_serves(tmp_path):
+    from slidedp.sft.serve import stage_serve_files
+
+    folder = write_model_folder(tmp_path / "src")
+    template = tmp_path / "other.jinja"
+    template.write_text("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}")
+    job = load_job(TINY, ['model.source="hf"', f'model.path="{folder}"', "model.vocab_size=0", 'data.tokenizer=""',
+                          f'data.path="{CHAT / "train.jsonl"}"', f'data.chat_template="{template}"',
+                          f'run.dir="{tmp_path / "run"}"'])
+    files = stage_serve_files(job, tmp_path / "serve")
+    assert sorted(f.name for f in files) == ["chat_template.jinja", "config.json", "generation_config.json",
+                                            "tokenizer.json", "tokenizer_config.json"]
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "serve")
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False) == "user: hi\n"
