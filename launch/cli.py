@@ -100,7 +100,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     if args.plan:
         return print_plan(job)
-    progress = Progress(job.store_name, job.train.global_batch * job.train.seq_len, log_every=job.run.log_every)
+    progress = Progress(job.store_name, job.train.global_batch * job.train.seq_len, log_every=job.run.log_every,
+                        tensorboard=job.run.tensorboard)
     return run_job(job, Path(args.job), progress)
 
 

@@ -127,20 +127,42 @@ class DryRun:
                               f"{cfg.num_parameters():,} parameters in {len(self.layout.chunks)} chunks")
 
     def data(self) -> None:
-        from slidedp.data import Batches, TokenStream
+        from slidedp.sft import setup as sft_setup
+        from slidedp.sft.packing import DocBatches
 
         if self.cfg is None:
             self.say("data", "not checked: it needs the model's vocabulary (see the model's problem)")
             return
         job, t = self.job, self.job.train
         t0 = time.perf_counter()
+        paths = ", ".join(job.data.paths)
+        before = len(self.problems)
         with self.check("data"):
-            stream = TokenStream.from_section(job.data, self.cfg.vocab_size)  # every id < vocab
-            batches = Batches(stream, t.seq_len, t.global_batch, job.data.shuffle, job.data.seed)
+            batches = sft_setup.open_training(job, self.cfg.vocab_size)  # every id < vocab, every record read
             epochs = t.steps * t.global_batch / batches.num_sequences
-            self.say("data", f"{job.data.path} ({job.data.format}): {len(stream):,} tokens, {batches.num_sequences:,} "
-                             f"sequences of {t.seq_len}; {t.steps} steps x {t.global_batch} sequences = "
-                             f"{epochs:.2f} epoch(s) (read in {time.perf_counter() - t0:.2f} s)")
+            took = f"(read in {time.perf_counter() - t0:.2f} s)"
+            if isinstance(batches, DocBatches):
+                rows = batches.stream
+                self.say("data", f"{paths} ({job.data.format}, {rows.docs.kind}): "
+                                 f"{rows.docs.stats.describe(t.seq_len)} {took}")
+                self.say("", f"{sft_setup.describe(rows)}; {t.steps} steps x {t.global_batch} sequences = "
+                             f"{epochs:.2f} epoch(s)")
+            else:
+                self.say("data", f"{paths} ({job.data.format}): {len(batches.stream):,} tokens, "
+                                 f"{batches.num_sequences:,} sequences of {t.seq_len}; {t.steps} steps x "
+                                 f"{t.global_batch} sequences = {epochs:.2f} epoch(s) {took}")
+        if job.data.eval_path and len(self.problems) == before:  # read like the training data: its problems once
+            with self.check("data"):
+                rows = sft_setup.open_eval(job, self.cfg.vocab_size)
+                assert rows is not None
+                self.say("", f"eval {', '.join(job.data.paths_of_eval)}: {sft_setup.describe(rows)}; after "
+                             f"{f'every {t.eval_every} steps and ' if t.eval_every else ''}the last step")
+        if job.run.tensorboard:
+            from .tensorboard import check_available
+
+            why = check_available()
+            if why:
+                self.problem("run", why)
 
     def store(self) -> None:
         job, layout = self.job, self.layout
@@ -285,10 +307,11 @@ class DryRun:
         state = (record.get("extra") or {}).get("data")
         if not state or self.cfg is None:
             return
-        from slidedp.data import DataError, open_batches
+        from slidedp.data import DataError
+        from slidedp.sft.setup import open_training
 
         try:
-            open_batches(self.job, self.cfg.vocab_size).check_state(self.start, state)
+            open_training(self.job, self.cfg.vocab_size).check_state(self.start, state)
         except DataError as e:
             self.warn("resume", str(e))
 

@@ -22,8 +22,11 @@ import zmq
 
 from slidedp import daemonlock, numa
 from slidedp.config import JobConfig, job_to_dict, job_to_toml, model_config
-from slidedp.data import DataError, open_batches
+from slidedp.data import DataError
 from slidedp.jobrecord import JobRecord, gradient_space, held_chunk_ids, held_unit_names
+from slidedp.sft import setup as sft_setup
+from slidedp.sft.packing import DocBatches
+from slidedp.sft.serve import stage_serve_files
 from slidedp.protocol import (CONTROL_CONTINUE, CONTROL_STOP, ROLE_LAUNCHER, Ack, Control, Fault, Hello, JobEnd,
                               JobStart)
 from slidedp.schedule import lr_at
@@ -107,9 +110,21 @@ class JobRun:
         cfg = model_config(job)
         self.layout = make_layout(cfg)
         t0 = time.perf_counter()
-        self.batches = open_batches(job, cfg.vocab_size)
-        log.info("data: %s, %d tokens, %d sequences of %d (%.2f s)", job.data.path, len(self.batches.stream),
-                 self.batches.num_sequences, job.train.seq_len, time.perf_counter() - t0)
+        self.batches = sft_setup.open_training(job, cfg.vocab_size)
+        if isinstance(self.batches, DocBatches):  # rows of documents, mapped by the workers
+            rows = self.batches.stream
+            log.info("data: %s: %s", ", ".join(job.data.paths), rows.docs.stats.describe(job.train.seq_len))
+            log.info("data: %s (%.2f s)", sft_setup.describe(rows), time.perf_counter() - t0)
+        else:
+            log.info("data: %s, %d tokens, %d sequences of %d (%.2f s)", ", ".join(job.data.paths),
+                     len(self.batches.stream), self.batches.num_sequences, job.train.seq_len, time.perf_counter() - t0)
+        self.eval_rows = sft_setup.open_eval(job, cfg.vocab_size)
+        if self.eval_rows is not None:
+            when = f"every {job.train.eval_every} steps and " if job.train.eval_every else ""
+            log.info("eval data: %s: %s; the eval loss after %sthe last step", ", ".join(job.data.paths_of_eval),
+                     sft_setup.describe(self.eval_rows), when)
+        self.tokens_path = self.run_dir / "tokens.npy"
+        self.docs_path = self.eval_path = None
         self.daemons = children.ensure_daemons(self.store, job.runtime.updaters, job.runtime.updater_threads, self.timeout,
                                                reserve_cpus=self.reserved_cpus)
         started = {c.name.removeprefix("slidedp-") for c in self.daemons}
@@ -139,11 +154,7 @@ class JobRun:
         if cleared:
             log.warning("%s", cleared)
         _write_atomic(self.run_dir / "job.resolved.toml", job_to_toml(job).encode())
-        self.tokens_path = self.run_dir / "tokens.npy"
-        if job.data.format == "npy":
-            self.tokens_path = Path(job.data.path)
-        else:
-            _save_npy_atomic(self.tokens_path, np.asarray(self.batches.stream.tokens))
+        self._write_data(job)
         if not status.get("exists"):
             log.info("creating store %s from %s", self.store, model_source(job))
             t0 = time.perf_counter()
@@ -186,6 +197,21 @@ class JobRun:
         self.job_started = True
         self.job_sock = bind_router(self.ctx, self.store, "job")
         return att["committed_step"], job.train.steps
+
+    def _write_data(self, job: JobConfig) -> None:
+        """What the workers read, into the run dir (checked first: it holds no other run): the token ids or the
+        documents' rows, the eval set's rows, and the files a checkpoint's model folder serves with."""
+        if isinstance(self.batches, DocBatches):
+            self.docs_path = self.run_dir / "data" / "train"
+            self.batches.stream.save(self.docs_path)
+        elif job.data.format == "npy":
+            self.tokens_path = Path(job.data.path)
+        else:
+            _save_npy_atomic(self.tokens_path, np.asarray(self.batches.stream.tokens))
+        if self.eval_rows is not None:
+            self.eval_path = self.run_dir / "data" / "eval"
+            self.eval_rows.save(self.eval_path)
+        self.serve_files = stage_serve_files(job, self.run_dir / "serve")
 
     def _maybe_resume(self, status: dict) -> None:
         job = self.job
@@ -288,7 +314,7 @@ class JobRun:
             dev = f"cuda:{rank % count}" if device == "cuda" else "cpu"
             argv = [sys.executable, "-m", "slidedp.worker", "--rank", str(rank), "--job", str(self.run_dir / "job.resolved.toml"),
                     "--plan", str(self.plan_path), "--start", str(start), "--end", str(end), "--device", dev,
-                    "--tokens", str(self.tokens_path), "--dist-file", str(dist_file)]
+                    *self._data_args(), "--dist-file", str(dist_file)]
             if device == "cuda" and self.world > count:
                 argv.append("--shared-device")
             if self.reserved_cpus:
@@ -297,6 +323,15 @@ class JobRun:
                          "--kept-cpus", ",".join(map(str, kept))]
             self.workers.append(children.spawn(f"worker rank {rank}", argv, env=worker_env(),
                                                on_parent_death=signal.SIGKILL))
+
+    def _trained_tokens(self, step: int) -> int:
+        if isinstance(self.batches, DocBatches):
+            return self.batches.batch(step).trained_tokens
+        return self.job.train.global_batch * self.job.train.seq_len
+
+    def _data_args(self) -> list[str]:
+        out = ["--docs", str(self.docs_path)] if self.docs_path else ["--tokens", str(self.tokens_path)]
+        return out + (["--eval-docs", str(self.eval_path)] if self.eval_path else [])
 
     def follow(self, start: int, end: int, progress: Progress) -> int:
         """Run steps start..end-1; returns the last committed step + 1."""
@@ -342,7 +377,8 @@ class JobRun:
     def _report_completed(self, ledger: StepLedger, progress: Progress) -> None:
         """Report every completed step, in order; start the checkpoints due after them."""
         while (done := ledger.complete(self._workers_gone())) is not None:
-            progress.step(done.step, done.done, done.stats, lr_at(self.job.train, done.step))
+            progress.step(done.step, done.done, done.stats, lr_at(self.job.train, done.step), done.eval_loss,
+                          self._trained_tokens(done.step))
             if done.checkpoint:
                 self.checkpoint(ledger.committed, background=True)
                 for r in range(self.world):
@@ -397,8 +433,9 @@ class JobRun:
         job = self.job
         extra = {"job": job.run.name, "data": self.batches.state(step), "seed": job.train.seed}
         t0 = time.perf_counter()
-        # the tokenizer goes into model/ (hashed with the rest) so the folder is usable as is
-        extra_files = [str(job.data.tokenizer)] if job.data.tokenizer else []
+        # the tokenizer's files, chat template, generation and source config go into model/ (hashed with the
+        # rest) so the folder is ready to serve as is
+        extra_files = [str(f) for f in self.serve_files]
         out = self._call("checkpoint", max(self.timeout, 3600), dir=str(job.checkpoint_dir), dtype=job.checkpoint.dtype,
                          keep=job.checkpoint.keep, extra=extra, extra_files=extra_files, background=background)
         if background:

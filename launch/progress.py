@@ -42,12 +42,16 @@ class MetricField:
 METRICS: dict[str, MetricField] = {
     "step": MetricField(int, "the optimizer step that committed (0-based)"),
     "time": MetricField(float, "wall clock (Unix seconds) when the launcher saw the step commit"),
-    "loss": MetricField(float, "mean loss over every target token of the global batch; null if not finite", True),
+    "loss": MetricField(float, "mean loss over the trained target tokens of the global batch; null if not finite",
+                        True),
+    "eval_loss": MetricField(float, "mean loss over the trained target tokens of data.eval_path on the weights after "
+                                    "this step; null where no eval ran (train.eval_every)", True),
     "grad_norm": MetricField(float, "global gradient norm before clipping; null if not finite", True),
     "lr": MetricField(float, "learning rate of the step"),
     "skipped": MetricField(bool, "the step was skipped everywhere (a rank saw a non-finite loss, or the gradient "
                                  "norm was not finite)"),
     "tokens": MetricField(int, "target tokens per step (global_batch x seq_len)"),
+    "trained_tokens": MetricField(int, "target tokens of the step the loss is on (not masked, not padding)"),
     "step_s": MetricField(float, "time between this commit and the previous one (the first includes start-up)"),
     "tokens_per_s": MetricField(float, "tokens / step_s", True),
     "worker_step_s": MetricField(float, "the slowest rank's own step time (forward to last gradient sent)"),
@@ -136,11 +140,14 @@ def _finite(x: float) -> float | None:
 
 def make_record(step: int, done: StepDone, stats: dict[int, WorkerStats], lr: float, tokens: int, step_s: float,
                 predicted_step_s: float | None, host_private: int, shm: int,
-                planned_gpu_bytes: int | None = None) -> dict[str, Any]:
+                planned_gpu_bytes: int | None = None, eval_loss: float | None = None,
+                trained_tokens: int | None = None) -> dict[str, Any]:
     worker_fields = {f.name for f in fields(WorkerStats)}
     record: dict[str, Any] = {
         "step": step, "time": time.time(), "loss": _finite(done.loss), "grad_norm": _finite(done.grad_norm),
+        "eval_loss": None if eval_loss is None else _finite(eval_loss),
         "lr": lr, "skipped": bool(done.skipped), "tokens": tokens, "step_s": step_s,
+        "trained_tokens": tokens if trained_tokens is None else trained_tokens,
         "tokens_per_s": tokens / step_s if step_s > 0 else None,
         "worker_step_s": max((s.step_s for s in stats.values()), default=step_s),
         "predicted_step_s": predicted_step_s, "planned_gpu_bytes": planned_gpu_bytes, "ranks": len(stats),
@@ -169,8 +176,11 @@ def _rate(x: float | None) -> str:
 class Progress:
     """Follows the committed steps: metrics.jsonl, a progress bar (terminal) or key=value lines (anything else)."""
 
-    def __init__(self, store: str, tokens_per_step: int, stream: TextIO | None = None, log_every: int = 1) -> None:
+    def __init__(self, store: str, tokens_per_step: int, stream: TextIO | None = None, log_every: int = 1,
+                 tensorboard: bool = False) -> None:
         self.store = store
+        self.tensorboard = tensorboard
+        self.events = None  # the TensorBoard writer, from begin()
         self.tokens_per_step = tokens_per_step
         self.stream = stream or sys.stdout
         self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
@@ -194,6 +204,10 @@ class Progress:
     def begin(self, start: int, end: int, run_dir: Path) -> None:
         self.start, self.end_step, self.run_dir = start, end, run_dir
         self.metrics = open(run_dir / "metrics.jsonl", "a")
+        if self.tensorboard:
+            from .tensorboard import EventWriter
+
+            self.events = EventWriter(run_dir)
         self.t_last = time.perf_counter()
         if self.tty and end > start:
             self._bar = tqdm(total=end, initial=start, file=self.stream, dynamic_ncols=True, leave=True,
@@ -206,7 +220,8 @@ class Progress:
         per = sum(recent) / len(recent) if recent else 0.0
         return max(0, self.end_step - step - 1) * per
 
-    def step(self, step: int, done: StepDone, stats: dict[int, WorkerStats], lr: float) -> None:
+    def step(self, step: int, done: StepDone, stats: dict[int, WorkerStats], lr: float, eval_loss: float | None = None,
+             trained_tokens: int | None = None) -> None:
         now = time.perf_counter()
         step_s = now - self.t_last
         self.t_last = now
@@ -219,7 +234,7 @@ class Progress:
         shm = sum(size for _, size in list_store_segments().get(self.store, []))
         predicted = self.predicted_clipped_step_s if done.clipped and self.predicted_clipped_step_s else self.predicted_step_s
         record = make_record(step, done, stats, lr, self.tokens_per_step, step_s, predicted,
-                             process_tree_private_bytes(), shm, self.planned_gpu_bytes)
+                             process_tree_private_bytes(), shm, self.planned_gpu_bytes, eval_loss, trained_tokens)
         if not done.skipped:
             self.update_busy_s.append(done.update_s - done.correct_s)  # the AdamW rate a plan may learn
             self.reduce_busy_s.append(done.reduce_s)
@@ -229,11 +244,13 @@ class Progress:
             self.metrics.write(json.dumps(record) + "\n")
             self.metrics.flush()
         self.records.append(record)
+        if self.events is not None:
+            self.events.record(record)
         eta = self.eta_s(step)
         last = step + 1 >= self.end_step
         if self._bar is not None:
             self._draw(step, record, eta)
-        elif done.skipped or last or (step + 1 - self.start) % self.log_every == 0:
+        elif done.skipped or last or eval_loss is not None or (step + 1 - self.start) % self.log_every == 0:
             self._line(step, record, eta)
 
     def _line(self, step: int, r: dict[str, Any], eta: float) -> None:
@@ -242,7 +259,8 @@ class Progress:
 
         print(f"step={step + 1} steps={self.end_step} loss={num(r['loss'], '.4f')} "
               f"grad_norm={num(r['grad_norm'], '.4f')} lr={r['lr']:.3e} tokens_per_s={num(r['tokens_per_s'], '.0f')} "
-              f"step_s={r['step_s']:.3f} eta_s={eta:.1f}" + (" skipped=1" if r["skipped"] else ""),
+              f"step_s={r['step_s']:.3f} eta_s={eta:.1f}" + (" skipped=1" if r["skipped"] else "")
+              + (f" eval_loss={num(r['eval_loss'], '.4f')}" if r["eval_loss"] is not None else ""),
               file=self.stream, flush=True)
 
     def _draw(self, step: int, r: dict[str, Any], eta: float) -> None:
@@ -250,7 +268,8 @@ class Progress:
         if r["skipped"]:  # a permanent line above the bar
             self._bar.write(f"step {step + 1} skipped: a non-finite loss or gradient norm", file=self.stream)
         loss = "nan" if r["loss"] is None else f"{r['loss']:.4f}"
-        self._bar.set_postfix_str(f"loss {loss} {_rate(r['tokens_per_s'])} tok/s {r['step_s']:.2f} s/step "
+        ev = "" if r["eval_loss"] is None else f" eval {r['eval_loss']:.4f}"
+        self._bar.set_postfix_str(f"loss {loss}{ev} {_rate(r['tokens_per_s'])} tok/s {r['step_s']:.2f} s/step "
                                   f"ETA {_clock(eta)}", refresh=False)
         self._bar.update(step + 1 - self._bar.n)
 
@@ -262,6 +281,9 @@ class Progress:
         if self.metrics is not None:
             self.metrics.close()
             self.metrics = None
+        if self.events is not None:
+            self.events.close()
+            self.events = None
         if self.run_dir is not None and (self.run_dir / "trace").is_dir():
             from .tracefile import merge_and_check
 

@@ -88,6 +88,10 @@ def summary(records: list[dict[str, Any]]) -> list[str]:
              f"{f', {skipped} skipped (non-finite loss or gradient)' if skipped else ''})"]
     if first.get("loss") is not None and last.get("loss") is not None:
         lines.append(f"loss         {first['loss']:.4f} -> {last['loss']:.4f}")
+    evals = [r for r in records if r.get("eval_loss") is not None]
+    if evals:
+        lines.append(f"eval loss    {evals[0]['eval_loss']:.4f} -> {evals[-1]['eval_loss']:.4f} "
+                     f"({len(evals)} eval(s), the last after step {evals[-1]['step'] + 1})")
     backs = write_backs(records, 1)
     left_out = (["the first, with start-up"] if len(records) > 1 else []) + (
         [f"{len(backs)} with a write-back of device-held units (median {statistics.median(backs):.3f} s)"]
@@ -216,10 +220,15 @@ def _finish(plt, fig, path: Path) -> Path:
 def plot_training(plt, records: list[dict[str, Any]], out: Path) -> list[Path]:
     steps = [r["step"] for r in records]
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    ax.plot(steps, [r.get("loss") if r.get("loss") is not None else float("nan") for r in records], lw=1.5)
+    ax.plot(steps, [r.get("loss") if r.get("loss") is not None else float("nan") for r in records], lw=1.5,
+            label="train")
+    evals = [(r["step"], r["eval_loss"]) for r in records if r.get("eval_loss") is not None]
+    if evals:
+        ax.plot(*zip(*evals), marker="o", lw=1.5, label="eval (data.eval_path)")
     bad = [r["step"] for r in records if r.get("skipped")]
     if bad:
         ax.scatter(bad, [0] * len(bad), marker="x", color="red", label="skipped step")
+    if evals or bad:
         ax.legend()
     ax.set(xlabel="step", ylabel="loss", title="loss")
     ax.grid(alpha=0.3)

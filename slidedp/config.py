@@ -39,12 +39,19 @@ class _Section:
 
     _name: ClassVar[str] = ""
     _paths: ClassVar[tuple[str, ...]] = ()
+    _lists: ClassVar[tuple[str, ...]] = ()  # string keys that also take a list of strings (kept as a tuple)
 
     def __post_init__(self) -> None:
         problems: list[str] = []
         for f in dataclasses.fields(self):  # type: ignore[arg-type]
             want = _FIELD_TYPES[f.type] if isinstance(f.type, str) else f.type
             value = getattr(self, f.name)
+            if f.name in self._lists and isinstance(value, (list, tuple)):
+                if not value or not all(isinstance(v, str) and v for v in value):
+                    raise ConfigError(f"{self._key(f.name)} must be a string or a non-empty list of non-empty "
+                                      f"strings, got {value!r}")
+                object.__setattr__(self, f.name, tuple(value) if len(value) > 1 else value[0])
+                continue
             # bool is a subclass of int in Python; a TOML `true` is never a number here.
             ok = isinstance(value, want) and not (want is not bool and isinstance(value, bool))
             if want is float and isinstance(value, int) and not isinstance(value, bool):
@@ -100,9 +107,10 @@ class _Section:
             self._report(f"{self._key(name)} must be {allowed}; got {_show(value)}")
 
     def _existing(self, name: str, what: str) -> Path:
-        path = Path(getattr(self, name))
-        if not path.exists():
-            raise ConfigError(f"{self._key(name)}: {what} {str(path)!r} does not exist")
+        value = getattr(self, name)
+        for path in map(Path, (value,) if isinstance(value, str) else value):
+            if not path.exists():
+                raise ConfigError(f"{self._key(name)}: {what} {str(path)!r} does not exist")
         return path
 
 
@@ -142,35 +150,63 @@ class ModelSection(_Section):
                 )
 
 
-DATA_FORMATS = ("jsonl", "npy", "bin")
+DATA_FORMATS = ("jsonl", "parquet", "arrow", "npy", "bin")
 TOKEN_DTYPES = ("uint16", "uint32", "int32", "int64")
 
 
 @dataclass(frozen=True)
 class DataSection(_Section):
     _name: ClassVar[str] = "data"
-    _paths: ClassVar[tuple[str, ...]] = ("path", "tokenizer")
-    path: str
+    _paths: ClassVar[tuple[str, ...]] = ("path", "tokenizer", "chat_template", "eval_path")
+    _lists: ClassVar[tuple[str, ...]] = ("path", "eval_path")
+    path: str  # a file, a folder, or a list of them
     format: str = "jsonl"
-    tokenizer: str = ""  # a Hugging Face tokenizer.json; jsonl only
+    tokenizer: str = ""  # a Hugging Face tokenizer.json; "" = the model folder's
     text_key: str = "text"
     dtype: str = "uint16"  # element type of a raw .bin token file
     shuffle: bool = False
     seed: int = 0
+    kind: str = "auto"  # what a record holds: text, chat (messages), prompt_completion; auto: the first record says
+    packing: str = "auto"  # stream (raw text windows), packed (documents), padded (one per row); auto: by kind
+    messages_key: str = "messages"
+    prompt_key: str = "prompt"
+    completion_key: str = "completion"
+    train_on_prompt: bool = False  # false: the loss is on assistant / completion tokens only
+    overlong: str = "truncate"  # a document longer than seq_len + 1 tokens: "truncate" or "drop"
+    chat_template: str = ""  # a Jinja file replacing the tokenizer's chat template
+    eval_path: str = ""  # held-out data, read like path; "" = no eval
 
     def validate(self) -> None:
         self._choice("format", DATA_FORMATS)
         self._choice("dtype", TOKEN_DTYPES)
+        self._choice("kind", ("auto", "text", "chat", "prompt_completion"))
+        self._choice("packing", ("auto", "stream", "packed", "padded"))
+        self._choice("overlong", ("truncate", "drop"))
         self._range("seed", 0)
         if not self.path:
             raise ConfigError("data.path must name a data file; got ''")
         self._existing("path", "data file")
-        if self.format == "jsonl":
-            if not self.tokenizer:
-                raise ConfigError("data.tokenizer is required when data.format = 'jsonl' (path to a tokenizer.json)")
+        if self.tokenizer:
             self._existing("tokenizer", "tokenizer file")
-        if not self.text_key:
-            raise ConfigError("data.text_key must not be empty")
+        if self.chat_template:
+            self._existing("chat_template", "chat template file")
+        if self.eval_path:
+            self._existing("eval_path", "eval data file")
+        for key in ("text_key", "messages_key", "prompt_key", "completion_key"):
+            if not getattr(self, key):
+                raise ConfigError(f"data.{key} must not be empty")
+        if self.format in ("npy", "bin") and (self.kind not in ("auto", "text") or self.packing not in ("auto", "stream")):
+            raise ConfigError(f"data.format = {self.format!r} holds token ids, not documents: data.kind must be "
+                              f"'auto' or 'text' and data.packing 'auto' or 'stream'")
+
+    @property
+    def paths(self) -> tuple[str, ...]:
+        return (self.path,) if isinstance(self.path, str) else tuple(self.path)
+
+    @property
+    def paths_of_eval(self) -> tuple[str, ...]:
+        return () if not self.eval_path else (self.eval_path,) if isinstance(self.eval_path, str) else \
+            tuple(self.eval_path)
 
 
 @dataclass(frozen=True)
@@ -194,6 +230,7 @@ class TrainSection(_Section):
     seed: int = 0
     compute_dtype: str = "bf16"
     compile: str = "auto"  # the layers' pointwise kernels through torch.compile: auto (on CUDA), on, off
+    eval_every: int = 0  # steps between eval losses over data.eval_path (and one at the end); 0 = none
 
     def validate(self) -> None:
         for name in ("steps", "global_batch", "micro_batch", "seq_len"):
@@ -216,6 +253,7 @@ class TrainSection(_Section):
         self._range("seed", 0)
         self._choice("compute_dtype", ("bf16", "fp32"))
         self._choice("compile", ("auto", "on", "off"))
+        self._range("eval_every", 0)
         if not self.__dict__.get("_problems") and self.global_batch % self.micro_batch:
             raise ConfigError(
                 f"train.micro_batch ({self.micro_batch}) must divide train.global_batch ({self.global_batch})"
@@ -288,6 +326,7 @@ class RunSection(_Section):
     log_every: int = 1
     trace_steps: str = ""  # steps to record in trace.json, e.g. "5" or "5,6" ("" = none)
     overwrite: bool = False  # a run dir holding another run: replace it (else the job is refused; launch/rundir.py)
+    tensorboard: bool = False  # also write TensorBoard event files under <run dir>/tensorboard
 
     def validate(self) -> None:
         self._range("log_every", 1)
@@ -366,6 +405,13 @@ class JobConfig:
             )
         if not self.run.name:
             raise ConfigError("run.name is empty; set it, or load the job from a file whose stem names the run")
+        d, m = self.data, self.model
+        if d.format not in ("npy", "bin") and not d.tokenizer and not (
+                m.source == "hf" and (Path(m.path) / "tokenizer.json").is_file()):
+            raise ConfigError(f"data.tokenizer is required when data.format = {d.format!r} (path to a tokenizer.json)"
+                              + (f", as {m.path} has no tokenizer.json" if m.source == "hf" else ""))
+        if self.train.eval_every and not d.eval_path:
+            raise ConfigError("train.eval_every needs data.eval_path (the held-out data)")
 
     @property
     def store_name(self) -> str:
@@ -432,6 +478,8 @@ def _apply_override(d: dict[str, Any], item: str) -> None:
         "checkpoint", "resume", "latest"
     ):
         value = str(Path(value).expanduser().absolute())  # typed on a command line: relative to the cwd
+    elif cls and name in cls._lists and isinstance(value, list):
+        value = [str(Path(v).expanduser().absolute()) if isinstance(v, str) and v else v for v in value]
     table[name] = value
 
 
@@ -462,6 +510,9 @@ def job_from_dict(d: dict[str, Any], base_dir: Path, name_hint: str) -> JobConfi
             v = values.get(key)
             if isinstance(v, str) and v and not (name == "checkpoint" and key == "resume" and v == "latest"):
                 values[key] = str((Path(base_dir) / Path(v).expanduser()).resolve())
+            elif isinstance(v, list) and key in cls._lists:
+                values[key] = [str((Path(base_dir) / Path(x).expanduser()).resolve()) if isinstance(x, str) and x
+                               else x for x in v]
         if name == "run" and not values.get("dir") and isinstance(values.get("name"), str) and values["name"]:
             # Fix the run directory at load time so later chdirs and a saved copy agree.
             values["dir"] = str(Path.cwd() / "runs" / values["name"])
@@ -486,6 +537,8 @@ def _toml_value(v: Any) -> str:
         return "true" if v else "false"
     if isinstance(v, (int, float)):
         return repr(v)  # repr of a finite float is valid TOML (1e-08, 3.0)
+    if isinstance(v, (tuple, list)):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
     if isinstance(v, str):
         # JSON's escapes (\" \\ \n \uXXXX) are TOML basic-string escapes; TOML also wants DEL escaped.
         return json.dumps(v, ensure_ascii=False).replace("\x7f", "\\u007f")

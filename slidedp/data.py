@@ -7,7 +7,6 @@ consecutive windows share one boundary token and no token is wasted. A batch dep
 
 from __future__ import annotations
 
-import json
 from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -59,36 +58,41 @@ def eot_id(tokenizer) -> int:
 
 def read_jsonl(path: str | Path, tokenizer_path: str | Path, text_key: str = "text") -> np.ndarray:
     """Tokenize each line's `text_key` (no special tokens) and join documents with end-of-text."""
-    from tokenizers import Tokenizer  # lazy: only JSONL needs it
+    from tokenizers import Tokenizer  # lazy: only text needs it
+
+    from slidedp.sft.records import read_records  # lazy: slidedp.sft imports this module
 
     try:
         tok = Tokenizer.from_file(str(tokenizer_path))
     except Exception as e:  # the Rust side raises plain Exception subclasses
         raise DataError(f"{tokenizer_path}: cannot load tokenizer: {e}") from None
     try:
-        eot = eot_id(tok)
+        eot_id(tok)
     except DataError as e:
         raise DataError(f"{tokenizer_path}: {e}") from None
+    return join_texts(record_texts(read_records([str(path)], "jsonl"), text_key), tok, str(path))
+
+
+def record_texts(records, text_key: str) -> list[str]:
+    """The `text_key` string of every record (slidedp.sft.records.Record), each error naming its record."""
     texts: list[str] = []
-    with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, 1):
-            if not raw.strip():
-                continue
-            try:
-                doc = json.loads(raw.decode("utf-8"))
-            except UnicodeDecodeError as e:
-                raise DataError(f"{path}:{lineno}: not UTF-8: {e}") from None
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{lineno}: bad JSON: {e}") from None
-            if not isinstance(doc, dict) or text_key not in doc:
-                raise DataError(f"{path}:{lineno}: no key {text_key!r} (data.text_key) in this line")
-            if not isinstance(doc[text_key], str):
-                raise DataError(f"{path}:{lineno}: {text_key!r} is {type(doc[text_key]).__name__}, expected a string")
-            texts.append(doc[text_key])
+    for rec in records:
+        doc = rec.value
+        if not isinstance(doc, dict) or text_key not in doc:
+            raise DataError(f"{rec.where}: no key {text_key!r} (data.text_key) in this record")
+        if not isinstance(doc[text_key], str):
+            raise DataError(f"{rec.where}: {text_key!r} is {type(doc[text_key]).__name__}, expected a string")
+        texts.append(doc[text_key])
+    return texts
+
+
+def join_texts(texts: list[str], tokenizer, source: str) -> np.ndarray:
+    """The texts tokenized without special tokens, joined with the tokenizer's end-of-text token."""
     if not texts:
-        raise DataError(f"{path}: no documents")
+        raise DataError(f"{source}: no documents")
+    eot = eot_id(tokenizer)
     ids: list[int] = []
-    for i, enc in enumerate(tok.encode_batch(texts, add_special_tokens=False)):
+    for i, enc in enumerate(tokenizer.encode_batch(texts, add_special_tokens=False)):
         if i:
             ids.append(eot)
         ids.extend(enc.ids)

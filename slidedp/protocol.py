@@ -271,6 +271,15 @@ class WorkerStats(Message):
     write_back_s: float = 0.0  # inside step_s: device-held units written back to the store (a checkpoint, the end)
 
 
+@message(18, "iqdq")
+class EvalLoss(Message):
+    """Worker -> launcher, before its WorkerStats of `step`: its share of the eval loss on the weights after `step`."""
+    rank: int
+    step: int
+    loss_sum: float
+    tokens: int
+
+
 # ---- control plane: requests to the host-state daemon ------------------------------------------
 # A request is one of the typed requests below, carried as Request(kind, its fields as a JSON
 # object); the daemon answers Reply(ok, a JSON object, or the reason it refused).

@@ -2,6 +2,8 @@
 
 Kept short and obviously right on purpose: whole global batch at once, loss = sum of token
 losses / (B * L), weight decay on matrices only, the lr of `schedule.lr_at`, optional clipping.
+Rows of documents (chat, prompt/completion, packed or padded): each document of the step runs on
+its own, loss = sum of its trained targets' losses over the step / the step's trained targets.
 
     python -m slidedp.reference job.toml [--steps N] [--set section.key=value ...]
 """
@@ -17,9 +19,12 @@ import torch
 import torch.nn.functional as F
 
 from slidedp.config import JobConfig, load_job, model_config
-from slidedp.data import Batches, open_batches
+from slidedp.data import Batches
+from slidedp.worker.loss import IGNORE_INDEX
 from slidedp.model import layers
 from slidedp.model.dtypes import torch_dtype
+from slidedp.sft.packing import DocBatches
+from slidedp.sft.setup import open_training
 from slidedp.schedule import lr_at
 
 
@@ -57,13 +62,16 @@ def train_reference(
     )
     result = ReferenceResult([], [], {})
     for step in range(start_step, start_step + steps):
-        batch = torch.from_numpy(batches.batch(step))
-        ids, targets = batch[:, :-1], batch[:, 1:]
         compute = master if dtype == torch.float32 else {k: p.to(dtype) for k, p in master.items()}
-        logits = layers.forward_logits(cfg, compute, ids)
-        loss = F.cross_entropy(
-            logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum"
-        ) / targets.numel()
+        if isinstance(batches, DocBatches):
+            loss = documents_loss(cfg, compute, batches, step)
+        else:
+            batch = torch.from_numpy(batches.batch(step))
+            ids, targets = batch[:, :-1], batch[:, 1:]
+            logits = layers.forward_logits(cfg, compute, ids)
+            loss = F.cross_entropy(
+                logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum"
+            ) / targets.numel()
         opt.zero_grad(set_to_none=True)
         loss.backward()
         grads = [p.grad for p in master.values() if p.grad is not None]
@@ -83,6 +91,26 @@ def train_reference(
     result.moments = {kind: {k: opt.state[p][kind] for k, p in master.items() if p in opt.state}
                       for kind in ("exp_avg", "exp_avg_sq")}
     return result
+
+
+def step_documents(batches: DocBatches, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(inputs, targets) of every document of the step's rows, targets IGNORE_INDEX where untrained."""
+    rows = batches.stream
+    out = []
+    for r in batches.sequence_ids(step).tolist():
+        for d in rows.row_docs[rows.row_offsets[r]:rows.row_offsets[r + 1]].tolist():
+            tok, trained = (torch.from_numpy(a.astype("int64")) for a in rows.docs.document(d))
+            out.append((tok[:-1], torch.where(trained[1:] == 1, tok[1:], IGNORE_INDEX)))
+    return out
+
+
+def documents_loss(cfg, params, batches: DocBatches, step: int) -> torch.Tensor:
+    """Each document alone; the summed loss of the trained targets / their count over the step."""
+    docs = step_documents(batches, step)
+    count = sum(int((t != IGNORE_INDEX).sum()) for _, t in docs)
+    total = sum(F.cross_entropy(layers.forward_logits(cfg, params, ids[None]).float()[0], t, reduction="sum")
+                for ids, t in docs)
+    return total / count
 
 
 def initial_params(job: JobConfig) -> dict[str, torch.Tensor]:
@@ -107,7 +135,7 @@ def reference_main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
     job = load_job(args.job, args.overrides)
     params = initial_params(job)
-    batches = open_batches(job, model_config(job).vocab_size)
+    batches = open_training(job, model_config(job).vocab_size)
     total = args.steps or job.train.steps
 
     def report(step: int, loss: float, norm: float, lr: float) -> None:

@@ -171,7 +171,7 @@ def test_wrong_type(jobdir, override, message):
         ("runtime.device=tpu", "runtime.device must be one of 'cpu', 'cuda'; got 'tpu'"),
         ("runtime.workers=0", "runtime.workers must be >= 1; got 0"),
         ("runtime.timeout_s=0", "runtime.timeout_s must be > 0; got 0.0"),
-        ("data.format=csv", "data.format must be one of 'jsonl', 'npy', 'bin'; got 'csv'"),
+        ("data.format=csv", "data.format must be one of 'jsonl', 'parquet', 'arrow', 'npy', 'bin'; got 'csv'"),
         ("data.dtype=int8", "data.dtype must be one of 'uint16', 'uint32', 'int32', 'int64'; got 'int8'"),
         ("model.shape=huge", "model.shape must be one of 'tiny', 'tiny-llama', 'small', 'qwen3-0.6b', 'qwen3-1.7b', "
                              "'qwen3-4b', 'qwen3-8b', 'qwen3-14b'; got 'huge'"),
@@ -224,7 +224,7 @@ def test_bad_overrides(jobdir):
     assert error(p, ["train.stepz=3"]).endswith("unknown key train.stepz; allowed keys in [train]: steps, "
                                                  "global_batch, micro_batch, seq_len, lr, min_lr_ratio, warmup_steps, "
                                                  "schedule, schedule_start, schedule_steps, weight_decay, beta1, beta2, eps, max_grad_norm, seed, "
-                                                 "compute_dtype, compile")
+                                                 "compute_dtype, compile, eval_every")
 
 
 def test_overrides_parse_toml_values_else_strings(jobdir, monkeypatch):

@@ -86,8 +86,8 @@ def test_jsonl_joined_with_eot(tmp_path):
     "lines, message",
     [
         (['{"text": "a"}', '{"text": "b"'], r"d\.jsonl:2: bad JSON: "),
-        (['{"text": "a"}', "", '{"body": "b"}'], r"d\.jsonl:3: no key 'text' \(data\.text_key\) in this line"),
-        (['["text"]'], r"d\.jsonl:1: no key 'text' \(data\.text_key\) in this line"),
+        (['{"text": "a"}', "", '{"body": "b"}'], r"d\.jsonl:3: no key 'text' \(data\.text_key\) in this record"),
+        (['["text"]'], r"d\.jsonl:1: no key 'text' \(data\.text_key\) in this record"),
         (['{"text": 3}'], r"d\.jsonl:1: 'text' is int, expected a string"),
         ([""], r"d\.jsonl: no documents"),
     ],

@@ -298,13 +298,25 @@ def _replace_dir(new: Path, folder: Path) -> None:
     fsync_dir(folder.parent)
 
 
+def _read_source_config(path: Path) -> dict:
+    try:
+        conf = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: the source config.json is not readable JSON: {e}") from None
+    if not isinstance(conf, dict):
+        raise CheckpointError(f"{path}: the source config.json must hold a JSON object")
+    return conf
+
+
 def write_folder(folder, cfg: ModelConfig, tensors: Mapping[str, Tensor] | Callable[[str], Tensor],
                  dtype: torch.dtype = torch.bfloat16, max_shard_bytes: int = 5 * 2**30,
                  extra_files: Iterable[str | os.PathLike] = ()) -> None:
     """Write a checkpoint folder loadable by `transformers`, atomically.
 
     `tensors` maps full names to tensors, or is a callable fetched one name at a time (so a
-    huge store never needs a second copy). `extra_files` (e.g. tokenizer files) are copied in.
+    huge store never needs a second copy). `extra_files` (e.g. tokenizer files) are copied in; a
+    `config.json` among them is the source model's, whose fields are kept under the ones written
+    here, and a `generation_config.json` replaces the one made from the config.
     An existing folder is replaced only after the new one is complete and synced, and only if
     it looks like a checkpoint (holds config.json or safetensors), so a typo cannot delete data.
     """
@@ -339,10 +351,12 @@ def write_folder(folder, cfg: ModelConfig, tensors: Mapping[str, Tensor] | Calla
             weight_map = {name: fname for fname, members in zip(files, shards) for name, _ in members}
             _write_json(tmp / INDEX_FILE, {"metadata": {"total_size": total}, "weight_map": weight_map})
         dtype_name = str(dtype).removeprefix("torch.")
-        _write_json(tmp / "config.json", {**cfg.to_hf(), "torch_dtype": dtype_name, "dtype": dtype_name})
+        extra = [Path(f) for f in extra_files]
+        base = next((_read_source_config(f) for f in extra if f.name == "config.json"), {})
+        _write_json(tmp / "config.json", {**base, **cfg.to_hf(), "torch_dtype": dtype_name, "dtype": dtype_name})
         gen = {"_from_model_config": True, "bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id}
         _write_json(tmp / "generation_config.json", {k: v for k, v in gen.items() if v is not None})
-        for src in extra_files:
+        for src in (f for f in extra if f.name != "config.json"):
             shutil.copyfile(src, tmp / Path(src).name)
             with open(tmp / Path(src).name, "rb") as f:
                 os.fsync(f.fileno())

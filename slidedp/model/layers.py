@@ -137,15 +137,17 @@ def _attention(cfg: ModelConfig, p: Mapping[str, Tensor], h: Tensor, rope: tuple
         q = rms_norm(q, p["self_attn.q_norm.weight"], cfg.rms_norm_eps)
         k = rms_norm(k, p["self_attn.k_norm.weight"], cfg.rms_norm_eps)
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-    cos, sin = rope[0][:t], rope[1][:t]
+    mask = getattr(rope, "mask", None)  # a DocumentRope (packed documents): per-token tables, block-diagonal mask
+    cos, sin = (rope[0], rope[1]) if mask is not None else (rope[0][:t], rope[1][:t])
     q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
+    causal = dict(is_causal=True) if mask is None else dict(attn_mask=mask)
     if nkv == nh:
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=d**-0.5)
-    elif _SDPA_GQA:
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=d**-0.5, enable_gqa=True)
+        o = F.scaled_dot_product_attention(q, k, v, scale=d**-0.5, **causal)
+    elif _SDPA_GQA and not (mask is not None and q.is_cuda):  # CUDA's kernel for a mask takes whole heads
+        o = F.scaled_dot_product_attention(q, k, v, scale=d**-0.5, enable_gqa=True, **causal)
     else:
         k, v = k.repeat_interleave(nh // nkv, dim=1), v.repeat_interleave(nh // nkv, dim=1)
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=d**-0.5)
+        o = F.scaled_dot_product_attention(q, k, v, scale=d**-0.5, **causal)
     o = o.transpose(1, 2).reshape(b, t, nh * d)
     return F.linear(o, p["self_attn.o_proj.weight"])
 

@@ -22,7 +22,9 @@ from ..data import Batches, TokenStream, open_batches, rank_slice
 from ..jobrecord import held_unit_names
 from ..model import layers as L
 from ..model.dtypes import torch_dtype
-from ..protocol import CONTROL_STOP, WorkerStats
+from ..protocol import CONTROL_STOP, EvalLoss, WorkerStats
+from ..sft import feed
+from ..sft.packing import DocBatches, PackedRows, SftBatch
 from ..stepplan import StepPlan
 from ..stopflag import StopFlag
 from ..store.rings import GradRings
@@ -58,8 +60,11 @@ def needs_group(plan: StepPlan, world: int) -> bool:
     return world > 1 and (plan.embedding_held or plan.device_layers > 0 or plan.sharded)
 
 
-def open_batches_for(job: JobConfig, vocab_size: int, tokens: Path | None) -> Batches:
-    """The job's batches: from the launcher's pre-tokenized .npy, or the job's data itself."""
+def open_batches_for(job: JobConfig, vocab_size: int, tokens: Path | None, docs: Path | None = None) -> Batches:
+    """The job's batches: from the launcher's rows of documents or pre-tokenized .npy, or the job's data itself."""
+    if docs is not None:
+        return DocBatches(PackedRows.load(docs, job.train.seq_len), job.train.global_batch, job.data.shuffle,
+                          job.data.seed)
     if tokens is None:
         return open_batches(job, vocab_size)
     stream = TokenStream(np.load(tokens, mmap_mode="r", allow_pickle=False), vocab_size, str(tokens))
@@ -104,7 +109,8 @@ class WorkerCore:
 
     def __init__(self, job: JobConfig, plan: StepPlan, rank: int, world: int, device: torch.device, store: HostStore,
                  rings: GradRings, link: WorkerLink, launcher: LauncherLink, stop: StopFlag, run_dir: Path, start: int,
-                 end: int, tokens: Path | None = None, group: Group | None = None) -> None:
+                 end: int, tokens: Path | None = None, group: Group | None = None, docs: Path | None = None,
+                 eval_docs: Path | None = None) -> None:
         self.job, self.plan, self.rank, self.world, self.device = job, plan, rank, world, device
         self.store, self.rings, self.link, self.launcher, self.stop = store, rings, link, launcher, stop
         self.run_dir, self.start, self.end = run_dir, start, end
@@ -115,7 +121,8 @@ class WorkerCore:
         cfg = model_config(job)
         if store.layout.model != cfg:
             raise RuntimeError(f"store {store.name!r} holds another model than the job describes")
-        self.batches = open_batches_for(job, cfg.vocab_size, tokens)
+        self.batches = open_batches_for(job, cfg.vocab_size, tokens, docs)
+        self.eval_rows = PackedRows.load(eval_docs, t.seq_len) if eval_docs is not None else None
         dtype = torch_dtype(plan.compute_dtype)
         if L.compiled_kernels_wanted(t.compile, device):
             L.compile_kernels(fallback=t.compile == "auto")
@@ -161,18 +168,29 @@ class WorkerCore:
         link.waits = dict.fromkeys(link.waits, 0.0)
         link.step = step
         h2d0 = engine.delivery.h2d_bytes
-        seqs = torch.from_numpy(rank_slice(self.batches.batch(step), self.rank, self.world).astype(np.int64))
-        seqs = seqs.view(self.micro, self.plan.micro_batch, t.seq_len + 1)
-        if step == self.profile_step:
-            times = profiled(lambda: engine.run_step(step, seqs[..., :-1], seqs[..., 1:]),
-                             self.run_dir / f"profile-rank{self.rank}-step{step}.json", device)
+        batch, mbs = self.batches.batch(step), self.plan.micro_batch
+        if isinstance(batch, SftBatch):  # rows of documents: masks, positions, the global trained count
+            run_step = lambda: feed.run_step(engine, batch, step, self.rank, self.world, self.micro, mbs)  # noqa: E731
         else:
-            times = engine.run_step(step, seqs[..., :-1], seqs[..., 1:])
+            seqs = torch.from_numpy(rank_slice(batch, self.rank, self.world).astype(np.int64))
+            seqs = seqs.view(self.micro, mbs, t.seq_len + 1)
+            run_step = lambda: engine.run_step(step, seqs[..., :-1], seqs[..., 1:])  # noqa: E731
+        if step == self.profile_step:
+            times = profiled(run_step, self.run_dir / f"profile-rank{self.rank}-step{step}.json", device)
+        else:
+            times = run_step()
         peak = reserved = 0
         if device.type == "cuda":
             torch.cuda.synchronize(device)
             peak, reserved = torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)
         self.done_steps = step + 1
+        if self.eval_rows is not None and ((t.eval_every and self.done_steps % t.eval_every == 0)
+                                           or self.done_steps == t.steps):
+            # on the weights after this step (version done_steps), before held units are written back and
+            # before the stats (so the launcher has every rank's share when it records the step)
+            loss_sum, count = feed.run_eval(engine, self.eval_rows, self.done_steps, self.rank, self.world,
+                                            self.micro, mbs, t.global_batch)
+            self.launcher.send(EvalLoss(self.rank, step, loss_sum, count))
         every, end = self.job.checkpoint.every, self.end
         write_back_s = 0.0
         if self.held and ((every and self.done_steps % every == 0) or self.done_steps == end):

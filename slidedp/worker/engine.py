@@ -35,8 +35,9 @@ from ..clipping import Verdict
 from .collectives import Group
 from .delivery import GradOut, ParamDelivery, Unit, unit_tensors
 from .device_state import DeviceHeld
-from .loss import norm_head_backward
+from .loss import IGNORE_INDEX, norm_head_backward
 from ..model import layers as L
+from ..model.attention import document_rope, single_segment
 from ..model.config import ModelConfig
 from ..stepplan import StepPlan
 from ..tracing import NULL, Tracer
@@ -188,13 +189,29 @@ class Engine:
             self.link.grad_landed(*landed, step)
 
     # ---- the step --------------------------------------------------------------------------
-    def run_step(self, step: int, ids: torch.Tensor, targets: torch.Tensor) -> StepTimes:
-        """ids, targets: [M, m, T] int64 on the CPU (M local micro-batches of m sequences)."""
-        times = StepTimes(tokens=int(targets.numel()))
+    def micro_ropes(self, T: int, positions: torch.Tensor | None, segments: torch.Tensor | None) -> list:
+        """Each micro-batch's rope (and, for rows of packed documents, the mask keeping attention inside
+        each document); positions, segments: [M, m, T] on the CPU, or None for plain causal rows."""
+        rope = self.rope(T)
+        if positions is None or segments is None:
+            return [rope]
+        return [rope if single_segment(segments[i]) else
+                document_rope(rope, positions[i].to(self.device), segments[i].to(self.device))
+                for i in range(positions.shape[0])]
+
+    def run_step(self, step: int, ids: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor | None = None,
+                 segments: torch.Tensor | None = None, scale: float | None = None) -> StepTimes:
+        """ids, targets: [M, m, T] int64 on the CPU (M local micro-batches of m sequences); targets equal to
+        IGNORE_INDEX are not trained. positions, segments [M, m, T]: rows of packed documents (None: plain
+        causal rows). scale: the step's loss scale, 1 / the global batch's trained targets (None: the
+        engine's 1 / (global batch x seq_len), every target trained)."""
+        times = StepTimes(tokens=int((targets != IGNORE_INDEX).sum()))
         t0 = time.perf_counter()
         cfg, H, tile = self.cfg, self.cfg.hidden_size, self.plan.seq_tile_tokens
         M, m, T = ids.shape
         rope = self.rope(T)
+        ropes = self.micro_ropes(T, positions, segments) if positions is not None else [rope] * M
+        scale = self.scale if scale is None else scale
         ids_dev = ids.to(self.device)
         targets_dev = targets.to(self.device)
         tied = cfg.tie_word_embeddings
@@ -220,7 +237,7 @@ class Engine:
                 for i, x in enumerate(xs):
                     self.saved.save(layer, i, x)
                 with self._span(f"forward layer {layer}", step, layer=layer):
-                    xs = [L.layer_forward(cfg, p, x, rope, tile) for x in xs]
+                    xs = [L.layer_forward(cfg, p, x, r, tile) for x, r in zip(xs, ropes)]
                 self._prefetch_ahead(layer, step, backward=False)
                 del p
             self.delivery.prefetch(self.units["norm"], step)
@@ -241,7 +258,7 @@ class Engine:
         head_grad_2d = head_grad[:cfg.vocab_size * H].view(cfg.vocab_size, H)
         with self._span("loss + head backward", step):
             for i, x in enumerate(xs):  # each x becomes its own gradient, in place
-                loss_sum += norm_head_backward(x, targets_dev[i], norm_w, head_w, cfg.rms_norm_eps, self.scale, tile,
+                loss_sum += norm_head_backward(x, targets_dev[i], norm_w, head_w, cfg.rms_norm_eps, scale, tile,
                                                self.plan.loss_chunk_tokens, norm_grad[:H], head_grad_2d)
         grads_out = xs
         del xs, head_w, norm_w
@@ -275,7 +292,8 @@ class Engine:
             acc_views = L.fuse_projections(unit_tensors(acc, self.units[f"layer.{layer}"], strip=f"model.layers.{layer}."))
             with self._span(f"backward layer {layer}", step, layer=layer):
                 for i in range(M):
-                    grads_out[i] = L.layer_backward(cfg, p, self.saved.get(layer, i), rope, grads_out[i], tile, acc_views)
+                    grads_out[i] = L.layer_backward(cfg, p, self.saved.get(layer, i), ropes[i], grads_out[i], tile,
+                                                    acc_views)
             self._prefetch_ahead(layer, step, backward=True)
             self.saved.release(layer)
             del p, acc_views

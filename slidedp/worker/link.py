@@ -13,7 +13,7 @@ from typing import Callable
 import zmq
 
 from .. import log as slog
-from ..protocol import SLOT_DEVICE, Control, Credit, Go, Grad, Loss, Norm, Ready, WorkerStats
+from ..protocol import SLOT_DEVICE, Control, Credit, Go, Grad, Loss, Message, Norm, Ready, WorkerStats
 from ..stopflag import StopFlag
 from ..store.layout import Chunk
 from ..store.rings import GradRings
@@ -117,6 +117,10 @@ class LauncherLink:
 
     def stats(self, stats: WorkerStats) -> None:
         send(self.sock, stats)
+
+    def send(self, msg: Message) -> None:
+        """Anything else for the launcher (an EvalLoss before the step's stats)."""
+        send(self.sock, msg)
 
     def control(self, timeout_ms: int) -> Control | None:
         """The launcher's next order, if one arrives within `timeout_ms`."""

@@ -101,7 +101,8 @@ def run(args: argparse.Namespace) -> int:
                                    "(device-held units, sharded routes)")
             group = join(rank, world, device, args.shared_device, args.dist_file, job.runtime.timeout_s)
         core = WorkerCore(job, plan, rank, world, device, store, rings, link, LauncherLink(job_sock), stop,
-                          Path(args.job).parent, args.start, args.end, Path(args.tokens) if args.tokens else None, group)
+                          Path(args.job).parent, args.start, args.end, Path(args.tokens) if args.tokens else None, group,
+                          Path(args.docs) if args.docs else None, Path(args.eval_docs) if args.eval_docs else None)
         core.run()
         return 0
     finally:
@@ -126,6 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--end", type=int, required=True)
     p.add_argument("--device", default="cpu")
     p.add_argument("--tokens", default="", help="pre-tokenized .npy written by the launcher")
+    p.add_argument("--docs", default="", help="a folder of document rows written by the launcher (instead of --tokens)")
+    p.add_argument("--eval-docs", default="", help="a folder of held-out document rows (data.eval_path)")
     p.add_argument("--dist-file", default="", help="torch.distributed rendezvous file (device-held units or sharded routes, N > 1)")
     p.add_argument("--shared-device", action="store_true", help="ranks share one GPU (gloo instead of NCCL)")
     p.add_argument("--cpus", default="", help="pin this worker to these CPUs (its share of those kept free of updater threads)")

@@ -106,7 +106,7 @@ def test_every_configuration_error_at_once(tmp_path, capsys):
                              f"{TINY}: train.lr must be > 0; got -1.0",
                              f"{TINY}: checkpoint.keep must be >= 1; got 0",
                              f"{TINY}: unknown key run.log_evry; allowed keys in [run]: name, dir, log_every, "
-                             f"trace_steps, overwrite",
+                             f"trace_steps, overwrite, tensorboard",
                              f"{TINY}: runtime.workers must be >= 1; got 0"]
     assert out.splitlines()[-1] == "dry run: 5 problem(s) a run would hit; nothing was started or created"
     # the same list from a real launch, one line each, before anything starts
