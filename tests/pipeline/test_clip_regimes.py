@@ -56,7 +56,7 @@ def check_regime(tmp_path, workers, micro, regime, shape, param_route, grad_rout
     # gradient is near zero (1.26e-5 on tiny, one rank, 2 micro-batches, clipping off); a correction's
     # undo adds its own rounding of about 1e-7 (tests/clipping).
     bound = 3e-5
-    assert_matches_reference(run_dir, sets, grad_route, bound)
+    assert_matches_reference(run_dir, sets, bound)
     ref = reference(sets)
     final = run_dir / "checkpoints" / f"step-{STEPS:08d}"
     state = checkpoint_state(final)
