@@ -3,8 +3,10 @@
 `calibrate()` measures the building blocks the schedule is made of: pinned H2D, D2H and both
 at once; the fused CPU AdamW (`torch._fused_adamw_`, the kernel the updater runs); an fp32 sum
 (the aggregator); a layer-sized matmul in the compute dtype, and the fused AdamW on the device
-(for an embedding kept on the GPU). On `device="cpu"` it returns a CPU-only calibration
-(copies at memcpy speed, "GPU" rates = the CPU's), so planning works in CI.
+(for an embedding kept on the GPU); on CUDA, load_or_calibrate adds the fused CPU AdamW's rate while
+pinned copies run beside it (measure.adamw_beside_copies). The GPU work of a step itself is measured
+per shape at plan time (measure.py) and rides along as `Calibration.blocks`. On `device="cpu"` it
+returns a CPU-only calibration (copies at memcpy speed, "GPU" rates = the CPU's), so planning works in CI.
 
 The cache is JSON (never pickle), one file per host and device name, under ~/.cache/slidedp:
 the measured building blocks, and what training runs measured (`record_training`) kept per
@@ -16,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import fcntl
-import functools
 import json
 import math
 import os
@@ -29,18 +30,13 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from slidedp import log
+from slidedp.planner.measure import MeasuredBlocks
 
 _log = log.get("planner")
 
 SCHEMA = 1
-# The engine's decoder layer (forward, recompute, backward: the model's 4x forward FLOPs) runs
-# at about 45% of a bare matmul's rate on an H200, eager kernels: attention, norms, casts and
-# elementwise kernels beside the GEMMs. Measured: 356 TFLOP/s for Qwen3-4B at micro-batches of
-# 2 x 2,048 tokens (benchmarks.layer_bench) against the 737-793 TFLOP/s bare bf16 matmul the
-# H200 hosts' calibrations measured, and training runs took 1.20x the GPU time planned at
-# BENCHMARKS.md's 405/755 (a layer's forward + backward without recompute): 0.536 / 1.2 = 0.45.
-# The model's FLOP count is matmuls only, so the calibration reports this effective rate
-# (compiled kernels: costs.COMPILED_LAYER_SPEEDUP on top).
+# Only where no GPU blocks were measured (measure.py; a CPU calibration, the reference figures): a
+# decoder layer's share of a bare matmul's rate, eager, Qwen3-4B on an H200 (docs/tuning.md, "Kernels").
 LAYER_EFFICIENCY = 0.45
 
 
@@ -50,17 +46,21 @@ class CalibrationError(ValueError):
 
 # What a training run measures of a model, kept per model in the cache (keyed by parameter count):
 # each group of fields names the model it was measured on. The updaters' rate; their rate beside a
-# host sum of ranks' gradients and that sum's rate; the GPU time factors by shape of GPU work.
+# host sum of ranks' gradients and that sum's rate.
 LEARNED_GROUPS: dict[str, tuple[str, ...]] = {
     "adamw_train_model_params": ("adamw_train_params_per_s",),
     "adamw_train_summed_model_params": ("adamw_train_summed_params_per_s", "reduce_train_summed_gbps"),
-    "gpu_train_model_params": ("gpu_train_factors",),
 }
 LEARNED_FIELDS = tuple(f for model, values in LEARNED_GROUPS.items() for f in (*values, model))
-_NOTHING_LEARNED: dict[str, Any] = {k: "" if k == "gpu_train_factors" else 0 for k in LEARNED_FIELDS}
+_NOTHING_LEARNED: dict[str, Any] = {k: 0 for k in LEARNED_FIELDS}
+# Fields of older cache files that nothing reads now: runs' GPU-time factors per model and shape of
+# GPU work, replaced by the GPU blocks measured at plan time (measure.py). Dropped on reading, with a note.
+RETIRED_FIELDS = ("gpu_train_factors", "gpu_train_model_params")
 
-# 0 = not measured yet: what training runs measure, and the host's copy-in with every GPU at once
-_MAY_BE_ZERO = frozenset(LEARNED_FIELDS) - {"gpu_train_factors"} | {"h2d_total_gbps"}
+# 0 = not measured yet: what training runs measure, the host's copy-in with every GPU at once, and
+# the AdamW rate beside the copies (measured on CUDA only)
+_MAY_BE_ZERO = frozenset(LEARNED_FIELDS) | {"h2d_total_gbps", "adamw_beside_copies_params_per_s",
+                                            "adamw_beside_copies_gpus"}
 
 
 @dataclass(frozen=True)
@@ -99,24 +99,19 @@ class Calibration:
     adamw_train_summed_params_per_s: float = 0.0
     reduce_train_summed_gbps: float = 0.0
     adamw_train_summed_model_params: int = 0
-    # the workers' GPU-side step time measured training a model (each rank's step less its waits
-    # for the host) over the plan's GPU time for it from the rates above: what the matmul rate
-    # leaves out (casts, norms, attention, launches, the size of the matmuls). A JSON object,
-    # shape of the GPU work (`gpu_shape`) -> factor, for the model of `gpu_train_model_params`
-    # parameters. On an H200, Qwen3-4B in 4,096-token micro-batches with 1,024-token loss chunks:
-    # 1.667 s measured for 1.386 s planned, 1.20x. "": no run yet.
-    gpu_train_factors: str = ""
-    gpu_train_model_params: int = 0
-    # until a run of a model has measured its updaters' rate, the planner charges this share of the
-    # bare kernel's: beside the DMA, the aggregator and the workers, the updaters reached 0.57-0.64
-    # of it training Qwen3-4B (2.48-2.74 of 4.00-4.37 G params/s on one H200's host, 16 cores;
-    # 3.00 of 5.22 on the 2-H200 host). 1.0 charges the bare rate.
+    # the fused CPU AdamW (as adamw_params_per_s) while pinned H2D and D2H copies ran on every GPU
+    # (measure.adamw_beside_copies): what the updaters reach in training, where the DMA shares host
+    # memory with them. Charged until a run of the model measures its own rate. 0: not measured.
+    adamw_beside_copies_params_per_s: float = 0.0
+    adamw_beside_copies_gpus: int = 0  # how many GPUs copied beside it
+    # where neither was measured (the reference figures, a CPU calibration): this share of the bare
+    # kernel's rate, the updaters' share training Qwen3-4B on one H200's host (docs/tuning.md)
     adamw_train_fraction: float = 0.6
-    # the lowest share measured so far: 2.78 of 7.28 G params/s (0.38) training Qwen3-4B with two
-    # workers copying in at once on a 2-H200 host. A first plan chooses its device-held layers so
-    # that the step also holds at this share (plan._with_device_layers): one layer too many costs
-    # little GPU time, one too few leaves the step bound by the host's update.
+    # ... and the lowest share measured (two workers copying in at once on a 2-H200 host): a plan on
+    # such a guess chooses its device-held layers so that the step also holds at it
     adamw_train_fraction_low: float = 0.38
+    # the GPU blocks measured at plan time for the job's shape (measure.py); kept in their own cache file
+    blocks: MeasuredBlocks | None = None
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -127,11 +122,12 @@ class Calibration:
                 raise CalibrationError(f"calibration field {f.name} must be a positive finite number, got {value!r}")
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The calibration's figures (the blocks travel apart: `blocks.to_dict()`)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "blocks"}
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "Calibration":
-        names = {f.name for f in dataclasses.fields(cls)}
+    def from_dict(cls, d: dict[str, Any], blocks: MeasuredBlocks | None = None) -> "Calibration":
+        names = {f.name for f in dataclasses.fields(cls)} - {"blocks"}
         unknown = sorted(set(d) - names)
         if unknown:
             raise CalibrationError(f"calibration has unknown fields {unknown}")
@@ -140,14 +136,17 @@ class Calibration:
             raise CalibrationError(f"calibration is missing fields {missing}")
         kinds = {f.name: f.type for f in dataclasses.fields(cls)}
         conv = {"str": str, "float": float, "int": int}
-        return cls(**{k: conv[kinds[k]](v) for k, v in d.items()})
+        return cls(**{k: conv[kinds[k]](v) for k, v in d.items()}, blocks=blocks)
 
     def summary(self) -> str:
         return (
             f"{self.device_name} @ {self.host}: H2D {self.h2d_gbps:.1f} GB/s, D2H {self.d2h_gbps:.1f}, "
             f"both {self.bidir_gbps:.1f}; CPU AdamW {self.adamw_params_per_s / 1e9:.2f} G params/s "
-            f"({self.adamw_threads} threads); reduce {self.reduce_gbps:.1f} GB/s; "
-            f"GPU {self.gpu_tflops:.1f} TFLOP/s effective"
+            f"({self.adamw_threads} threads"
+            + (f"; {self.adamw_beside_copies_params_per_s / 1e9:.2f} beside copies" if self.adamw_beside_copies_params_per_s else "")
+            + f"); reduce {self.reduce_gbps:.1f} GB/s; "
+            + (f"GPU blocks measured for this shape ({len(self.blocks.layers)} layer and {len(self.blocks.losses)} "
+               f"loss sizes)" if self.blocks else f"GPU {self.gpu_tflops:.1f} TFLOP/s effective")
             + (f"; GPU links {self.allreduce_gbps:.0f} GB/s among {self.bus_gpus}, H2D of all "
                f"{self.h2d_total_gbps:.0f} GB/s" if self.bus_gpus > 1 else "")
             + (f"; AdamW in training {self.adamw_train_params_per_s / 1e9:.2f} G params/s "
@@ -156,25 +155,7 @@ class Calibration:
                + (f" and the sum {self.reduce_train_summed_gbps:.1f} GB/s" if self.reduce_train_summed_gbps else "")
                + f" (measured training a {self.adamw_train_summed_model_params:,}-param model)"
                if self.adamw_train_summed_params_per_s else "")
-            + "".join(f"; GPU time in training {f:.2f}x the rates' ({self.gpu_train_model_params / 1e9:.2f} "
-                      f"B-param model, {shape})" for shape, f in _factors(self.gpu_train_factors).items())
         )
-
-    def gpu_scale(self, model_params: int, shape: str) -> float:
-        """How much longer the GPU work takes than the rates say: the factor a run of this model with
-        GPU work of this shape (`gpu_shape`) measured; for a shape no run measured, the largest
-        factor measured for the model (so an unmeasured plan never looks faster for being
-        unmeasured); 1 for a model no run measured."""
-        factors = _factors(self.gpu_train_factors)
-        if not factors or model_params != self.gpu_train_model_params:
-            return 1.0
-        return factors.get(shape, max(factors.values()))
-
-    def with_gpu_factor(self, model_params: int, shape: str, factor: float) -> "Calibration":
-        """This calibration with `factor` measured for `shape` (kept beside the model's other shapes)."""
-        kept = _factors(self.gpu_train_factors) if model_params == self.gpu_train_model_params else {}
-        return dataclasses.replace(self, gpu_train_factors=json.dumps({**kept, shape: float(factor)}, sort_keys=True),
-                                   gpu_train_model_params=int(model_params))
 
     def update_rate_learned(self, model_params: int, summed: bool = False) -> bool:
         """Whether a run of this model on this host measured the updaters' rate in training (summed:
@@ -185,19 +166,22 @@ class Calibration:
 
     def update_params_per_s(self, model_params: int, summed: bool = False) -> float:
         """The AdamW rate the planner charges for a model: the one measured training it (beside a host
-        sum where `summed`, when a run measured that), else the bare kernel's times
-        adamw_train_fraction (what training leaves of it on the hosts measured)."""
+        sum where `summed`, when a run measured that), else the rate measured beside copies, else the
+        bare kernel's times adamw_train_fraction."""
         if summed and self.update_rate_learned(model_params, summed=True):
             return self.adamw_train_summed_params_per_s
         if self.update_rate_learned(model_params):
             return self.adamw_train_params_per_s
+        if self.adamw_beside_copies_params_per_s:
+            return self.adamw_beside_copies_params_per_s
         return self.adamw_params_per_s * self.adamw_train_fraction
 
     def at_lowest_share(self, model_params: int) -> "Calibration | None":
-        """Until a run of this model measured its updaters' rate: this calibration charging the lowest
-        share of the bare kernel measured in training (None once the rate is measured, or when the
-        lowest share is not below the one charged)."""
-        if self.update_rate_learned(model_params) or self.adamw_train_fraction_low >= self.adamw_train_fraction:
+        """While the updaters' rate is a share of the bare kernel's (neither a run of this model nor the
+        calibration measured it in training): this calibration charging the lowest share measured in
+        training (None once a rate is measured, or when the lowest share is not below the one charged)."""
+        if (self.update_rate_learned(model_params) or self.adamw_beside_copies_params_per_s
+                or self.adamw_train_fraction_low >= self.adamw_train_fraction):
             return None
         return dataclasses.replace(self, adamw_train_fraction=self.adamw_train_fraction_low)
 
@@ -243,7 +227,7 @@ def _median_time(fn: Callable[[], None], sync: Callable[[], None], reps: int) ->
     return max(statistics.median(times), 1e-9)
 
 
-def _fused_adamw(params: list, grads: list, m: list, v: list, steps: list) -> None:
+def fused_adamw(params: list, grads: list, m: list, v: list, steps: list) -> None:
     import torch
 
     torch._fused_adamw_(
@@ -258,7 +242,7 @@ def _adamw_rate(n: int, device: str, sync: Callable[[], None], reps: int) -> flo
     p, g = torch.rand(n, device=device), torch.rand(n, device=device)
     m, v = torch.zeros(n, device=device), torch.zeros(n, device=device)
     step = torch.ones((), device=device)
-    return n / _median_time(lambda: _fused_adamw([p], [g], [m], [v], [step]), sync, reps)
+    return n / _median_time(lambda: fused_adamw([p], [g], [m], [v], [step]), sync, reps)
 
 
 def _device_name(device: str) -> str:
@@ -344,29 +328,8 @@ def calibrate(device: str = "cuda", quick: bool = False) -> Calibration:
 # --------------------------------------------------------------------------------------
 # cache
 
-def _slug(text: str) -> str:
+def slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", text).strip("_") or "unknown"
-
-
-def gpu_shape(micro_tokens: int, loss_chunk_tokens: int, seq_tile_tokens: int, ranks: int = 1,
-              routes: str = "") -> str:
-    """What sizes a step's GPU work, as a calibration keeps it with the GPU time a run measured."""
-    tiles = f"tiles of {seq_tile_tokens:,}" if seq_tile_tokens else "untiled"
-    where = f"{ranks} ranks, {routes}" if ranks > 1 else "1 rank"
-    return f"{micro_tokens:,}-token micro-batches, {loss_chunk_tokens:,}-token loss chunks, {tiles}, {where}"
-
-
-@functools.lru_cache(maxsize=64)
-def _factors(text: str) -> dict[str, float]:
-    """`gpu_train_factors` read: {} when empty or not an object of positive numbers."""
-    try:
-        d = json.loads(text) if text else {}
-    except ValueError:
-        return {}
-    if not isinstance(d, dict):
-        return {}
-    return {str(k): float(v) for k, v in d.items()
-            if isinstance(v, (int, float)) and math.isfinite(v) and v > 0}
 
 
 def cache_path(device: str, cache_dir: str | os.PathLike | None = None) -> Path:
@@ -387,7 +350,7 @@ def cache_root(env: Mapping[str, str] | None = None) -> Path:
 
 def _cache_file(host: str, device_name: str, cache_dir: str | os.PathLike | None) -> Path:
     root = Path(cache_dir).expanduser() if cache_dir else cache_root()
-    return root / f"calibration-{_slug(host)}-{_slug(device_name)}.json"
+    return root / f"calibration-{slug(host)}-{slug(device_name)}.json"
 
 
 def _learned_model(fields: Mapping[str, Any]) -> int:
@@ -412,17 +375,12 @@ def _learned_of(calib: Calibration) -> dict[int, dict[str, Any]]:
 
 
 def _merged(entry: Mapping[str, Any], measured: Mapping[str, Any]) -> dict[str, Any]:
-    """A model's figures updated by a run's: fields the run did not measure are kept, and GPU factors
-    are merged by shape (another job of the model may have measured another shape meanwhile)."""
-    out = {**entry, **measured}
-    if measured.get("gpu_train_factors") and entry.get("gpu_train_factors"):
-        out["gpu_train_factors"] = json.dumps({**_factors(entry["gpu_train_factors"]),
-                                               **_factors(measured["gpu_train_factors"])}, sort_keys=True)
-    return out
+    """A model's figures updated by a run's: fields the run did not measure are kept."""
+    return {**entry, **measured}
 
 
 @contextlib.contextmanager
-def _locked(path: Path):
+def locked(path: Path):
     """Serialize the read-modify-write of a cache file among the jobs of one host."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path.with_name(path.name + ".lock"), os.O_RDWR | os.O_CREAT, 0o600)
@@ -446,7 +404,7 @@ def record_training(calib: Calibration, cache_dir: str | os.PathLike | None = No
     if not model:
         raise ValueError("record_training: the measured fields name no model (a *_model_params field)")
     path = _cache_file(calib.host, calib.device_name, cache_dir)
-    with _locked(path):
+    with locked(path):
         try:
             current, learned = _read(path)
         except CalibrationError as e:  # unreadable: what this run measured starts a new file
@@ -473,8 +431,7 @@ def save(calib: Calibration, path: str | os.PathLike, learned: Mapping[int, Mapp
 def _checked_entry(calib: Calibration, key: Any, fields: Any) -> dict[str, Any] | None:
     """A model's learned entry with its values converted, or None when it is not one: fields that are
     not measured in training, values of the wrong kind, a model named other than its key."""
-    if not (isinstance(fields, dict) and str(key).isdigit() and set(fields) <= set(LEARNED_FIELDS)
-            and isinstance(fields.get("gpu_train_factors", ""), str)):
+    if not (isinstance(fields, dict) and str(key).isdigit() and set(fields) <= set(LEARNED_FIELDS)):
         return None
     try:
         full = Calibration.from_dict({**calib.to_dict(), **_NOTHING_LEARNED, **fields})
@@ -495,18 +452,27 @@ def _read(path: str | os.PathLike) -> tuple[Calibration, dict[int, dict[str, Any
         raise CalibrationError(f"cannot read calibration {path}: {e}") from None
     if not isinstance(doc, dict) or doc.get("schema") != SCHEMA or not isinstance(doc.get("calibration"), dict):
         raise CalibrationError(f"calibration {path} is not a schema-{SCHEMA} calibration file")
+    retired = sorted(set(doc["calibration"]) & set(RETIRED_FIELDS))
     try:
-        calib = Calibration.from_dict(doc["calibration"])
+        calib = Calibration.from_dict({k: v for k, v in doc["calibration"].items() if k not in RETIRED_FIELDS})
     except (TypeError, ValueError) as e:
         raise CalibrationError(f"calibration {path}: {e}") from None
     learned = _learned_of(calib)  # a file from before the per-model figures
     entries = doc.get("learned") or {}
     for key, fields in (entries.items() if isinstance(entries, dict) else ()):
+        if isinstance(fields, dict) and set(fields) & set(RETIRED_FIELDS):
+            retired = sorted(set(retired) | (set(fields) & set(RETIRED_FIELDS)))
+            fields = {k: v for k, v in fields.items() if k not in RETIRED_FIELDS}
+            if not fields:
+                continue
         entry = _checked_entry(calib, key, fields)
         if entry is None:
             _log.warning("%s: learned entry %r is not a model's measured fields; left out", path, key)
             continue
         learned[int(key)] = entry
+    if retired:
+        _log.info("%s: %s (GPU-time factors learned from runs) ignored: plans now measure the GPU work at "
+                  "the job's shapes; the next write drops them", path, ", ".join(retired))
     return _with_learned(calib, {}), learned
 
 
@@ -529,7 +495,7 @@ def load_or_calibrate(
     model_params: with what training runs of that model on this host measured (`load`).
     refresh: measure again and forget what training runs measured (after a hardware change)."""
     path = cache_path(device, cache_dir)
-    with _locked(path):  # one job measures at a time: two at once would measure each other
+    with locked(path):  # one job measures at a time: two at once would measure each other
         calib, learned = None, {}
         if path.exists() and not refresh:
             try:
@@ -540,7 +506,7 @@ def load_or_calibrate(
         if calib is None:
             calib = calibrate(device, quick=quick)
             _log.info("calibrated %s", calib.summary())
-        if calib.bus_gpus < gpus:
+        if gpus > 1:
             gpus = min(gpus, _visible_gpus(device))  # asked for more than are visible: the visible ones (CPU: 1)
         if gpus > 1 and calib.bus_gpus < gpus:
             from slidedp.planner.links import measure_links
@@ -550,6 +516,14 @@ def load_or_calibrate(
                                         h2d_total_gbps=links["h2d_total_gbps"], bus_gpus=gpus)
             _log.info("measured the links among %d GPUs: %.0f GB/s bus, %.0f GB/s of copy-in in all", gpus,
                       calib.allreduce_gbps, calib.h2d_total_gbps)
+            changed = True
+        if device.startswith("cuda") and calib.adamw_beside_copies_gpus < gpus:
+            from slidedp.planner.measure import adamw_beside_copies
+
+            rate = adamw_beside_copies(calib.adamw_threads, device, gpus)
+            calib = dataclasses.replace(calib, adamw_beside_copies_params_per_s=rate, adamw_beside_copies_gpus=gpus)
+            _log.info("the fused CPU AdamW ran at %.2f G params/s beside pinned copies on %d GPU(s) (bare: %.2f)",
+                      rate / 1e9, gpus, calib.adamw_params_per_s / 1e9)
             changed = True
         if changed:
             save(calib, path, learned)
