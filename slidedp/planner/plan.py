@@ -16,7 +16,7 @@ from slidedp.stepplan import StepPlan
 from slidedp.planner import costs
 from slidedp.planner.calibration import Calibration
 from slidedp.planner.costs import GiB
-from slidedp.planner.step_model import RESOURCES, gpu_time_measured, micro_batch_of, predict_step
+from slidedp.planner.step_model import RESOURCES, gpu_time_measured, gpu_times, micro_batch_of, predict_step
 from slidedp.planner.workload import Choices, Workload
 
 _LOSS_CHUNKS = (1024, 512, 256, 128)  # tokens per logits chunk, largest that fits first

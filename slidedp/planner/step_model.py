@@ -26,7 +26,7 @@ messages, version polling and the Python between the blocks.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from slidedp.jobrecord import sums_on_host
 from slidedp.planner import costs
