@@ -106,7 +106,8 @@ def plan_job(job: JobConfig, calib: Calibration | None = None) -> JobPlan:
     nl = cfg.num_layers
     if rt.device != "cuda":
         return JobPlan(StepPlan(
-            micro_batch=t.micro_batch or cpu_micro_batch(t.global_batch // rt.workers), compute_dtype=t.compute_dtype, chunk_rows=default_chunk_rows(cfg),
+            micro_batch=t.micro_batch or cpu_micro_batch(t.global_batch // rt.workers),
+            compute_dtype=t.compute_dtype, chunk_rows=default_chunk_rows(cfg),
             resident_layers=max(0, mem.resident_layers), prefetch_depth=max(1, mem.prefetch_depth),
             embedding=forced_embedding or "host", seq_tile_tokens=max(0, mem.seq_tile_tokens),
             offload_layers=min(max(0, mem.offload_layers), nl), device_layers=min(max(0, mem.device_layers), nl),

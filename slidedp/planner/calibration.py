@@ -35,8 +35,14 @@ from slidedp.planner.measure import MeasuredBlocks
 _log = log.get("planner")
 
 SCHEMA = 1
-# Only where no GPU blocks were measured (measure.py; a CPU calibration, the reference figures): a
-# decoder layer's share of a bare matmul's rate, eager, Qwen3-4B on an H200 (docs/tuning.md, "Kernels").
+# The engine's decoder layer (forward, recompute, backward: the model's 4x forward FLOPs) runs
+# at about 45% of a bare matmul's rate on an H200, eager kernels: attention, norms, casts and
+# elementwise kernels beside the GEMMs. Measured: 356 TFLOP/s for Qwen3-4B at micro-batches of
+# 2 x 2,048 tokens (benchmarks.layer_bench) against the 737-793 TFLOP/s bare bf16 matmul the
+# H200 hosts' calibrations measured, and training runs took 1.20x the GPU time planned at
+# BENCHMARKS.md's 405/755 (a layer's forward + backward without recompute): 0.536 / 1.2 = 0.45.
+# The model's FLOP count is matmuls only, so the calibration reports this effective rate
+# (compiled kernels: costs.COMPILED_LAYER_SPEEDUP on top).
 LAYER_EFFICIENCY = 0.45
 
 
@@ -104,11 +110,15 @@ class Calibration:
     # memory with them. Charged until a run of the model measures its own rate. 0: not measured.
     adamw_beside_copies_params_per_s: float = 0.0
     adamw_beside_copies_gpus: int = 0  # how many GPUs copied beside it
-    # where neither was measured (the reference figures, a CPU calibration): this share of the bare
-    # kernel's rate, the updaters' share training Qwen3-4B on one H200's host (docs/tuning.md)
+    # until a run of a model has measured its updaters' rate, the planner charges this share of the
+    # bare kernel's: beside the DMA, the aggregator and the workers, the updaters reached 0.57-0.64
+    # of it training Qwen3-4B (2.48-2.74 of 4.00-4.37 G params/s on one H200's host, 16 cores;
+    # 3.00 of 5.22 on the 2-H200 host). 1.0 charges the bare rate.
     adamw_train_fraction: float = 0.6
-    # ... and the lowest share measured (two workers copying in at once on a 2-H200 host): a plan on
-    # such a guess chooses its device-held layers so that the step also holds at it
+    # the lowest share measured so far: 2.78 of 7.28 G params/s (0.38) training Qwen3-4B with two
+    # workers copying in at once on a 2-H200 host. A first plan chooses its device-held layers so
+    # that the step also holds at this share (plan._with_device_layers): one layer too many costs
+    # little GPU time, one too few leaves the step bound by the host's update.
     adamw_train_fraction_low: float = 0.38
     # the GPU blocks measured at plan time for the job's shape (measure.py); kept in their own cache file
     blocks: MeasuredBlocks | None = None

@@ -117,7 +117,8 @@ def test_the_launchers_calibration_carries_the_jobs_model_and_sizes(monkeypatch)
     assert (seen["gpus"], seen["n"]) == (2, cfg.num_parameters())
     m = seen["measure"]
     assert (m["model"], m["seq_len"], m["local_batch"], m["compiled"]) == (cfg.to_dict(), job.train.seq_len, 2, True)
-    assert m["sizes"] == gpu_work_sizes(planned.plan.workload, int(job.memory.gpu_budget_gib * 2**30), {
-        "activations": ("keep", "offload"), "delivery": ("fp32",), "embedding": ("gpu", "host")})
+    p = planned.plan
+    assert (p.micro_batch, p.seq_tile_tokens, p.loss_chunk_tokens) in m["sizes"]  # what it chose was measured
+    assert set(m["sizes"]) <= set(gpu_work_sizes(p.workload, int(job.memory.gpu_budget_gib * 2**30)))
     assert {mb for mb, _, _ in m["sizes"]} == {1, 2}  # the divisors of the 2 sequences per rank
     assert planned.step.micro_batch in (1, 2) and planned.step.micro_batch == planned.plan.micro_batch
