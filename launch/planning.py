@@ -19,7 +19,7 @@ from slidedp.jobrecord import sums_on_host
 from slidedp.planner import Calibration, Plan, Workload, costs, make_plan
 from slidedp.planner.calibration import record_training as record_training_measured
 from slidedp.planner.measure import MeasuredBlocks
-from slidedp.planner.plan import gpu_work_sizes
+from slidedp.planner.sizes import gpu_work_sizes
 from slidedp.planner.step_model import gpu_time_measured
 from slidedp.planner.costs import GiB
 from slidedp.stepplan import StepPlan

@@ -23,14 +23,12 @@ import math
 import os
 import re
 import socket
-import statistics
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from slidedp import log
-from slidedp.planner.measure import MeasuredBlocks
+from slidedp.planner.measure import MeasuredBlocks, timed
 
 _log = log.get("planner")
 
@@ -226,15 +224,8 @@ H200_REFERENCE = Calibration(
 # measurement
 
 def _median_time(fn: Callable[[], None], sync: Callable[[], None], reps: int) -> float:
-    fn()  # warm up (allocation, first-touch, kernel selection)
-    sync()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - t0)
-    return max(statistics.median(times), 1e-9)
+    """Median seconds of fn after one warm-up run (allocation, first-touch, kernel selection)."""
+    return timed(fn, sync, reps, warmup=1)
 
 
 def fused_adamw(params: list, grads: list, m: list, v: list, steps: list) -> None:

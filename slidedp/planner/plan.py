@@ -16,7 +16,7 @@ from slidedp.stepplan import StepPlan
 from slidedp.planner import costs
 from slidedp.planner.calibration import Calibration
 from slidedp.planner.costs import GiB
-from slidedp.planner.step_model import RESOURCES, gpu_time_measured, gpu_times, micro_batch_of, predict_step
+from slidedp.planner.step_model import RESOURCES, gpu_time_measured, gpu_times, measured, micro_batch_of, predict_step
 from slidedp.planner.workload import Choices, Workload
 
 _LOSS_CHUNKS = (1024, 512, 256, 128)  # tokens per logits chunk, largest that fits first
@@ -199,6 +199,20 @@ def _memory(work: Workload, ch: Choices) -> list[tuple[str, int]]:
     )
 
 
+def _bounded_memory(work: Workload, ch: Choices, calib: Calibration) -> list[tuple[str, int]]:
+    """_memory, with the layer workspace at least what the GPU measured of one backward at this size
+    (the allocator's peak above its inputs, less the layer's compute-dtype gradients and the incoming
+    gradient, which "chunk gradients" and "hidden states" count)."""
+    items = _memory(work, ch)
+    layer = measured(work, ch, calib)[0]
+    if layer is None or not layer.workspace_bytes:
+        return items
+    cb = costs.dtype_bytes(work.compute_dtype)
+    seen = layer.workspace_bytes - (costs.layer_params(work.model) + micro_batch_of(work, ch) * work.seq_len
+                                    * work.model.hidden_size) * cb
+    return [(name, max(b, seen) if name == "layer workspace" else b) for name, b in items]
+
+
 def _total(work: Workload, ch: Choices) -> int:
     return costs.gpu_memory_peak(_memory(work, ch), work.world).total_bytes
 
@@ -217,17 +231,6 @@ def _micro_batches(work: Workload) -> list[int]:
     if not work.micro_batch:
         return [d for d in divisors if d == 1 or d * work.seq_len <= AUTO_MICRO_TOKENS]
     return [work.micro_batch] + [d for d in divisors if d != work.micro_batch]
-
-
-def gpu_work_sizes(work: Workload, budget: int, allowed: dict[str, tuple] | None = None) -> list[tuple[int, int, int]]:
-    """The (micro_batch, seq_tile_tokens, loss_chunk_tokens) of every plan make_plan may weigh for this
-    budget (memory alone decides them): the GPU blocks to measure before planning."""
-    sizes = set()
-    for base in _base_choices(work, allowed):
-        fits = ([_fit(work, base, budget)] if work.micro_batch else
-                [_fit_at(work, base, mb, budget, grow=False) for mb in _micro_batches(work)])
-        sizes |= {(ch.micro_batch, ch.seq_tile_tokens, ch.loss_chunk_tokens) for ch in fits if ch is not None}
-    return sorted(sizes)
 
 
 def _loss_chunks(work: Workload) -> list[int]:
@@ -503,6 +506,27 @@ def _gpu_time_note(work: Workload, ch: Choices, calib: Calibration) -> str:
 
 def make_plan(work: Workload, budget_bytes: int, calib: Calibration,
               allowed: dict[str, tuple] | None = None, device_layers: int | None = None) -> Plan:
+    """The fastest plan that fits (`_plan`), its memory bounded by the GPU's measured layer workspace:
+    where that is larger than the model's item and the plan no longer fits, planned again in less."""
+    search = budget_bytes
+    for _ in range(4):
+        try:
+            plan = _plan(work, search, calib, allowed, device_layers, budget_bytes)
+        except PlanError:
+            if search == budget_bytes:
+                raise
+            break  # nothing fits in what the measurement leaves
+        over = plan.gpu_total_bytes - budget_bytes
+        if over <= 0:
+            return plan
+        search = min(search, _total(work, plan.choices)) - over  # what the model's items may take beside it
+    raise PlanError(f"no plan fits the GPU memory budget of {budget_bytes / GiB:.2f} GiB with the layer workspace "
+                    f"the GPU measured at this shape ({dict(plan.gpu_memory)['layer workspace'] / GiB:.2f} GiB in "
+                    f"the last plan tried): raise the budget, or set train.micro_batch lower")
+
+
+def _plan(work: Workload, budget_bytes: int, calib: Calibration, allowed: dict[str, tuple] | None,
+          device_layers: int | None, shown_budget: int) -> Plan:
     """The fastest predicted plan whose GPU memory fits budget_bytes (ties: the least compromise, then the smaller memory).
 
     The micro-batch: the workload's (shrunk to a divisor that fits only where it does not), or, where
@@ -530,7 +554,7 @@ def make_plan(work: Workload, budget_bytes: int, calib: Calibration,
     else:
         best, candidates, weighed = _choose_micro_batch(work, budget_bytes, calib, allowed, device_layers)
     busy, exposed, step = predict_step(work, best, calib)
-    items = _memory(work, best)
+    items = _bounded_memory(work, best, calib)
     notes = []
     if work.micro_batch and best.micro_batch != work.micro_batch:
         notes.append(
@@ -561,6 +585,6 @@ def make_plan(work: Workload, budget_bytes: int, calib: Calibration,
         param_route=best.param_route, grad_route=best.grad_route, device_layers=best.device_layers,
         gpu_memory=tuple(items), gpu_total_bytes=costs.gpu_memory_peak(items, work.world).total_bytes,
         busy_s=tuple((r, busy[r]) for r in RESOURCES), exposed_s=exposed, predicted_step_s=step,
-        tokens_per_s=work.tokens_per_step / step, workload=work, budget_bytes=budget_bytes, calibration=calib,
+        tokens_per_s=work.tokens_per_step / step, workload=work, budget_bytes=shown_budget, calibration=calib,
         notes=tuple(notes), weighed=weighed,
     )

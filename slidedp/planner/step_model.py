@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from slidedp.jobrecord import sums_on_host
 from slidedp.planner import costs
 from slidedp.planner.calibration import Calibration
-from slidedp.planner.measure import normalized, shape_key
+from slidedp.planner.measure import LayerTime, LossTime, normalized, shape_key
 from slidedp.planner.workload import Choices, Workload
 
 RESOURCES = ("gpu", "h2d", "d2h", "reduce", "update")
@@ -177,14 +177,8 @@ def gpu_times(work: Workload, ch: Choices, calib: Calibration) -> tuple[float, f
     loss: the blocks measured on the job's GPU at this shape and size (calib.blocks) times the passes
     per step; where none was measured, the matmul FLOPs at the calibrated effective rate (a compiled
     layer costs.COMPILED_LAYER_SPEEDUP faster, the backward 3x the forward)."""
-    m = micro_batch_of(work, ch)
-    passes = work.local_batch // m
-    tile = normalized(m, work.seq_len, ch.seq_tile_tokens)
-    blocks = calib.blocks
-    if blocks is not None and blocks.shape != shape_key(work.model, work.seq_len, work.compute_dtype, work.compiled):
-        blocks = None  # measured for another job's shape
-    layer = blocks.layer(m, tile) if blocks else None
-    loss = blocks.loss(m, tile, ch.loss_chunk_tokens) if blocks else None
+    passes = work.local_batch // micro_batch_of(work, ch)
+    layer, loss = measured(work, ch, calib)
     flops = calib.gpu_tflops * 1e12
     if layer is not None:
         fwd, bwd = layer.forward_s * passes, layer.backward_s * passes
@@ -197,13 +191,20 @@ def gpu_times(work: Workload, ch: Choices, calib: Calibration) -> tuple[float, f
     return fwd, bwd, g_loss
 
 
-def gpu_time_measured(work: Workload, ch: Choices, calib: Calibration) -> bool:
-    """Whether the plan's layer and loss times are measured blocks (else FLOPs at the calibrated rate)."""
+def measured(work: Workload, ch: Choices, calib: Calibration) -> tuple[LayerTime | None, LossTime | None]:
+    """The layer and the loss measured on the GPU at this plan's sizes (None: not measured; blocks of
+    another job's shape are not this one's)."""
     blocks = calib.blocks
     if blocks is None or blocks.shape != shape_key(work.model, work.seq_len, work.compute_dtype, work.compiled):
-        return False
+        return None, None
     m = micro_batch_of(work, ch)
-    return blocks.has((m, normalized(m, work.seq_len, ch.seq_tile_tokens), ch.loss_chunk_tokens))
+    tile = normalized(m, work.seq_len, ch.seq_tile_tokens)
+    return blocks.layer(m, tile), blocks.loss(m, tile, ch.loss_chunk_tokens)
+
+
+def gpu_time_measured(work: Workload, ch: Choices, calib: Calibration) -> bool:
+    """Whether the plan's layer and loss times are measured blocks (else FLOPs at the calibrated rate)."""
+    return None not in measured(work, ch, calib)
 
 
 def _period(tasks: list[_Task], depth: int, updaters: int, clip: bool) -> float:

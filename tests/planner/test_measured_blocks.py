@@ -18,7 +18,7 @@ from slidedp.planner import measure
 from slidedp.planner import plan as plan_mod
 from slidedp.planner.costs import GiB
 from slidedp.planner.measure import LayerTime, LossTime, MeasuredBlocks, shape_key
-from slidedp.planner.plan import gpu_work_sizes
+from slidedp.planner.sizes import gpu_work_sizes
 
 from pipeline.harness import TINY
 
@@ -271,3 +271,29 @@ def test_train_micro_batch_defaults_to_the_plans_choice_and_is_validated():
     assert chosen.plan is not None and chosen.step.micro_batch == chosen.plan.micro_batch in (1, 2, 4)
     forced = plan_job(load_job(TINY, cuda + ["train.micro_batch=2"]), H200_REFERENCE)
     assert forced.step.micro_batch == 2
+
+
+def test_a_measured_layer_workspace_larger_than_the_model_bounds_the_plan():
+    """Where the GPU measured more workspace for a layer's backward than the memory model gives (an
+    architecture the model was not fitted on), the plan charges the measurement and still fits the
+    budget: here micro-batch 8's untiled backward measured 2 GiB more than the plan's whole slack."""
+    work = _work()
+    fast = _blocks(work, FAVOURS_8)
+    plain = make_plan(work, BUDGET, dataclasses.replace(H200_REFERENCE, blocks=fast), FP32)
+    assert (plain.micro_batch, plain.seq_tile_tokens) == (8, 0)
+    model_ws = dict(plain.gpu_memory)["layer workspace"]
+    extra = BUDGET - plain.gpu_total_bytes + 2 * GiB
+    counted_elsewhere = (plan_mod.costs.layer_params(work.model) + 8 * 2048 * work.model.hidden_size) * 2  # bf16
+    big = dataclasses.replace(fast, layers=tuple(
+        dataclasses.replace(t, workspace_bytes=model_ws + extra + counted_elsewhere)
+        if (t.micro_batch, t.seq_tile_tokens) == (8, 0) else t for t in fast.layers))
+    calib = dataclasses.replace(H200_REFERENCE, blocks=big)
+    charged = plan_mod._bounded_memory(work, plain.choices, calib)
+    assert dict(charged)["layer workspace"] == model_ws + extra
+    assert plan_mod.costs.gpu_memory_peak(charged, 1).total_bytes > BUDGET  # the plain plan would not fit
+    bounded = make_plan(work, BUDGET, calib, FP32)
+    assert bounded.gpu_total_bytes <= BUDGET and bounded.budget_bytes == BUDGET
+    assert plan_mod.costs.gpu_memory_peak(bounded.gpu_memory, 1).total_bytes == bounded.gpu_total_bytes
+    assert bounded.choices != plain.choices
+    if (bounded.micro_batch, bounded.seq_tile_tokens) == (8, 0):
+        assert dict(bounded.gpu_memory)["layer workspace"] == model_ws + extra

@@ -106,7 +106,7 @@ def test_the_launchers_calibration_carries_the_jobs_model_and_sizes(monkeypatch)
     figures of the job's model (by its parameter count) and the GPU blocks of its shape at every size
     the plan may weigh."""
     from slidedp.launch import planning  # noqa: PLC0415
-    from slidedp.planner.plan import gpu_work_sizes  # noqa: PLC0415
+    from slidedp.planner.sizes import gpu_work_sizes  # noqa: PLC0415
 
     seen = {}
     monkeypatch.setattr(planning, "calibration", lambda gpus, model_params, measure: seen.update(
