@@ -297,3 +297,25 @@ def test_a_measured_layer_workspace_larger_than_the_model_bounds_the_plan():
     assert bounded.choices != plain.choices
     if (bounded.micro_batch, bounded.seq_tile_tokens) == (8, 0):
         assert dict(bounded.gpu_memory)["layer workspace"] == model_ws + extra
+
+
+@pytest.mark.gpu
+def test_the_measured_blocks_on_a_gpu_are_well_formed_and_within_the_memory_model():
+    """On CUDA, compiled as a run compiles (train.compile = "auto"): positive times at every size, an
+    allocator peak for every block, and a layer's measured workspace (less what other items count)
+    within the memory model's item for Qwen3-0.6B's layer at 2 x 1,024 tokens."""
+    import torch  # noqa: PLC0415
+
+    from slidedp.planner import costs  # noqa: PLC0415
+
+    cfg = named_shape("qwen3-0.6b")
+    sizes = [(1, 0, 1024), (2, 0, 1024), (2, 1024, 512)]
+    blocks = measure.measure_blocks(cfg, 1024, "bf16", True, sizes, 2, device="cuda",
+                                    device_name=torch.cuda.get_device_name())
+    assert all(blocks.has(s) for s in sizes)
+    for t in blocks.layers:
+        assert t.forward_s > 0 and t.backward_s > 0 and t.workspace_bytes > 0
+        counted_elsewhere = (costs.layer_params(cfg) + t.micro_batch * 1024 * cfg.hidden_size) * 2
+        model = costs.layer_workspace_bytes(cfg, t.micro_batch, 1024, t.seq_tile_tokens, "bf16")
+        assert t.workspace_bytes - counted_elsewhere <= model, (t, model)
+    assert all(t.seconds > 0 and t.workspace_bytes > 0 for t in blocks.losses)
