@@ -20,7 +20,7 @@ from slidedp.planner import Calibration, Plan, Workload, costs, make_plan
 from slidedp.planner.calibration import record_training as record_training_measured
 from slidedp.planner.measure import MeasuredBlocks
 from slidedp.planner.sizes import gpu_work_sizes
-from slidedp.planner.step_model import gpu_time_measured
+from slidedp.planner.step_model import gpu_time_source
 from slidedp.planner.costs import GiB
 from slidedp.stepplan import StepPlan
 from slidedp.store.layout import default_chunk_rows
@@ -224,9 +224,10 @@ def record_training(run_plan: JobPlan, update_busy_s: list[float], gpu_side_s: l
                  plan.calibration.adamw_params_per_s / 1e9)
     ratio = gpu_time_against_plan(run_plan, gpu_side_s)
     if ratio is not None:
-        measured_blocks = gpu_time_measured(plan.workload, plan.choices, plan.calibration)
-        log.info("the GPU work took %.2fx the plan's GPU time (%s)", ratio,
-                 "blocks measured on this GPU at this shape" if measured_blocks else "matmul FLOPs at the calibrated rate")
+        source = gpu_time_source(plan.workload, plan.choices, plan.calibration)
+        log.info("the GPU work took %.2fx the plan's GPU time (%s)", ratio, {
+            "measured": "blocks measured on this GPU at this shape", "nearby": "blocks measured at nearby sizes",
+            "FLOPs": "matmul FLOPs at the calibrated rate"}[source])
     if not measured:
         return None
     try:

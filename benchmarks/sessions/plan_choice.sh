@@ -9,12 +9,16 @@
 #   bash benchmarks/sessions/plan_choice.sh OUT SHAPE BATCH     # SHAPE: qwen3-1.7b | qwen3-4b | qwen3-8b
 #   bash benchmarks/sessions/plan_choice.sh OUT unseen BATCH    # a Llama-family HF folder (below)
 #
-# One device call per (SHAPE, BATCH), at most ~9 minutes each: 7 calls for the whole proof, e.g.
-#   1. qwen3-1.7b 8    2. qwen3-1.7b 32    3. qwen3-4b 8    4. qwen3-4b 32    5. qwen3-8b 8
-#   6. qwen3-8b 32     7. unseen 8
-# (a 32-sequence call of qwen3-8b may need two: PARTS=auto, then PARTS=forced, with the same OUT).
+# Device calls of at most ~9 minutes: one per (SHAPE, BATCH) for the small shapes, two or three for
+# Qwen3-8B (PARTS=auto, then PARTS=forced with FORCED="1 2" and FORCED="4 8"; the same OUT each time):
+#   qwen3-1.7b 8 | qwen3-1.7b 32 | qwen3-4b 8 | qwen3-4b 32 | qwen3-8b 8 (auto; forced) |
+#   qwen3-8b 32 (auto; forced 1 2; forced 4 8) | unseen 8
+# About 10-11 calls; each prints its summary, and the last call of a (SHAPE, BATCH) the comparison.
+# A store creation, the first plan's measuring (compiled kernels, one compile per size) and the
+# GPU-resident run are the long parts of an `auto` call.
 # "Fresh machine, no cache": the cache is $OUT/cache (SLIDEDP_CACHE_DIR), empty until the first call
-# writes it; keep OUT across the calls (the calibration is then measured once, the blocks once per
+# writes it; keep OUT across the calls (a folder of the warm machine, e.g. /root/issue23, copied to
+# the call's result folder at its end: `cp -r /root/issue23/*.json /root/issue23/*.logs "$OUT"/`) (the calibration is then measured once, the blocks once per
 # shape: the first run of each shape is a first plan). The script prints what the cache held first.
 #
 # The unseen shape: a Llama-family config written by transformers (untied embeddings, 24 query heads
@@ -66,7 +70,7 @@ if [[ $parts == *auto* ]]; then
   run "$tag-auto" "$systems" 0 420
 fi
 if [[ $parts == *forced* ]]; then
-  for m in 1 2 4 8; do
+  for m in ${FORCED:-1 2 4 8}; do
     [ $((batch % m)) -eq 0 ] && run "$tag-m$m" slidedp "$m" 240
   done
 fi

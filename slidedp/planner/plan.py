@@ -16,7 +16,7 @@ from slidedp.stepplan import StepPlan
 from slidedp.planner import costs
 from slidedp.planner.calibration import Calibration
 from slidedp.planner.costs import GiB
-from slidedp.planner.step_model import RESOURCES, gpu_time_measured, gpu_times, measured, micro_batch_of, predict_step
+from slidedp.planner.step_model import RESOURCES, gpu_time_source, measured, micro_batch_of, predict_step
 from slidedp.planner.workload import Choices, Workload
 
 _LOSS_CHUNKS = (1024, 512, 256, 128)  # tokens per logits chunk, largest that fits first
@@ -40,7 +40,7 @@ class Weighed:
     micro_batch: int
     predicted_step_s: float | None  # None: no plan fits at this micro-batch
     gpu_bytes: int  # that plan's GPU memory peak, or the smallest plan's need where none fits
-    measured: bool  # its GPU time from blocks measured on the GPU (else matmul FLOPs at the calibrated rate)
+    gpu_time: str  # "measured" on the GPU at its sizes, "nearby" (at other sizes of the shape), or "FLOPs"
     verdict: str  # "chosen", how much slower, or why it was rejected
 
 
@@ -105,7 +105,7 @@ class Plan:
         for c in self.weighed:
             step = f"{c.predicted_step_s:.3f} s" if c.predicted_step_s is not None else "-"
             lines.append(f"  {c.micro_batch:<13}{step:>15}{c.gpu_bytes / GiB:>9.2f} GiB   "
-                         f"{'measured' if c.measured else 'FLOPs':<10}{c.verdict}")
+                         f"{c.gpu_time:<10}{c.verdict}")
         return lines
 
     @staticmethod
@@ -487,18 +487,19 @@ def _choose_micro_batch(work: Workload, budget: int, calib: Calibration, allowed
         verdict = ("chosen" if mb == chosen else f"{change:.1f}% slower" if change >= 0.05 else
                    f"{-change:.1f}% faster, within {_EQUAL:.0%}: the larger micro-batch wins" if change <= -0.05
                    else "as fast: the larger micro-batch wins")
-        weighed.append(Weighed(mb, step, _total(work, ch), gpu_time_measured(work, ch, calib), verdict))
-    weighed += [Weighed(mb, None, need, False, why) for mb, (need, why) in sorted(rejected.items())]
+        weighed.append(Weighed(mb, step, _total(work, ch), gpu_time_source(work, ch, calib), verdict))
+    weighed += [Weighed(mb, None, need, "-", why) for mb, (need, why) in sorted(rejected.items())]
     return best, every, tuple(weighed)
 
 
 def _gpu_time_note(work: Workload, ch: Choices, calib: Calibration) -> str:
     """Where the plan's GPU time comes from: the blocks measured on this GPU, or the FLOPs."""
-    b = calib.blocks
-    if gpu_time_measured(work, ch, calib) and b is not None:
+    b, source = calib.blocks, gpu_time_source(work, ch, calib)
+    if source != "FLOPs" and b is not None:
         when = (f"measured for this plan in {b.measured_s:.1f} s (the first plan of this shape on this host)"
                 if b.measured_s else "from this host's cache")
-        return f"GPU time: one decoder layer and the loss timed on the {b.device_name} at this shape, {when}"
+        sizes = "" if source == "measured" else " (at the measured sizes nearest this plan's, per sequence)"
+        return f"GPU time: one decoder layer and the loss timed on the {b.device_name} at this shape{sizes}, {when}"
     return (f"GPU time: the matmul FLOPs at {calib.gpu_tflops:.0f} TFLOP/s effective"
             + (f" (compiled layers {costs.COMPILED_LAYER_SPEEDUP:.2f}x faster)" if work.compiled else "")
             + ": no GPU blocks measured for this shape")
@@ -506,8 +507,19 @@ def _gpu_time_note(work: Workload, ch: Choices, calib: Calibration) -> str:
 
 def make_plan(work: Workload, budget_bytes: int, calib: Calibration,
               allowed: dict[str, tuple] | None = None, device_layers: int | None = None) -> Plan:
-    """The fastest plan that fits (`_plan`), its memory bounded by the GPU's measured layer workspace:
-    where that is larger than the model's item and the plan no longer fits, planned again in less."""
+    """The fastest predicted plan whose GPU memory fits budget_bytes (ties: the least compromise, then the smaller memory).
+
+    The micro-batch: the workload's (shrunk to a divisor that fits only where it does not), or, where
+    the workload leaves it to the plan (micro_batch = 0), the fastest of every divisor of the per-rank
+    batch (`_choose_micro_batch`); Plan.weighed lists what was weighed.
+
+    allowed restricts options (e.g. {"delivery": ("fp32",)} for a store without a bf16 shadow,
+    {"prefetch_depth": (2,)} for a job that sets it);
+    device_layers: None lets the plan hold its first layers on the GPU where that is faster, a number
+    holds exactly that many (the job's memory.device_layers; 0 keeps every layer's AdamW on the host).
+
+    The plan's memory is bounded by the layer workspace measured on the GPU (`_bounded_memory`): where
+    that is larger than the model's item and the plan no longer fits, it is planned again in less."""
     search = budget_bytes
     for _ in range(4):
         try:
@@ -527,16 +539,7 @@ def make_plan(work: Workload, budget_bytes: int, calib: Calibration,
 
 def _plan(work: Workload, budget_bytes: int, calib: Calibration, allowed: dict[str, tuple] | None,
           device_layers: int | None, shown_budget: int) -> Plan:
-    """The fastest predicted plan whose GPU memory fits budget_bytes (ties: the least compromise, then the smaller memory).
-
-    The micro-batch: the workload's (shrunk to a divisor that fits only where it does not), or, where
-    the workload leaves it to the plan (micro_batch = 0), the fastest of every divisor of the per-rank
-    batch (`_choose_micro_batch`); Plan.weighed lists what was weighed.
-
-    allowed restricts options (e.g. {"delivery": ("fp32",)} for a store without a bf16 shadow,
-    {"prefetch_depth": (2,)} for a job that sets it);
-    device_layers: None lets the plan hold its first layers on the GPU where that is faster, a number
-    holds exactly that many (the job's memory.device_layers; 0 keeps every layer's AdamW on the host)."""
+    """make_plan's search at one budget; the Plan reports `shown_budget` (the job's)."""
     low = calib.at_lowest_share(work.model.num_parameters())
     if budget_bytes > calib.gpu_mem_bytes:
         raise PlanError(
@@ -549,7 +552,7 @@ def _plan(work: Workload, budget_bytes: int, calib: Calibration, allowed: dict[s
             raise _no_fit_error(work, budget_bytes, allowed)
         best = _held(work, _least_compromise(work, candidates), budget_bytes, calib, device_layers)
         weighed = (Weighed(best.micro_batch or work.micro_batch, _guarded_step(work, best, calib, low), _total(work, best),
-                           gpu_time_measured(work, best, calib),
+                           gpu_time_source(work, best, calib),
                            "chosen" if best.micro_batch == work.micro_batch else "chosen: the job's does not fit"),)
     else:
         best, candidates, weighed = _choose_micro_batch(work, budget_bytes, calib, allowed, device_layers)

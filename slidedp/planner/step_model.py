@@ -26,6 +26,7 @@ messages, version polling and the Python between the blocks.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from slidedp.jobrecord import sums_on_host
@@ -175,36 +176,51 @@ def micro_batch_of(work: Workload, ch: Choices) -> int:
 def gpu_times(work: Workload, ch: Choices, calib: Calibration) -> tuple[float, float, float]:
     """One rank's GPU seconds per step of one layer's forward, of its recompute + backward, and of the
     loss: the blocks measured on the job's GPU at this shape and size (calib.blocks) times the passes
-    per step; where none was measured, the matmul FLOPs at the calibrated effective rate (a compiled
-    layer costs.COMPILED_LAYER_SPEEDUP faster, the backward 3x the forward)."""
-    passes = work.local_batch // micro_batch_of(work, ch)
-    layer, loss = measured(work, ch, calib)
+    per step; a size not measured takes the measured one nearest to it, per sequence (the planner may
+    weigh one the launcher did not measure); with no blocks of this shape, the matmul FLOPs at the
+    calibrated effective rate (a compiled layer costs.COMPILED_LAYER_SPEEDUP faster, the backward 3x
+    the forward)."""
+    layer, loss = measured(work, ch, calib, nearest=True)
     flops = calib.gpu_tflops * 1e12
     if layer is not None:
-        fwd, bwd = layer.forward_s * passes, layer.backward_s * passes
+        per_seq = work.local_batch / layer.micro_batch  # passes, or as many of the nearest size's
+        fwd, bwd = layer.forward_s * per_seq, layer.backward_s * per_seq
     else:
         fwd = work.local_tokens * costs.layer_forward_flops_per_token(work.model, work.seq_len) / flops
         fwd /= costs.COMPILED_LAYER_SPEEDUP if work.compiled else 1.0
         bwd = 3.0 * fwd
-    g_loss = loss.seconds * passes if loss is not None else (
+    g_loss = loss.seconds * work.local_batch / loss.micro_batch if loss is not None else (
         work.local_tokens * costs.head_step_flops_per_token(work.model) / flops)
     return fwd, bwd, g_loss
 
 
-def measured(work: Workload, ch: Choices, calib: Calibration) -> tuple[LayerTime | None, LossTime | None]:
+def measured(work: Workload, ch: Choices, calib: Calibration,
+             nearest: bool = False) -> tuple[LayerTime | None, LossTime | None]:
     """The layer and the loss measured on the GPU at this plan's sizes (None: not measured; blocks of
-    another job's shape are not this one's)."""
+    another job's shape are not this one's); nearest: else the measured sizes nearest to them (the
+    closest micro-batch, then the same tile and loss chunk)."""
     blocks = calib.blocks
     if blocks is None or blocks.shape != shape_key(work.model, work.seq_len, work.compute_dtype, work.compiled):
         return None, None
     m = micro_batch_of(work, ch)
     tile = normalized(m, work.seq_len, ch.seq_tile_tokens)
-    return blocks.layer(m, tile), blocks.loss(m, tile, ch.loss_chunk_tokens)
+    layer, loss = blocks.layer(m, tile), blocks.loss(m, tile, ch.loss_chunk_tokens)
+    if nearest:
+        def distance(t: LayerTime | LossTime) -> tuple:
+            return (abs(math.log2(t.micro_batch / m)), t.seq_tile_tokens != tile,
+                    getattr(t, "loss_chunk_tokens", ch.loss_chunk_tokens) != ch.loss_chunk_tokens)
+
+        layer = layer or min(blocks.layers, key=distance, default=None)
+        loss = loss or min(blocks.losses, key=distance, default=None)
+    return layer, loss
 
 
-def gpu_time_measured(work: Workload, ch: Choices, calib: Calibration) -> bool:
-    """Whether the plan's layer and loss times are measured blocks (else FLOPs at the calibrated rate)."""
-    return None not in measured(work, ch, calib)
+def gpu_time_source(work: Workload, ch: Choices, calib: Calibration) -> str:
+    """Where the plan's layer and loss times come from: "measured" at its sizes, "nearby" (measured at
+    other sizes of this shape), or "FLOPs" (at the calibrated rate)."""
+    if None not in measured(work, ch, calib):
+        return "measured"
+    return "nearby" if None not in measured(work, ch, calib, nearest=True) else "FLOPs"
 
 
 def _period(tasks: list[_Task], depth: int, updaters: int, clip: bool) -> float:

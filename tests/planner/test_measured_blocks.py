@@ -19,6 +19,7 @@ from slidedp.planner import plan as plan_mod
 from slidedp.planner.costs import GiB
 from slidedp.planner.measure import LayerTime, LossTime, MeasuredBlocks, shape_key
 from slidedp.planner.sizes import gpu_work_sizes
+from slidedp.planner.step_model import gpu_times
 
 from pipeline.harness import TINY
 
@@ -65,7 +66,7 @@ def test_a_measured_layer_time_decides_the_micro_batch():
         assert 0 <= held < 0.05 * gpu  # what remains is the device-held units' AdamW
         weighed = {c.micro_batch: c for c in plan.weighed}
         assert sorted(weighed) == [1, 2, 4, 8] and plan.weighed[0].micro_batch == want
-        assert weighed[want].verdict == "chosen" and all(c.measured for c in plan.weighed)
+        assert weighed[want].verdict == "chosen" and all(c.gpu_time == "measured" for c in plan.weighed)
         for m, c in weighed.items():
             if m != want:
                 assert c.predicted_step_s > weighed[want].predicted_step_s
@@ -97,7 +98,7 @@ def test_a_forced_micro_batch_is_kept():
     calib = dataclasses.replace(H200_REFERENCE, blocks=_blocks(_work(), FAVOURS_8))
     plan = make_plan(work, BUDGET, calib, FP32)
     assert plan.micro_batch == 2 and [c.micro_batch for c in plan.weighed] == [2]
-    assert plan.weighed[0].verdict == "chosen" and plan.weighed[0].measured
+    assert plan.weighed[0].verdict == "chosen" and plan.weighed[0].gpu_time == "measured"
     assert "micro-batches weighed (train.micro_batch set in the job file)" in plan.describe()
     assert "2 (job's value; 4 per rank per step)" in plan.describe()
 
@@ -119,8 +120,8 @@ def test_without_blocks_the_flops_charge_every_micro_batch_alike():
     layers), and the plan says where its GPU time came from."""
     work = _work()
     plan = make_plan(work, BUDGET, H200_REFERENCE, FP32)
-    assert not any(c.measured for c in plan.weighed) and plan.weighed[0].micro_batch == plan.micro_batch
-    layer_time = {m: plan_mod.gpu_times(work, plan_mod.replace(plan.choices, micro_batch=m), H200_REFERENCE)
+    assert {c.gpu_time for c in plan.weighed} == {"FLOPs"} and plan.weighed[0].micro_batch == plan.micro_batch
+    layer_time = {m: gpu_times(work, plan_mod.replace(plan.choices, micro_batch=m), H200_REFERENCE)
                   for m in (1, 2, 4, 8)}
     assert len(set(layer_time.values())) == 1
     assert "GPU time: the matmul FLOPs at 405 TFLOP/s effective (compiled layers 1.44x faster)" in plan.describe()
@@ -319,3 +320,20 @@ def test_the_measured_blocks_on_a_gpu_are_well_formed_and_within_the_memory_mode
         model = costs.layer_workspace_bytes(cfg, t.micro_batch, 1024, t.seq_tile_tokens, "bf16")
         assert t.workspace_bytes - counted_elsewhere <= model, (t, model)
     assert all(t.seconds > 0 and t.workspace_bytes > 0 for t in blocks.losses)
+
+
+def test_a_size_not_measured_takes_the_nearest_measured_one_per_sequence():
+    """The plan may weigh a size the launcher did not measure (a plan made again in less memory): it is
+    charged the measured size nearest to it, per sequence, not the FLOPs, and says so."""
+    from slidedp.planner.step_model import gpu_time_source  # noqa: PLC0415
+
+    work = _work()
+    key = shape_key(work.model, work.seq_len, work.compute_dtype, work.compiled)
+    only_2 = MeasuredBlocks(key, "GPU T", (LayerTime(2, 0, 0.2, 0.6),), (LossTime(2, 0, 1024, 0.05),))
+    calib = dataclasses.replace(H200_REFERENCE, blocks=only_2)
+    ch = plan_mod.Choices(embedding="host", micro_batch=4, loss_chunk_tokens=512, seq_tile_tokens=4096)
+    assert gpu_times(work, ch, calib) == pytest.approx((0.2 * 4, 0.6 * 4, 0.05 * 4))  # 8 sequences = 4 x 2
+    assert gpu_time_source(work, ch, calib) == "nearby"
+    assert gpu_time_source(work, dataclasses.replace(ch, micro_batch=2, seq_tile_tokens=0, loss_chunk_tokens=1024),
+                           calib) == "measured"
+    assert gpu_time_source(work, ch, H200_REFERENCE) == "FLOPs"
