@@ -20,64 +20,27 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
-from slidedp.worker.delivery import unit_tensors
-from slidedp.worker.engine import units_of
-from slidedp.worker.loss import chunked_cross_entropy_sum, norm_head_backward
+from slidedp.worker.loss import chunked_cross_entropy_sum
 from slidedp.model import layers as L
 from slidedp.model.config import named_shape
-from slidedp.store.layout import make_layout
+from slidedp.planner import measure
 
 
 def timed(fn: Callable[[], None], repeat: int) -> float:
     """Median seconds of fn over `repeat` runs after two warm-up runs (compiles happen there)."""
-    fn()
-    fn()
-    out = []
-    for _ in range(repeat):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        out.append(time.perf_counter() - t0)
-    return sorted(out)[len(out) // 2]
-
-
-def flat_layer(cfg, dtype):
-    unit = units_of(make_layout(cfg))["layer.0"]
-    flat = torch.empty(unit.numel, dtype=dtype, device="cuda").normal_(0, 0.02)
-    views = unit_tensors(flat, unit, strip="model.layers.0.")
-    for name, t in views.items():
-        if t.dim() == 1:
-            t.fill_(1.0)
-    return flat, unit, views
+    return measure.timed(fn, torch.cuda.synchronize, repeat)
 
 
 def layer_case(cfg, micro: int, seq: int, tokens: int, fuse: bool, repeat: int) -> float:
-    """Engine's per-layer work for `tokens` tokens in micro-batches of `micro` sequences."""
-    flat, unit, views = flat_layer(cfg, torch.bfloat16)
-    p = L.fuse_projections(views) if fuse else views
-    acc_flat = torch.zeros(unit.numel, dtype=torch.float32, device="cuda")
-    acc = unit_tensors(acc_flat, unit, strip="model.layers.0.")
-    acc = L.fuse_projections(acc) if fuse else acc
-    n = tokens // (micro * seq)
-    rope = L.rope_tables(cfg, seq, "cuda", torch.bfloat16)
-    xs = [torch.randn(micro, seq, cfg.hidden_size, device="cuda", dtype=torch.bfloat16) for _ in range(n)]
-    gys = [torch.randn_like(x) * 1e-3 for x in xs]
-
-    def run() -> None:
-        with torch.no_grad():
-            for x in xs:
-                L.layer_forward(cfg, p, x, rope, 0)
-        for x, gy in zip(xs, gys):
-            L.layer_backward(cfg, p, x, rope, gy.clone(), 0, acc)
-
-    return timed(run, repeat)
+    """Engine's per-layer work for `tokens` tokens in micro-batches of `micro` sequences (the planner's
+    measured block: slidedp.planner.measure.layer_work)."""
+    forward, backward = measure.layer_work(cfg, micro, seq, tokens // (micro * seq), 0, "cuda", torch.bfloat16, fuse)
+    return timed(lambda: (forward(), backward()), repeat)
 
 
 def peer_layer_case(cfg, micro: int, seq: int, tokens: int, repeat: int) -> float:
@@ -109,9 +72,7 @@ def loss_cases(cfg, micro: int, seq: int, tokens: int, chunk: int, repeat: int) 
     norm_acc = torch.zeros(h, device="cuda")
     head_acc = torch.zeros(v, h, device="cuda")
 
-    def engine() -> None:
-        for x, t in zip(xs, tg):
-            norm_head_backward(x.clone(), t, norm_w, head, cfg.rms_norm_eps, 1.0 / tokens, 0, chunk, norm_acc, head_acc)
+    engine = measure.loss_work(cfg, micro, seq, n, 0, chunk, "cuda", torch.bfloat16)  # the planner's measured block
 
     def autograd_path() -> None:  # what the engine ran before: recompute in backward, bf16 head gradient
         for x, t in zip(xs, tg):

@@ -321,10 +321,11 @@ class DryRun:
         if self.start >= t.steps:
             self.say("steps", f"the store would be at step {self.start} >= train.steps = {t.steps}: nothing to train")
             return
-        micro = t.global_batch // world // t.micro_batch
+        per_rank = t.global_batch // world
+        passes = (f"{per_rank // t.micro_batch} micro-batch(es) of {t.micro_batch} x {t.seq_len} tokens per rank"
+                  if t.micro_batch else f"{per_rank} x {t.seq_len} tokens per rank in micro-batches the plan chooses")
         self.say("steps", f"would train steps {self.start}..{t.steps - 1} on {world} {job.runtime.device} rank(s): "
-                          f"{micro} micro-batch(es) of {t.micro_batch} x {t.seq_len} tokens per rank, "
-                          f"{t.global_batch * t.seq_len:,} tokens per step")
+                          f"{passes}, {t.global_batch * t.seq_len:,} tokens per step")
         traced = job.run.traced
         outside = [s for s in traced if not self.start <= s < t.steps]
         if traced:

@@ -1,7 +1,8 @@
 """From a job to its step plan: the planner's choices (on CUDA) or the job file's values (CPU).
 
-Calibration runs in a subprocess (cached per host and GPU in calibration.cache_root(), by default
-~/.cache/slidedp), so the launcher itself never holds a CUDA context on the workers' GPU.
+Calibration and the GPU blocks of the job's shape (planner/measure.py) are measured in a subprocess
+(cached per host and GPU in calibration.cache_root(), by default ~/.cache/slidedp), so the launcher
+itself never holds a CUDA context on the workers' GPU.
 """
 
 from __future__ import annotations
@@ -17,16 +18,25 @@ from slidedp.config import JobConfig, model_config
 from slidedp.jobrecord import sums_on_host
 from slidedp.planner import Calibration, Plan, Workload, costs, make_plan
 from slidedp.planner.calibration import record_training as record_training_measured
-from slidedp.planner.step_model import gpu_work_shape
+from slidedp.planner.measure import MeasuredBlocks
+from slidedp.planner.sizes import gpu_work_sizes
+from slidedp.planner.step_model import gpu_time_source
 from slidedp.planner.costs import GiB
 from slidedp.stepplan import StepPlan
 from slidedp.store.layout import default_chunk_rows
 
 log = logging.getLogger("slidedp.launcher")
 
-_CALIBRATE = ("import json, sys; from slidedp.planner import load_or_calibrate; "
-              "print(json.dumps(load_or_calibrate('cuda', gpus=int(sys.argv[1]), "
-              "model_params=int(sys.argv[2]) if sys.argv[2] else None).to_dict()))")
+# train.micro_batch = 0 on CPU (no planner): the whole per-rank batch, up to this many sequences. On a
+# CPU a pass over more sequences is one larger GEMM on the worker's threads and the activations live
+# in host memory, so fewer passes are faster; the cap bounds one layer's workspace for a large batch.
+CPU_MAX_MICRO_BATCH = 8
+
+
+def cpu_micro_batch(local_batch: int) -> int:
+    """The micro-batch of a CPU job that leaves it to the plan: the largest divisor of the per-rank
+    batch up to CPU_MAX_MICRO_BATCH."""
+    return max(d for d in range(1, min(local_batch, CPU_MAX_MICRO_BATCH) + 1) if local_batch % d == 0)
 
 
 @dataclass(frozen=True)
@@ -45,15 +55,26 @@ class JobPlan:
             p.seq_tile_tokens, p.resident_layers, p.offload_layers, p.device_layers)
 
 
-def calibration(gpus: int = 1, model_params: int | None = None, timeout_s: float = 300.0) -> Calibration:
+def calibration(gpus: int = 1, model_params: int | None = None, timeout_s: float = 1800.0,
+                measure: dict | None = None) -> Calibration:
     """This host's calibration, with what training runs of the model of `model_params` parameters
     measured on it (None: nothing learned); with gpus > 1 it includes the NCCL bus bandwidth among
-    that many GPUs."""
-    out = subprocess.run([sys.executable, "-c", _CALIBRATE, str(gpus), "" if model_params is None else str(model_params)],
+    that many GPUs. measure: the job's shape and sizes (`planner.inputs`), whose GPU blocks
+    come with it (read from the host's cache, or measured now: the first plan of a shape)."""
+    spec = {"gpus": gpus, "model_params": model_params, **(measure or {})}
+    if measure:
+        log.info("calibration and GPU blocks at this shape (%d size(s)): read from this host's cache, or measured "
+                 "on the GPU now where this is the first plan of the shape here", len(measure.get("sizes", ())))
+    out = subprocess.run([sys.executable, "-m", "slidedp.planner.inputs"], input=json.dumps(spec),
                          capture_output=True, text=True, timeout=timeout_s)
     if out.returncode != 0:
         raise RuntimeError(f"calibrating this host's GPU failed: {out.stderr.strip()[-2000:]}")
-    return Calibration.from_dict(json.loads(out.stdout.strip().splitlines()[-1]))
+    doc = json.loads(out.stdout.strip().splitlines()[-1])
+    blocks = MeasuredBlocks.from_dict(doc["blocks"]) if doc.get("blocks") else None
+    if blocks is not None and blocks.measured_s:
+        log.info("measuring one decoder layer and the loss on the %s for this shape (first plan of it on this "
+                 "host): %.1f s", blocks.device_name, blocks.measured_s)
+    return Calibration.from_dict(doc["calibration"], blocks=blocks)
 
 
 def _forced(value: int, planned: int) -> int:
@@ -85,7 +106,8 @@ def plan_job(job: JobConfig, calib: Calibration | None = None) -> JobPlan:
     nl = cfg.num_layers
     if rt.device != "cuda":
         return JobPlan(StepPlan(
-            micro_batch=t.micro_batch, compute_dtype=t.compute_dtype, chunk_rows=default_chunk_rows(cfg),
+            micro_batch=t.micro_batch or cpu_micro_batch(t.global_batch // rt.workers),
+            compute_dtype=t.compute_dtype, chunk_rows=default_chunk_rows(cfg),
             resident_layers=max(0, mem.resident_layers), prefetch_depth=max(1, mem.prefetch_depth),
             embedding=forced_embedding or "host", seq_tile_tokens=max(0, mem.seq_tile_tokens),
             offload_layers=min(max(0, mem.offload_layers), nl), device_layers=min(max(0, mem.device_layers), nl),
@@ -94,16 +116,21 @@ def plan_job(job: JobConfig, calib: Calibration | None = None) -> JobPlan:
     work = Workload(model=cfg, global_batch=t.global_batch, seq_len=t.seq_len, world=rt.workers,
                     micro_batch=t.micro_batch, compute_dtype=t.compute_dtype, clip=t.max_grad_norm > 0,
                     updaters=max(1, rt.updaters), compiled=t.compile in ("auto", "on"))
-    calib = calib or calibration(rt.workers, work.model.num_parameters())
+    budget = int(mem.gpu_budget_gib * GiB)
     allowed = {
         "activations": ("keep", "offload") if mem.offload_layers != 0 else ("keep",),
         "delivery": ("fp32",),  # the bf16 shadow delivery needs a store made with store.shadow_bf16
         "embedding": {None: ("device", "host"), "host": ("host",), "device": ("device",)}[forced_embedding],
-        **_routes(job, calib),
     }
     if mem.prefetch_depth > 0:  # the job's depth, planned with its buffers
         allowed["prefetch_depth"] = (mem.prefetch_depth,)
-    plan = make_plan(work, int(mem.gpu_budget_gib * GiB), calib, allowed,
+    if calib is None:  # measured on this host: the calibration and the GPU blocks of every size the plan weighs
+        calib = calibration(rt.workers, work.model.num_parameters(), measure={
+            "model": cfg.to_dict(), "seq_len": t.seq_len, "compute_dtype": t.compute_dtype,
+            "compiled": work.compiled, "compile_fallback": t.compile == "auto", "local_batch": work.local_batch,
+            "sizes": gpu_work_sizes(work, budget, allowed)})
+    allowed.update(_routes(job, calib))
+    plan = make_plan(work, budget, calib, allowed,
                      device_layers=None if mem.device_layers < 0 else mem.device_layers)
     planned = plan.step_plan()
     step = replace(planned, resident_layers=min(_forced(mem.resident_layers, plan.resident_layers), nl),
@@ -137,14 +164,14 @@ def learned_update_rate(run_plan: JobPlan, update_busy_s: list[float]) -> float 
     return params / busy * costs.update_bytes_per_param(plan.delivery) / 28.0
 
 
-def learned_gpu_scale(run_plan: JobPlan, gpu_side_s: list[float]) -> float | None:
-    """The workers' GPU-side step time (each rank's step less its waits for the host; the slowest
-    rank; median step after the first) over the plan's GPU time from the calibrated rates.
+def gpu_time_against_plan(run_plan: JobPlan, gpu_side_s: list[float]) -> float | None:
+    """The workers' GPU-side step time (each rank's step less its waits for the host; the slowest rank;
+    median step after the first) over the plan's GPU time: how far the measured blocks (or, without
+    them, the FLOPs) were from the run. Reported, not learned: the next plan measures its blocks.
 
-    None when there is nothing to learn: too few steps or no plan; a job that overrode the plan's
-    tiles, resident, offloaded or device-held layers (its GPU work or its copies are not the plan's); a plan that
-    expected copies to show (exposed time over a quarter of the GPU time), where the workers' time
-    holds copy stalls that are not GPU work."""
+    None where it says nothing: too few steps or no plan; a job that overrode the plan's tiles,
+    resident, offloaded or device-held layers; a plan that expected copies to show (exposed time over
+    a quarter of the GPU time), where the workers' time holds copy stalls that are not GPU work."""
     plan = run_plan.plan
     if plan is None or len(gpu_side_s) < 3 or not run_plan.keeps_plan:
         return None
@@ -152,9 +179,7 @@ def learned_gpu_scale(run_plan: JobPlan, gpu_side_s: list[float]) -> float | Non
     if plan.exposed_s > 0.25 * gpu:
         return None
     measured = statistics.median(gpu_side_s[1:])
-    shape = gpu_work_shape(plan.workload, plan.choices)
-    planned = gpu / plan.calibration.gpu_scale(plan.workload.model.num_parameters(), shape)
-    return measured / planned if measured > 0 and planned > 0 else None
+    return measured / gpu if measured > 0 and gpu > 0 else None
 
 
 def learned_sum_rate(run_plan: JobPlan, reduce_busy_s: list[float]) -> float | None:
@@ -174,9 +199,9 @@ def learned_sum_rate(run_plan: JobPlan, reduce_busy_s: list[float]) -> float | N
 
 def record_training(run_plan: JobPlan, update_busy_s: list[float], gpu_side_s: list[float],
                     cache_dir: str | None = None, reduce_busy_s: list[float] | None = None) -> Calibration | None:
-    """After a planned (CUDA) run: keep the updaters' AdamW rate and the GPU time the run measured
-    with this host's calibration, for the next plan of that model. Returns the calibration kept,
-    or None when there was nothing to learn."""
+    """After a planned (CUDA) run: keep the updaters' AdamW rate the run measured with this host's
+    calibration, for the next plan of that model, and report its GPU time against the plan's. Returns
+    the calibration kept, or None when there was nothing to learn."""
     plan = run_plan.plan
     if plan is None:
         return None
@@ -197,13 +222,12 @@ def record_training(run_plan: JobPlan, update_busy_s: list[float], gpu_side_s: l
         log.info("updaters ran AdamW at %.2f G params/s per process in this run (bare kernel: %.2f); "
                  "the next plan of this model on this host charges it", rate / 1e9,
                  plan.calibration.adamw_params_per_s / 1e9)
-    scale = learned_gpu_scale(run_plan, gpu_side_s)
-    if scale is not None:
-        shape = gpu_work_shape(plan.workload, plan.choices)
-        factors = plan.calibration.with_gpu_factor(params, shape, scale)
-        measured.update(gpu_train_factors=factors.gpu_train_factors, gpu_train_model_params=params)
-        log.info("the GPU work took %.2fx what the calibrated rates give; the next plan of this model with %s "
-                 "on this host charges it", scale, shape)
+    ratio = gpu_time_against_plan(run_plan, gpu_side_s)
+    if ratio is not None:
+        source = gpu_time_source(plan.workload, plan.choices, plan.calibration)
+        log.info("the GPU work took %.2fx the plan's GPU time (%s)", ratio, {
+            "measured": "blocks measured on this GPU at this shape", "nearby": "blocks measured at nearby sizes",
+            "FLOPs": "matmul FLOPs at the calibrated rate"}[source])
     if not measured:
         return None
     try:

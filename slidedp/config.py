@@ -214,7 +214,8 @@ class TrainSection(_Section):
     _name: ClassVar[str] = "train"
     steps: int
     global_batch: int  # sequences per optimizer step, over all ranks
-    micro_batch: int  # sequences per forward/backward on one rank
+    # sequences per forward/backward on one rank; 0: the plan chooses (on CPU: launch.planning.cpu_micro_batch)
+    micro_batch: int = field(default=0, kw_only=True)
     seq_len: int
     lr: float
     min_lr_ratio: float = 0.1
@@ -233,8 +234,9 @@ class TrainSection(_Section):
     eval_every: int = 0  # steps between eval losses over data.eval_path (and one at the end); 0 = none
 
     def validate(self) -> None:
-        for name in ("steps", "global_batch", "micro_batch", "seq_len"):
+        for name in ("steps", "global_batch", "seq_len"):
             self._range(name, 1)
+        self._range("micro_batch", 0)
         self._range("lr", 0, lo_open=True)
         self._range("min_lr_ratio", 0, 1)
         self._range("warmup_steps", 0)
@@ -254,7 +256,7 @@ class TrainSection(_Section):
         self._choice("compute_dtype", ("bf16", "fp32"))
         self._choice("compile", ("auto", "on", "off"))
         self._range("eval_every", 0)
-        if not self.__dict__.get("_problems") and self.global_batch % self.micro_batch:
+        if not self.__dict__.get("_problems") and self.micro_batch and self.global_batch % self.micro_batch:
             raise ConfigError(
                 f"train.micro_batch ({self.micro_batch}) must divide train.global_batch ({self.global_batch})"
             )
@@ -398,7 +400,12 @@ class JobConfig:
 
     def __post_init__(self) -> None:
         t, w = self.train, self.runtime.workers
-        if t.global_batch % (w * t.micro_batch):
+        if not t.micro_batch and t.global_batch % w:
+            raise ConfigError(
+                f"train.global_batch ({t.global_batch}) must be divisible by runtime.workers ({w}): every rank "
+                f"runs the same number of sequences (train.micro_batch = 0 lets the plan split them into passes)"
+            )
+        if t.micro_batch and t.global_batch % (w * t.micro_batch):
             raise ConfigError(
                 f"train.global_batch ({t.global_batch}) must be divisible by runtime.workers ({w}) x "
                 f"train.micro_batch ({t.micro_batch}) = {w * t.micro_batch}"

@@ -3,8 +3,10 @@
 `calibrate()` measures the building blocks the schedule is made of: pinned H2D, D2H and both
 at once; the fused CPU AdamW (`torch._fused_adamw_`, the kernel the updater runs); an fp32 sum
 (the aggregator); a layer-sized matmul in the compute dtype, and the fused AdamW on the device
-(for an embedding kept on the GPU). On `device="cpu"` it returns a CPU-only calibration
-(copies at memcpy speed, "GPU" rates = the CPU's), so planning works in CI.
+(for an embedding kept on the GPU); on CUDA, load_or_calibrate adds the fused CPU AdamW's rate while
+pinned copies run beside it (measure.adamw_beside_copies). The GPU work of a step itself is measured
+per shape at plan time (measure.py) and rides along as `Calibration.blocks`. On `device="cpu"` it
+returns a CPU-only calibration (copies at memcpy speed, "GPU" rates = the CPU's), so planning works in CI.
 
 The cache is JSON (never pickle), one file per host and device name, under ~/.cache/slidedp:
 the measured building blocks, and what training runs measured (`record_training`) kept per
@@ -16,19 +18,17 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import fcntl
-import functools
 import json
 import math
 import os
 import re
 import socket
-import statistics
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from slidedp import log
+from slidedp.planner.measure import MeasuredBlocks, timed
 
 _log = log.get("planner")
 
@@ -44,17 +44,21 @@ class CalibrationError(ValueError):
 
 # What a training run measures of a model, kept per model in the cache (keyed by parameter count):
 # each group of fields names the model it was measured on. The updaters' rate; their rate beside a
-# host sum of ranks' gradients and that sum's rate; the GPU time factors by shape of GPU work.
+# host sum of ranks' gradients and that sum's rate.
 LEARNED_GROUPS: dict[str, tuple[str, ...]] = {
     "adamw_train_model_params": ("adamw_train_params_per_s",),
     "adamw_train_summed_model_params": ("adamw_train_summed_params_per_s", "reduce_train_summed_gbps"),
-    "gpu_train_model_params": ("gpu_train_factors",),
 }
 LEARNED_FIELDS = tuple(f for model, values in LEARNED_GROUPS.items() for f in (*values, model))
-_NOTHING_LEARNED: dict[str, Any] = {k: "" if k == "gpu_train_factors" else 0 for k in LEARNED_FIELDS}
+_NOTHING_LEARNED: dict[str, Any] = {k: 0 for k in LEARNED_FIELDS}
+# Fields of older cache files that nothing reads now: runs' GPU-time factors per model and shape of
+# GPU work, replaced by the GPU blocks measured at plan time (measure.py). Dropped on reading, with a note.
+RETIRED_FIELDS = ("gpu_train_factors", "gpu_train_model_params")
 
-# 0 = not measured yet: what training runs measure, and the host's copy-in with every GPU at once
-_MAY_BE_ZERO = frozenset(LEARNED_FIELDS) - {"gpu_train_factors"} | {"h2d_total_gbps"}
+# 0 = not measured yet: what training runs measure, the host's copy-in with every GPU at once, and
+# the AdamW rate beside the copies (measured on CUDA only)
+_MAY_BE_ZERO = frozenset(LEARNED_FIELDS) | {"h2d_total_gbps", "adamw_beside_copies_params_per_s",
+                                            "adamw_beside_copies_gpus"}
 
 
 @dataclass(frozen=True)
@@ -89,18 +93,17 @@ class Calibration:
     adamw_train_summed_params_per_s: float = 0.0
     reduce_train_summed_gbps: float = 0.0
     adamw_train_summed_model_params: int = 0
-    # the workers' GPU-side step time measured training a model (each rank's step less its waits
-    # for the host) over the plan's GPU time for it from the rates above: what the matmul rate
-    # leaves out (casts, norms, attention, launches, the size of the matmuls). A JSON object,
-    # shape of the GPU work (`gpu_shape`) -> factor, for the model of `gpu_train_model_params`
-    # parameters. "": no run yet.
-    gpu_train_factors: str = ""
-    gpu_train_model_params: int = 0
-    # until a run of a model has measured its updaters' rate, the share of the bare kernel's rate the
-    # planner charges (measured in training runs; docs/tuning.md). 1.0 charges the bare rate.
+    # the fused CPU AdamW (as adamw_params_per_s) while pinned H2D and D2H copies ran on every GPU
+    # (measure.adamw_beside_copies): what the updaters reach in training. 0: not measured.
+    adamw_beside_copies_params_per_s: float = 0.0
+    adamw_beside_copies_gpus: int = 0  # how many GPUs copied beside it
+    # until a run or the measurement above gives the updaters' rate, the share of the bare kernel's rate
+    # the planner charges (measured in training runs; docs/tuning.md). 1.0 charges the bare rate.
     adamw_train_fraction: float = 0.6
     # the lowest share measured in training; a first plan's device-held layers also hold at it
     adamw_train_fraction_low: float = 0.38
+    # the GPU blocks measured at plan time for the job's shape (measure.py); kept in their own cache file
+    blocks: MeasuredBlocks | None = None
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -111,11 +114,12 @@ class Calibration:
                 raise CalibrationError(f"calibration field {f.name} must be a positive finite number, got {value!r}")
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The calibration's figures (the blocks travel apart: `blocks.to_dict()`)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "blocks"}
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "Calibration":
-        names = {f.name for f in dataclasses.fields(cls)}
+    def from_dict(cls, d: dict[str, Any], blocks: MeasuredBlocks | None = None) -> "Calibration":
+        names = {f.name for f in dataclasses.fields(cls)} - {"blocks"}
         unknown = sorted(set(d) - names)
         if unknown:
             raise CalibrationError(f"calibration has unknown fields {unknown}")
@@ -124,14 +128,17 @@ class Calibration:
             raise CalibrationError(f"calibration is missing fields {missing}")
         kinds = {f.name: f.type for f in dataclasses.fields(cls)}
         conv = {"str": str, "float": float, "int": int}
-        return cls(**{k: conv[kinds[k]](v) for k, v in d.items()})
+        return cls(**{k: conv[kinds[k]](v) for k, v in d.items()}, blocks=blocks)
 
     def summary(self) -> str:
         return (
             f"{self.device_name} @ {self.host}: H2D {self.h2d_gbps:.1f} GB/s, D2H {self.d2h_gbps:.1f}, "
             f"both {self.bidir_gbps:.1f}; CPU AdamW {self.adamw_params_per_s / 1e9:.2f} G params/s "
-            f"({self.adamw_threads} threads); reduce {self.reduce_gbps:.1f} GB/s; "
-            f"GPU {self.gpu_tflops:.1f} TFLOP/s effective"
+            f"({self.adamw_threads} threads"
+            + (f"; {self.adamw_beside_copies_params_per_s / 1e9:.2f} beside copies" if self.adamw_beside_copies_params_per_s else "")
+            + f"); reduce {self.reduce_gbps:.1f} GB/s; "
+            + (f"GPU blocks measured for this shape ({len(self.blocks.layers)} layer and {len(self.blocks.losses)} "
+               f"loss sizes)" if self.blocks else f"GPU {self.gpu_tflops:.1f} TFLOP/s effective")
             + (f"; GPU links {self.allreduce_gbps:.0f} GB/s among {self.bus_gpus}, H2D of all "
                f"{self.h2d_total_gbps:.0f} GB/s" if self.bus_gpus > 1 else "")
             + (f"; AdamW in training {self.adamw_train_params_per_s / 1e9:.2f} G params/s "
@@ -140,25 +147,7 @@ class Calibration:
                + (f" and the sum {self.reduce_train_summed_gbps:.1f} GB/s" if self.reduce_train_summed_gbps else "")
                + f" (measured training a {self.adamw_train_summed_model_params:,}-param model)"
                if self.adamw_train_summed_params_per_s else "")
-            + "".join(f"; GPU time in training {f:.2f}x the rates' ({self.gpu_train_model_params / 1e9:.2f} "
-                      f"B-param model, {shape})" for shape, f in _factors(self.gpu_train_factors).items())
         )
-
-    def gpu_scale(self, model_params: int, shape: str) -> float:
-        """How much longer the GPU work takes than the rates say: the factor a run of this model with
-        GPU work of this shape (`gpu_shape`) measured; for a shape no run measured, the largest
-        factor measured for the model (so an unmeasured plan never looks faster for being
-        unmeasured); 1 for a model no run measured."""
-        factors = _factors(self.gpu_train_factors)
-        if not factors or model_params != self.gpu_train_model_params:
-            return 1.0
-        return factors.get(shape, max(factors.values()))
-
-    def with_gpu_factor(self, model_params: int, shape: str, factor: float) -> "Calibration":
-        """This calibration with `factor` measured for `shape` (kept beside the model's other shapes)."""
-        kept = _factors(self.gpu_train_factors) if model_params == self.gpu_train_model_params else {}
-        return dataclasses.replace(self, gpu_train_factors=json.dumps({**kept, shape: float(factor)}, sort_keys=True),
-                                   gpu_train_model_params=int(model_params))
 
     def update_rate_learned(self, model_params: int, summed: bool = False) -> bool:
         """Whether a run of this model on this host measured the updaters' rate in training (summed:
@@ -169,19 +158,22 @@ class Calibration:
 
     def update_params_per_s(self, model_params: int, summed: bool = False) -> float:
         """The AdamW rate the planner charges for a model: the one measured training it (beside a host
-        sum where `summed`, when a run measured that), else the bare kernel's times
-        adamw_train_fraction (what training leaves of it on the hosts measured)."""
+        sum where `summed`, when a run measured that), else the rate measured beside copies, else the
+        bare kernel's times adamw_train_fraction."""
         if summed and self.update_rate_learned(model_params, summed=True):
             return self.adamw_train_summed_params_per_s
         if self.update_rate_learned(model_params):
             return self.adamw_train_params_per_s
+        if self.adamw_beside_copies_params_per_s:
+            return self.adamw_beside_copies_params_per_s
         return self.adamw_params_per_s * self.adamw_train_fraction
 
     def at_lowest_share(self, model_params: int) -> "Calibration | None":
-        """Until a run of this model measured its updaters' rate: this calibration charging the lowest
-        share of the bare kernel measured in training (None once the rate is measured, or when the
-        lowest share is not below the one charged)."""
-        if self.update_rate_learned(model_params) or self.adamw_train_fraction_low >= self.adamw_train_fraction:
+        """While the updaters' rate is a share of the bare kernel's (neither a run of this model nor the
+        calibration measured it in training): this calibration charging the lowest share measured in
+        training (None once a rate is measured, or when the lowest share is not below the one charged)."""
+        if (self.update_rate_learned(model_params) or self.adamw_beside_copies_params_per_s
+                or self.adamw_train_fraction_low >= self.adamw_train_fraction):
             return None
         return dataclasses.replace(self, adamw_train_fraction=self.adamw_train_fraction_low)
 
@@ -214,18 +206,11 @@ REFERENCE_CALIBRATION = Calibration(
 # measurement
 
 def _median_time(fn: Callable[[], None], sync: Callable[[], None], reps: int) -> float:
-    fn()  # warm up (allocation, first-touch, kernel selection)
-    sync()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - t0)
-    return max(statistics.median(times), 1e-9)
+    """Median seconds of fn after one warm-up run (allocation, first-touch, kernel selection)."""
+    return timed(fn, sync, reps, warmup=1)
 
 
-def _fused_adamw(params: list, grads: list, m: list, v: list, steps: list) -> None:
+def fused_adamw(params: list, grads: list, m: list, v: list, steps: list) -> None:
     import torch
 
     torch._fused_adamw_(
@@ -240,7 +225,7 @@ def _adamw_rate(n: int, device: str, sync: Callable[[], None], reps: int) -> flo
     p, g = torch.rand(n, device=device), torch.rand(n, device=device)
     m, v = torch.zeros(n, device=device), torch.zeros(n, device=device)
     step = torch.ones((), device=device)
-    return n / _median_time(lambda: _fused_adamw([p], [g], [m], [v], [step]), sync, reps)
+    return n / _median_time(lambda: fused_adamw([p], [g], [m], [v], [step]), sync, reps)
 
 
 def _device_name(device: str) -> str:
@@ -326,29 +311,8 @@ def calibrate(device: str = "cuda", quick: bool = False) -> Calibration:
 # --------------------------------------------------------------------------------------
 # cache
 
-def _slug(text: str) -> str:
+def slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", text).strip("_") or "unknown"
-
-
-def gpu_shape(micro_tokens: int, loss_chunk_tokens: int, seq_tile_tokens: int, ranks: int = 1,
-              routes: str = "") -> str:
-    """What sizes a step's GPU work, as a calibration keeps it with the GPU time a run measured."""
-    tiles = f"tiles of {seq_tile_tokens:,}" if seq_tile_tokens else "untiled"
-    where = f"{ranks} ranks, {routes}" if ranks > 1 else "1 rank"
-    return f"{micro_tokens:,}-token micro-batches, {loss_chunk_tokens:,}-token loss chunks, {tiles}, {where}"
-
-
-@functools.lru_cache(maxsize=64)
-def _factors(text: str) -> dict[str, float]:
-    """`gpu_train_factors` read: {} when empty or not an object of positive numbers."""
-    try:
-        d = json.loads(text) if text else {}
-    except ValueError:
-        return {}
-    if not isinstance(d, dict):
-        return {}
-    return {str(k): float(v) for k, v in d.items()
-            if isinstance(v, (int, float)) and math.isfinite(v) and v > 0}
 
 
 def cache_path(device: str, cache_dir: str | os.PathLike | None = None) -> Path:
@@ -369,7 +333,7 @@ def cache_root(env: Mapping[str, str] | None = None) -> Path:
 
 def _cache_file(host: str, device_name: str, cache_dir: str | os.PathLike | None) -> Path:
     root = Path(cache_dir).expanduser() if cache_dir else cache_root()
-    return root / f"calibration-{_slug(host)}-{_slug(device_name)}.json"
+    return root / f"calibration-{slug(host)}-{slug(device_name)}.json"
 
 
 def _learned_model(fields: Mapping[str, Any]) -> int:
@@ -394,17 +358,12 @@ def _learned_of(calib: Calibration) -> dict[int, dict[str, Any]]:
 
 
 def _merged(entry: Mapping[str, Any], measured: Mapping[str, Any]) -> dict[str, Any]:
-    """A model's figures updated by a run's: fields the run did not measure are kept, and GPU factors
-    are merged by shape (another job of the model may have measured another shape meanwhile)."""
-    out = {**entry, **measured}
-    if measured.get("gpu_train_factors") and entry.get("gpu_train_factors"):
-        out["gpu_train_factors"] = json.dumps({**_factors(entry["gpu_train_factors"]),
-                                               **_factors(measured["gpu_train_factors"])}, sort_keys=True)
-    return out
+    """A model's figures updated by a run's: fields the run did not measure are kept."""
+    return {**entry, **measured}
 
 
 @contextlib.contextmanager
-def _locked(path: Path):
+def locked(path: Path):
     """Serialize the read-modify-write of a cache file among the jobs of one host."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path.with_name(path.name + ".lock"), os.O_RDWR | os.O_CREAT, 0o600)
@@ -428,7 +387,7 @@ def record_training(calib: Calibration, cache_dir: str | os.PathLike | None = No
     if not model:
         raise ValueError("record_training: the measured fields name no model (a *_model_params field)")
     path = _cache_file(calib.host, calib.device_name, cache_dir)
-    with _locked(path):
+    with locked(path):
         try:
             current, learned = _read(path)
         except CalibrationError as e:  # unreadable: what this run measured starts a new file
@@ -455,8 +414,7 @@ def save(calib: Calibration, path: str | os.PathLike, learned: Mapping[int, Mapp
 def _checked_entry(calib: Calibration, key: Any, fields: Any) -> dict[str, Any] | None:
     """A model's learned entry with its values converted, or None when it is not one: fields that are
     not measured in training, values of the wrong kind, a model named other than its key."""
-    if not (isinstance(fields, dict) and str(key).isdigit() and set(fields) <= set(LEARNED_FIELDS)
-            and isinstance(fields.get("gpu_train_factors", ""), str)):
+    if not (isinstance(fields, dict) and str(key).isdigit() and set(fields) <= set(LEARNED_FIELDS)):
         return None
     try:
         full = Calibration.from_dict({**calib.to_dict(), **_NOTHING_LEARNED, **fields})
@@ -477,18 +435,27 @@ def _read(path: str | os.PathLike) -> tuple[Calibration, dict[int, dict[str, Any
         raise CalibrationError(f"cannot read calibration {path}: {e}") from None
     if not isinstance(doc, dict) or doc.get("schema") != SCHEMA or not isinstance(doc.get("calibration"), dict):
         raise CalibrationError(f"calibration {path} is not a schema-{SCHEMA} calibration file")
+    retired = sorted(set(doc["calibration"]) & set(RETIRED_FIELDS))
     try:
-        calib = Calibration.from_dict(doc["calibration"])
+        calib = Calibration.from_dict({k: v for k, v in doc["calibration"].items() if k not in RETIRED_FIELDS})
     except (TypeError, ValueError) as e:
         raise CalibrationError(f"calibration {path}: {e}") from None
     learned = _learned_of(calib)  # a file from before the per-model figures
     entries = doc.get("learned") or {}
     for key, fields in (entries.items() if isinstance(entries, dict) else ()):
+        if isinstance(fields, dict) and set(fields) & set(RETIRED_FIELDS):
+            retired = sorted(set(retired) | (set(fields) & set(RETIRED_FIELDS)))
+            fields = {k: v for k, v in fields.items() if k not in RETIRED_FIELDS}
+            if not fields:
+                continue
         entry = _checked_entry(calib, key, fields)
         if entry is None:
             _log.warning("%s: learned entry %r is not a model's measured fields; left out", path, key)
             continue
         learned[int(key)] = entry
+    if retired:
+        _log.info("%s: %s (GPU-time factors learned from runs) ignored: plans now measure the GPU work at "
+                  "the job's shapes; the next write drops them", path, ", ".join(retired))
     return _with_learned(calib, {}), learned
 
 
@@ -511,7 +478,7 @@ def load_or_calibrate(
     model_params: with what training runs of that model on this host measured (`load`).
     refresh: measure again and forget what training runs measured (after a hardware change)."""
     path = cache_path(device, cache_dir)
-    with _locked(path):  # one job measures at a time: two at once would measure each other
+    with locked(path):  # one job measures at a time: two at once would measure each other
         calib, learned = None, {}
         if path.exists() and not refresh:
             try:
@@ -522,7 +489,7 @@ def load_or_calibrate(
         if calib is None:
             calib = calibrate(device, quick=quick)
             _log.info("calibrated %s", calib.summary())
-        if calib.bus_gpus < gpus:
+        if gpus > 1:
             gpus = min(gpus, _visible_gpus(device))  # asked for more than are visible: the visible ones (CPU: 1)
         if gpus > 1 and calib.bus_gpus < gpus:
             from slidedp.planner.links import measure_links
@@ -532,6 +499,14 @@ def load_or_calibrate(
                                         h2d_total_gbps=links["h2d_total_gbps"], bus_gpus=gpus)
             _log.info("measured the links among %d GPUs: %.0f GB/s bus, %.0f GB/s of copy-in in all", gpus,
                       calib.allreduce_gbps, calib.h2d_total_gbps)
+            changed = True
+        if device.startswith("cuda") and calib.adamw_beside_copies_gpus < gpus:
+            from slidedp.planner.measure import adamw_beside_copies
+
+            rate = adamw_beside_copies(calib.adamw_threads, device, gpus)
+            calib = dataclasses.replace(calib, adamw_beside_copies_params_per_s=rate, adamw_beside_copies_gpus=gpus)
+            _log.info("the fused CPU AdamW ran at %.2f G params/s beside pinned copies on %d GPU(s) (bare: %.2f)",
+                      rate / 1e9, gpus, calib.adamw_params_per_s / 1e9)
             changed = True
         if changed:
             save(calib, path, learned)

@@ -16,7 +16,7 @@ from slidedp.stepplan import StepPlan
 from slidedp.planner import costs
 from slidedp.planner.calibration import Calibration
 from slidedp.planner.costs import GiB
-from slidedp.planner.step_model import RESOURCES, predict_step
+from slidedp.planner.step_model import RESOURCES, gpu_time_source, measured, micro_batch_of, predict_step
 from slidedp.planner.workload import Choices, Workload
 
 _LOSS_CHUNKS = (1024, 512, 256, 128)  # tokens per logits chunk, largest that fits first
@@ -29,6 +29,17 @@ _EQUAL = 0.02
 class PlanError(ValueError):
     """No plan fits: the message names the smallest budget that would and the knob to turn."""
 
+
+
+@dataclass(frozen=True)
+class Weighed:
+    """One micro-batch the planner weighed: the best plan at it, or why there is none."""
+
+    micro_batch: int
+    predicted_step_s: float | None  # None: no plan fits at this micro-batch
+    gpu_bytes: int  # that plan's GPU memory peak, or the smallest plan's need where none fits
+    gpu_time: str  # "measured" on the GPU at its sizes, "nearby" (at other sizes of the shape), or "FLOPs"
+    verdict: str  # "chosen", how much slower, or why it was rejected
 
 
 @dataclass(frozen=True)
@@ -57,6 +68,7 @@ class Plan:
     seq_tile_tokens: int = 0
     device_layers: int = 0
     predicted_clipped_step_s: float = 0.0  # exact clipping: a step that clips (0: clipping off)
+    weighed: tuple[Weighed, ...] = ()  # the micro-batches weighed, the chosen one first
 
     @property
     def choices(self) -> Choices:
@@ -81,6 +93,21 @@ class Plan:
             planned_device_bytes=self.gpu_total_bytes, planned_by="planner",
         )
 
+    def _weighed_lines(self) -> list[str]:
+        """The micro-batches weighed: each one's best plan (prediction, memory, where its GPU time came
+        from) and why it was not taken."""
+        if not self.weighed:
+            return []
+        how = ("train.micro_batch = 0: the fastest predicted that fits; within 2% of it, the larger"
+               if not self.workload.micro_batch else "train.micro_batch set in the job file")
+        lines = ["", f"micro-batches weighed ({how})",
+                 f"  {'micro_batch':<13}{'predicted step':>15}{'GPU memory':>13}   {'GPU time':<10}verdict"]
+        for c in self.weighed:
+            step = f"{c.predicted_step_s:.3f} s" if c.predicted_step_s is not None else "-"
+            lines.append(f"  {c.micro_batch:<13}{step:>15}{c.gpu_bytes / GiB:>9.2f} GiB   "
+                         f"{c.gpu_time:<10}{c.verdict}")
+        return lines
+
     @staticmethod
     def _live_text(item: str) -> str:
         return ", ".join(costs.LIVE_IN[item]) if item in costs.LIVE_IN else "whole step"
@@ -98,7 +125,8 @@ class Plan:
             "",
             "choices",
         ]
-        mb_note = "job's value" if self.micro_batch == w.micro_batch else f"job asked {w.micro_batch}"
+        mb_note = ("the plan's choice" if not w.micro_batch
+                   else "job's value" if self.micro_batch == w.micro_batch else f"job asked {w.micro_batch}")
         rows = [
             ("micro_batch", f"{self.micro_batch} ({mb_note}; {w.local_batch // self.micro_batch} per rank per step)"),
             ("activations", self.activations if self.activations == "keep"
@@ -114,6 +142,7 @@ class Plan:
             ("routes", f"params {self.param_route}, grads {self.grad_route}"),
         ]
         lines += [f"  {k:<22}{v}" for k, v in rows]
+        lines += self._weighed_lines()
         peak = costs.gpu_memory_peak(self.gpu_memory, self.workload.world)
         lines += ["", f"GPU memory per rank{'':<23}GiB   live"]
         lines += [f"  {name:<36}{b / GiB:>8.3f}   {self._live_text(name)}" for name, b in self.gpu_memory]
@@ -166,7 +195,7 @@ def _update_rate_note(work: Workload, ch: Choices, calib: Calibration) -> str:
 
 def _memory(work: Workload, ch: Choices) -> list[tuple[str, int]]:
     return costs.gpu_memory_items(
-        work.model, tokens=work.local_tokens, seq_len=work.seq_len, micro_batch=ch.micro_batch or work.micro_batch,
+        work.model, tokens=work.local_tokens, seq_len=work.seq_len, micro_batch=micro_batch_of(work, ch),
         world=work.world, delivery=ch.delivery, activations=ch.activations, embedding=ch.embedding,
         prefetch_depth=ch.prefetch_depth, resident_layers=ch.resident_layers,
         chunk_rows=ch.chunk_rows or costs.default_chunk_rows(work.model), loss_chunk_tokens=ch.loss_chunk_tokens,
@@ -175,13 +204,37 @@ def _memory(work: Workload, ch: Choices) -> list[tuple[str, int]]:
     )
 
 
+def _bounded_memory(work: Workload, ch: Choices, calib: Calibration) -> list[tuple[str, int]]:
+    """_memory, with the layer workspace at least what the GPU measured of one backward at this size
+    (the allocator's peak above its inputs, less the layer's compute-dtype gradients and the incoming
+    gradient, which "chunk gradients" and "hidden states" count)."""
+    items = _memory(work, ch)
+    layer = measured(work, ch, calib)[0]
+    if layer is None or not layer.workspace_bytes:
+        return items
+    cb = costs.dtype_bytes(work.compute_dtype)
+    seen = layer.workspace_bytes - (costs.layer_params(work.model) + micro_batch_of(work, ch) * work.seq_len
+                                    * work.model.hidden_size) * cb
+    return [(name, max(b, seen) if name == "layer workspace" else b) for name, b in items]
+
+
 def _total(work: Workload, ch: Choices) -> int:
     return costs.gpu_memory_peak(_memory(work, ch), work.world).total_bytes
 
 
+# train.micro_batch = 0 weighs micro-batches of at most this many tokens (and always one sequence): the
+# layer's GEMMs gained 10% from 4,096 to 16,384 tokens on an H200 (docs/tuning.md, "Kernels"), and
+# every size weighed is measured on the GPU at the first plan of a shape.
+AUTO_MICRO_TOKENS = 16_384
+
+
 def _micro_batches(work: Workload) -> list[int]:
-    """The job's micro-batch first, then the other divisors of the per-rank batch, largest first."""
+    """The divisors of the per-rank batch, largest first: where the plan chooses, those of at most
+    AUTO_MICRO_TOKENS tokens; where the job sets its micro-batch, that one first (the others are what
+    it shrinks to where it does not fit)."""
     divisors = [d for d in range(work.local_batch, 0, -1) if work.local_batch % d == 0]
+    if not work.micro_batch:
+        return [d for d in divisors if d == 1 or d * work.seq_len <= AUTO_MICRO_TOKENS]
     return [work.micro_batch] + [d for d in divisors if d != work.micro_batch]
 
 
@@ -210,9 +263,9 @@ def _base_choices(work: Workload, allowed: dict[str, tuple] | None = None) -> li
     ]
 
 
-def _seq_tiles(work: Workload) -> list[int]:
-    """Untiled, then the tiles smaller than a micro-batch of the job's size (tiles run over its m x T tokens)."""
-    return [t for t in _SEQ_TILES if t < work.micro_batch * work.seq_len]
+def _seq_tiles(work: Workload, micro_batch: int) -> list[int]:
+    """Untiled, then the tiles smaller than a micro-batch of that size (tiles run over its m x T tokens)."""
+    return [t for t in _SEQ_TILES if t < micro_batch * work.seq_len]
 
 
 def _smallest(lo: int, hi: int, ok: Callable[[int], bool]) -> int:
@@ -236,25 +289,33 @@ def _fewest_offloaded(work: Workload, ch: Choices, budget: int) -> Choices | Non
     return replace(ch, offload_layers=_smallest(1, nl, lambda k: _total(work, replace(ch, offload_layers=k)) <= budget))
 
 
+def _fit_at(work: Workload, base: Choices, mb: int, budget: int, grow: bool) -> Choices | None:
+    """At micro-batch mb: untiled if that fits (else the largest sequence tile that does), the largest
+    loss chunk that fits and the fewest offloaded layers; then, where `grow` and nothing had to shrink,
+    as many resident layers as the rest of the budget holds."""
+    first = grow
+    for tile in _seq_tiles(work, mb):
+        for lc in _loss_chunks(work):
+            ch = _fewest_offloaded(
+                work, replace(base, micro_batch=mb, loss_chunk_tokens=lc, seq_tile_tokens=tile, resident_layers=0),
+                budget)
+            if ch is not None:
+                k = 0
+                while first and k < work.model.num_layers and _total(work, replace(ch, resident_layers=k + 1)) <= budget:
+                    k += 1
+                return replace(ch, resident_layers=k)
+            first = False
+    return None
+
+
 def _fit(work: Workload, base: Choices, budget: int) -> Choices | None:
-    """The job's micro-batch if it fits (else the largest divisor that does), untiled if that fits
-    (else the largest sequence tile that does), the largest loss chunk that fits and the fewest
-    offloaded layers; then, only if nothing had to shrink, as many resident layers as the rest of
-    the budget holds. (Spending memory freed by shrinking on resident layers would let a larger
-    budget, where the job's micro-batch fits again, predict a slower step.)"""
-    first = True
-    for mb in _micro_batches(work):
-        for tile in _seq_tiles(work):
-            for lc in _loss_chunks(work):
-                ch = _fewest_offloaded(
-                    work, replace(base, micro_batch=mb, loss_chunk_tokens=lc, seq_tile_tokens=tile, resident_layers=0),
-                    budget)
-                if ch is not None:
-                    k = 0
-                    while first and k < work.model.num_layers and _total(work, replace(ch, resident_layers=k + 1)) <= budget:
-                        k += 1
-                    return replace(ch, resident_layers=k)
-                first = False
+    """The job's micro-batch if it fits (else the largest divisor that does), fitted by `_fit_at`;
+    resident layers only at the job's own micro-batch. (Spending memory freed by shrinking on resident
+    layers would let a larger budget, where the job's micro-batch fits again, predict a slower step.)"""
+    for i, mb in enumerate(_micro_batches(work)):
+        ch = _fit_at(work, base, mb, budget, grow=i == 0)
+        if ch is not None:
+            return ch
     return None
 
 
@@ -266,14 +327,19 @@ def _fewest_resident(work: Workload, ch: Choices, calib: Calibration) -> Choices
     return replace(ch, resident_layers=lo)
 
 
+def _least_memory(work: Workload, mb: int, allowed: dict[str, tuple] | None) -> Choices:
+    """The plan of least GPU memory at micro-batch mb among the options `allowed`."""
+    return min(
+        (replace(b, micro_batch=mb, loss_chunk_tokens=min(_loss_chunks(work)),
+                 seq_tile_tokens=_seq_tiles(work, mb)[-1]) for b in _base_choices(work, allowed)),
+        key=lambda ch: _total(work, ch),
+    )
+
+
 def _no_fit_error(work: Workload, budget: int, allowed: dict[str, tuple] | None = None) -> PlanError:
     """The smallest plan among the options `allowed` (a job's forced prefetch depth or embedding
     stays forced), its memory and what to change."""
-    smallest = min(
-        (replace(b, micro_batch=1, loss_chunk_tokens=min(_loss_chunks(work)),
-                 seq_tile_tokens=_seq_tiles(work)[-1]) for b in _base_choices(work, allowed)),
-        key=lambda ch: _total(work, ch),
-    )
+    smallest = _least_memory(work, 1, allowed)
     items = _memory(work, smallest)
     peak = costs.gpu_memory_peak(items, work.world)
     need = peak.total_bytes
@@ -354,47 +420,151 @@ def _forced_device_layers(work: Workload, ch: Choices, d: int, budget: int, cali
     return _fewest_resident(work, cand, calib)
 
 
+def _fitted(work: Workload, calib: Calibration, fits: list[Choices | None]) -> list[tuple[float, int, Choices]]:
+    """(prediction, memory, choices) of each plan that fits, with its fewest resident layers."""
+    out = []
+    for ch in fits:
+        if ch is not None:
+            ch = _fewest_resident(work, ch, calib)
+            out.append((predict_step(work, ch, calib)[2], _total(work, ch), ch))
+    return out
+
+
+def _least_compromise(work: Workload, candidates: list[tuple[float, int, Choices]]) -> Choices:
+    """Among the plans predicted within _EQUAL of the fastest: the largest micro-batch, the largest loss
+    chunk, the largest tile, the fewest offloaded layers (costs the model leaves out: smaller matmuls,
+    more launches, host traffic), then the faster prediction, then the least memory."""
+    fastest = min(step for step, _, _ in candidates)
+    nl = work.model.num_layers
+
+    def key(c: tuple[float, int, Choices]) -> tuple:
+        ch = c[2]
+        return (-micro_batch_of(work, ch), -ch.loss_chunk_tokens, -(ch.seq_tile_tokens or 1 << 62),
+                ch.offloaded(nl), c[0], c[1])
+
+    return min((c for c in candidates if c[0] <= fastest * (1 + _EQUAL)), key=key)[2]
+
+
+def _held(work: Workload, ch: Choices, budget: int, calib: Calibration, device_layers: int | None) -> Choices:
+    """ch with its device-held layers: the plan's choice (None), or the job's number (0: none)."""
+    if device_layers is None:
+        return _with_device_layers(work, ch, budget, calib)
+    if device_layers > 0:
+        return _forced_device_layers(work, ch, device_layers, budget, calib)
+    return ch
+
+
+def _choose_micro_batch(work: Workload, budget: int, calib: Calibration, allowed: dict[str, tuple] | None,
+                        device_layers: int | None) -> tuple[Choices, list[tuple[float, int, Choices]], tuple[Weighed, ...]]:
+    """train.micro_batch = 0: the best plan at every divisor of the per-rank batch (tiles, loss chunk,
+    offloaded, resident and device-held layers fitted to it), judged as `_with_device_layers` judges
+    held layers; the fastest wins, and among those within _EQUAL of it the largest micro-batch (the
+    model's own error is larger than that). Returns (the choices, every fitted plan, what was weighed)."""
+    low = calib.at_lowest_share(work.model.num_parameters())
+    bases = _base_choices(work, allowed)
+    every: list[tuple[float, int, Choices]] = []
+    best_at: dict[int, tuple[float, Choices]] = {}
+    rejected: dict[int, tuple[int, str]] = {}
+    refusal: PlanError | None = None
+    for mb in _micro_batches(work):
+        fitted = _fitted(work, calib, [_fit_at(work, base, mb, budget, grow=True) for base in bases])
+        if not fitted:
+            need = _total(work, _least_memory(work, mb, allowed))
+            rejected[mb] = (need, f"does not fit: its smallest plan needs {need / GiB:.2f} GiB")
+            continue
+        every += fitted
+        try:
+            ch = _held(work, _least_compromise(work, fitted), budget, calib, device_layers)
+        except PlanError as e:  # the job's memory.device_layers do not fit beside this micro-batch
+            refusal = e
+            rejected[mb] = (_total(work, fitted[0][2]), f"does not fit with memory.device_layers = {device_layers}")
+            continue
+        best_at[mb] = (_guarded_step(work, ch, calib, low), ch)
+    if not best_at:
+        raise refusal or _no_fit_error(work, budget, allowed)
+    fastest = min(step for step, _ in best_at.values())
+    chosen = max(mb for mb, (step, _) in best_at.items() if step <= fastest * (1 + _EQUAL))
+    chosen_step, best = best_at[chosen]
+    weighed = []
+    for mb in sorted(best_at, key=lambda m: (m != chosen, best_at[m][0])):
+        step, ch = best_at[mb]
+        change = 100 * (step / chosen_step - 1)
+        verdict = ("chosen" if mb == chosen else f"{change:.1f}% slower" if change >= 0.05 else
+                   f"{-change:.1f}% faster, within {_EQUAL:.0%}: the larger micro-batch wins" if change <= -0.05
+                   else "as fast: the larger micro-batch wins")
+        weighed.append(Weighed(mb, step, _total(work, ch), gpu_time_source(work, ch, calib), verdict))
+    weighed += [Weighed(mb, None, need, "-", why) for mb, (need, why) in sorted(rejected.items())]
+    return best, every, tuple(weighed)
+
+
+def _gpu_time_note(work: Workload, ch: Choices, calib: Calibration) -> str:
+    """Where the plan's GPU time comes from: the blocks measured on this GPU, or the FLOPs."""
+    b, source = calib.blocks, gpu_time_source(work, ch, calib)
+    if source != "FLOPs" and b is not None:
+        when = (f"measured for this plan in {b.measured_s:.1f} s (the first plan of this shape on this host)"
+                if b.measured_s else "from this host's cache")
+        sizes = "" if source == "measured" else " (at the measured sizes nearest this plan's, per sequence)"
+        return f"GPU time: one decoder layer and the loss timed on the {b.device_name} at this shape{sizes}, {when}"
+    return (f"GPU time: the matmul FLOPs at {calib.gpu_tflops:.0f} TFLOP/s effective"
+            + (f" (compiled layers {costs.COMPILED_LAYER_SPEEDUP:.2f}x faster)" if work.compiled else "")
+            + ": no GPU blocks measured for this shape")
+
+
 def make_plan(work: Workload, budget_bytes: int, calib: Calibration,
               allowed: dict[str, tuple] | None = None, device_layers: int | None = None) -> Plan:
     """The fastest predicted plan whose GPU memory fits budget_bytes (ties: the least compromise, then the smaller memory).
 
+    The micro-batch: the workload's (shrunk to a divisor that fits only where it does not), or, where
+    the workload leaves it to the plan (micro_batch = 0), the fastest of every divisor of the per-rank
+    batch (`_choose_micro_batch`); Plan.weighed lists what was weighed.
+
     allowed restricts options (e.g. {"delivery": ("fp32",)} for a store without a bf16 shadow,
     {"prefetch_depth": (2,)} for a job that sets it);
     device_layers: None lets the plan hold its first layers on the GPU where that is faster, a number
-    holds exactly that many (the job's memory.device_layers; 0 keeps every layer's AdamW on the host)."""
+    holds exactly that many (the job's memory.device_layers; 0 keeps every layer's AdamW on the host).
+
+    The plan's memory is bounded by the layer workspace measured on the GPU (`_bounded_memory`): where
+    that is larger than the model's item and the plan no longer fits, it is planned again in less."""
+    search = budget_bytes
+    for _ in range(4):
+        try:
+            plan = _plan(work, search, calib, allowed, device_layers, budget_bytes)
+        except PlanError:
+            if search == budget_bytes:
+                raise
+            break  # nothing fits in what the measurement leaves
+        over = plan.gpu_total_bytes - budget_bytes
+        if over <= 0:
+            return plan
+        search = min(search, _total(work, plan.choices)) - over  # what the model's items may take beside it
+    raise PlanError(f"no plan fits the GPU memory budget of {budget_bytes / GiB:.2f} GiB with the layer workspace "
+                    f"the GPU measured at this shape ({dict(plan.gpu_memory)['layer workspace'] / GiB:.2f} GiB in "
+                    f"the last plan tried): raise the budget, or set train.micro_batch lower")
+
+
+def _plan(work: Workload, budget_bytes: int, calib: Calibration, allowed: dict[str, tuple] | None,
+          device_layers: int | None, shown_budget: int) -> Plan:
+    """make_plan's search at one budget; the Plan reports `shown_budget` (the job's)."""
+    low = calib.at_lowest_share(work.model.num_parameters())
     if budget_bytes > calib.gpu_mem_bytes:
         raise PlanError(
             f"the GPU memory budget ({budget_bytes / GiB:.2f} GiB) exceeds the memory of {calib.device_name} "
             f"({calib.gpu_mem_bytes / GiB:.2f} GiB): lower the budget"
         )
-    candidates: list[tuple[float, int, Choices]] = []
-    for base in _base_choices(work, allowed):
-        ch = _fit(work, base, budget_bytes)
-        if ch is not None:
-            ch = _fewest_resident(work, ch, calib)
-            candidates.append((predict_step(work, ch, calib)[2], _total(work, ch), ch))
-    if not candidates:
-        raise _no_fit_error(work, budget_bytes, allowed)
-    fastest = min(step for step, _, _ in candidates)
-    nl = work.model.num_layers
-
-    def least_compromise(c: tuple[float, int, Choices]) -> tuple:
-        """Among equally fast plans: the largest micro-batch, the largest loss chunk, the largest tile,
-        the fewest offloaded layers (costs the model leaves out: smaller matmuls, more launches, host
-        traffic), then the faster prediction, then the least memory."""
-        ch = c[2]
-        return (-(ch.micro_batch or work.micro_batch), -ch.loss_chunk_tokens, -(ch.seq_tile_tokens or 1 << 62),
-                ch.offloaded(nl), c[0], c[1])
-
-    _, _, best = min((c for c in candidates if c[0] <= fastest * (1 + _EQUAL)), key=least_compromise)
-    if device_layers is None:
-        best = _with_device_layers(work, best, budget_bytes, calib)
-    elif device_layers > 0:
-        best = _forced_device_layers(work, best, device_layers, budget_bytes, calib)
+    if work.micro_batch:
+        candidates = _fitted(work, calib, [_fit(work, base, budget_bytes) for base in _base_choices(work, allowed)])
+        if not candidates:
+            raise _no_fit_error(work, budget_bytes, allowed)
+        best = _held(work, _least_compromise(work, candidates), budget_bytes, calib, device_layers)
+        weighed = (Weighed(best.micro_batch or work.micro_batch, _guarded_step(work, best, calib, low), _total(work, best),
+                           gpu_time_source(work, best, calib),
+                           "chosen" if best.micro_batch == work.micro_batch else "chosen: the job's does not fit"),)
+    else:
+        best, candidates, weighed = _choose_micro_batch(work, budget_bytes, calib, allowed, device_layers)
     busy, exposed, step = predict_step(work, best, calib)
-    items = _memory(work, best)
+    items = _bounded_memory(work, best, calib)
     notes = []
-    if best.micro_batch != work.micro_batch:
+    if work.micro_batch and best.micro_batch != work.micro_batch:
         notes.append(
             f"micro_batch {work.micro_batch} does not fit the budget; using {best.micro_batch} "
             f"(a divisor of the {work.local_batch} sequences per rank)"
@@ -414,6 +584,7 @@ def make_plan(work: Workload, budget_bytes: int, calib: Calibration,
             + (f"; the fastest fp32 plan predicts {fp32:.3f} s" if fp32 is not None else "; no fp32 plan fits")
         )
     notes.append(_update_rate_note(work, best, calib))
+    notes.append(_gpu_time_note(work, best, calib))
     bound = max(busy, key=busy.__getitem__)
     notes.append(f"busiest resource: {bound}")
     return Plan(
@@ -424,6 +595,6 @@ def make_plan(work: Workload, budget_bytes: int, calib: Calibration,
         param_route=best.param_route, grad_route=best.grad_route, device_layers=best.device_layers,
         gpu_memory=tuple(items), gpu_total_bytes=costs.gpu_memory_peak(items, work.world).total_bytes,
         busy_s=tuple((r, busy[r]) for r in RESOURCES), exposed_s=exposed, predicted_step_s=step,
-        tokens_per_s=work.tokens_per_step / step, workload=work, budget_bytes=budget_bytes, calibration=calib,
-        notes=tuple(notes), predicted_clipped_step_s=clipped_step,
+        tokens_per_s=work.tokens_per_step / step, workload=work, budget_bytes=shown_budget, calibration=calib,
+        notes=tuple(notes), predicted_clipped_step_s=clipped_step, weighed=weighed,
     )

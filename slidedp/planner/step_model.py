@@ -20,21 +20,22 @@ the threshold at the first chunk: no speculated chunk to correct). A few steps a
 simulated and the steady-state period is the predicted step time. Ranks are symmetric, so
 one rank stands for all; `world` enters through the per-rank batch and the reduction.
 
-What the model leaves out (so the measured step may be a little longer): host memory
-bandwidth shared by DMA, aggregator and updaters (charged as a fixed share of the bare AdamW
-rate, Calibration.adamw_train_fraction, until a run on the host has measured the updaters' rate
-in training, which the next plan charges instead);
-kernel-launch and Python overheads; the efficiency loss of small micro-batches; messages
-and version polling.
+The GPU tasks cost what the job's GPU measured for one layer and the loss at the plan's sizes
+(measure.py, `gpu_times`); the updaters' AdamW what the host measured beside copies, or a run of the
+model measured (Calibration.update_params_per_s). What the model leaves out (so the measured step
+may be a little longer): the aggregator's traffic beside the updaters (until a run measures it);
+messages, version polling and the Python between the blocks.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+import math
+from dataclasses import dataclass
 
 from slidedp.jobrecord import sums_on_host
 from slidedp.planner import costs
-from slidedp.planner.calibration import Calibration, gpu_shape
+from slidedp.planner.calibration import Calibration
+from slidedp.planner.measure import LayerTime, LossTime, normalized, shape_key
 from slidedp.planner.workload import Choices, Workload
 
 RESOURCES = ("gpu", "h2d", "d2h", "reduce", "update")
@@ -105,11 +106,7 @@ def _tasks(work: Workload, ch: Choices, calib: Calibration) -> list[_Task]:
             return params * gb / rate
         return params * gb / n / rate + params * gb * (n - 1) / n / bus
 
-    flops = calib.gpu_tflops * 1e12
-    g_fwd = tokens * costs.layer_forward_flops_per_token(m, work.seq_len) / flops
-    if work.compiled:
-        g_fwd /= costs.COMPILED_LAYER_SPEEDUP
-    g_loss = tokens * costs.head_step_flops_per_token(m) / flops
+    g_fwd, g_bwd, g_loss = gpu_times(work, ch, calib)
     summed = sums_on_host(work.world, ch.grad_route)
     upd_scale = costs.update_bytes_per_param(ch.delivery) / 28.0 / calib.update_params_per_s(m.num_parameters(), summed)
     red_scale = gb * costs.reduce_traffic_factor(work.world, ch.grad_route, work.clip) / (
@@ -150,7 +147,7 @@ def _tasks(work: Workload, ch: Choices, calib: Calibration) -> list[_Task]:
     for c in reversed(range(nl)):
         fetch = (0.0 if c >= nl - k or c < held else params_in(p_layer, bwd_in)) + (act / bwd_in if c < off else 0.0)
         tasks.append(_Task(
-            f"layer {c} bwd", h2d_s=fetch, gpu_s=3.0 * g_fwd, d2h_s=grads_out(p_layer, bwd_out) if c >= held else 0.0,
+            f"layer {c} bwd", h2d_s=fetch, gpu_s=g_bwd, d2h_s=grads_out(p_layer, bwd_out) if c >= held else 0.0,
             jobs=(job(f"layer {c}", p_layer),) if c >= held else (),
         ))
     if host_emb:
@@ -169,15 +166,64 @@ def _tasks(work: Workload, ch: Choices, calib: Calibration) -> list[_Task]:
         allreduce = 2 * (work.world - 1) / work.world * gpu_held * gb / (calib.allreduce_gbps * 1e9)
         tasks.append(_Task("device-held AdamW (GPU)", gpu_s=gpu_held / calib.gpu_adamw_params_per_s + allreduce,
                            clip_gated=True))
-    # what a run of this model with GPU work of this shape measured of it, against the rates above
-    scale = calib.gpu_scale(m.num_parameters(), gpu_work_shape(work, ch))
-    return [replace(t, gpu_s=t.gpu_s * scale) for t in tasks] if scale != 1.0 else tasks
+    return tasks
 
 
-def gpu_work_shape(work: Workload, ch: Choices) -> str:
-    """The shape of a plan's GPU work, as a calibration keeps the GPU time a run of it measured."""
-    return gpu_shape((ch.micro_batch or work.micro_batch) * work.seq_len, ch.loss_chunk_tokens, ch.seq_tile_tokens,
-                     work.world, f"params {ch.param_route}, grads {ch.grad_route}")
+def micro_batch_of(work: Workload, ch: Choices) -> int:
+    m = ch.micro_batch or work.micro_batch
+    if not m:
+        raise ValueError("no micro-batch: the workload leaves it to the plan (micro_batch = 0) and the choices name none")
+    return m
+
+
+def gpu_times(work: Workload, ch: Choices, calib: Calibration) -> tuple[float, float, float]:
+    """One rank's GPU seconds per step of one layer's forward, of its recompute + backward, and of the
+    loss: the blocks measured on the job's GPU at this shape and size (calib.blocks) times the passes
+    per step; a size not measured takes the measured one nearest to it, per sequence (the planner may
+    weigh one the launcher did not measure); with no blocks of this shape, the matmul FLOPs at the
+    calibrated effective rate (a compiled layer costs.COMPILED_LAYER_SPEEDUP faster, the backward 3x
+    the forward)."""
+    layer, loss = measured(work, ch, calib, nearest=True)
+    flops = calib.gpu_tflops * 1e12
+    if layer is not None:
+        per_seq = work.local_batch / layer.micro_batch  # passes, or as many of the nearest size's
+        fwd, bwd = layer.forward_s * per_seq, layer.backward_s * per_seq
+    else:
+        fwd = work.local_tokens * costs.layer_forward_flops_per_token(work.model, work.seq_len) / flops
+        fwd /= costs.COMPILED_LAYER_SPEEDUP if work.compiled else 1.0
+        bwd = 3.0 * fwd
+    g_loss = loss.seconds * work.local_batch / loss.micro_batch if loss is not None else (
+        work.local_tokens * costs.head_step_flops_per_token(work.model) / flops)
+    return fwd, bwd, g_loss
+
+
+def measured(work: Workload, ch: Choices, calib: Calibration,
+             nearest: bool = False) -> tuple[LayerTime | None, LossTime | None]:
+    """The layer and the loss measured on the GPU at this plan's sizes (None: not measured; blocks of
+    another job's shape are not this one's); nearest: else the measured sizes nearest to them (the
+    closest micro-batch, then the same tile and loss chunk)."""
+    blocks = calib.blocks
+    if blocks is None or blocks.shape != shape_key(work.model, work.seq_len, work.compute_dtype, work.compiled):
+        return None, None
+    m = micro_batch_of(work, ch)
+    tile = normalized(m, work.seq_len, ch.seq_tile_tokens)
+    layer, loss = blocks.layer(m, tile), blocks.loss(m, tile, ch.loss_chunk_tokens)
+    if nearest:
+        def distance(t: LayerTime | LossTime) -> tuple:
+            return (abs(math.log2(t.micro_batch / m)), t.seq_tile_tokens != tile,
+                    getattr(t, "loss_chunk_tokens", ch.loss_chunk_tokens) != ch.loss_chunk_tokens)
+
+        layer = layer or min(blocks.layers, key=distance, default=None)
+        loss = loss or min(blocks.losses, key=distance, default=None)
+    return layer, loss
+
+
+def gpu_time_source(work: Workload, ch: Choices, calib: Calibration) -> str:
+    """Where the plan's layer and loss times come from: "measured" at its sizes, "nearby" (measured at
+    other sizes of this shape), or "FLOPs" (at the calibrated rate)."""
+    if None not in measured(work, ch, calib):
+        return "measured"
+    return "nearby" if None not in measured(work, ch, calib, nearest=True) else "FLOPs"
 
 
 def _period(tasks: list[_Task], depth: int, updaters: int, clip: bool, clips: bool) -> float:
@@ -229,6 +275,7 @@ def predict_step(work: Workload, choices: Choices, calib: Calibration,
     """The model: (busy seconds per resource per step, exposed seconds, predicted step seconds)."""
     if not 0 <= choices.resident_layers <= work.model.num_layers:
         raise ValueError(f"resident_layers must be between 0 and {work.model.num_layers}, got {choices.resident_layers}")
+    micro_batch_of(work, choices)
     if choices.micro_batch is not None and work.local_batch % choices.micro_batch:
         raise ValueError(f"micro_batch ({choices.micro_batch}) must divide the sequences per rank ({work.local_batch})")
     tasks = _tasks(work, choices, calib)

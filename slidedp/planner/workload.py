@@ -15,19 +15,21 @@ class Workload:
     global_batch: int  # sequences per optimizer step, all ranks together
     seq_len: int
     world: int
-    micro_batch: int  # sequences per forward/backward pass on one rank
+    micro_batch: int  # sequences per forward/backward pass on one rank; 0: the plan chooses
     compute_dtype: str = "bf16"
     clip: bool = True  # exact global-norm gradient clipping (max_grad_norm > 0)
     updaters: int = 1  # CPU updater processes (K)
     compiled: bool = False  # the worker runs the layers' pointwise kernels compiled (train.compile)
 
     def __post_init__(self) -> None:
-        for name in ("global_batch", "seq_len", "world", "micro_batch", "updaters"):
+        for name in ("global_batch", "seq_len", "world", "updaters"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"workload {name} must be a positive integer, got {getattr(self, name)!r}")
+        if int(self.micro_batch) < 0:
+            raise ValueError(f"workload micro_batch must be >= 0 (0: the plan chooses), got {self.micro_batch!r}")
         if self.global_batch % self.world:
             raise ValueError(f"global_batch ({self.global_batch}) must be a multiple of world ({self.world})")
-        if self.local_batch % self.micro_batch:
+        if self.micro_batch and self.local_batch % self.micro_batch:
             raise ValueError(
                 f"micro_batch ({self.micro_batch}) must divide the sequences per rank "
                 f"(global_batch / world = {self.local_batch})"
@@ -57,7 +59,7 @@ class Choices:
     prefetch_depth: int = 1
     resident_layers: int = 0  # last layers kept on the GPU from forward to backward
     device_layers: int = 0  # first layers held on the GPU with their AdamW state (no copies, GPU AdamW)
-    micro_batch: int | None = None  # None: the workload's
+    micro_batch: int | None = None  # None: the workload's (which must name one)
     chunk_rows: int | None = None  # None: as many rows as one decoder layer has parameters
     loss_chunk_tokens: int = 1024
     offload_layers: int | None = None  # with activations = "offload": the first layers offloaded (None: all)

@@ -27,6 +27,7 @@ from slidedp.planner import (
     predict_step,
 )
 from slidedp.planner import calibration as calibration_mod
+from slidedp.planner import measure as measure_mod
 from slidedp.stepplan import StepPlan
 from slidedp.planner import costs
 from slidedp.planner.costs import GiB
@@ -416,24 +417,18 @@ def test_what_runs_measured_is_kept_per_model(tmp_path, caplog):
     cal = dataclasses.replace(REFERENCE_CALIBRATION, host="host-m", device_name="GPU M")
     q4, q14 = named_shape("qwen3-4b").num_parameters(), named_shape("qwen3-14b").num_parameters()
     path = tmp_path / "calibration-host-m-GPU_M.json"
-    first = calibration_mod.record_training(cal, tmp_path, adamw_train_params_per_s=3.03e9, adamw_train_model_params=q4,
-                                            gpu_train_factors='{"s1": 1.07}', gpu_train_model_params=q4)
+    first = calibration_mod.record_training(cal, tmp_path, adamw_train_params_per_s=3.03e9, adamw_train_model_params=q4)
     assert first == calibration_mod.load(path, model_params=q4)
     last = calibration_mod.record_training(cal, tmp_path, adamw_train_params_per_s=3.37e9,
                                            adamw_train_model_params=q14)
     assert last == calibration_mod.load(path, model_params=q14)
-    assert (last.adamw_train_params_per_s, last.adamw_train_model_params, last.gpu_train_factors) == (3.37e9, q14, "")
+    assert (last.adamw_train_params_per_s, last.adamw_train_model_params) == (3.37e9, q14)
     four = calibration_mod.load(path, model_params=q4)
-    assert (four.adamw_train_params_per_s, four.gpu_scale(q4, "s1")) == (3.03e9, 1.07)
+    assert four.adamw_train_params_per_s == 3.03e9
     # the file's calibration itself carries nothing learned, and a model no run trained gets nothing
     assert calibration_mod.load(path) == calibration_mod.load(path, model_params=123) == cal
     doc = json.loads(path.read_text())
     assert doc["calibration"]["adamw_train_params_per_s"] == 0 and sorted(doc["learned"]) == sorted([str(q4), str(q14)])
-    # a later run of the 4B (started before the last one ended) measured another shape only: both shapes
-    # and its AdamW rate are kept
-    calibration_mod.record_training(cal, tmp_path, gpu_train_factors='{"s2": 1.4}', gpu_train_model_params=q4)
-    four = calibration_mod.load(path, model_params=q4)
-    assert (four.adamw_train_params_per_s, four.gpu_scale(q4, "s1"), four.gpu_scale(q4, "s2")) == (3.03e9, 1.07, 1.4)
     # a run that summed on the host without measuring the sum's rate keeps the rate measured before
     calibration_mod.record_training(cal, tmp_path, adamw_train_summed_params_per_s=1.5e9, reduce_train_summed_gbps=9.0,
                                     adamw_train_summed_model_params=q4)
@@ -441,20 +436,21 @@ def test_what_runs_measured_is_kept_per_model(tmp_path, caplog):
                                     adamw_train_summed_model_params=q4)
     four = calibration_mod.load(path, model_params=q4)
     assert (four.adamw_train_summed_params_per_s, four.reduce_train_summed_gbps) == (1.6e9, 9.0)
-    # a file from before: its top level held the AdamW rate of one model and the GPU factors of another
+    # a file from before: its top level held the AdamW rate of one model and the (retired) GPU-time
+    # factors of another, which are read past with a note
     old = tmp_path / "old" / "calibration-host-m-GPU_M.json"
     calibration_mod.save(cal, old)
     mixed = json.loads(old.read_text())
     mixed["calibration"].update(adamw_train_params_per_s=2.5e9, adamw_train_model_params=q4,
                                 gpu_train_factors='{"s": 1.3}', gpu_train_model_params=q14)
     old.write_text(json.dumps(mixed))
-    assert calibration_mod.load(old, model_params=q4).adamw_train_params_per_s == 2.5e9
-    assert calibration_mod.load(old, model_params=q4).gpu_train_factors == ""
-    assert calibration_mod.load(old, model_params=q14).gpu_scale(q14, "s") == 1.3
-    assert calibration_mod.load(old, model_params=q14).adamw_train_params_per_s == 0.0
+    with caplog.at_level("INFO"):
+        assert calibration_mod.load(old, model_params=q4).adamw_train_params_per_s == 2.5e9
+    assert "gpu_train_factors, gpu_train_model_params (GPU-time factors learned from runs) ignored" in caplog.text
+    assert calibration_mod.load(old, model_params=q14) == cal
     # an entry that is not a model's measured figures is left out, with a warning; the others stay
     for key, bad in (("7", {"h2d_gbps": 1.0}), ("8", {"adamw_train_params_per_s": "fast"}),
-                     ("9", {"gpu_train_factors": {"s": 1.0}, "gpu_train_model_params": 9}),
+                     ("9", {"adamw_train_params_per_s": 1e9, "adamw_train_model_params": 9, "h2d_gbps": 2.0}),
                      ("10", {"adamw_train_params_per_s": 1e9, "adamw_train_model_params": 11})):
         doc["learned"][key] = bad
     path.write_text(json.dumps(doc))
@@ -501,16 +497,27 @@ def test_the_cuda_calibration_measures_links_once_and_keeps_what_runs_measured(t
     monkeypatch.setattr(calibration_mod, "_device_name", lambda device: "GPU L")
     monkeypatch.setattr(calibration_mod, "_visible_gpus", lambda device: 2)
     monkeypatch.setattr(links_mod, "measure_links", fake_links)
+    calls["adamw"] = 0
+
+    def fake_adamw(threads, device, gpus):
+        calls["adamw"] += 1
+        return 1e9 * gpus  # params/s: the GPUs that copied beside it, for the check below
+
+    monkeypatch.setattr(measure_mod, "adamw_beside_copies", fake_adamw)
     one = load_or_calibrate("cuda", cache_dir=tmp_path)
-    assert calls == {"calibrate": 1, "links": 0} and one.bus_gpus == 1
+    assert calls == {"calibrate": 1, "links": 0, "adamw": 1} and one.bus_gpus == 1
+    assert (one.adamw_beside_copies_params_per_s, one.adamw_beside_copies_gpus) == (1e9, 1)
+    assert one.update_params_per_s(123) == 1e9 and one.at_lowest_share(123) is None  # measured: no guess to guard
     calibration_mod.record_training(one, tmp_path, adamw_train_params_per_s=3e9, adamw_train_model_params=5)
     two = load_or_calibrate("cuda", cache_dir=tmp_path, gpus=2, model_params=5)
-    assert calls == {"calibrate": 1, "links": 1}
+    assert calls == {"calibrate": 1, "links": 1, "adamw": 2}  # again, with both GPUs copying
+    assert two.adamw_beside_copies_params_per_s == 2e9
+    assert two.update_params_per_s(5) == 3e9  # what a run of the model measured comes first
     assert (two.bus_gpus, two.allreduce_gbps, two.h2d_total_gbps, two.adamw_train_params_per_s) == (2, 240.0, 109.0, 3e9)
     path = calibration_mod.cache_path("cuda", tmp_path)
     before = path.read_text()
     assert load_or_calibrate("cuda", cache_dir=tmp_path, gpus=4, model_params=5) == two  # 2 visible: nothing new
-    assert calls == {"calibrate": 1, "links": 1} and path.read_text() == before
+    assert calls == {"calibrate": 1, "links": 1, "adamw": 2} and path.read_text() == before
 
 
 def test_cpu_calibration_round_trips_through_the_json_cache(tmp_path, monkeypatch):
@@ -740,48 +747,41 @@ def test_a_run_that_summed_ranks_gradients_on_the_host_teaches_plans_with_such_a
     assert learned_sum_rate(JobPlan(StepPlan(grad_route="host"), one), reduce_busy) is None
 
 
-def test_a_training_run_teaches_the_planner_its_gpu_time_for_that_model_and_shape(tmp_path):
-    """The workers' GPU-side time over the plan's: the next plan of that model with GPU work of the
-    same shape (micro-batch, loss chunk and tile sizes, ranks and routes) charges it that much
-    longer; a shape no run measured is charged the model's largest factor, so that it never looks
-    faster for being unmeasured; another model keeps the calibrated rates."""
-    from slidedp.launch.planning import JobPlan, record_training  # noqa: PLC0415
-    from slidedp.planner.calibration import gpu_shape  # noqa: PLC0415
-
-    def as_planned(p, **kw):
-        return JobPlan(StepPlan(seq_tile_tokens=p.seq_tile_tokens, resident_layers=p.resident_layers,
-                                offload_layers=p.offload_layers, device_layers=p.device_layers, **kw), p)
+def test_old_learned_gpu_factors_are_ignored_and_a_runs_gpu_time_is_reported_not_kept(tmp_path, caplog):
+    """Runs once taught the planner a GPU-time factor per model and shape of GPU work; plans now measure
+    the GPU blocks at the job's shapes. A cache file holding such factors still reads (the factors are
+    dropped with a note, the AdamW rate of the same entry kept), and a run's GPU time against the plan's
+    is logged, not recorded."""
+    from slidedp.launch.planning import JobPlan, gpu_time_against_plan, record_training  # noqa: PLC0415
 
     cal = dataclasses.replace(REFERENCE_CALIBRATION, host="host-b", device_name="GPU Y")
     work = Workload(named_shape("qwen3-4b"), global_batch=8, seq_len=2048, world=1, micro_batch=2, clip=False)
-    params = work.model.num_parameters()
+    n = work.model.num_parameters()
+    path = tmp_path / "calibration-host-b-GPU_Y.json"
+    calibration_mod.save(cal, path)
+    doc = json.loads(path.read_text())
+    doc["learned"] = {str(n): {"adamw_train_params_per_s": 2.5e9, "adamw_train_model_params": n,
+                               "gpu_train_factors": '{"4,096-token micro-batches": 1.2}', "gpu_train_model_params": n},
+                      "77": {"gpu_train_factors": '{"x": 1.4}', "gpu_train_model_params": 77}}
+    path.write_text(json.dumps(doc))
+    with caplog.at_level("INFO"):
+        got = calibration_mod.load(path, model_params=n)
+    assert got == dataclasses.replace(cal, adamw_train_params_per_s=2.5e9, adamw_train_model_params=n)
+    assert "(GPU-time factors learned from runs) ignored" in caplog.text and "left out" not in caplog.text
     plan = make_plan(work, 24 * GiB, cal, {"delivery": ("fp32",)})
-    shape = gpu_shape(4096, plan.loss_chunk_tokens, plan.seq_tile_tokens)
-    assert shape == "4,096-token micro-batches, 1,024-token loss chunks, untiled, 1 rank"
-    assert plan.exposed_s <= 0.25 * dict(plan.busy_s)["gpu"]  # a GPU-bound plan: its run teaches
+    run = JobPlan(StepPlan(seq_tile_tokens=plan.seq_tile_tokens, resident_layers=plan.resident_layers,
+                           offload_layers=plan.offload_layers, device_layers=plan.device_layers), plan)
     gpu = dict(plan.busy_s)["gpu"]
     side = [30.0, 1.18 * gpu, 1.22 * gpu, 1.20 * gpu]  # the first step (start-up) is left out
-    saved = record_training(as_planned(plan), [], side, cache_dir=str(tmp_path))
-    assert saved is not None and saved.adamw_train_params_per_s == 0.0  # no update times: no rate
-    assert json.loads(saved.gpu_train_factors) == {shape: pytest.approx(1.20)}
-    assert saved == calibration_mod.load(tmp_path / "calibration-host-b-GPU_Y.json", plan.workload.model.num_parameters())
-    assert dict(predict_step(work, plan.choices, saved)[0])["gpu"] == pytest.approx(1.20 * gpu, rel=1e-9)
-    assert f"GPU time in training 1.20x the rates' (4.02 B-param model, {shape})" in saved.summary()
-    # a second run planned with the learned factor teaches the factor over the bare rates again, not a product
-    plan2 = make_plan(work, 24 * GiB, saved, {"delivery": ("fp32",)})
-    again = record_training(as_planned(plan2), [], [30.0] + [1.25 * gpu] * 3, cache_dir=str(tmp_path))
-    assert again is not None and json.loads(again.gpu_train_factors) == {shape: pytest.approx(1.25)}
-    # another shape measured beside it is kept beside it; an unmeasured shape gets the larger of the two
-    other = gpu_shape(4096, 128, 2048)
-    both = again.with_gpu_factor(params, other, 1.45)
-    assert (both.gpu_scale(params, shape), both.gpu_scale(params, other)) == (pytest.approx(1.25), 1.45)
-    assert both.gpu_scale(params, gpu_shape(16384, 1024, 0)) == 1.45
-    assert both.gpu_scale(named_shape("qwen3-1.7b").num_parameters(), shape) == 1.0
-    assert json.loads(both.with_gpu_factor(1, shape, 1.1).gpu_train_factors) == {shape: 1.1}  # another model: anew
-    # nothing learned: a job that overrode the plan's tiles or layers, or too few steps
-    assert record_training(JobPlan(StepPlan(seq_tile_tokens=1024), plan), [], side, cache_dir=str(tmp_path / "y")) is None
-    assert record_training(as_planned(plan), [], side[:2], cache_dir=str(tmp_path / "y")) is None
-    assert not (tmp_path / "y").exists()
+    assert gpu_time_against_plan(run, side) == pytest.approx(1.20)
+    caplog.clear()
+    with caplog.at_level("INFO"):
+        assert record_training(run, [], side, cache_dir=str(tmp_path / "z")) is None  # nothing to keep
+    assert "the GPU work took 1.20x the plan's GPU time (matmul FLOPs at the calibrated rate)" in caplog.text
+    assert not (tmp_path / "z").exists()
+    # a job that overrode the plan's tiles or layers, or too few steps: nothing to compare
+    assert gpu_time_against_plan(JobPlan(StepPlan(seq_tile_tokens=1024), plan), side) is None
+    assert gpu_time_against_plan(run, side[:2]) is None
 
 
 def test_gpu_links_are_measured_by_an_all_gather_among_processes():

@@ -101,28 +101,24 @@ def test_a_forced_prefetch_depth_that_does_not_fit_is_refused_with_its_own_need(
         plan_job(load_job(TINY, big + [f"memory.gpu_budget_gib={budget}", "memory.prefetch_depth=8"]), REFERENCE_CALIBRATION)
 
 
-def test_the_launchers_calibration_carries_the_jobs_model(monkeypatch, capsys):
-    """The launcher calibrates in a subprocess (no CUDA context of its own); the subprocess is asked for
-    the figures of the job's model, which plan_job passes by its parameter count."""
-    import sys  # noqa: PLC0415
-
-    import slidedp.planner as planner  # noqa: PLC0415
+def test_the_launchers_calibration_carries_the_jobs_model_and_sizes(monkeypatch):
+    """The launcher calibrates and measures in a subprocess (no CUDA context of its own); it asks for the
+    figures of the job's model (by its parameter count) and the GPU blocks of its shape at every size
+    the plan may weigh."""
     from slidedp.launch import planning  # noqa: PLC0415
+    from slidedp.planner.sizes import gpu_work_sizes  # noqa: PLC0415
 
-    asked = {}
-
-    def fake(device, gpus=1, model_params=None):
-        asked.update(device=device, gpus=gpus, model_params=model_params)
-        return REFERENCE_CALIBRATION
-
-    monkeypatch.setattr(planner, "load_or_calibrate", fake)
-    monkeypatch.setattr(sys, "argv", ["-c", "2", "4022468096"])
-    exec(planning._CALIBRATE, {})
-    assert asked == {"device": "cuda", "gpus": 2, "model_params": 4022468096}
-    assert planner.Calibration.from_dict(__import__("json").loads(capsys.readouterr().out)) == REFERENCE_CALIBRATION
     seen = {}
-    monkeypatch.setattr(planning, "calibration", lambda gpus, model_params: seen.update(gpus=gpus, n=model_params)
-                        or REFERENCE_CALIBRATION)
-    job = load_job(TINY, ['runtime.device="cuda"', "runtime.workers=2", "train.global_batch=4"])
-    planning.plan_job(job)
-    assert seen == {"gpus": 2, "n": planning.model_config(job).num_parameters()}
+    monkeypatch.setattr(planning, "calibration", lambda gpus, model_params, measure: seen.update(
+        gpus=gpus, n=model_params, measure=measure) or REFERENCE_CALIBRATION)
+    job = load_job(TINY, ['runtime.device="cuda"', "runtime.workers=2", "train.global_batch=4", "train.micro_batch=0"])
+    planned = planning.plan_job(job)
+    cfg = planning.model_config(job)
+    assert (seen["gpus"], seen["n"]) == (2, cfg.num_parameters())
+    m = seen["measure"]
+    assert (m["model"], m["seq_len"], m["local_batch"], m["compiled"]) == (cfg.to_dict(), job.train.seq_len, 2, True)
+    p = planned.plan
+    assert (p.micro_batch, p.seq_tile_tokens, p.loss_chunk_tokens) in m["sizes"]  # what it chose was measured
+    assert set(m["sizes"]) <= set(gpu_work_sizes(p.workload, int(job.memory.gpu_budget_gib * 2**30)))
+    assert {mb for mb, _, _ in m["sizes"]} == {1, 2}  # the divisors of the 2 sequences per rank
+    assert planned.step.micro_batch in (1, 2) and planned.step.micro_batch == planned.plan.micro_batch

@@ -1,0 +1,106 @@
+#!/usr/bin/env bash
+# Issue 23's proof: the planner measures its GPU blocks and chooses the micro-batch. One H200, 2,048
+# tokens per sequence, SlideDP at a 24 GiB budget: first train.micro_batch = 0 (the plan's choice,
+# the first plan of this shape in the session's cache: it measures) next to GPU-resident training,
+# then the micro-batch forced to 1, 2, 4 and 8 (same machine, the blocks now cached); a summary says
+# the chosen micro-batch, each run's predicted and measured step, and how far the choice is from the
+# best forced one. One persistent store per shape.
+#
+#   bash benchmarks/sessions/plan_choice.sh OUT SHAPE BATCH     # SHAPE: qwen3-1.7b | qwen3-4b | qwen3-8b
+#   bash benchmarks/sessions/plan_choice.sh OUT unseen BATCH    # a Llama-family HF folder (below)
+#
+# Device calls of at most ~9 minutes: one per (SHAPE, BATCH) for the small shapes, two or three for
+# Qwen3-8B (PARTS=auto, then PARTS=forced with FORCED="1 2" and FORCED="4 8"; the same OUT each time):
+#   qwen3-1.7b 8 | qwen3-1.7b 32 | qwen3-4b 8 | qwen3-4b 32 | qwen3-8b 8 (auto; forced) |
+#   qwen3-8b 32 (auto; forced 1 2; forced 4 8) | unseen 8
+# About 10-11 calls; each prints its summary, and the last call of a (SHAPE, BATCH) the comparison.
+# A store creation, the first plan's measuring (compiled kernels, one compile per size) and the
+# GPU-resident run are the long parts of an `auto` call.
+# "Fresh machine, no cache": the cache is $OUT/cache (SLIDEDP_CACHE_DIR), empty until the first call
+# writes it; keep OUT across the calls (a folder of the warm machine, e.g. /root/issue23, copied to
+# the call's result folder at its end: `cp -r /root/issue23/*.json /root/issue23/*.logs "$OUT"/`) (the calibration is then measured once, the blocks once per
+# shape: the first run of each shape is a first plan). The script prints what the cache held first.
+#
+# The unseen shape: a Llama-family config written by transformers (untied embeddings, 24 query heads
+# of 8 kv heads, 3,072 hidden, 26 layers; vocabulary of the Qwen3 token data the harness makes),
+# random weights saved on the GPU; SlideDP alone (the GPU-resident peer takes named shapes only).
+set -u
+out=$1 shape=$2 batch=$3
+parts=${PARTS:-auto,forced}
+mkdir -p "$out"
+export SLIDEDP_CACHE_DIR=${SLIDEDP_CACHE_DIR:-$out/cache}
+mkdir -p "$SLIDEDP_CACHE_DIR"
+echo "cache $SLIDEDP_CACHE_DIR holds: $(ls "$SLIDEDP_CACHE_DIR" | tr '\n' ' ')"
+steps=8 warm=3
+peer_micro=${PEER_MICRO:-8}  # the GPU-resident peer's micro-batch
+[ "$shape" = qwen3-8b ] && peer_micro=${PEER_MICRO:-2}
+extra=()
+hshape=$shape
+if [ "$shape" = unseen ]; then
+  hshape=qwen3-4b  # the harness's token data (vocabulary 151,936) and row labels
+  folder="$out/llama-unseen"
+  if [ ! -f "$folder/config.json" ]; then
+    python3 - "$folder" <<'EOF'
+import sys, torch
+from transformers import LlamaConfig, LlamaForCausalLM
+cfg = LlamaConfig(vocab_size=151936, hidden_size=3072, intermediate_size=8192, num_hidden_layers=26,
+                  num_attention_heads=24, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False,
+                  max_position_embeddings=8192, rope_theta=500000.0)
+with torch.device("cuda"):
+    model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+model.save_pretrained(sys.argv[1], safe_serialization=True)
+print(f"wrote {sys.argv[1]}: {sum(p.numel() for p in model.parameters()) / 1e9:.2f} B parameters")
+EOF
+  fi
+  extra=(--slidedp-set 'model.source="hf"' --slidedp-set "model.path=\"$folder\"")
+fi
+store=slidedp-plan-$shape
+tag=$shape-b$batch
+run() {  # NAME SYSTEMS MICRO TIMEOUT: SlideDP at train.micro_batch = MICRO (0: the plan's choice)
+  local committed
+  committed=$(bash "$(dirname "$0")/committed_step.sh" "$store")
+  python3 -m benchmarks.run --shape "$hshape" --batch "$batch" --seq 2048 --steps $steps --warmup $warm \
+    --systems "$2" --micro-batch "$peer_micro" --slidedp-set memory.gpu_budget_gib=24 \
+    --slidedp-set train.micro_batch="$3" --slidedp-set store.persist=true --slidedp-set "store.name=\"$store\"" \
+    --slidedp-set train.steps=$((committed + steps)) "${extra[@]}" --timeout "$4" --out "$out/$1.json" --quiet
+}
+if [[ $parts == *auto* ]]; then
+  systems=slidedp,gpu_resident
+  [ "$shape" = unseen ] && systems=slidedp
+  run "$tag-auto" "$systems" 0 420
+fi
+if [[ $parts == *forced* ]]; then
+  for m in ${FORCED:-1 2 4 8}; do
+    [ $((batch % m)) -eq 0 ] && run "$tag-m$m" slidedp "$m" 240
+  done
+fi
+python3 - "$out" "$tag" <<'EOF'
+import json, pathlib, re, statistics, sys
+out, tag = pathlib.Path(sys.argv[1]), sys.argv[2]
+rows = {}
+for f in sorted(out.glob(f"{tag}-*.json")):
+    for r in json.loads(f.read_text()).get("rows", []):
+        if r.get("system") != "slidedp" or r.get("status") != "ok":
+            if r.get("system") != "slidedp":
+                print(f"{f.stem}: {r.get('system')} {r.get('status')} {r.get('step_s')} s/step")
+            continue
+        plan = json.loads((pathlib.Path(r["run_dir"]) / "plan.json").read_text())
+        log = pathlib.Path(r["log"]).read_text() if r.get("log") else ""
+        measuring = re.findall(r"measuring one decoder layer .*?: ([0-9.]+) s", log)
+        rows[f.stem] = (plan["micro_batch"], r["predicted_step_s"], r["step_s"], measuring)
+        if f.stem.endswith("-auto") and "micro-batches weighed" in log:
+            for line in log[log.find("micro-batches weighed"):].splitlines():
+                if not line.strip():
+                    break
+                print(line.strip())
+for name, (mb, pred, meas, measuring) in rows.items():
+    err = 100 * (pred / meas - 1) if pred and meas else float("nan")
+    print(f"{name:28s} micro_batch {mb}: predicted {pred:.3f} s, measured median {meas:.3f} s, error {err:+.1f}%"
+          + (f"; measured the blocks in {measuring[0]} s" if measuring else ""))
+forced = {mb: meas for name, (mb, _, meas, _) in rows.items() if not name.endswith("-auto")}
+auto = next((v for k, v in rows.items() if k.endswith("-auto")), None)
+if auto and forced:
+    best = min(forced, key=forced.get)
+    print(f"chosen micro_batch {auto[0]} ran {auto[2]:.3f} s; best forced {best} ran {forced[best]:.3f} s: "
+          f"{100 * (auto[2] / forced[best] - 1):+.1f}%")
+EOF

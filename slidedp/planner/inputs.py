@@ -1,0 +1,41 @@
+"""What a CUDA plan needs of this host, measured in a process of its own (the launcher holds no CUDA
+context on the workers' GPU): `python -m slidedp.planner.inputs` reads the job's spec as JSON on stdin
+and prints one JSON line: {"calibration": ..., "blocks": ...}.
+
+spec: {"gpus", "model_params", and, for the GPU blocks, "model" (ModelConfig.to_dict()), "seq_len",
+"compute_dtype", "compiled", "compile_fallback", "local_batch", "sizes" ([micro_batch, seq_tile_tokens,
+loss_chunk_tokens], ...)}.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any, Mapping
+
+from slidedp.model.config import ModelConfig
+from slidedp.planner.calibration import load_or_calibrate
+from slidedp.planner.measure import measured_blocks
+
+
+def plan_inputs(spec: Mapping[str, Any], device: str = "cuda") -> dict[str, Any]:
+    """The calibration (with what runs of the model of spec["model_params"] measured, and the links
+    among spec["gpus"] GPUs) and, where spec names the job's shape and sizes, the GPU blocks at them
+    (from the host's cache, or measured now)."""
+    calib = load_or_calibrate(device, gpus=int(spec.get("gpus", 1)), model_params=spec.get("model_params"))
+    blocks = None
+    if spec.get("sizes"):
+        blocks = measured_blocks(
+            ModelConfig.from_dict(spec["model"]), int(spec["seq_len"]), str(spec["compute_dtype"]),
+            bool(spec["compiled"]), [tuple(s) for s in spec["sizes"]], int(spec["local_batch"]), calib.host,
+            calib.device_name, device=device, compile_fallback=bool(spec.get("compile_fallback", True)))
+    return {"calibration": calib.to_dict(), "blocks": blocks.to_dict() if blocks else None}
+
+
+def main() -> int:
+    print(json.dumps(plan_inputs(json.loads(sys.stdin.read() or "{}"))))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

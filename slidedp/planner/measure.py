@@ -1,0 +1,420 @@
+"""The GPU work of a step, measured: one decoder layer and the loss, timed at the job's shapes.
+
+At plan time on CUDA the planner times the blocks a step is made of on the job's GPU, through the
+engine's own code: one decoder layer's forward (no grad) and its recompute + backward with the fp32
+gradient accumulation (`layers.layer_forward` / `layers.layer_backward` over the fused views of
+one flat chunk, as `worker.engine` runs them), and the loss (`worker.loss.norm_head_backward`),
+each for every micro-batch / tile / loss-chunk size the plan weighs, with the pointwise pieces
+compiled when the run compiles them (`train.compile`). The step model (step_model) multiplies
+them by the passes per step; the GPU memory a backward and a loss pass took above their inputs
+bounds the plan's workspace items (plan._memory).
+
+Measured once per host, GPU and shape, and kept as JSON beside the calibration
+(`measured-HOST-DEVICE.json` in calibration.cache_root()): a second plan of the same job reads
+them; a plan that weighs a size not measured yet measures only that size.
+
+`adamw_beside_copies` measures the updaters' rate in training: the fused CPU AdamW on the updater's
+threads while pinned H2D and D2H copies run on every GPU of the job (the DMA shares host memory
+with it), which calibration.load_or_calibrate keeps with the calibration.
+
+No torch at import: the planner's arithmetic runs anywhere; measuring imports it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import threading
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping
+
+from slidedp import log
+from slidedp.model.config import ModelConfig
+
+_log = log.get("planner")
+
+SCHEMA = 1
+Size = tuple[int, int, int]  # (micro_batch, seq_tile_tokens, loss_chunk_tokens) of one rank's GPU work
+
+
+class MeasureError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class LayerTime:
+    """One decoder layer on one micro-batch, as the engine runs it."""
+
+    micro_batch: int
+    seq_tile_tokens: int  # 0: untiled
+    forward_s: float  # the forward without grad
+    backward_s: float  # the recompute + backward, parameter gradients added into fp32
+    workspace_bytes: int = 0  # allocator peak of the backward above its inputs (0: not measured, as on CPU)
+
+
+@dataclass(frozen=True)
+class LossTime:
+    """The final norm + chunked cross-entropy with its backward on one micro-batch (the engine's loss)."""
+
+    micro_batch: int
+    seq_tile_tokens: int
+    loss_chunk_tokens: int
+    seconds: float
+    workspace_bytes: int = 0  # allocator peak of the pass above its inputs (0: not measured)
+
+
+def normalized(micro_batch: int, seq_len: int, tile: int) -> int:
+    """A tile that spans the whole micro-batch is no tile (the engine runs it untiled)."""
+    return 0 if tile <= 0 or tile >= micro_batch * seq_len else tile
+
+
+@dataclass(frozen=True)
+class MeasuredBlocks:
+    """The measured blocks of one shape (`shape_key`) on one GPU model."""
+
+    shape: str
+    device_name: str
+    layers: tuple[LayerTime, ...] = ()
+    losses: tuple[LossTime, ...] = ()
+    measured_s: float = 0.0  # what this plan spent measuring (0: every block came from the cache)
+
+    def layer(self, micro_batch: int, seq_tile_tokens: int) -> LayerTime | None:
+        return next((t for t in self.layers if (t.micro_batch, t.seq_tile_tokens) == (micro_batch, seq_tile_tokens)),
+                    None)
+
+    def loss(self, micro_batch: int, seq_tile_tokens: int, loss_chunk_tokens: int) -> LossTime | None:
+        return next((t for t in self.losses if (t.micro_batch, t.seq_tile_tokens, t.loss_chunk_tokens)
+                     == (micro_batch, seq_tile_tokens, loss_chunk_tokens)), None)
+
+    def has(self, size: Size) -> bool:
+        m, tile, chunk = size
+        return self.layer(m, tile) is not None and self.loss(m, tile, chunk) is not None
+
+    def merged(self, other: "MeasuredBlocks") -> "MeasuredBlocks":
+        """These blocks with `other`'s added (other's win where both measured a size)."""
+        layers = {(t.micro_batch, t.seq_tile_tokens): t for t in (*self.layers, *other.layers)}
+        losses = {(t.micro_batch, t.seq_tile_tokens, t.loss_chunk_tokens): t for t in (*self.losses, *other.losses)}
+        return replace(self, layers=tuple(layers[k] for k in sorted(layers)),
+                       losses=tuple(losses[k] for k in sorted(losses)))
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "MeasuredBlocks":
+        try:
+            blocks = cls(shape=str(d["shape"]), device_name=str(d["device_name"]),
+                         layers=tuple(LayerTime(**t) for t in d.get("layers", ())),
+                         losses=tuple(LossTime(**t) for t in d.get("losses", ())),
+                         measured_s=float(d.get("measured_s", 0.0)))
+        except (KeyError, TypeError, ValueError) as e:
+            raise MeasureError(f"measured blocks: {e}") from None
+        for t in (*blocks.layers, *blocks.losses):
+            times = (t.forward_s, t.backward_s) if isinstance(t, LayerTime) else (t.seconds,)
+            if not all(isinstance(s, (int, float)) and 0 < s < float("inf") for s in times):
+                raise MeasureError(f"measured blocks: {t} has a time that is not a positive number")
+        return blocks
+
+
+def shape_key(model: ModelConfig, seq_len: int, compute_dtype: str, compiled: bool) -> str:
+    """What a layer's and the loss's GPU time depend on: the layer's and the head's dimensions, the
+    sequence length, the compute dtype and whether the pointwise pieces are compiled."""
+    m = model
+    return (f"{m.family} h{m.hidden_size} i{m.intermediate_size} heads {m.num_heads}/{m.num_kv_heads}x{m.head_dim}"
+            f"{' qk-norm' if m.qk_norm else ''}{' bias' if m.attention_bias else ''} vocab {m.vocab_size}; "
+            f"seq {seq_len}; {compute_dtype}; {'compiled' if compiled else 'eager'}")
+
+
+# --------------------------------------------------------------------------------------
+# the engine's work, as callables (benchmarks/layer_bench.py times the same ones)
+
+def timed(fn: Callable[[], None], sync: Callable[[], None], repeat: int, warmup: int = 2) -> float:
+    """Median seconds of fn over `repeat` runs after `warmup` runs (compiles happen there)."""
+    for _ in range(warmup):
+        fn()
+    sync()
+    out = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        out.append(time.perf_counter() - t0)
+    return max(statistics.median(out), 1e-9)
+
+
+def flat_layer(cfg: ModelConfig, dtype, device) -> tuple[Any, Any, dict[str, Any]]:
+    """Layer 0 of the model as the engine holds a streamed layer: one flat chunk and its named views
+    (norm weights 1, matrices N(0, 0.02))."""
+    import torch
+
+    from slidedp.store.layout import make_layout
+    from slidedp.worker.delivery import unit_tensors
+    from slidedp.worker.engine import units_of
+
+    unit = units_of(make_layout(cfg))["layer.0"]
+    flat = torch.empty(unit.numel, dtype=dtype, device=device).normal_(0, 0.02)
+    views = unit_tensors(flat, unit, strip="model.layers.0.")
+    for t in views.values():
+        if t.dim() == 1:
+            t.fill_(1.0)
+    return flat, unit, views
+
+
+def layer_work(cfg: ModelConfig, micro_batch: int, seq_len: int, passes: int, tile: int, device, dtype,
+               fuse: bool = True) -> tuple[Callable[[], None], Callable[[], None]]:
+    """The engine's work of one layer for `passes` micro-batches of `micro_batch` x `seq_len` tokens:
+    (the forward without grad, the recompute + backward into an fp32 gradient)."""
+    import torch
+
+    from slidedp.model import layers as L
+    from slidedp.worker.delivery import unit_tensors
+
+    _, unit, views = flat_layer(cfg, dtype, device)
+    p = L.fuse_projections(views) if fuse else views
+    acc = unit_tensors(torch.zeros(unit.numel, dtype=torch.float32, device=device), unit, strip="model.layers.0.")
+    acc = L.fuse_projections(acc) if fuse else acc
+    rope = L.rope_tables(cfg, seq_len, device, dtype)
+    xs = [torch.randn(micro_batch, seq_len, cfg.hidden_size, device=device, dtype=dtype) for _ in range(passes)]
+    gys = [torch.randn_like(x) * 1e-3 for x in xs]
+
+    def forward() -> None:
+        with torch.no_grad():
+            for x in xs:
+                L.layer_forward(cfg, p, x, rope, tile)
+
+    def backward() -> None:
+        for x, gy in zip(xs, gys):
+            L.layer_backward(cfg, p, x, rope, gy.clone(), tile, acc)
+
+    return forward, backward
+
+
+def loss_work(cfg: ModelConfig, micro_batch: int, seq_len: int, passes: int, tile: int, chunk: int, device,
+              dtype) -> Callable[[], None]:
+    """The engine's loss for `passes` micro-batches: final norm + chunked cross-entropy and its backward,
+    the head's gradient added into fp32."""
+    import torch
+
+    from slidedp.worker.loss import norm_head_backward
+
+    h, v = cfg.hidden_size, cfg.vocab_size
+    head = torch.empty(v, h, device=device, dtype=dtype).normal_(0, 0.02)
+    norm_w = torch.ones(h, device=device, dtype=dtype)
+    xs = [torch.randn(micro_batch, seq_len, h, device=device, dtype=dtype) for _ in range(passes)]
+    targets = [torch.randint(0, v, (micro_batch, seq_len), device=device) for _ in range(passes)]
+    norm_acc = torch.zeros(h, device=device)
+    head_acc = torch.zeros(v, h, device=device)
+    scale = 1.0 / (passes * micro_batch * seq_len)
+
+    def run() -> None:
+        for x, t in zip(xs, targets):
+            norm_head_backward(x.clone(), t, norm_w, head, cfg.rms_norm_eps, scale, tile, chunk, norm_acc, head_acc)
+
+    return run
+
+
+# --------------------------------------------------------------------------------------
+# measuring
+
+def _device_tools(device: str) -> tuple[Callable[[], None], Callable[[Callable[[], None]], int]]:
+    """(synchronize, the allocator's peak of a call above what was allocated before it; 0 on CPU)."""
+    import torch
+
+    if not device.startswith("cuda"):
+        return (lambda: None), (lambda fn: (fn(), 0)[1])
+    dev = torch.device(device)
+
+    def sync() -> None:
+        torch.cuda.synchronize(dev)
+
+    def peak_of(fn: Callable[[], None]) -> int:
+        sync()
+        base = torch.cuda.memory_allocated(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        fn()
+        sync()
+        return max(0, torch.cuda.max_memory_allocated(dev) - base)
+
+    return sync, peak_of
+
+
+def measure_blocks(model: ModelConfig, seq_len: int, compute_dtype: str, compiled: bool, sizes: Iterable[Size],
+                   local_batch: int, device: str = "cuda", repeat: int = 3, compile_fallback: bool = True,
+                   device_name: str = "") -> MeasuredBlocks:
+    """Time one layer's forward, its recompute + backward and the loss at each size, on `device`, with
+    the engine's code (compiled pointwise pieces where `compiled`). Each time is per micro-batch pass,
+    averaged over the passes of one rank's step (local_batch / micro_batch of them)."""
+    import torch
+
+    from slidedp.model import layers as L
+
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[compute_dtype]
+    sync, peak_of = _device_tools(device)
+    sizes = sorted({(m, normalized(m, seq_len, tile), chunk) for m, tile, chunk in sizes})
+    if compiled:
+        L.compile_kernels(fallback=compile_fallback)
+    layers: dict[tuple[int, int], LayerTime] = {}
+    losses: list[LossTime] = []
+    try:
+        for m, tile, chunk in sizes:
+            if local_batch % m:
+                raise MeasureError(f"micro_batch {m} does not divide the {local_batch} sequences per rank")
+            passes = local_batch // m
+            if (m, tile) not in layers:
+                forward, backward = layer_work(model, m, seq_len, passes, tile, device, dtype)
+                fwd = timed(forward, sync, repeat)
+                bwd = timed(backward, sync, repeat)
+                layers[(m, tile)] = LayerTime(m, tile, fwd / passes, bwd / passes, peak_of(backward))
+                del forward, backward
+            run = loss_work(model, m, seq_len, passes, tile, chunk, device, dtype)
+            losses.append(LossTime(m, tile, chunk, timed(run, sync, repeat) / passes, peak_of(run)))
+            del run
+            if device.startswith("cuda"):
+                torch.cuda.empty_cache()
+    finally:
+        if compiled:
+            L.compile_kernels(False)
+    return MeasuredBlocks(shape_key(model, seq_len, compute_dtype, compiled), device_name or device,
+                          tuple(layers[k] for k in sorted(layers)), tuple(losses))
+
+
+def adamw_beside_copies(threads: int, device: str = "cuda", gpus: int = 1, params: int = 64 << 20,
+                        copy_mib: int = 256, repeat: int = 5) -> float:
+    """The fused CPU AdamW's rate (params/s) on `threads` threads while every one of `gpus` GPUs copies
+    pinned host memory in and out without pause: the updaters' rate in training, where the DMA
+    shares host memory with them. On CPU (device="cpu") the copies are memcpys."""
+    import torch
+
+    from slidedp.planner.calibration import fused_adamw
+
+    cuda = device.startswith("cuda")
+    stop = threading.Event()
+    errors: list[BaseException] = []
+    running = threading.Semaphore(0)
+
+    def copies(dev_index: int) -> None:
+        try:
+            copy_loop(dev_index)
+        except BaseException as e:  # noqa: BLE001 - handed to the measuring thread
+            errors.append(e)
+        finally:
+            running.release()  # a loop that failed must not keep the measurement waiting
+
+    def copy_loop(dev_index: int) -> None:
+        n = copy_mib << 20
+        first = True
+        if cuda:
+            dev = torch.device("cuda", dev_index)
+            host_in = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+            host_out = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+            on_dev = torch.empty(n, dtype=torch.uint8, device=dev)
+            back = torch.empty(n, dtype=torch.uint8, device=dev)
+            s_in, s_out = torch.cuda.Stream(dev), torch.cuda.Stream(dev)
+            while not stop.is_set():
+                with torch.cuda.stream(s_in):
+                    on_dev.copy_(host_in, non_blocking=True)
+                with torch.cuda.stream(s_out):
+                    host_out.copy_(back, non_blocking=True)
+                s_in.synchronize()
+                s_out.synchronize()
+                if first:
+                    running.release()
+                    first = False
+        else:
+            src, dst = torch.ones(n, dtype=torch.uint8), torch.empty(n, dtype=torch.uint8)
+            while not stop.is_set():
+                dst.copy_(src)
+                if first:
+                    running.release()
+                    first = False
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(max(1, threads))
+    p, g = torch.rand(params), torch.rand(params)
+    m, v = torch.zeros(params), torch.zeros(params)
+    step = torch.ones(())
+    workers = [threading.Thread(target=copies, args=(i,), daemon=True) for i in range(max(1, gpus) if cuda else 1)]
+    try:
+        for w in workers:
+            w.start()
+        for _ in workers:  # every copy loop has copied once (or failed)
+            running.acquire()
+        if not errors:
+            seconds = timed(lambda: fused_adamw([p], [g], [m], [v], [step]), lambda: None, repeat, warmup=1)
+    finally:
+        stop.set()
+        for w in workers:
+            w.join()
+        torch.set_num_threads(before)
+    if errors:
+        raise MeasureError(f"the copies beside the AdamW measurement failed: {errors[0]}") from errors[0]
+    return params / seconds
+
+
+# --------------------------------------------------------------------------------------
+# the cache
+
+def cache_file(host: str, device_name: str, cache_dir: str | os.PathLike | None = None) -> Path:
+    from slidedp.planner.calibration import cache_root, slug
+
+    root = Path(cache_dir).expanduser() if cache_dir else cache_root()
+    return root / f"measured-{slug(host)}-{slug(device_name)}.json"
+
+
+def _read(path: Path) -> dict[str, MeasuredBlocks]:
+    """The cache file's blocks by shape; an unreadable file or entry is left out with a warning."""
+    if not path.exists():
+        return {}
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        _log.warning("%s is unreadable (%s): measuring again", path, e)
+        return {}
+    if not isinstance(doc, dict) or doc.get("schema") != SCHEMA or not isinstance(doc.get("shapes"), dict):
+        _log.warning("%s is not a schema-%d file of measured blocks: measuring again", path, SCHEMA)
+        return {}
+    out = {}
+    for shape, entry in doc["shapes"].items():
+        try:
+            out[shape] = MeasuredBlocks.from_dict(entry)
+        except MeasureError as e:
+            _log.warning("%s: the entry for %r is left out: %s", path, shape, e)
+    return out
+
+
+def _write(path: Path, shapes: Mapping[str, MeasuredBlocks]) -> None:
+    doc = {"schema": SCHEMA, "shapes": {k: replace(b, measured_s=0.0).to_dict() for k, b in sorted(shapes.items())}}
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(doc, indent=1) + "\n")
+    os.replace(tmp, path)  # atomic: a reader never sees half a file
+
+
+def measured_blocks(model: ModelConfig, seq_len: int, compute_dtype: str, compiled: bool, sizes: Iterable[Size],
+                    local_batch: int, host: str, device_name: str, device: str = "cuda",
+                    cache_dir: str | os.PathLike | None = None, measure: Callable[..., MeasuredBlocks] = measure_blocks,
+                    compile_fallback: bool = True) -> MeasuredBlocks:
+    """The blocks of this shape at `sizes`: from the host's cache, measuring (and keeping) the sizes it
+    lacks. `measured_s` says how long that took (0: nothing measured)."""
+    from slidedp.planner.calibration import locked
+
+    key = shape_key(model, seq_len, compute_dtype, compiled)
+    sizes = sorted({(m, normalized(m, seq_len, tile), chunk) for m, tile, chunk in sizes})
+    path = cache_file(host, device_name, cache_dir)
+    with locked(path):  # one job measures at a time: two at once would measure each other
+        shapes = _read(path)
+        have = shapes.get(key, MeasuredBlocks(key, device_name))
+        missing = [s for s in sizes if not have.has(s)]
+        if not missing:
+            return have
+        t0 = time.perf_counter()
+        new = measure(model, seq_len, compute_dtype, compiled, missing, local_batch, device=device,
+                      compile_fallback=compile_fallback, device_name=device_name)
+        if new.shape != key:
+            raise MeasureError(f"measured blocks of {new.shape!r}, wanted {key!r}")
+        shapes[key] = have.merged(new)
+        _write(path, shapes)
+    return replace(shapes[key], measured_s=time.perf_counter() - t0)
+
