@@ -67,6 +67,8 @@ METRICS: dict[str, MetricField] = {
                                           "(no plan)", True),
     "update_busy_s": MetricField(float, "updater busy time of the step's chunks, summed over processes"),
     "clipped": MetricField(bool, "the global gradient norm was over train.max_grad_norm: the update was clipped"),
+    "speculated": MetricField(bool, "the step was allowed to update chunks before its gradient norm was known (exact "
+                                    "clipping: the last committed step did not clip; false: every update waited)"),
     "speculated_chunks": MetricField(int, "host chunks updated before the step's gradient norm was known (exact "
                                           "clipping: speculated, then validated against the norm)"),
     "corrected_chunks": MetricField(int, "of the speculated chunks, those redone with the clipped gradient (or undone: "
@@ -142,7 +144,7 @@ def make_record(step: int, done: StepDone, stats: dict[int, WorkerStats], lr: fl
         "worker_step_s": max((s.step_s for s in stats.values()), default=step_s),
         "predicted_step_s": predicted_step_s, "planned_gpu_bytes": planned_gpu_bytes, "ranks": len(stats),
         "update_busy_s": done.update_s, "reduce_busy_s": done.reduce_s, "clipped": bool(done.clipped),
-        "speculated_chunks": done.speculated, "corrected_chunks": done.corrected, "correction_s": done.correct_s,
+        "speculated": bool(done.speculate), "speculated_chunks": done.speculated, "corrected_chunks": done.corrected, "correction_s": done.correct_s,
         "host_rss_bytes": host_private, "shm_bytes": shm,
     }
     for key, f in METRICS.items():
