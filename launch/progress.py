@@ -181,7 +181,8 @@ class Progress:
         self.first: list[float] = []
         self.recent: list[float] = []
         self.predicted_step_s: float | None = None
-        self.predicted_clipped_step_s: float | None = None  # exact clipping: of a step that clips
+        self.predicted_clipped_step_s: float | None = None  # exact clipping: of a step after a clipped one
+        self.predicted_corrected_step_s: float | None = None  # exact clipping: of one that speculated, then clipped
         self.planned_gpu_bytes: int | None = None
         self.update_busy_s: list[float] = []  # per committed step: the updaters' summed AdamW time
         self.reduce_busy_s: list[float] = []  # per committed step: the aggregator's time summing gradients
@@ -210,7 +211,11 @@ class Progress:
         else:
             self.recent = (self.recent + [step_s])[-10:]
         shm = sum(size for _, size in list_store_segments().get(self.store, []))
-        predicted = self.predicted_clipped_step_s if done.clipped and self.predicted_clipped_step_s else self.predicted_step_s
+        predicted = self.predicted_step_s  # exact clipping: the schedule the step ran (slidedp/clipping)
+        if not done.speculate and self.predicted_clipped_step_s:
+            predicted = self.predicted_clipped_step_s  # after a clipped step: every update deferred
+        elif done.speculate and done.clipped and self.predicted_corrected_step_s:
+            predicted = self.predicted_corrected_step_s  # speculated, then corrected
         record = make_record(step, done, stats, lr, self.tokens_per_step, step_s, predicted,
                              process_tree_private_bytes(), shm, self.planned_gpu_bytes)
         if not done.skipped:

@@ -56,7 +56,8 @@ class Plan:
     offload_layers: int = 0
     seq_tile_tokens: int = 0
     device_layers: int = 0
-    predicted_clipped_step_s: float = 0.0  # exact clipping: a step that clips (0: clipping off)
+    predicted_clipped_step_s: float = 0.0  # exact clipping: a step after a clipped one, deferred (0: clipping off)
+    predicted_corrected_step_s: float = 0.0  # exact clipping: a step that speculated, then clipped (0: off)
 
     @property
     def choices(self) -> Choices:
@@ -78,6 +79,7 @@ class Plan:
             device_layers=self.device_layers, embedding=self.embedding,
             grad_route=self.grad_route, predicted_step_s=self.predicted_step_s,
             predicted_clipped_step_s=self.predicted_clipped_step_s or None,
+            predicted_corrected_step_s=self.predicted_corrected_step_s or None,
             planned_device_bytes=self.gpu_total_bytes, planned_by="planner",
         )
 
@@ -133,8 +135,11 @@ class Plan:
         ]
         if w.clip:
             lines.append(f"a step that clips      {self.predicted_clipped_step_s:.3f} s: "
-                         f"{w.tokens_per_step / self.predicted_clipped_step_s:,.0f} tokens/s (its updates wait for the "
-                         f"global norm)")
+                         f"{w.tokens_per_step / self.predicted_clipped_step_s:,.0f} tokens/s after a clipped step (its "
+                         f"updates wait for the global norm)")
+            lines.append(f"  the first that clips {self.predicted_corrected_step_s:.3f} s: "
+                         f"{w.tokens_per_step / self.predicted_corrected_step_s:,.0f} tokens/s after one that did not "
+                         f"(it speculated: its updates are corrected after the backward)")
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
 
@@ -400,12 +405,15 @@ def make_plan(work: Workload, budget_bytes: int, calib: Calibration,
             f"(a divisor of the {work.local_batch} sequences per rank)"
         )
     clipped_step = predict_step(work, best, calib, clips=True)[2] if work.clip else 0.0
+    corrected_step = predict_step(work, best, calib, clips=True, corrected=True)[2] if work.clip else 0.0
     if work.clip:
         unclipped = predict_step(replace(work, clip=False), best, calib)[2]
         notes.append(
             f"exact gradient clipping: a step whose norm stays under max_grad_norm keeps the updates it ran "
-            f"during the backward ({step:.3f} s; without clipping {unclipped:.3f} s); a step that clips waits "
-            f"for the global norm, so its update ({busy['update']:.3f} s) is exposed: {clipped_step:.3f} s"
+            f"during the backward ({step:.3f} s; without clipping {unclipped:.3f} s); a step after a clipped one "
+            f"does not speculate: it waits for the global norm, so its update ({busy['update']:.3f} s) is exposed: "
+            f"{clipped_step:.3f} s; the first step that clips after one that did not corrects its speculated "
+            f"updates: {corrected_step:.3f} s"
         )
     if best.delivery == "bf16":
         fp32 = min((c[0] for c in candidates if c[2].delivery == "fp32"), default=None)
@@ -425,5 +433,5 @@ def make_plan(work: Workload, budget_bytes: int, calib: Calibration,
         gpu_memory=tuple(items), gpu_total_bytes=costs.gpu_memory_peak(items, work.world).total_bytes,
         busy_s=tuple((r, busy[r]) for r in RESOURCES), exposed_s=exposed, predicted_step_s=step,
         tokens_per_s=work.tokens_per_step / step, workload=work, budget_bytes=budget_bytes, calibration=calib,
-        notes=tuple(notes), predicted_clipped_step_s=clipped_step,
+        notes=tuple(notes), predicted_clipped_step_s=clipped_step, predicted_corrected_step_s=corrected_step,
     )
