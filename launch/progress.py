@@ -74,6 +74,8 @@ METRICS: dict[str, MetricField] = {
                                           "(no plan)", True),
     "update_busy_s": MetricField(float, "updater busy time of the step's chunks, summed over processes"),
     "clipped": MetricField(bool, "the global gradient norm was over train.max_grad_norm: the update was clipped"),
+    "speculated": MetricField(bool, "the step was allowed to update chunks before its gradient norm was known (exact "
+                                    "clipping: the last committed step did not clip; false: every update waited)"),
     "speculated_chunks": MetricField(int, "host chunks updated before the step's gradient norm was known (exact "
                                           "clipping: speculated, then validated against the norm)"),
     "corrected_chunks": MetricField(int, "of the speculated chunks, those redone with the clipped gradient (or undone: "
@@ -152,7 +154,7 @@ def make_record(step: int, done: StepDone, stats: dict[int, WorkerStats], lr: fl
         "worker_step_s": max((s.step_s for s in stats.values()), default=step_s),
         "predicted_step_s": predicted_step_s, "planned_gpu_bytes": planned_gpu_bytes, "ranks": len(stats),
         "update_busy_s": done.update_s, "reduce_busy_s": done.reduce_s, "clipped": bool(done.clipped),
-        "speculated_chunks": done.speculated, "corrected_chunks": done.corrected, "correction_s": done.correct_s,
+        "speculated": bool(done.speculate), "speculated_chunks": done.speculated, "corrected_chunks": done.corrected, "correction_s": done.correct_s,
         "host_rss_bytes": host_private, "shm_bytes": shm,
     }
     for key, f in METRICS.items():
@@ -192,7 +194,8 @@ class Progress:
         self.first: list[float] = []
         self.recent: list[float] = []
         self.predicted_step_s: float | None = None
-        self.predicted_clipped_step_s: float | None = None  # exact clipping: of a step that clips
+        self.predicted_clipped_step_s: float | None = None  # exact clipping: of a step after a clipped one
+        self.predicted_corrected_step_s: float | None = None  # exact clipping: of one that speculated, then clipped
         self.planned_gpu_bytes: int | None = None
         self.update_busy_s: list[float] = []  # per committed step: the updaters' summed AdamW time
         self.reduce_busy_s: list[float] = []  # per committed step: the aggregator's time summing gradients
@@ -232,7 +235,11 @@ class Progress:
         else:
             self.recent = (self.recent + [step_s])[-10:]
         shm = sum(size for _, size in list_store_segments().get(self.store, []))
-        predicted = self.predicted_clipped_step_s if done.clipped and self.predicted_clipped_step_s else self.predicted_step_s
+        predicted = self.predicted_step_s  # exact clipping: the schedule the step ran (slidedp/clipping)
+        if not done.speculate and self.predicted_clipped_step_s:
+            predicted = self.predicted_clipped_step_s  # after a clipped step: every update deferred
+        elif done.speculate and done.clipped and self.predicted_corrected_step_s:
+            predicted = self.predicted_corrected_step_s  # speculated, then corrected
         record = make_record(step, done, stats, lr, self.tokens_per_step, step_s, predicted,
                              process_tree_private_bytes(), shm, self.planned_gpu_bytes, eval_loss, trained_tokens)
         if not done.skipped:

@@ -143,15 +143,18 @@ def plan_lines(run_dir: Path) -> list[str]:
 
 
 def clipping_summary(records: list[dict[str, Any]]) -> list[str]:
-    """How exact clipping went: how many steps clipped, and what their corrections cost beside the steps that
-    did not (those keep every speculative update). Nothing for a run without clipping (or from before it)."""
+    """How exact clipping went: of the steps that speculated, how many clipped and what their corrections cost
+    beside those that did not (they keep every speculative update); the steps after a clipped one (deferred). Nothing for a run without clipping (or from before it)."""
     rs = [r for r in records if "clipped" in r and not r.get("skipped")]
     if not rs or not any(r["clipped"] or r.get("speculated_chunks") for r in rs):
         return []
+    deferred = [r for r in rs if r.get("speculated") is False]  # after a clipped step (None: from before the rule)
+    rs = [r for r in rs if r.get("speculated") is not False]
     clipped = [r for r in rs if r["clipped"]]
     kept = [r for r in rs if not r["clipped"]]
-    lines = [f"clipping     {len(clipped)} of {len(rs)} step(s) clipped; median "
-             f"{statistics.median(r['speculated_chunks'] for r in rs):g} chunk(s) updated before the norm was known"]
+    lines = [f"clipping     {len(clipped)} of {len(rs)} step(s) that speculated clipped; median "
+             f"{statistics.median(r['speculated_chunks'] for r in rs):g} chunk(s) updated before the norm was known"
+             if rs else "clipping     no step speculated"]
     if kept:
         lines.append(f"  {'steps that did not clip':<30}{statistics.median(r['step_s'] for r in kept):>9.3f} s "
                      f"median (every speculative update kept)")
@@ -159,6 +162,10 @@ def clipping_summary(records: list[dict[str, Any]]) -> list[str]:
         lines.append(f"  {'steps that clipped':<30}{statistics.median(r['step_s'] for r in clipped):>9.3f} s median, "
                      f"{statistics.median(r['corrected_chunks'] for r in clipped):g} chunk(s) corrected in "
                      f"{statistics.median(r['correction_s'] for r in clipped):.3f} s of updater time")
+    if deferred:
+        lines.append(f"  {'steps after a clipped step':<30}{statistics.median(r['step_s'] for r in deferred):>9.3f} s "
+                     f"median, {len(deferred)} step(s), {sum(r['clipped'] for r in deferred)} clipped (every update "
+                     f"waited for the norm)")
     return lines
 
 

@@ -210,7 +210,7 @@ class Updated(Message):
     correct_s: float = 0.0  # of busy_s, the correction's
 
 
-@message(11, "qddBddBiid")
+@message(11, "qddBddBiidB")
 class StepDone(Message):
     """Aggregator -> launcher: every chunk of `step` is updated; the step is committed."""
     step: int
@@ -223,6 +223,7 @@ class StepDone(Message):
     speculated: int = 0  # host chunks updated before the norm was known (exact clipping)
     corrected: int = 0  # of those, redone clipped (or undone: a non-finite gradient skipped the step)
     correct_s: float = 0.0  # updater busy time of those corrections
+    speculate: int = 0  # the step was allowed to speculate (the last committed step did not clip: slidedp/clipping)
 
 
 @message(13, "B")

@@ -52,7 +52,8 @@ class StepPlan:
     grad_route: str = "host"  # | "reduce_scatter": summed on the devices, 1/N per rank over PCIe
     # what the planner predicted (None: no planner ran, as on CPU, or the job file overrode its choices)
     predicted_step_s: float | None = None  # the plan's step time (kept where the job file overrode a choice)
-    predicted_clipped_step_s: float | None = None  # exact clipping: of a step that clips (None: clipping off)
+    predicted_clipped_step_s: float | None = None  # exact clipping: of a step after a clipped one (None: off)
+    predicted_corrected_step_s: float | None = None  # exact clipping: of a step that speculated, then clipped
     planned_device_bytes: int | None = None  # the plan's device memory peak per rank (None where overridden)
     planned_by: str = "job file"  # "planner" | "job file"
 

@@ -21,12 +21,13 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from slidedp import log as slog
-from slidedp.clipping import StepNorm, norm_order
+from slidedp.clipping import StepNorm, history_of, norm_order, speculates_after
 from slidedp.store.layout import Shard
 from slidedp.jobrecord import JobRecord, attach_job, detach_job, reduction_slots
 from slidedp.protocol import (SLOT_DEVICE, SOURCE_NONE, SOURCE_RANK_SHARD, SOURCE_RANK_SLOT, SOURCE_REDUCE, Credit, Go,
                               Grad, Loss, Message, Norm, Ready, StepDone, Update, Updated)
 from slidedp.store.layout import Layout
+from slidedp.store.manifest import KEPT
 from slidedp.store.rings import GradRings
 from slidedp.store.store import HostStore
 from slidedp.tracing import NULL
@@ -83,6 +84,7 @@ class AggregatorCore:
         self.launcher: bytes | None = None
         self.device_chunks: frozenset[int] = frozenset()
         self.norm_order: tuple[int, ...] = ()
+        self.history: dict[int, int] = {}  # step -> what its norm said (manifest.clip_history), once known
         self.tracer = NULL
 
     # ---- job -----------------------------------------------------------------------------
@@ -108,6 +110,8 @@ class AggregatorCore:
         self.waiting.clear()
         self.shard_slots.clear()
         self.steps.clear()
+        # the job's first step decides from the last committed one's verdict, kept in the manifest (and checkpoints)
+        self.history = {self.store.manifest.committed_step - 1: self.store.manifest.clip_history}
 
     def end_job(self) -> None:
         detach_job(self.store, self.rings, self.tracer)
@@ -125,7 +129,10 @@ class AggregatorCore:
             st = self.steps[step] = _Step()
             if self.norm_order:
                 assert self.job is not None
-                st.norm = StepNorm(self.norm_order, float(self.job.train["max_grad_norm"]), self.device_chunks)
+                # the step before it is decided by now: each host chunk's update for this step waited for its Norm
+                last = self.history.get(step - 1, self.store.manifest.clip_history)  # type: ignore[union-attr]
+                st.norm = StepNorm(self.norm_order, float(self.job.train["max_grad_norm"]), self.device_chunks,
+                                   speculate=speculates_after(last))
         return st
 
     def _to_workers(self, msg: Message) -> Outbox:
@@ -148,6 +155,7 @@ class AggregatorCore:
         out = self._to_workers(Go(msg.step, int(st.skipped), st.loss))
         if st.skipped:
             log.warning("step %d: non-finite loss on a rank; skipping the step everywhere", msg.step)
+            self._decided(msg.step, history_of(None))
             assert self.store is not None
             for c in self.store.layout.chunks:
                 if c.id in self.device_chunks:  # the workers skip their own update
@@ -239,6 +247,7 @@ class AggregatorCore:
             return out
         verdict = st.norm.verdict()
         st.sqnorm = st.norm.sqnorm
+        self._decided(step, history_of(verdict))
         if verdict.skip:
             st.skipped = True
             log.warning("step %d: the gradient norm is not finite (%s); skipping the step everywhere", step, verdict.norm)
@@ -276,7 +285,7 @@ class AggregatorCore:
         st.update_s += busy_s
         if st.updated < len(self.store.layout.chunks):
             return []
-        self.store.manifest.set_committed_step(step + 1)
+        self.store.manifest.set_committed_step(step + 1, self.history.get(step, KEPT) if self.norm_order else KEPT)
         now = time.time()
         self.tracer.event(f"step {step} committed", "commit", step, now, now)
         del self.steps[step]
@@ -286,4 +295,11 @@ class AggregatorCore:
         clip = st.norm
         clipped = clip is not None and clip.complete and clip.verdict().clipped
         return [(self.launcher, StepDone(step, st.loss, norm, int(st.skipped), st.update_s, st.reduce_s, int(clipped),
-                                         len(clip.speculated) if clip is not None else 0, st.corrected, st.correct_s))]
+                                         len(clip.speculated) if clip is not None else 0, st.corrected, st.correct_s,
+                                         int(clip is not None and clip.speculate)))]
+
+    def _decided(self, step: int, history: int) -> None:
+        """Step `step`'s verdict is known: what the next step decides from (and, once committed, the manifest)."""
+        self.history[step] = history
+        for old in [s for s in self.history if s < step - 4]:
+            del self.history[old]

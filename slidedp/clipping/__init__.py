@@ -7,6 +7,6 @@ chunks are updated at once (speculatively, unclipped) and which wait for the glo
 must clip (or skip) is corrected exactly to float32 rounding without a backup of the state.
 """
 
-from .schedule import StepNorm, Verdict, clip_coefficient, norm_order
+from .schedule import StepNorm, Verdict, clip_coefficient, history_of, norm_order, speculates_after
 
-__all__ = ["StepNorm", "Verdict", "clip_coefficient", "norm_order"]
+__all__ = ["StepNorm", "Verdict", "clip_coefficient", "history_of", "norm_order", "speculates_after"]

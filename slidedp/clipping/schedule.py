@@ -5,8 +5,15 @@ order the engine sends the chunks in, then the device-held ones), whatever order
 messages arrive in: a chunk that arrives early waits for those before it. A chunk whose partial
 norm (every chunk up to it in that order, itself included) is finite and would not clip is
 updated at once, unclipped; the partial norm only grows, so once it would clip (or is not
-finite) every later chunk of the step waits for the global norm. Every decision is a function of
-the gradients alone, never of timing, so a resumed run decides as the uninterrupted one did.
+finite) every later chunk of the step waits for the global norm.
+
+Before any of that, a step speculates at all only if the last committed step's norm neither clipped
+nor was non-finite (`speculates_after`; the first step of a store speculates): norms move slowly, so
+a step after a clipped one would most likely clip too, and its speculation would only be undone and
+redone after the backward. Such a step defers every update, as clipping did before speculation.
+Every decision is a function of the gradients and the committed state alone (the last verdict is
+in the manifest and in checkpoints), never of timing, so a resumed run decides as the uninterrupted
+one did.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ import math
 from dataclasses import dataclass, field
 
 from slidedp.store.layout import Layout, unit_name
+from slidedp.store.manifest import CLIPPED, KEPT, SKIPPED
 
 
 def clip_coefficient(grad_norm: float, max_norm: float) -> float:
@@ -43,6 +51,19 @@ class Verdict:
     @property
     def clipped(self) -> bool:
         return not self.skip and self.coef < 1.0
+
+
+def speculates_after(history: int) -> bool:
+    """Whether a step speculates, given the last committed step's verdict (store.manifest KEPT / CLIPPED /
+    SKIPPED; KEPT too for a store's first step and for a checkpoint from before the verdict was kept)."""
+    return history == KEPT
+
+
+def history_of(verdict: "Verdict | None") -> int:
+    """What a committed step leaves for the next one to decide from (None: skipped before any gradient)."""
+    if verdict is None or verdict.skip:
+        return SKIPPED
+    return CLIPPED if verdict.clipped else KEPT
 
 
 def would_clip(sqnorm: float, max_norm: float) -> bool:
@@ -78,12 +99,17 @@ class StepNorm:
     order: tuple[int, ...]
     max_norm: float
     device_chunks: frozenset[int] = frozenset()
+    speculate: bool = True  # the step may speculate at all (speculates_after the last committed step)
     sqnorm: float = 0.0  # over order[:added]
     added: int = 0
-    speculating: bool = True  # False from the first chunk whose partial norm would clip: the rest wait
+    speculating: bool = True  # False from the first chunk whose partial norm would clip (or from the start,
+    # when the step follows a clipped one: speculates_after): the rest wait
     speculated: list[int] = field(default_factory=list)
     deferred: list[int] = field(default_factory=list)
     _arrived: dict[int, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.speculating = self.speculating and self.speculate
 
     def add(self, chunk: int, sqnorm: float) -> list[tuple[int, bool]]:
         """A chunk's squared norm is in: (chunk, speculate) for every host chunk now decided, in order

@@ -8,15 +8,15 @@ routes, tiles, resident and device-held layers), charges each with the step-time
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Callable
 
 from slidedp.jobrecord import sums_on_host
-from slidedp.stepplan import StepPlan
 from slidedp.planner import costs
 from slidedp.planner.calibration import Calibration
 from slidedp.planner.costs import GiB
 from slidedp.planner.step_model import RESOURCES, gpu_time_source, measured, micro_batch_of, predict_step
+from slidedp.planner.plan_record import Plan, Weighed
 from slidedp.planner.workload import Choices, Workload
 
 _LOSS_CHUNKS = (1024, 512, 256, 128)  # tokens per logits chunk, largest that fits first
@@ -29,143 +29,6 @@ _EQUAL = 0.02
 class PlanError(ValueError):
     """No plan fits: the message names the smallest budget that would and the knob to turn."""
 
-
-
-@dataclass(frozen=True)
-class Weighed:
-    """One micro-batch the planner weighed: the best plan at it, or why there is none."""
-
-    micro_batch: int
-    predicted_step_s: float | None  # None: no plan fits at this micro-batch
-    gpu_bytes: int  # that plan's GPU memory peak, or the smallest plan's need where none fits
-    gpu_time: str  # "measured" on the GPU at its sizes, "nearby" (at other sizes of the shape), or "FLOPs"
-    verdict: str  # "chosen", how much slower, or why it was rejected
-
-
-@dataclass(frozen=True)
-class Plan:
-    chunk_rows: int
-    prefetch_depth: int
-    micro_batch: int
-    activations: str
-    embedding: str
-    delivery: str
-    resident_layers: int
-    loss_chunk_tokens: int
-    gpu_memory: tuple[tuple[str, int], ...]  # item -> bytes at its largest (costs.LIVE_IN says when it is live)
-    gpu_total_bytes: int  # the peak: costs.gpu_memory_peak of gpu_memory
-    busy_s: tuple[tuple[str, float], ...]  # resource -> busy seconds per step
-    exposed_s: float  # predicted step minus GPU busy: the time the GPU waits
-    predicted_step_s: float
-    tokens_per_s: float
-    workload: Workload
-    budget_bytes: int
-    calibration: Calibration
-    notes: tuple[str, ...] = ()
-    param_route: str = "replicated"
-    grad_route: str = "host"
-    offload_layers: int = 0
-    seq_tile_tokens: int = 0
-    device_layers: int = 0
-    predicted_clipped_step_s: float = 0.0  # exact clipping: a step that clips (0: clipping off)
-    weighed: tuple[Weighed, ...] = ()  # the micro-batches weighed, the chosen one first
-
-    @property
-    def choices(self) -> Choices:
-        return Choices(
-            activations=self.activations, embedding=self.embedding, delivery=self.delivery,
-            prefetch_depth=self.prefetch_depth, resident_layers=self.resident_layers,
-            micro_batch=self.micro_batch, chunk_rows=self.chunk_rows, loss_chunk_tokens=self.loss_chunk_tokens,
-            offload_layers=self.offload_layers, seq_tile_tokens=self.seq_tile_tokens, param_route=self.param_route,
-            grad_route=self.grad_route, device_layers=self.device_layers,
-        )
-
-    def step_plan(self) -> StepPlan:
-        """What the ranks carry out of this plan, with its prediction."""
-        return StepPlan(
-            micro_batch=self.micro_batch, compute_dtype=self.workload.compute_dtype, param_route=self.param_route,
-            delivery=self.delivery, prefetch_depth=self.prefetch_depth, chunk_rows=self.chunk_rows,
-            resident_layers=self.resident_layers, offload_layers=self.offload_layers,
-            seq_tile_tokens=self.seq_tile_tokens, loss_chunk_tokens=self.loss_chunk_tokens,
-            device_layers=self.device_layers, embedding=self.embedding,
-            grad_route=self.grad_route, predicted_step_s=self.predicted_step_s,
-            predicted_clipped_step_s=self.predicted_clipped_step_s or None,
-            planned_device_bytes=self.gpu_total_bytes, planned_by="planner",
-        )
-
-    def _weighed_lines(self) -> list[str]:
-        """The micro-batches weighed: each one's best plan (prediction, memory, where its GPU time came
-        from) and why it was not taken."""
-        if not self.weighed:
-            return []
-        how = ("train.micro_batch = 0: the fastest predicted that fits; within 2% of it, the larger"
-               if not self.workload.micro_batch else "train.micro_batch set in the job file")
-        lines = ["", f"micro-batches weighed ({how})",
-                 f"  {'micro_batch':<13}{'predicted step':>15}{'GPU memory':>13}   {'GPU time':<10}verdict"]
-        for c in self.weighed:
-            step = f"{c.predicted_step_s:.3f} s" if c.predicted_step_s is not None else "-"
-            lines.append(f"  {c.micro_batch:<13}{step:>15}{c.gpu_bytes / GiB:>9.2f} GiB   "
-                         f"{c.gpu_time:<10}{c.verdict}")
-        return lines
-
-    @staticmethod
-    def _live_text(item: str) -> str:
-        return ", ".join(costs.LIVE_IN[item]) if item in costs.LIVE_IN else "whole step"
-
-    def describe(self) -> str:
-        """The table `slidedp-launch --plan` prints."""
-        w, m = self.workload, self.workload.model
-        tied = "tied" if m.tie_word_embeddings else "untied"
-        lines = [
-            f"SlideDP plan: {m.family} {m.num_parameters() / 1e9:.2f} B params ({m.num_layers} layers, hidden "
-            f"{m.hidden_size}, vocab {m.vocab_size:,}, {tied}); {w.global_batch} x {w.seq_len} = "
-            f"{w.tokens_per_step:,} tokens/step on {w.world} rank(s); clip {'on' if w.clip else 'off'}; "
-            f"{w.updaters} updater(s)",
-            f"calibration: {self.calibration.summary()}",
-            "",
-            "choices",
-        ]
-        mb_note = ("the plan's choice" if not w.micro_batch
-                   else "job's value" if self.micro_batch == w.micro_batch else f"job asked {w.micro_batch}")
-        rows = [
-            ("micro_batch", f"{self.micro_batch} ({mb_note}; {w.local_batch // self.micro_batch} per rank per step)"),
-            ("activations", self.activations if self.activations == "keep"
-             else f"offload the first {self.offload_layers} of {m.num_layers} layers' inputs"),
-            ("seq_tile_tokens", f"{self.seq_tile_tokens:,}" if self.seq_tile_tokens else "0 (untiled)"),
-            ("embedding", self.embedding),
-            ("delivery", self.delivery),
-            ("prefetch_depth", str(self.prefetch_depth)),
-            ("resident_layers", f"{self.resident_layers} of {m.num_layers}"),
-            ("device_layers", f"{self.device_layers} of {m.num_layers}" + (" (AdamW on the GPU)" if self.device_layers else "")),
-            ("chunk_rows", f"{self.chunk_rows:,}"),
-            ("loss_chunk_tokens", f"{self.loss_chunk_tokens:,}"),
-            ("routes", f"params {self.param_route}, grads {self.grad_route}"),
-        ]
-        lines += [f"  {k:<22}{v}" for k, v in rows]
-        lines += self._weighed_lines()
-        peak = costs.gpu_memory_peak(self.gpu_memory, self.workload.world)
-        lines += ["", f"GPU memory per rank{'':<23}GiB   live"]
-        lines += [f"  {name:<36}{b / GiB:>8.3f}   {self._live_text(name)}" for name, b in self.gpu_memory]
-        reserve = costs.allocator_reserve(self.workload.world)
-        lines += [f"  {f'allocator reserve ({reserve:.0%})':<36}{peak.reserve_bytes / GiB:>8.3f}"]
-        lines += [f"  {'peak, in the ' + peak.phase:<36}{self.gpu_total_bytes / GiB:>8.3f}  "
-                  f"(budget {self.budget_bytes / GiB:.3f})"]
-        lines += ["", f"busy per step{'':<25}s   share of step"]
-        lines += [
-            f"  {name:<32}{s:>8.3f}   {100 * s / self.predicted_step_s:>4.0f}%" for name, s in self.busy_s
-        ]
-        lines += [
-            "",
-            f"predicted step {self.predicted_step_s:.3f} s (GPU busy {dict(self.busy_s)['gpu']:.3f} s, exposed "
-            f"{self.exposed_s:.3f} s): {self.tokens_per_s:,.0f} tokens/s"
-            + (" when the gradient norm stays under max_grad_norm" if w.clip else ""),
-        ]
-        if w.clip:
-            lines.append(f"a step that clips      {self.predicted_clipped_step_s:.3f} s: "
-                         f"{w.tokens_per_step / self.predicted_clipped_step_s:,.0f} tokens/s (its updates wait for the "
-                         f"global norm)")
-        lines += [f"note: {n}" for n in self.notes]
-        return "\n".join(lines)
 
 
 def _update_rate_note(work: Workload, ch: Choices, calib: Calibration) -> str:
@@ -570,12 +433,15 @@ def _plan(work: Workload, budget_bytes: int, calib: Calibration, allowed: dict[s
             f"(a divisor of the {work.local_batch} sequences per rank)"
         )
     clipped_step = predict_step(work, best, calib, clips=True)[2] if work.clip else 0.0
+    corrected_step = predict_step(work, best, calib, clips=True, corrected=True)[2] if work.clip else 0.0
     if work.clip:
         unclipped = predict_step(replace(work, clip=False), best, calib)[2]
         notes.append(
             f"exact gradient clipping: a step whose norm stays under max_grad_norm keeps the updates it ran "
-            f"during the backward ({step:.3f} s; without clipping {unclipped:.3f} s); a step that clips waits "
-            f"for the global norm, so its update ({busy['update']:.3f} s) is exposed: {clipped_step:.3f} s"
+            f"during the backward ({step:.3f} s; without clipping {unclipped:.3f} s); a step after a clipped one "
+            f"does not speculate: it waits for the global norm, so its update ({busy['update']:.3f} s) is exposed: "
+            f"{clipped_step:.3f} s; the first step that clips after one that did not corrects its speculated "
+            f"updates: {corrected_step:.3f} s"
         )
     if best.delivery == "bf16":
         fp32 = min((c[0] for c in candidates if c[2].delivery == "fp32"), default=None)
@@ -596,5 +462,6 @@ def _plan(work: Workload, budget_bytes: int, calib: Calibration, allowed: dict[s
         gpu_memory=tuple(items), gpu_total_bytes=costs.gpu_memory_peak(items, work.world).total_bytes,
         busy_s=tuple((r, busy[r]) for r in RESOURCES), exposed_s=exposed, predicted_step_s=step,
         tokens_per_s=work.tokens_per_step / step, workload=work, budget_bytes=shown_budget, calibration=calib,
-        notes=tuple(notes), predicted_clipped_step_s=clipped_step, weighed=weighed,
+        notes=tuple(notes), predicted_clipped_step_s=clipped_step, predicted_corrected_step_s=corrected_step,
+        weighed=weighed,
     )

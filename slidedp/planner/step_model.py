@@ -14,9 +14,11 @@ A chunk's H2D in step s+1 waits for its update in step s (the version gate), so 
 CPU has not finished when the GPU wants a chunk back is exposed: the tail (layer 0 and the
 embedding rows the next batch needs). With exact gradient clipping the model predicts two
 steps: one whose norm stays under max_grad_norm keeps its speculative updates, overlapped with
-the backward as without clipping (device-held units wait for the norm); one that clips has
-every update wait for the global norm, i.e. the last gradient (charged as if the norm crossed
-the threshold at the first chunk: no speculated chunk to correct). A few steps are
+the backward as without clipping (device-held units wait for the norm); one after a clipped
+step (slidedp/clipping: it does not speculate) has every update wait for the global norm, i.e.
+the last gradient (`clips`); and a step that speculated and then clipped (`corrected`) runs its
+updates during the backward, then corrects every one of them (costs.CORRECTION_ADAMWS AdamW's
+of the chunk each, in forward order) once the norm is known. A few steps are
 simulated and the steady-state period is the predicted step time. Ranks are symmetric, so
 one rank stands for all; `world` enters through the per-rank batch and the reduction.
 
@@ -226,10 +228,11 @@ def gpu_time_source(work: Workload, ch: Choices, calib: Calibration) -> str:
     return "nearby" if None not in measured(work, ch, calib, nearest=True) else "FLOPs"
 
 
-def _period(tasks: list[_Task], depth: int, updaters: int, clip: bool, clips: bool) -> float:
+def _period(tasks: list[_Task], depth: int, updaters: int, clip: bool, clips: bool, corrected: bool = False) -> float:
     """Steady-state step time of the schedule: simulate a few steps, average the last ones.
-    clip: exact clipping (device-held units wait for the norm); clips: every step clips (the host
-    updates wait for the norm too)."""
+    clip: exact clipping (device-held units wait for the norm); clips: every step clips, the host
+    updates deferred until the norm; corrected: every step clips after speculating, each host update
+    redone after the norm."""
     h2d_free = gpu_free = d2h_free = reduce_free = 0.0
     servers = [0.0] * updaters
     fetch_starts: list[float] = []  # compute start of each task that copies in, in order
@@ -260,19 +263,26 @@ def _period(tasks: list[_Task], depth: int, updaters: int, clip: bool, clips: bo
                     released.append((j, reduce_free))
                 else:
                     released.append((j, out))
-        norm_known = max((r for _, r in released), default=0.0) if clip and clips else 0.0
+        norm = max((r for _, r in released), default=0.0)
+        norm_known = norm if clip and clips and not corrected else 0.0
         done = {}
         for j, r in released:
             s = min(range(updaters), key=servers.__getitem__)
             servers[s] = max(servers[s], r, norm_known) + j.update_s
             done[j.name] = servers[s]
+        if clip and corrected:  # the corrections, in forward order: the next forward wants layer 0 first
+            for j, _ in reversed(released):
+                s = min(range(updaters), key=servers.__getitem__)
+                servers[s] = max(servers[s], norm) + j.update_s * costs.CORRECTION_ADAMWS
+                done[j.name] = servers[s]
         ends.append(gpu_free)
     return (ends[-1] - ends[-1 - _AVERAGE]) / _AVERAGE
 
 
-def predict_step(work: Workload, choices: Choices, calib: Calibration,
-                 clips: bool = False) -> tuple[dict[str, float], float, float]:
-    """The model: (busy seconds per resource per step, exposed seconds, predicted step seconds)."""
+def predict_step(work: Workload, choices: Choices, calib: Calibration, clips: bool = False,
+                 corrected: bool = False) -> tuple[dict[str, float], float, float]:
+    """The model: (busy seconds per resource per step, exposed seconds, predicted step seconds).
+    clips: a step after a clipped one (every update deferred); corrected: a step that speculated and clipped."""
     if not 0 <= choices.resident_layers <= work.model.num_layers:
         raise ValueError(f"resident_layers must be between 0 and {work.model.num_layers}, got {choices.resident_layers}")
     micro_batch_of(work, choices)
@@ -287,5 +297,5 @@ def predict_step(work: Workload, choices: Choices, calib: Calibration,
         "reduce": sum(j.reduce_s for j in jobs),
         "update": sum(j.update_s for j in jobs) / work.updaters,
     }
-    step = _period(tasks, choices.prefetch_depth, work.updaters, work.clip, clips)
+    step = _period(tasks, choices.prefetch_depth, work.updaters, work.clip, clips, corrected)
     return busy, step - busy["gpu"], step

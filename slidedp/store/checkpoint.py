@@ -3,7 +3,8 @@
 <root>/step-00000010/
     model/        Hugging Face folder in the checkpoint dtype (loadable by transformers)
     state/        model.safetensors with fp32 master (when model/ is not fp32) and both moments
-    state.json    step, layout hash, AdamW step counts, data position, RNG, sha256 of every file
+    state.json    step, layout hash, AdamW step counts, the last step's clipping verdict, data position, RNG,
+                  sha256 of every file
 Written under a temporary name, fsynced, then renamed: a crash never leaves a half
 checkpoint under a real name. The newest `keep` are kept.
 """
@@ -23,10 +24,14 @@ from typing import Any
 import torch
 
 from ..model import hf
+from .manifest import CLIPPED, KEPT, SKIPPED
 from .store import STATE_KINDS, HostStore
 
 _NAME = re.compile(r"^step-(\d{8})$")
 FORMAT = 1
+# state.json's "last_step_norm": what the last step's gradient norm said (exact clipping decides from it whether
+# the next step speculates); a checkpoint from before it has none and reads as "kept" (the next step speculates)
+_CLIP_HISTORY = {"kept": KEPT, "clipped": CLIPPED, "skipped": SKIPPED}
 
 
 class CheckpointError(RuntimeError):
@@ -80,6 +85,7 @@ def write_checkpoint(store: HostStore, root: str | os.PathLike, step: int, extra
     try:
         cfg = store.layout.model
         adam_steps = store.manifest.adam_steps.tolist()  # before any chunk is released
+        clip_history = {v: k for k, v in _CLIP_HISTORY.items()}[store.manifest.clip_history]
         (tmp / "state").mkdir()
         hf._write_safetensors(tmp / "state" / hf.SINGLE_FILE, _state_members(store), _releaser(store, release),
                               torch.float32)
@@ -93,6 +99,7 @@ def write_checkpoint(store: HostStore, root: str | os.PathLike, step: int, extra
             "layout_hash": store.layout.hash(),
             "model": cfg.to_dict(),
             "adam_steps": adam_steps,
+            "last_step_norm": clip_history,
             "master_in": "state",
             "created": time.time(),
             "extra": extra or {},
@@ -177,6 +184,10 @@ def restore_checkpoint(store: HostStore, path: str | os.PathLike) -> dict[str, A
             f"checkpoint {path} was taken from a store with another model or chunking "
             f"(layout {record['layout_hash'][:12]}..., store {store.layout.hash()[:12]}...)"
         )
+    clip_history = record.get("last_step_norm", "kept")
+    if clip_history not in _CLIP_HISTORY:
+        raise CheckpointError(f"{path}/state.json: last_step_norm must be one of {sorted(_CLIP_HISTORY)}, "
+                              f"got {clip_history!r}")
     m = store.manifest
     m.set_torn_flag(1)  # a crash while loading leaves the store refusing to train
     master_dir = path / record["master_in"]
@@ -194,6 +205,6 @@ def restore_checkpoint(store: HostStore, path: str | os.PathLike) -> dict[str, A
     m.adam_steps[:] = record["adam_steps"]
     m.updating[:] = 0
     m.versions[:] = step
-    m.set_committed_step(step)
+    m.set_committed_step(step, _CLIP_HISTORY[clip_history])
     m.set_torn_flag(0)
     return record

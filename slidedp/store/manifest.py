@@ -24,12 +24,15 @@ MAGIC = b"SLIDEDP\x01"
 FORMAT = 2
 PAGE = 4096
 _FIXED = struct.Struct("<8sII Q 64s Q Q d")  # magic, format, header size, generation, hash, json len, chunks, created
-_MUTABLE_AT = 256  # committed_step, attached_pid, attach_token, torn (int64 each)
+_MUTABLE_AT = 256  # committed_step, attached_pid, attach_token, torn, clip_history (int64 each)
 _JOB_AT = 1024  # job record: u32 length + UTF-8 JSON, up to 3 KiB
 _JOB_MAX = PAGE - _JOB_AT - 4
 # values of updating[c]: being rewritten by an updater / held on a job's GPUs / updated before the step's
 # gradient norm was known and not yet validated against it (exact clipping: speculate, validate, correct)
 UPDATING, LEASED, SPECULATIVE = 1, 2, 3
+# values of clip_history: what the last committed step's gradient norm said (exact clipping reads it to decide
+# whether the next step speculates: slidedp/clipping/schedule.py); 0 also for a store that never clipped
+KEPT, CLIPPED, SKIPPED = 0, 1, 2
 
 
 class ManifestError(RuntimeError):
@@ -62,7 +65,7 @@ class Manifest:
         )
         seg.mm[PAGE:PAGE + len(body)] = body
         m = cls(seg, layout, meta, generation)
-        m._ints()[:] = (0, 0, 0, 0)
+        m._ints()[:] = (0, 0, 0, 0, 0)
         return m
 
     @classmethod
@@ -101,7 +104,7 @@ class Manifest:
 
     # ---- fields -------------------------------------------------------------------------
     def _ints(self) -> np.ndarray:
-        return self.seg.array(np.int64, _MUTABLE_AT, 4)
+        return self.seg.array(np.int64, _MUTABLE_AT, 5)
 
     def _array(self, index: int) -> np.ndarray:
         c = len(self.layout.chunks)
@@ -143,8 +146,17 @@ class Manifest:
     def committed_step(self) -> int:
         return int(self._ints()[0])
 
-    def set_committed_step(self, step: int) -> None:
-        self._ints()[0] = step
+    def set_committed_step(self, step: int, clip_history: int | None = None) -> None:
+        """clip_history (KEPT / CLIPPED / SKIPPED): the committed step's verdict, written before the step."""
+        ints = self._ints()
+        if clip_history is not None:
+            ints[4] = clip_history
+        ints[0] = step
+
+    @property
+    def clip_history(self) -> int:
+        """What the last committed step's gradient norm said: KEPT (or no step yet), CLIPPED or SKIPPED."""
+        return int(self._ints()[4])
 
     @property
     def attached_pid(self) -> int:

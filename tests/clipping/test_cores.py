@@ -7,6 +7,7 @@ test wants it) and checked against torch.nn.utils.clip_grad_norm_ then torch.opt
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 
@@ -20,7 +21,8 @@ from slidedp.daemons.updater.core import UpdaterCore
 from slidedp.protocol import Grad, Loss, Norm, StepDone, Update, Updated
 from slidedp.schedule import lr_at
 from slidedp.store.layout import unit_name
-from slidedp.store.manifest import SPECULATIVE
+from slidedp.store import checkpoint as ckpt
+from slidedp.store.manifest import CLIPPED, KEPT, SKIPPED, SPECULATIVE
 from slidedp.store.store import STATE_KINDS
 
 from reliability import drop_store
@@ -41,6 +43,7 @@ class Cores:
     upd: UpdaterCore = field(init=False)
     updates: list[Update] = field(default_factory=list)
     done: list[StepDone] = field(default_factory=list)
+    finished: list[Updated] = field(default_factory=list)  # the updater's Updated, in the order it ran them
 
     def __post_init__(self) -> None:
         record = attached_job_record(self.store_name, self.world, clip=self.max_norm > 0, max_grad_norm=self.max_norm,
@@ -76,6 +79,7 @@ class Cores:
             res = self.upd.next()
             n += 1
             if isinstance(res, Updated):
+                self.finished.append(res)
                 self._deliver(self.agg.on_updated(res), norms)
 
     def step(self, step: int, grads: dict[int, torch.Tensor], overlap: bool = True) -> StepDone:
@@ -190,7 +194,8 @@ def test_a_step_under_the_threshold_is_bit_identical_to_the_unclipped_update(sto
 
 @pytest.mark.parametrize("world,route", [(1, "host"), (2, "reduce_scatter")])
 def test_a_clipping_step_corrects_the_speculated_chunks_and_matches_the_reference(stores, world, route):
-    """No clip at step 0, clips at step 1 (so the corrections undo a second AdamW step), none at step 2."""
+    """No clip at step 0, clips at step 1 (so the corrections undo a second AdamW step), none at step 2
+    (which, after a clipped step, defers every update)."""
     cores = stores(max_norm=1.0, world=world, grad_route=route)
     layout = cores.store.layout
     start = cores.state()
@@ -200,7 +205,8 @@ def test_a_clipping_step_corrects_the_speculated_chunks_and_matches_the_referenc
     step1 = [(spec[u.chunk], u.speculative) for u in cores.updates if u.step == 1]
     # the partial norm: 0.01 (norm), 0.51 (layer 1) speculate; over 1 from layer 0 on: the rest waits
     assert sorted(set(step1)) == sorted({("norm", 1), ("layer.1", 1), ("layer.0", 0), ("embed", 0)})
-    assert [(d.clipped, d.speculated, d.corrected) for d in dones] == [(0, 4, 0), (1, 2, 2), (0, 4, 0)]
+    assert [(d.clipped, d.speculated, d.corrected, d.speculate) for d in dones] == [(0, 4, 0, 1), (1, 2, 2, 1),
+                                                                                   (0, 0, 0, 0)]
     assert dones[1].correct_s > 0 and dones[1].grad_norm == pytest.approx(2.0, rel=1e-6)
     want = reference(layout, start, plan, cores.record.train_section, 1.0)
     got = cores.state()
@@ -222,8 +228,9 @@ def test_the_result_does_not_depend_on_when_the_norm_reaches_the_updater(stores)
         early.step(step, {c: g.clone() for c, g in grads.items()}, overlap=False)
     a, b = early.state(), late.state()
     assert all(torch.equal(a[k], b[k]) for k in STATE_KINDS)
-    assert [(d.clipped, d.speculated, d.corrected) for d in early.done] == [(1, 2, 2), (0, 4, 0), (1, 2, 2)]
-    assert [(d.clipped, d.speculated, d.corrected) for d in late.done] == [(1, 2, 2), (0, 4, 0), (1, 2, 2)]
+    # the first step speculates; the next, after a clipped one, defers all; the third follows an unclipped one
+    assert [(d.clipped, d.speculated, d.corrected) for d in early.done] == [(1, 2, 2), (0, 0, 0), (1, 2, 2)]
+    assert [(d.clipped, d.speculated, d.corrected) for d in late.done] == [(1, 2, 2), (0, 0, 0), (1, 2, 2)]
 
 
 @pytest.mark.parametrize("bad", [math.inf, math.nan])
@@ -270,3 +277,59 @@ def test_a_speculated_chunk_leaves_the_store_torn_until_validated(stores):
     m = cores.store.manifest
     assert m.updating[first] == SPECULATIVE and m.versions[first] == 0 and m.adam_steps[first] == 1
     assert "hold a speculative update that was never validated" in m.torn_reason()
+
+
+def test_a_step_speculates_only_after_a_step_that_did_not_clip(stores):
+    """The decision to speculate is the last committed step's verdict: the first step speculates, a step after
+    a clipped one (or a skipped one) defers every update, in forward order once the norm is in, and one after
+    an unclipped step speculates again. The verdict is in the manifest with the committed step."""
+    cores = stores(max_norm=1.0)
+    layout = cores.store.layout
+    m = cores.store.manifest
+    assert m.clip_history == KEPT
+    plan = [CROSSING, NO_CLIP, NO_CLIP, CROSSING, CROSSING]
+    for step, sq in enumerate(plan):
+        cores.step(step, made_up_grads(layout, sq, 20 + step))
+        assert m.committed_step == step + 1 and m.clip_history == (CLIPPED if sq is CROSSING else KEPT)
+    assert [(d.speculate, d.speculated, d.clipped) for d in cores.done] == \
+        [(1, 2, 1), (0, 0, 0), (1, 4, 0), (1, 2, 1), (0, 0, 1)]
+    deferred = [u for u in cores.updates if u.step in (1, 4)]
+    assert len(deferred) == 8 and not any(u.speculative for u in deferred)
+    for step in (1, 4):  # the next forward's order: embedding, layer 0, layer 1, final norm
+        assert [u.chunk for u in cores.finished if u.step == step] == [c.id for c in layout.chunks]
+    cores._deliver(cores.agg.on_loss(Loss(0, 5, math.nan, 10, 0)), [])  # a non-finite loss: the step skipped
+    cores._run([])
+    assert m.committed_step == 6 and m.clip_history == SKIPPED
+    done = cores.step(6, made_up_grads(layout, NO_CLIP, 26))
+    assert (done.speculate, done.speculated) == (0, 0)
+
+
+def test_the_decision_survives_a_checkpoint_and_restore(stores, tmp_path):
+    """A restored store decides as the uninterrupted run did: the verdict goes into state.json and back
+    into the manifest; a checkpoint from before it was kept reads as "kept" (speculate)."""
+    run = stores(max_norm=1.0)
+    layout = run.store.layout
+    run.step(0, made_up_grads(layout, CROSSING, 30))
+    path = ckpt.write_checkpoint(run.store, tmp_path / "ck", 1, {}, torch.float32)
+    assert json.loads((path / "state.json").read_text())["last_step_norm"] == "clipped"
+    run.step(1, made_up_grads(layout, NO_CLIP, 31))
+    run.step(2, made_up_grads(layout, NO_CLIP, 32))
+    assert run.store.manifest.clip_history == KEPT
+    other = stores(max_norm=1.0)  # another store of the same layout, one unclipped step on: restored into
+    other.step(0, made_up_grads(layout, NO_CLIP, 33))
+    ckpt.restore_checkpoint(other.store, path)
+    m = other.store.manifest
+    assert (m.clip_history, m.committed_step) == (CLIPPED, 1)
+    other.agg.start_job(other.record, 1)  # the job resumed: its first step decides from the restored verdict
+    other.upd.start_job(other.record)
+    other.agg.launcher = LAUNCHER
+    dones = [other.step(s, made_up_grads(layout, NO_CLIP, 30 + s)) for s in (1, 2)]
+    assert [(d.speculate, d.speculated) for d in dones] == [(0, 0), (1, 4)]  # as the uninterrupted run decided
+    assert [(d.speculate, d.speculated) for d in run.done[1:]] == [(0, 0), (1, 4)]
+    a, b = run.state(), other.state()
+    assert all(torch.equal(a[k], b[k]) for k in STATE_KINDS)
+    record = json.loads((path / "state.json").read_text())  # a checkpoint from before the verdict was kept
+    del record["last_step_norm"]
+    (path / "state.json").write_text(json.dumps(record))
+    ckpt.restore_checkpoint(other.store, path)
+    assert other.store.manifest.clip_history == KEPT

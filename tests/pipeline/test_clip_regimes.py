@@ -1,9 +1,10 @@
 """Exact clipping end to end, in its three regimes, against the plain PyTorch reference.
 
 never: max_grad_norm above every step's norm (every chunk speculated and kept: bit-identical to the
-run without clipping); always: under every norm (speculated chunks corrected, the rest deferred);
-crossing: a threshold between the steps' norms, with a margin of 1.8% or more, so that the run goes
-from clipping to not and back. N ranks x M micro-batches, fp32 on CPU, real processes; weights, AdamW
+run without clipping); always: under every norm (the first step's speculated chunks corrected, the
+rest deferred; every later step defers all: it follows a clipped one); crossing: a threshold between
+the steps' norms, with a margin of 1.8% or more, so that the run goes from clipping to not and back
+(a step after an unclipped one speculates, and is corrected where it clips). N ranks x M micro-batches, fp32 on CPU, real processes; weights, AdamW
 moments, losses and norms to float32 rounding, and metrics.jsonl saying which steps clipped.
 
 Default suite: one run per regime that together cover each N, each M and the sharded routes;
@@ -67,10 +68,15 @@ def check_regime(tmp_path, workers, micro, regime, shape, param_route, grad_rout
     want_clipped = {"never": [False] * STEPS, "always": [True] * STEPS, "crossing": CROSSES[shape]}[regime]
     assert [m["clipped"] for m in got] == want_clipped
     assert [n + 1e-6 > clip for n in ref.grad_norms] == want_clipped  # the reference clipped the same steps
+    # a step speculates only after one that did not clip (the first step always): the others defer everything
+    assert [m["speculated"] for m in got] == [True] + [not c for c in want_clipped[:-1]]
     for m in got:
-        assert m["speculated_chunks"] >= 1  # the final norm's chunk comes first, far under any threshold
+        if m["speculated"]:
+            assert m["speculated_chunks"] >= 1  # the final norm's chunk comes first, far under any threshold
+        else:
+            assert m["speculated_chunks"] == 0, m
         assert m["corrected_chunks"] == (m["speculated_chunks"] if m["clipped"] else 0), m
-        assert (m["correction_s"] > 0) == m["clipped"], m
+        assert (m["correction_s"] > 0) == (m["clipped"] and m["speculated"]), m
     if regime == "never":  # every speculative update kept: bit for bit the run without clipping
         off_dir, _ = _run(tmp_path, "off", workers, micro, 0.0, shape, param_route, grad_route, embedding)
         off = off_dir / "checkpoints" / f"step-{STEPS:08d}"

@@ -205,6 +205,16 @@ def test_bidirectional_sharing_and_resident_layers():
     assert busy["d2h"] == pytest.approx(2 * H + NORM_IO, rel=1e-12)
 
 
+def test_a_step_that_speculated_then_clipped_corrects_after_the_backward():
+    """By hand (embedding on the GPU, one updater): the norm is known when layer 0's gradient is out; the
+    updater finishes layer 0's speculative update, then corrects in forward order, layer 0 first (each
+    correction costs.CORRECTION_ADAMWS AdamW's), and layer 0 goes back in once it is corrected."""
+    _, _, step = predict_step(toy(clip=True), Choices(embedding="device"), TOY_CAL, clips=True, corrected=True)
+    assert step == pytest.approx(8 + G_LOSS + H + U * (1 + costs.CORRECTION_ADAMWS) + H, rel=1e-12)
+    _, _, deferred = predict_step(toy(clip=True), Choices(embedding="device"), TOY_CAL, clips=True)
+    assert step > deferred  # what a mis-speculation costs over deferring: the undo and one more AdamW
+
+
 def test_reduce_and_updaters():
     # two ranks: the aggregator sums 2 fp32 gradients (3 buffers touched = the calibrated case)
     busy, _, _ = predict_step(toy(world=2), Choices(embedding="device"), TOY_CAL)
@@ -380,9 +390,13 @@ def test_describe_lists_every_memory_item_and_resource():
     # clipping on (the default): both regimes, the one that clips slower
     assert plan.predicted_clipped_step_s > plan.predicted_step_s
     assert f"a step that clips      {plan.predicted_clipped_step_s:.3f} s" in text
+    # the first step that clips after one that did not speculated: its corrections come on top of the update
+    assert plan.predicted_corrected_step_s > plan.predicted_clipped_step_s
+    assert f"the first that clips {plan.predicted_corrected_step_s:.3f} s" in text
     assert "when the gradient norm stays under max_grad_norm" in text
     off = make_plan(dataclasses.replace(work, clip=False), 24 * GiB, REFERENCE_CALIBRATION)
-    assert off.predicted_clipped_step_s == 0.0 and "a step that clips" not in off.describe()
+    assert off.predicted_clipped_step_s == off.predicted_corrected_step_s == 0.0
+    assert "a step that clips" not in off.describe()
 
 
 def test_workload_validation_messages():

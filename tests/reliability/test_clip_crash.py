@@ -2,7 +2,9 @@
 never clean at a wrong state, and the run resumed from its checkpoint ends bit-identical to the
 uninterrupted one.
 
-The updater holds half-way through its first correction of step HOLD_STEP or later (a fault point,
+The job's norms cross its threshold (1.05; the norms, steps 0-5: 1.101 1.289 1.186 1.000 1.101 1.122): step 0
+and step 4 (after the unclipped step 3) speculate and are corrected, the steps after a clipped one defer
+every update. The updater holds half-way through its first correction of step HOLD_STEP or later (step 4) (a fault point,
 slidedp/faults.py: it writes a marker and waits), so the kill lands there whatever the machine's speed.
 Killed there, the updater leaves the chunk marked as being updated. The aggregator killed while the
 updater corrects: the updater then finishes (the marker removed), so every chunk may reach the step's
@@ -32,9 +34,8 @@ HOLD_STEP = 3  # after the checkpoint of step 2
 
 
 def _sets(store: str, run_dir: Path) -> list[str]:
-    # 0.5: every step of this job clips, its final norm's chunk (first in the order, small) speculated and corrected
     return fast_sets(store, run_dir, f"train.steps={STEPS}", "checkpoint.every=2", "checkpoint.keep=4",
-                     "train.max_grad_norm=0.5", "runtime.workers=1", "train.micro_batch=4")
+                     "train.max_grad_norm=1.05", "runtime.workers=1", "train.micro_batch=4")
 
 
 @pytest.fixture(scope="module")
@@ -102,11 +103,14 @@ def test_kill_during_a_correction_is_torn_then_resumes_exactly(tmp_path, victim,
             differ = [k for k in ref if not torch.equal(mine[k], ref[k])]
             assert differ == [], f"{len(differ)} tensor(s) differ from the uninterrupted run, e.g. {differ[:3]}"
         want = {r["step"]: r for r in metrics(uninterrupted)}
-        assert all(r["clipped"] and r["corrected_chunks"] >= 1 for r in want.values())  # the job did correct
+        # the first step and the one after an unclipped step speculated and corrected; the rest deferred
+        assert [(w["clipped"], w["speculated"], w["corrected_chunks"] > 0) for w in want.values()] == \
+            [(True, True, True), (True, False, False), (True, False, False), (False, False, False),
+             (True, True, True), (True, False, False)]
         for r in metrics(run_dir):  # the steps run twice (killed run, then resumed) decided alike
             w = want[r["step"]]
-            assert (r["loss"], r["grad_norm"], r["clipped"], r["speculated_chunks"]) == \
-                (w["loss"], w["grad_norm"], w["clipped"], w["speculated_chunks"]), r["step"]
+            keys = ("loss", "grad_norm", "clipped", "speculated", "speculated_chunks")
+            assert [r[k] for k in keys] == [w[k] for k in keys], r["step"]
         assert manifest_state(store) == (STEPS, [STEPS] * len(versions), None)
     finally:
         drop_store(store)

@@ -79,16 +79,19 @@ def test_records_combine_the_ranks(tmp_path):
 
 def test_a_clipping_step_records_its_correction_and_the_plans_clipping_prediction(tmp_path):
     p = Progress(unique_store("pg"), 1024, stream=io.StringIO())
-    p.predicted_step_s, p.predicted_clipped_step_s = 0.4, 0.7
-    p.begin(0, 2, tmp_path)
-    p.step(0, StepDone(0, 2.5, 0.8, 0, 0.3, 0.1, 0, 4, 0, 0.0), {0: stats(0, 0)}, 1e-3)
-    p.step(1, StepDone(1, 2.4, 3.5, 0, 0.5, 0.1, 1, 2, 2, 0.12), {0: stats(0, 1)}, 1e-3)
+    p.predicted_step_s, p.predicted_clipped_step_s, p.predicted_corrected_step_s = 0.4, 0.7, 0.9
+    p.begin(0, 4, tmp_path)
+    p.step(0, StepDone(0, 2.5, 0.8, 0, 0.3, 0.1, 0, 4, 0, 0.0, 1), {0: stats(0, 0)}, 1e-3)  # kept
+    p.step(1, StepDone(1, 2.4, 3.5, 0, 0.5, 0.1, 1, 2, 2, 0.12, 1), {0: stats(0, 1)}, 1e-3)  # speculated, corrected
+    p.step(2, StepDone(2, 2.3, 3.1, 0, 0.5, 0.1, 1, 0, 0, 0.0, 0), {0: stats(0, 2)}, 1e-3)  # deferred, clipped
+    p.step(3, StepDone(3, 2.2, 0.9, 0, 0.5, 0.1, 0, 0, 0, 0.0, 0), {0: stats(0, 3)}, 1e-3)  # deferred, kept
     p.end()
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [check_record(r) for r in records] == [[], []]
-    got = [(r["clipped"], r["speculated_chunks"], r["corrected_chunks"], r["correction_s"], r["predicted_step_s"])
-           for r in records]
-    assert got == [(False, 4, 0, 0.0, 0.4), (True, 2, 2, 0.12, 0.7)]
+    assert [check_record(r) for r in records] == [[]] * 4
+    got = [(r["clipped"], r["speculated"], r["speculated_chunks"], r["corrected_chunks"], r["correction_s"],
+            r["predicted_step_s"]) for r in records]
+    assert got == [(False, True, 4, 0, 0.0, 0.4), (True, True, 2, 2, 0.12, 0.9), (True, False, 0, 0, 0.0, 0.7),
+                   (False, False, 0, 0, 0.0, 0.7)]
 
 
 def test_non_finite_loss_is_null_not_nan(tmp_path):

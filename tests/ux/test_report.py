@@ -57,9 +57,21 @@ def test_summary_says_how_clipping_went(tmp_path):
                record(4, 2.4, **dict(clip, clipped=True, speculated_chunks=1, corrected_chunks=1, correction_s=0.15))]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     text = "\n".join(report.report(tmp_path, plots=False)[0])
-    assert "clipping     2 of 4 step(s) clipped; median 3 chunk(s) updated before the norm was known" in text
+    assert "clipping     2 of 4 step(s) that speculated clipped; median 3 chunk(s) updated before the norm was known" \
+        in text
     assert "  steps that did not clip           2.050 s median (every speculative update kept)" in text
     assert "  steps that clipped                2.500 s median, 1.5 chunk(s) corrected in 0.200 s of updater time" in text
+    assert "steps after a clipped step" not in text  # records from before the rule: every step speculated
+    # with the rule: the steps after a clipped one deferred every update, and are counted apart
+    tagged = [dict(r, speculated=r["step"] != 4) for r in records]
+    tagged[4].update(speculated_chunks=0, corrected_chunks=0, correction_s=0.0)
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in tagged))
+    text = "\n".join(report.report(tmp_path, plots=False)[0])
+    assert "clipping     1 of 3 step(s) that speculated clipped; median 4 chunk(s) updated before the norm was known" \
+        in text
+    assert "  steps that clipped                2.600 s median, 2 chunk(s) corrected in 0.250 s of updater time" in text
+    assert ("  steps after a clipped step        2.400 s median, 1 step(s), 1 clipped (every update waited for the "
+            "norm)") in text
     # clipping off: nothing speculated, nothing clipped, no line
     off = dict(clip, speculated_chunks=0)
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(record(s, 2.0, **off)) + "\n" for s in range(3)))
