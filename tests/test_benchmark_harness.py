@@ -566,10 +566,10 @@ def test_slidedp_job_lets_the_plan_choose_the_micro_batch_only_where_slidedp_acc
     args = p.parse_args(["--device", "cpu", "--shape", "tiny", "--batch", "4", "--plan-micro-batch"])
     common.check_args(args)
     job = slidedp_run.job_dict(args, tmp_path / "t.npy", tmp_path / "run", "n")
-    assert slidedp_run.plan_picks_micro_batch() is False  # today's schema: train.micro_batch >= 1
-    assert job["train"]["micro_batch"] == 4 and job["train"]["max_grad_norm"] == 1.0
-    monkeypatch.setattr(slidedp_run, "plan_picks_micro_batch", lambda: True)
-    assert slidedp_run.job_dict(args, tmp_path / "t.npy", tmp_path / "run", "n")["train"]["micro_batch"] == 0
+    assert slidedp_run.plan_picks_micro_batch() is True  # train.micro_batch = 0: the plan's choice
+    assert job["train"]["micro_batch"] == 0 and job["train"]["max_grad_norm"] == 1.0
+    monkeypatch.setattr(slidedp_run, "plan_picks_micro_batch", lambda: False)  # an older SlideDP: the peers' batch
+    assert slidedp_run.job_dict(args, tmp_path / "t.npy", tmp_path / "run", "n")["train"]["micro_batch"] == 4
 
 
 FAKE_PYTHON = '''#!/usr/bin/env bash
