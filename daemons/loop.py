@@ -8,9 +8,13 @@ watchdog's period, so the daemon never looks hung to systemd.
 
 from __future__ import annotations
 
-from typing import Callable
+from contextlib import contextmanager
+from typing import Callable, Iterator
 
-from slidedp.daemons.sdnotify import Watchdog
+import zmq
+
+from slidedp import daemonlock
+from slidedp.daemons.sdnotify import Watchdog, notify
 from slidedp.stopflag import StopFlag
 
 
@@ -24,3 +28,19 @@ def serve_loop(stop: StopFlag, wait: Callable[[], bool], handle: Callable[[], bo
             tick()
         if wait() and handle():
             return
+
+
+@contextmanager
+def serving(store_name: str, role: str, lock_fd: int, ctx: zmq.Context, sock: zmq.Socket, status: str,
+            close_core: Callable[[], None]) -> Iterator[None]:
+    """READY (with `status`) to systemd while the body serves; then, however it ends, STOPPING, the core
+    closed, the socket and its context ended and the role's lock released."""
+    notify("READY=1", f"STATUS={status}")
+    try:
+        yield
+    finally:
+        notify("STOPPING=1")
+        close_core()
+        sock.close(linger=0)
+        ctx.term()
+        daemonlock.release(store_name, role, lock_fd)

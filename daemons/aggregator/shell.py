@@ -19,8 +19,7 @@ from slidedp import daemonlock
 from slidedp import log as slog
 from slidedp.daemons.aggregator.core import AggregatorCore, Outbox
 from slidedp.daemons.aggregator.handshake import JobHandshake, route
-from slidedp.daemons.loop import serve_loop
-from slidedp.daemons.sdnotify import notify
+from slidedp.daemons.loop import serve_loop, serving
 from slidedp.protocol import Credit, Ready
 from slidedp.stopflag import stop_on
 from slidedp.transport import bind_router, recv_router, send
@@ -49,16 +48,9 @@ def serve(store_name: str, timeout_s: float = 120.0) -> int:
         if item is not None:
             deliver(route(core, handshake, *item, time.monotonic()))
 
-    notify("READY=1", f"STATUS=aggregating for store {store_name}")
     log.info("aggregator for store %s up (pid %d)", store_name, os.getpid())
-    try:
+    with serving(store_name, "aggregator", lock_fd, ctx, sock, f"aggregating for store {store_name}", core.end_job):
         serve_loop(stop, lambda: bool(sock.poll(100)), handle, tick=lambda: deliver(handshake.tick(time.monotonic())))
-    finally:
-        notify("STOPPING=1")
-        core.end_job()
-        sock.close(linger=0)
-        ctx.term()
-        daemonlock.release(store_name, "aggregator", lock_fd)
     return 0
 
 

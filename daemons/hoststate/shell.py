@@ -18,7 +18,7 @@ import zmq
 
 from slidedp import daemonlock
 from slidedp import log as slog
-from slidedp.daemons.loop import serve_loop
+from slidedp.daemons.loop import serve_loop, serving
 from slidedp.daemons.sdnotify import Watchdog, notify
 from slidedp.protocol import KIND_OF, ControlRequest, Reply, Request, decode_control
 from slidedp.stopflag import stop_on
@@ -85,16 +85,11 @@ def serve(store_name: str) -> int:
             log.warning("client of a %s request went away before the reply", req.name)
         return False
 
-    notify("READY=1", f"STATUS=serving store {store_name}")
     log.info("serving store %s (pid %d)", store_name, os.getpid())
     try:
-        serve_loop(stop, lambda: bool(sock.poll(200)), handle, watchdog=watchdog)
+        with serving(store_name, "hoststate", lock_fd, ctx, sock, f"serving store {store_name}", core.close):
+            serve_loop(stop, lambda: bool(sock.poll(200)), handle, watchdog=watchdog)
     finally:
-        notify("STOPPING=1")
-        core.close()
-        sock.close(linger=0)
-        ctx.term()
-        daemonlock.release(store_name, "hoststate", lock_fd)
         if list_store_segments().get(store_name):
             log.info("stopped; store %s left in place", store_name)
         else:
