@@ -16,18 +16,22 @@
 # About 10-11 calls; each prints its summary, and the last call of a (SHAPE, BATCH) the comparison.
 # A store creation, the first plan's measuring (compiled kernels, one compile per size) and the
 # GPU-resident run are the long parts of an `auto` call.
-# "Fresh machine, no cache": the cache is $OUT/cache (SLIDEDP_CACHE_DIR), empty until the first call
-# writes it; keep OUT across the calls (a folder of the warm machine, e.g. /root/issue23, copied to
-# the call's result folder at its end: `cp -r /root/issue23/*.json /root/issue23/*.logs "$OUT"/`) (the calibration is then measured once, the blocks once per
-# shape: the first run of each shape is a first plan). The script prints what the cache held first.
+# "Fresh machine, no cache": the cache is $PLAN_CHOICE_WORK/cache (SLIDEDP_CACHE_DIR; default
+# /tmp/plan_choice), empty on a fresh machine until the first run writes it (the calibration is then
+# measured once, the blocks once per shape: the first run of each shape is a first plan). The script
+# prints what the cache held first. OUT receives three files per (SHAPE, BATCH): TAG.json (the runs
+# merged), TAG-summary.txt, TAG-logs.tgz (the device returns only a few files).
 #
 # The unseen shape: a Llama-family config written by transformers (untied embeddings, 24 query heads
 # of 8 kv heads, 3,072 hidden, 26 layers; vocabulary of the Qwen3 token data the harness makes),
 # random weights saved on the GPU; SlideDP alone (the GPU-resident peer takes named shapes only).
 set -u
-out=$1 shape=$2 batch=$3
+final=$1 shape=$2 batch=$3
 parts=${PARTS:-auto,forced}
-mkdir -p "$out"
+# the harness's files stay in a work folder of the machine (the device returns few files): $final gets
+# the (SHAPE, BATCH)'s merged table, its summary and a tarball of the logs
+out=${PLAN_CHOICE_WORK:-/tmp/plan_choice}
+mkdir -p "$out" "$final"
 export SLIDEDP_CACHE_DIR=${SLIDEDP_CACHE_DIR:-$out/cache}
 mkdir -p "$SLIDEDP_CACHE_DIR"
 echo "cache $SLIDEDP_CACHE_DIR holds: $(ls "$SLIDEDP_CACHE_DIR" | tr '\n' ' ')"
@@ -74,7 +78,7 @@ if [[ $parts == *forced* ]]; then
     [ $((batch % m)) -eq 0 ] && run "$tag-m$m" slidedp "$m" 240
   done
 fi
-python3 - "$out" "$tag" <<'EOF'
+python3 - "$out" "$tag" <<'EOF' | tee "$final/$tag-summary.txt"
 import json, pathlib, re, statistics, sys
 out, tag = pathlib.Path(sys.argv[1]), sys.argv[2]
 rows = {}
@@ -104,3 +108,7 @@ if auto and forced:
     print(f"chosen micro_batch {auto[0]} ran {auto[2]:.3f} s; best forced {best} ran {forced[best]:.3f} s: "
           f"{100 * (auto[2] / forced[best] - 1):+.1f}%")
 EOF
+runs=("$out/$tag"-*.json)
+[ -f "${runs[0]}" ] && python3 -m benchmarks.run --merge "${runs[@]}" --out "$final/$tag.json" >/dev/null
+tar czf "$final/$tag-logs.tgz" -C "$out" --exclude='*.npy' --exclude='profile-*.json' --exclude='*.safetensors' \
+  --exclude='llama-unseen' . 2>/dev/null || true
