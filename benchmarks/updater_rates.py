@@ -1,0 +1,253 @@
+"""The updater's AdamW rates on store-like shared memory: which kernel, threads, pages and block size pay.
+
+    python3 -m benchmarks.updater_rates --out FILE.json [--params 512] [--chunk 128] [--threads 1,2,4,8]
+                                        [--blocks 262144,1048576,4194304] [--reps 3] [--no-copy]
+
+Rows (G params/s, median of `--reps` passes over every chunk; a pass is what one step's update of
+`--params` M parameters in chunks of `--chunk` M costs):
+- `fused_whole`: torch's fused AdamW on each whole chunk (the updater before slidedp/adamw.py);
+- `blocked`: slidedp.adamw.step_ at each block size of `--blocks`;
+- each of those `+shadow` (the bf16 shadow written: a second pass for the whole-chunk kernel, the
+  block's cast from cache for the blocked one) and `clipped` (coef 0.5: the whole-chunk kernel writes
+  the clipped gradient back, the blocked one reads it into scratch);
+- `correction` (the one-pass correction of slidedp/clipping/rollback.py) and `undo_redo` (what it
+  replaced), each with and without the shadow;
+- every row at each thread count of `--threads` (default 1, 2, 4, ... up to the CPUs of this
+  process's first NUMA node), on the store's segments (POSIX shared memory, as `Segment.create`
+  makes them) with and without MADV_HUGEPAGE, and beside a copy stream (`--no-copy` leaves it out):
+  on CUDA a pinned host->device copy from another segment without pause, else a thread copying
+  host memory (memcpy) on a CPU of its own, as the workers' DMA does beside the updaters.
+The JSON says what the kernel allows: /sys/kernel/mm/transparent_hugepage/{enabled,shmem_enabled},
+how many of the segments' pages were huge, whether CUDA and numba were there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import os
+import statistics
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import torch
+
+from benchmarks.updater_bound import _thp
+from slidedp import numa
+from slidedp.adamw import step_
+from slidedp.clipping.rollback import COMPILED, correct_, fused_adamw_, undo_
+from slidedp.store.shm import Segment
+
+HYPER = dict(lr=1e-5, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, step=3)
+
+
+def _segments(n: int, huge: bool) -> tuple[list[Segment], list[torch.Tensor]]:
+    """master, grad, exp_avg, exp_avg_sq (fp32) and the shadow (bf16) in segments like the store's."""
+    segs = []
+    for kind, size in (("master", 4), ("grad", 4), ("exp_avg", 4), ("exp_avg_sq", 4), ("shadow", 2)):
+        name = f"/slidedp-rates-{uuid.uuid4().hex[:8]}.{kind}"
+        seg = Segment.create(name, n * size, touch=False)
+        if not huge:  # Segment.create asked for huge pages; take it back before the first touch
+            try:
+                seg.mm.madvise(mmap.MADV_NOHUGEPAGE)
+            except (AttributeError, OSError, ValueError):
+                pass
+        seg.touch()
+        segs.append(seg)
+    views = [s.tensor(torch.float32) for s in segs[:4]] + [segs[4].tensor(torch.bfloat16)]
+    gen = torch.Generator().manual_seed(0)
+    views[0].normal_(0, 0.02, generator=gen)
+    views[1].normal_(0, 1e-3, generator=gen)
+    views[2].normal_(0, 1e-3, generator=gen)
+    views[3].uniform_(0, 1e-6, generator=gen)
+    return segs, views
+
+
+def _huge_pages(segs: list[Segment]) -> int:
+    """Bytes of the segments mapped with huge pages (ShmemPmdMapped of this process's mappings)."""
+    names = {s.name.lstrip("/") for s in segs}
+    total, current = 0, False
+    try:
+        for line in Path("/proc/self/smaps").read_text().splitlines():
+            if not line[:1].isupper():
+                current = any(n in line for n in names)
+            elif current and line.startswith(("ShmemPmdMapped:", "FilePmdMapped:")):
+                total += int(line.split()[1]) * 1024
+    except OSError:
+        return -1
+    return total
+
+
+def _kernels(views: list[torch.Tensor], chunk: int, blocks: list[int]) -> dict[str, object]:
+    p, g, m, v, sh = views
+    n = p.numel()
+    spans = [(lo, min(n, lo + chunk)) for lo in range(0, n, chunk)]
+
+    def piece(lo, hi, shadow):
+        return (p[lo:hi], g[lo:hi], m[lo:hi], v[lo:hi], sh[lo:hi] if shadow else None)
+
+    def whole(shadow: bool, coef: float = 1.0):
+        def run():
+            for lo, hi in spans:
+                gg = g[lo:hi].clone() if coef < 1.0 else g[lo:hi]  # writes back: keep the store's gradient
+                fused_adamw_([p[lo:hi]], [gg], [m[lo:hi]], [v[lo:hi]], coef=coef, **HYPER)
+                if shadow:
+                    sh[lo:hi].copy_(p[lo:hi])
+        return run
+
+    def blocked(block: int, shadow: bool, coef: float = 1.0):
+        return lambda: [step_([piece(lo, hi, shadow)], coef=coef, block=block, **HYPER) for lo, hi in spans]
+
+    def corrected(shadow: bool, compiled: bool):
+        return lambda: [correct_([piece(lo, hi, shadow)], coef=0.5, compiled=compiled, **HYPER) for lo, hi in spans]
+
+    out: dict[str, object] = {"fused_whole": whole(False), "fused_whole+shadow": whole(True),
+                              "fused_whole clipped": whole(False, 0.5)}
+    for b in blocks:
+        out[f"blocked {b}"] = blocked(b, False)
+        out[f"blocked {b}+shadow"] = blocked(b, True)
+        out[f"blocked {b} clipped"] = blocked(b, False, 0.5)
+    if COMPILED:
+        out["correction"] = corrected(False, True)
+        out["correction+shadow"] = corrected(True, True)
+    out["undo_redo"] = corrected(False, False)
+    out["undo_redo+shadow"] = corrected(True, False)
+    return out
+
+
+def _time(run, n: int, reps: int, note) -> float:
+    """G params/s: the median of `reps` timed passes after one untimed. (The correction rows keep
+    correcting the same state: the rate does not depend on the values.)"""
+    times = []
+    for i in range(reps + 1):
+        t0 = time.perf_counter()
+        run()
+        if i:
+            times.append(time.perf_counter() - t0)
+    return n / statistics.median(times) / 1e9
+
+
+class CopyStream:
+    """What the workers' DMA does beside the updaters: on CUDA a pinned H2D copy without pause; else a
+    thread copying host memory on its own CPU (torch's copy releases the GIL)."""
+
+    def __init__(self, nbytes: int, cpu: int | None) -> None:
+        self.kind = "cuda_h2d" if torch.cuda.is_available() else "memcpy_thread"
+        self.seg = Segment.create(f"/slidedp-rates-{uuid.uuid4().hex[:8]}.copy", nbytes)
+        self.src = self.seg.tensor(torch.uint8)
+        self.cpu, self.stop, self.moved, self.elapsed = cpu, threading.Event(), 0, 0.0
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        if self.cpu is not None:
+            os.sched_setaffinity(0, [self.cpu])  # this thread only (Linux: per-thread affinity)
+        t0 = time.perf_counter()
+        if self.kind == "cuda_h2d":
+            torch.cuda.cudart().cudaHostRegister(self.src.data_ptr(), self.src.numel(), 0)
+            dst = torch.empty_like(self.src, device="cuda")
+            stream = torch.cuda.Stream()
+            while not self.stop.is_set():
+                with torch.cuda.stream(stream):
+                    dst.copy_(self.src, non_blocking=True)
+                stream.synchronize()
+                self.moved += self.src.numel()
+        else:
+            half = self.src.numel() // 2
+            a, b = self.src[:half], self.src[half:2 * half]
+            while not self.stop.is_set():
+                b.copy_(a)
+                self.moved += 2 * half
+        self.elapsed = time.perf_counter() - t0
+
+    def __enter__(self) -> "CopyStream":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        self.thread.join()
+        self.seg.close()
+        self.seg.unlink()
+
+    def gbps(self) -> float:
+        return self.moved / max(self.elapsed, 1e-9) / 1e9
+
+
+def _thread_counts(cpus: list[int], asked: str) -> list[int]:
+    if asked:
+        return [int(t) for t in asked.split(",") if t]
+    out, t = [], 1
+    while t < len(cpus):
+        out.append(t)
+        t *= 2
+    return out + [len(cpus)]
+
+
+def _first_node(cpus: list[int]) -> list[int]:
+    try:
+        nodes = [sorted(set(n) & set(cpus)) for n in numa.nodes()]
+        nodes = [n for n in nodes if n]
+        return nodes[0] if nodes else cpus
+    except Exception:  # no NUMA information: every CPU of this process
+        return cpus
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python3 -m benchmarks.updater_rates", description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True, help="the JSON to write")
+    p.add_argument("--params", type=int, default=512, help="millions of parameters per pass (default 512)")
+    p.add_argument("--chunk", type=int, default=128, help="millions of parameters per chunk (default 128)")
+    p.add_argument("--threads", default="", help="comma-separated thread counts (default 1, 2, 4, ... a node)")
+    p.add_argument("--blocks", default="262144,1048576,4194304", help="block sizes of the blocked kernel")
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--no-copy", action="store_true", help="leave out the rows beside a copy stream")
+    p.add_argument("--no-huge", action="store_true", help="leave out the rows with MADV_HUGEPAGE")
+    a = p.parse_args(argv)
+    cpus = sorted(os.sched_getaffinity(0))
+    node = _first_node(cpus)
+    n, chunk = a.params * 1_000_000, a.chunk * 1_000_000
+    blocks = [int(b) for b in a.blocks.split(",") if b]
+    result: dict = {"params": n, "chunk": chunk, "blocks": blocks, "cpus": len(cpus), "node_cpus": node,
+                    "thp": _thp(), "madv_hugepage": hasattr(mmap, "MADV_HUGEPAGE"), "numba": COMPILED,
+                    "cuda": torch.cuda.is_available(), "torch": torch.__version__, "rows": []}
+    if not COMPILED:
+        result["note"] = "numba is not installed: no one-pass correction rows"
+    print(json.dumps({k: result[k] for k in ("thp", "numba", "cuda", "node_cpus")}), flush=True)
+    threads = [t for t in _thread_counts(node, a.threads) if t <= len(node)]
+    copy_cpu = cpus[-1] if len(cpus) > max(threads) else None
+    for huge in ([False] if a.no_huge else [False, True]):
+        segs, views = _segments(n, huge)
+        try:
+            result.setdefault("huge_page_bytes", {})[str(huge)] = _huge_pages(segs)
+            kernels = _kernels(views, chunk, blocks)
+            for copying in ([False] if a.no_copy else [False, True]):
+                for t in threads:
+                    use = [c for c in node if c != copy_cpu][:t] if copying else node[:t]
+                    os.sched_setaffinity(0, use or node[:t])
+                    torch.set_num_threads(t)
+                    for name, run in kernels.items():
+                        if copying:
+                            with CopyStream(1 << 28, copy_cpu) as cs:
+                                rate = _time(run, n, a.reps, name)
+                            copy = {"copy": cs.kind, "copy_gbps": round(cs.gbps(), 2)}
+                        else:
+                            rate, copy = _time(run, n, a.reps, name), {}
+                        row = {"kernel": name, "threads": t, "madv_hugepage": huge,
+                               "g_params_per_s": round(rate, 3), **copy}
+                        result["rows"].append(row)
+                        print(json.dumps(row), flush=True)
+                    os.sched_setaffinity(0, cpus)
+        finally:
+            for s in segs:
+                s.close()
+                s.unlink()
+    Path(a.out).write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
