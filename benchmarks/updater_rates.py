@@ -1,15 +1,15 @@
-"""The updater's AdamW rates on store-like shared memory: which kernel, threads, pages and block size pay.
+"""The updater's AdamW rates on store-like shared memory: which kernel, thread count and pages pay.
 
     python3 -m benchmarks.updater_rates --out FILE.json [--params 512] [--chunk 128] [--threads 1,2,4,8]
-                                        [--blocks 262144,1048576,4194304] [--reps 3] [--no-copy]
+                                        [--reps 3] [--no-copy] [--no-huge]
 
-Rows (G params/s, median of `--reps` passes over every chunk; a pass is what one step's update of
-`--params` M parameters in chunks of `--chunk` M costs):
-- `fused_whole`: torch's fused AdamW on each whole chunk (the updater before slidedp/adamw.py);
-- `blocked`: slidedp.adamw.step_ at each block size of `--blocks`;
-- each of those `+shadow` (the bf16 shadow written: a second pass for the whole-chunk kernel, the
-  block's cast from cache for the blocked one) and `clipped` (coef 0.5: the whole-chunk kernel writes
-  the clipped gradient back, the blocked one reads it into scratch);
+Rows (G params/s, median of `--reps` passes over every chunk, the kernels taking turns; a pass is
+what one step's update of `--params` M parameters in chunks of `--chunk` M costs):
+- `fused_whole`: torch's fused AdamW on each whole chunk (the updater before slidedp/adamw.py),
+  `+shadow` (then the shadow's cast, a second pass) and `clipped` (coef 0.5: the kernel writes the
+  clipped gradient back);
+- `compiled`: slidedp.adamw's compiled kernel (numba; the updater's default), alone, `+shadow` (cast
+  from cache in the same pass) and `clipped` (the gradient divided in registers);
 - `correction` (the one-pass correction of slidedp/clipping/rollback.py) and `undo_redo` (what it
   replaced), each with and without the shadow;
 - every row at each thread count of `--threads` (default 1, 2, 4, ... up to the CPUs of this
@@ -38,7 +38,7 @@ import torch
 from benchmarks.updater_bound import _thp
 from slidedp import numa
 from slidedp.adamw import step_
-from slidedp.clipping.rollback import COMPILED, correct_, fused_adamw_, undo_
+from slidedp.clipping.rollback import COMPILED, correct_, fused_adamw_
 from slidedp.store.shm import Segment
 
 HYPER = dict(lr=1e-5, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, step=3)
@@ -81,7 +81,7 @@ def _huge_pages(segs: list[Segment]) -> int:
     return total
 
 
-def _kernels(views: list[torch.Tensor], chunk: int, blocks: list[int]) -> dict[str, object]:
+def _kernels(views: list[torch.Tensor], chunk: int) -> dict[str, object]:
     p, g, m, v, sh = views
     n = p.numel()
     spans = [(lo, min(n, lo + chunk)) for lo in range(0, n, chunk)]
@@ -92,25 +92,24 @@ def _kernels(views: list[torch.Tensor], chunk: int, blocks: list[int]) -> dict[s
     def whole(shadow: bool, coef: float = 1.0):
         def run():
             for lo, hi in spans:
-                gg = g[lo:hi].clone() if coef < 1.0 else g[lo:hi]  # writes back: keep the store's gradient
-                fused_adamw_([p[lo:hi]], [gg], [m[lo:hi]], [v[lo:hi]], coef=coef, **HYPER)
+                # clipped, the kernel writes the gradient back (what it costs is the point of the row)
+                fused_adamw_([p[lo:hi]], [g[lo:hi]], [m[lo:hi]], [v[lo:hi]], coef=coef, **HYPER)
                 if shadow:
                     sh[lo:hi].copy_(p[lo:hi])
         return run
 
-    def blocked(block: int, shadow: bool, coef: float = 1.0):
-        return lambda: [step_([piece(lo, hi, shadow)], coef=coef, block=block, **HYPER) for lo, hi in spans]
+    def compiled(shadow: bool, coef: float = 1.0):
+        return lambda: [step_([piece(lo, hi, shadow)], coef=coef, compiled=True, **HYPER) for lo, hi in spans]
 
     def corrected(shadow: bool, compiled: bool):
         return lambda: [correct_([piece(lo, hi, shadow)], coef=0.5, compiled=compiled, **HYPER) for lo, hi in spans]
 
     out: dict[str, object] = {"fused_whole": whole(False), "fused_whole+shadow": whole(True),
                               "fused_whole clipped": whole(False, 0.5)}
-    for b in blocks:
-        out[f"blocked {b}"] = blocked(b, False)
-        out[f"blocked {b}+shadow"] = blocked(b, True)
-        out[f"blocked {b} clipped"] = blocked(b, False, 0.5)
     if COMPILED:
+        out["compiled"] = compiled(False)
+        out["compiled+shadow"] = compiled(True)
+        out["compiled clipped"] = compiled(False, 0.5)
         out["correction"] = corrected(False, True)
         out["correction+shadow"] = corrected(True, True)
     out["undo_redo"] = corrected(False, False)
@@ -118,16 +117,18 @@ def _kernels(views: list[torch.Tensor], chunk: int, blocks: list[int]) -> dict[s
     return out
 
 
-def _time(run, n: int, reps: int, note) -> float:
-    """G params/s: the median of `reps` timed passes after one untimed. (The correction rows keep
-    correcting the same state: the rate does not depend on the values.)"""
-    times = []
+def _rates(kernels: dict[str, object], n: int, reps: int) -> dict[str, float]:
+    """G params/s of each kernel: the median of `reps` timed passes after one untimed, the kernels taking
+    turns (a loaded machine slows them alike). The correction rows keep correcting the same state: the
+    rate does not depend on the values."""
+    times: dict[str, list[float]] = {k: [] for k in kernels}
     for i in range(reps + 1):
-        t0 = time.perf_counter()
-        run()
-        if i:
-            times.append(time.perf_counter() - t0)
-    return n / statistics.median(times) / 1e9
+        for name, run in kernels.items():
+            t0 = time.perf_counter()
+            run()  # type: ignore[operator]
+            if i:
+                times[name].append(time.perf_counter() - t0)
+    return {k: n / statistics.median(ts) / 1e9 for k, ts in times.items()}
 
 
 class CopyStream:
@@ -201,7 +202,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--params", type=int, default=512, help="millions of parameters per pass (default 512)")
     p.add_argument("--chunk", type=int, default=128, help="millions of parameters per chunk (default 128)")
     p.add_argument("--threads", default="", help="comma-separated thread counts (default 1, 2, 4, ... a node)")
-    p.add_argument("--blocks", default="262144,1048576,4194304", help="block sizes of the blocked kernel")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--no-copy", action="store_true", help="leave out the rows beside a copy stream")
     p.add_argument("--no-huge", action="store_true", help="leave out the rows with MADV_HUGEPAGE")
@@ -209,12 +209,14 @@ def main(argv: list[str] | None = None) -> int:
     cpus = sorted(os.sched_getaffinity(0))
     node = _first_node(cpus)
     n, chunk = a.params * 1_000_000, a.chunk * 1_000_000
-    blocks = [int(b) for b in a.blocks.split(",") if b]
-    result: dict = {"params": n, "chunk": chunk, "blocks": blocks, "cpus": len(cpus), "node_cpus": node,
+    result: dict = {"params": n, "chunk": chunk, "cpus": len(cpus), "node_cpus": node,
                     "thp": _thp(), "madv_hugepage": hasattr(mmap, "MADV_HUGEPAGE"), "numba": COMPILED,
                     "cuda": torch.cuda.is_available(), "torch": torch.__version__, "rows": []}
     if not COMPILED:
-        result["note"] = "numba is not installed: no one-pass correction rows"
+        result["note"] = "numba is not installed: no compiled-kernel or one-pass correction rows"
+    else:
+        from slidedp.clipping.rollback import warm_up
+        warm_up()  # compile (or load) the kernels before timing them
     print(json.dumps({k: result[k] for k in ("thp", "numba", "cuda", "node_cpus")}), flush=True)
     threads = [t for t in _thread_counts(node, a.threads) if t <= len(node)]
     copy_cpu = cpus[-1] if len(cpus) > max(threads) else None
@@ -222,19 +224,19 @@ def main(argv: list[str] | None = None) -> int:
         segs, views = _segments(n, huge)
         try:
             result.setdefault("huge_page_bytes", {})[str(huge)] = _huge_pages(segs)
-            kernels = _kernels(views, chunk, blocks)
+            kernels = _kernels(views, chunk)
             for copying in ([False] if a.no_copy else [False, True]):
                 for t in threads:
                     use = [c for c in node if c != copy_cpu][:t] if copying else node[:t]
                     os.sched_setaffinity(0, use or node[:t])
                     torch.set_num_threads(t)
-                    for name, run in kernels.items():
-                        if copying:
-                            with CopyStream(1 << 28, copy_cpu) as cs:
-                                rate = _time(run, n, a.reps, name)
-                            copy = {"copy": cs.kind, "copy_gbps": round(cs.gbps(), 2)}
-                        else:
-                            rate, copy = _time(run, n, a.reps, name), {}
+                    if copying:
+                        with CopyStream(1 << 28, copy_cpu) as cs:
+                            rates = _rates(kernels, n, a.reps)
+                        copy = {"copy": cs.kind, "copy_gbps": round(cs.gbps(), 2)}
+                    else:
+                        rates, copy = _rates(kernels, n, a.reps), {}
+                    for name, rate in rates.items():
                         row = {"kernel": name, "threads": t, "madv_hugepage": huge,
                                "g_params_per_s": round(rate, 3), **copy}
                         result["rows"].append(row)

@@ -1,27 +1,48 @@
-"""The updater's AdamW over the store's memory: torch's fused kernel, block by block in cache.
+"""The updater's AdamW over the store's memory: one pass per chunk, the shadow and clipping inside it.
 
 A chunk's update streams master, both moments and the gradient from host memory once (28 B/param:
-four read, three written). Run block by block, what follows the kernel on the same block finds
-it still in cache: the bf16 shadow's cast reads the new master from there (the shadow costs its
-2 B/param write, not a second pass over the master), and a clipped update reads the gradient into
-a scratch block that the kernel divides in place (torch's kernel writes the clipped gradient back
-where it read it: into the store's gradient slot, 4 B/param more traffic, otherwise).
+four read, three written). The compiled kernel (numba; the default where numba is installed) does
+what else the update needs inside that pass: the bf16 shadow is cast block by block while the new
+master is in cache (the shadow costs its 2 B/param write, not a second pass over the master), and
+a clipped update divides the gradient in registers (torch's fused kernel writes the clipped
+gradient back where it read it, into the store's gradient slot: 4 B/param more traffic). It is one
+parallel region per tensor, each thread taking blocks of `_KBLOCK` elements, with torch's fused
+kernel's operations in its order (but no fused multiply-add: numba does not contract), so its
+results are within float32 rounding of torch's, and the same bits on every machine, at every
+thread count, with or without the shadow or clipping.
 
-Blocks start at multiples of BLOCK inside each tensor and the kernel is elementwise, so the
-result is bit for bit the kernel's on the whole tensor (tests/clipping/test_kernels.py).
+Without numba (or with SLIDEDP_ADAMW_KERNEL=torch) it is torch's fused kernel on whole tensors,
+then the shadow's cast as a second pass. Running torch's kernel block by block instead, to cast
+from cache, made every block a parallel region of the updater's threads, which one preempted thread
+holds up: measured slower than the second pass (docs/tuning.md, "The updater's kernels").
 """
 
 from __future__ import annotations
 
+import os
+import threading
 from typing import Iterable, Sequence
 
 import torch
 
-# Elements per block: a block of the four tensors (16 MiB) stays in the last-level cache from the
-# kernel to the shadow's cast, and a 100 M-parameter chunk takes about a hundred blocks (each call is
-# one parallel region of the updater's threads: smaller blocks would spend the time forking them).
-# benchmarks/updater_rates.py measures the rate at other sizes.
+try:  # the compiled kernels; without numba, torch's fused kernel (same results to float32 rounding)
+    import numba
+    import numpy as np
+except ImportError:  # pragma: no cover - numba is a dependency; this keeps an odd install running
+    numba = None
+
+COMPILED = numba is not None
+# the kernel the updater runs: compiled where numba is there, unless SLIDEDP_ADAMW_KERNEL=torch
+USE_COMPILED = COMPILED and os.environ.get("SLIDEDP_ADAMW_KERNEL", "compiled") != "torch"
+
+# Elements per block of the torch-op paths (the undo, and the correction without numba): a block of
+# the four tensors (16 MiB) stays in the last-level cache from one op to the next, and a 100 M-parameter
+# chunk takes about a hundred blocks (each op is one parallel region of the updater's threads).
 BLOCK = 1 << 20
+
+# Elements a thread of the compiled kernels takes at a time: 64 KiB a tensor, in L2 from the update
+# to the shadow's cast.
+_KBLOCK = 16384
 
 # (master, grad, exp_avg, exp_avg_sq, bf16 shadow or None) of one contiguous piece of a chunk
 Piece = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None"]
@@ -47,8 +68,9 @@ def flat_piece(piece: Sequence[torch.Tensor | None]) -> Piece:
 
 def batches(pieces: Iterable[Sequence[torch.Tensor | None]], block: int = BLOCK) -> Iterable[list[Piece]]:
     """The pieces cut into blocks of at most `block` elements (each cut at a multiple of `block` inside
-    its tensor), grouped so that a batch holds at most `block` elements: small tensors (norms,
-    biases) share one kernel call, large ones take one call per block."""
+    its tensor: torch's fused kernel gives the same bits as on the whole tensor), grouped so that a batch
+    holds at most `block` elements: small tensors (norms, biases) share one call, large ones take one
+    call per block."""
     batch: list[Piece] = []
     size = 0
     for piece in pieces:
@@ -67,29 +89,97 @@ def batches(pieces: Iterable[Sequence[torch.Tensor | None]], block: int = BLOCK)
 
 
 def cast_shadows_(batch: Sequence[Piece]) -> None:
-    """Each piece's bf16 shadow from its master (just written, in cache): torch's own cast, so the shadow
-    is bit for bit master.to(torch.bfloat16)."""
+    """Each piece's bf16 shadow from its master: torch's own cast, bit for bit master.to(torch.bfloat16)."""
     for p, _, _, _, shadow in batch:
         if shadow is not None:
             shadow.copy_(p)
 
 
+if numba is not None:
+    # numba's own thread pool (no second OpenMP runtime beside torch's), unless the user chose one
+    if "NUMBA_THREADING_LAYER" not in os.environ:
+        numba.config.THREADING_LAYER = "workqueue"
+    _NO_SHADOW = np.empty(0, dtype=np.uint16)
+    _lock = threading.Lock()  # numba's workqueue pool takes one caller at a time
+
+    @numba.njit(inline="always")
+    def cast_bf16_(bits, out):  # pragma: no cover - compiled
+        """out = the bf16 bits of the float32 `bits`, as torch casts: nearest even, NaN 0x7FC0."""
+        for i in range(bits.size):
+            u = bits[i]
+            r = (u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
+            if (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):
+                r = np.uint32(0x7FC0)
+            out[i] = np.uint16(r)
+
+    @numba.njit(parallel=True, boundscheck=False, nogil=True, cache=True)
+    def _adamw_kernel(p, g, m, v, p_bits, shadow, decay, w, b2, c, scale, bc2s, eps, step_size):  # pragma: no cover
+        """torch's fused AdamW (ADAMW mode) on float32, element by element: the gradient divided by
+        `scale` (1: unclipped, exact), then the block's shadow. numba does not contract a * b + c
+        into a fused multiply-add, so the bits do not depend on the machine."""
+        n = p.size
+        for b in numba.prange((n + _KBLOCK - 1) // _KBLOCK):
+            lo = b * _KBLOCK
+            hi = min(n, lo + _KBLOCK)
+            pp, gg, mm, vv = p[lo:hi], g[lo:hi], m[lo:hi], v[lo:hi]
+            for i in range(hi - lo):  # slices indexed from 0: no wrap-around checks, so it vectorizes
+                gi = gg[i] / scale
+                mi = mm[i] + w * (gi - mm[i])
+                vi = vv[i] * b2 + c * gi * gi
+                pp[i] = pp[i] * decay + (-step_size * mi) / (np.sqrt(vi) / bc2s + eps)
+                mm[i] = mi
+                vv[i] = vi
+            if shadow.size:
+                cast_bf16_(p_bits[lo:hi], shadow[lo:hi])
+
+
+def numpy_of(t: torch.Tensor, dtype=None):
+    """A zero-copy 1-D numpy view of a contiguous CPU tensor (`dtype`: reinterpret the bytes)."""
+    a = t.detach().view(-1).numpy()
+    return a.view(dtype) if dtype is not None else a
+
+
+def shadow_of(shadow: torch.Tensor | None):
+    """The bf16 shadow as the uint16 array the compiled kernels write (an empty one for none)."""
+    return numpy_of(shadow.view(torch.int16), np.uint16) if shadow is not None else _NO_SHADOW
+
+
+def compiled_threads() -> None:
+    """The compiled kernels use as many threads as torch does (the updater's CPUs)."""
+    numba.set_num_threads(max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)))
+
+
+def constants(*, lr: float, beta1: float, beta2: float, eps: float, step: int) -> dict:
+    """The float32 constants torch's fused kernel computes from the hyperparameters (in double first)."""
+    f32 = np.float32
+    return dict(w=f32(1 - beta1), b2=f32(beta2), c=f32(1 - beta2), bc2s=f32((1 - beta2 ** step) ** 0.5),
+                eps=f32(eps), step_size=f32(lr / (1 - beta1 ** step)))
+
+
+def _compiled_step_(pieces: list[Piece], *, lr: float, beta1: float, beta2: float, eps: float,
+                    weight_decay: float, step: int, coef: float) -> None:
+    k = constants(lr=lr, beta1=beta1, beta2=beta2, eps=eps, step=step)
+    decay = np.float32(1 - lr * weight_decay)
+    scale = np.float32(1.0 / coef) if coef < 1.0 else np.float32(1.0)  # torch's grad_scale tensor: float32
+    with _lock:
+        compiled_threads()
+        for p, g, m, v, shadow in pieces:
+            if p.numel():
+                _adamw_kernel(numpy_of(p), numpy_of(g), numpy_of(m), numpy_of(v), numpy_of(p, np.uint32),
+                              shadow_of(shadow), decay, k["w"], k["b2"], k["c"], scale, k["bc2s"], k["eps"],
+                              k["step_size"])
+
+
 def step_(pieces: Iterable[Sequence[torch.Tensor | None]], *, lr: float, beta1: float, beta2: float, eps: float,
-          weight_decay: float, step: int, coef: float = 1.0, block: int = BLOCK) -> None:
-    """AdamW step `step` over every piece (master, grad, exp_avg, exp_avg_sq, shadow or None), block by
-    block, the gradient clipped by `coef` (read into scratch: the store's gradient is left as it was),
-    then the block's shadow cast while it is in cache."""
+          weight_decay: float, step: int, coef: float = 1.0, compiled: bool = USE_COMPILED) -> None:
+    """AdamW step `step` over every piece (master, grad, exp_avg, exp_avg_sq, shadow or None), the
+    gradient clipped by `coef`, each shadow cast from its new master. compiled: in one pass, the store's
+    gradient left as it was; else torch's fused kernel (which writes a clipped gradient back), then
+    the shadows' cast."""
     hyper = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, step=step, coef=coef)
-    scratch: torch.Tensor | None = None
-    for batch in batches(pieces, block):
-        grads = [b[1] for b in batch]
-        if coef < 1.0:
-            if scratch is None:
-                scratch = torch.empty(block, dtype=batch[0][1].dtype, device=batch[0][1].device)
-            lo, copies = 0, []
-            for g in grads:
-                copies.append(scratch[lo:lo + g.numel()].copy_(g))
-                lo += g.numel()
-            grads = copies
-        fused_adamw_([b[0] for b in batch], grads, [b[2] for b in batch], [b[3] for b in batch], **hyper)
-        cast_shadows_(batch)
+    pieces = [flat_piece(pc) for pc in pieces]
+    if compiled:
+        _compiled_step_(pieces, **hyper)
+        return
+    fused_adamw_(*([pc[k] for pc in pieces] for k in range(4)), **hyper)
+    cast_shadows_(pieces)

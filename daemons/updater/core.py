@@ -60,8 +60,7 @@ class UpdaterCore:
         self.end_job()
         self.store, self.rings, self.tracer = attach_job(self.store_name, job, f"updater{self.index}")
         self.job = job
-        if job.clip:
-            rollback.warm_up()
+        rollback.warm_up()
         self.shards.clear()
         self.pending.clear()
         self.ready.clear()

@@ -27,28 +27,29 @@ A skipped step (non-finite norm) is undone instead:
 
 The correction is one compiled pass (numba: it is the sqrt and division of AdamW twice, which
 torch's elementwise ops would take a pass each for); where numba is missing it falls back to the
-undo then the fused redo, block by block. Both write the block's bf16 shadow from cache.
+undo then the fused redo, block by block. Both write the block's bf16 shadow from cache. The
+terms taken out are recomputed with the operations of the kernel that made them, the same in
+torch's fused kernel and in slidedp.adamw's compiled one (which differ only in the first moment's
+rounding, and the correction's first moment does not recompute it).
 """
 
 from __future__ import annotations
 
-import os
-import threading
 from typing import Iterable, Sequence
 
 import torch
 
-from slidedp.adamw import BLOCK, batches, cast_shadows_, flat_piece, fused_adamw_
+from slidedp import adamw
+from slidedp.adamw import BLOCK, COMPILED, USE_COMPILED, batches, cast_shadows_, flat_piece, fused_adamw_
 
-try:  # the compiled correction; without it the (slower) undo + redo, same results to float32 rounding
+if COMPILED:
     import numba
     import numpy as np
-except ImportError:  # pragma: no cover - numba is a dependency; this keeps an odd install running
-    numba = None
+
+    from slidedp.adamw import cast_bf16_
 
 __all__ = ["BLOCK", "COMPILED", "correct_", "fused_adamw_", "settle_", "undo_", "undo_adamw_", "warm_up"]
 
-COMPILED = numba is not None
 
 
 def undo_adamw_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *,
@@ -72,11 +73,8 @@ def undo_adamw_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, 
     exp_avg_sq.addcmul_(grad, grad, value=-(1 - beta2)).mul_(1.0 / beta2).clamp_min_(0.0)
 
 
-if numba is not None:
-    # numba's own thread pool (no second OpenMP runtime beside torch's), unless the user chose one
-    if "NUMBA_THREADING_LAYER" not in os.environ:
-        numba.config.THREADING_LAYER = "workqueue"
-    _KBLOCK = 16384  # elements a thread corrects before casting their shadow: 64 KiB a tensor, in L2
+if COMPILED:
+    _KBLOCK = adamw._KBLOCK
 
     @numba.njit(parallel=True, boundscheck=False, nogil=True, cache=True)
     def _correct_kernel(p, g, m, v, p_bits, shadow, keep, w, c, scale, bc2s, eps, step_size):  # pragma: no cover
@@ -101,37 +99,23 @@ if numba is not None:
                 mm[i] = mn
                 vv[i] = vn
             if shadow.size:
-                bits, out = p_bits[lo:hi], shadow[lo:hi]
-                for i in range(hi - lo):
-                    u = bits[i]
-                    r = (u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
-                    if (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):
-                        r = np.uint32(0x7FC0)
-                    out[i] = np.uint16(r)
-
-    _NO_SHADOW = np.empty(0, dtype=np.uint16)
-    _lock = threading.Lock()
-
-
-def _numpy(t: torch.Tensor, dtype=None):
-    a = t.detach().view(-1).numpy()
-    return a.view(dtype) if dtype is not None else a
+                cast_bf16_(p_bits[lo:hi], shadow[lo:hi])
 
 
 def _correct_compiled(piece, *, lr, beta1, beta2, eps, step, coef) -> None:
     p, g, m, v, shadow = flat_piece(piece)
-    f32 = np.float32
-    out = _numpy(shadow.view(torch.int16), np.uint16) if shadow is not None else _NO_SHADOW
-    with _lock:  # numba's workqueue pool takes one caller at a time
-        numba.set_num_threads(max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)))
-        _correct_kernel(_numpy(p), _numpy(g), _numpy(m), _numpy(v), _numpy(p, np.uint32), out,
-                        f32(0.0 if step == 1 else 1.0), f32(1 - beta1), f32(1 - beta2),
+    k = adamw.constants(lr=lr, beta1=beta1, beta2=beta2, eps=eps, step=step)
+    f32, arr = np.float32, adamw.numpy_of
+    with adamw._lock:
+        adamw.compiled_threads()
+        _correct_kernel(arr(p), arr(g), arr(m), arr(v), arr(p, np.uint32), adamw.shadow_of(shadow),
+                        f32(0.0 if step == 1 else 1.0), k["w"], k["c"],
                         f32(1.0 / coef),  # the fused kernel's grad_scale, a float32 tensor of 1 / coef
-                        f32((1 - beta2 ** step) ** 0.5), f32(eps), f32(lr / (1 - beta1 ** step)))
+                        k["bc2s"], k["eps"], k["step_size"])
 
 
 def correct_(pieces: Iterable[Sequence[torch.Tensor | None]], *, lr: float, beta1: float, beta2: float,
-             eps: float, weight_decay: float, step: int, coef: float, compiled: bool = COMPILED,
+             eps: float, weight_decay: float, step: int, coef: float, compiled: bool = USE_COMPILED,
              block: int = BLOCK) -> None:
     """Correct speculative (unclipped) AdamW step `step` on every piece (master, grad, exp_avg, exp_avg_sq,
     shadow or None) to the step clipped by `coef`, in place, shadows included. compiled=False: the undo
@@ -153,12 +137,14 @@ def undo_(pieces: Iterable[Sequence[torch.Tensor | None]], *, lr: float, beta1: 
 
 
 def warm_up() -> None:
-    """Compile (or load from numba's cache) the correction before the first one is due: a correction
-    waiting a second for the compiler would hold up the next forward."""
-    if COMPILED:
+    """Compile (or load from numba's cache) the AdamW and correction kernels before the first update is
+    due: an update waiting a second for the compiler would hold up the step."""
+    if USE_COMPILED:
         t = [torch.ones(4) for _ in range(4)]
-        correct_([(*t, torch.empty(4, dtype=torch.bfloat16))], lr=0.0, beta1=0.9, beta2=0.95, eps=1e-8,
-                 weight_decay=0.0, step=2, coef=0.5)
+        hyper = dict(lr=0.0, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.0, step=2, coef=0.5)
+        piece = [(*t, torch.empty(4, dtype=torch.bfloat16))]
+        adamw.step_(piece, **hyper)
+        correct_(piece, **hyper)
 
 
 def _blockwise(pieces, *, coef: float | None, block: int, weight_decay: float, **hyper) -> None:

@@ -36,29 +36,46 @@ def _with(pieces, grads):
     return [(p, g, m, v, s) for (p, m, v, s), g in zip(pieces, grads)]
 
 
-@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.skipif(not COMPILED, reason="numba is not installed")
 @pytest.mark.parametrize("coef", [1.0, 0.37])
-def test_the_blocked_step_is_bit_identical_to_the_fused_kernel_on_whole_tensors(threads, coef):
-    """Blocks cut at multiples of the block inside each tensor, small tensors batched into one call: the
-    same bits as one fused call over the whole tensors, at any thread count. The shadow is the master's
-    cast, byte for byte, and a clipped step leaves the store's gradient as it was."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(threads)
+def test_the_compiled_step_is_torchs_fused_step_to_float32_rounding_and_the_same_at_any_thread_count(coef):
+    """One pass with the shadow and the clipping inside it: within float32 rounding of torch's fused
+    kernel, bit for bit the same at 1 and 3 threads, the shadow the master's cast byte for byte, and
+    the store's gradient left as it was (torch's kernel writes the clipped gradient back)."""
+    gen = torch.Generator().manual_seed(int(coef * 100))
+    base = _pieces(gen, 2, shadow=True)
+    grads = [torch.randn(n, generator=gen) * 0.01 for n in SIZES]
+    want = _clone(base)
+    fused_adamw_([w[0] for w in want], [g.clone() for g in grads], [w[1] for w in want], [w[2] for w in want],
+                 step=3, coef=coef, **HYPER)
+    runs, old = [], torch.get_num_threads()
     try:
-        gen = torch.Generator().manual_seed(threads)
-        base = _pieces(gen, 2, shadow=True)
-        grads = [torch.randn(n, generator=gen) * 0.01 for n in SIZES]
-        want = _clone(base)
-        fused_adamw_([w[0] for w in want], [g.clone() for g in grads], [w[1] for w in want], [w[2] for w in want],
-                     step=3, coef=coef, **HYPER)
-        got, kept = _clone(base), [g.clone() for g in grads]
-        step_(_with(got, kept), step=3, coef=coef, block=8192, **HYPER)
+        for threads in (1, 3):
+            torch.set_num_threads(threads)
+            got, kept = _clone(base), [g.clone() for g in grads]
+            step_(_with(got, kept), step=3, coef=coef, compiled=True, **HYPER)
+            assert all(torch.equal(k, g) for k, g in zip(kept, grads))
+            runs.append(got)
     finally:
         torch.set_num_threads(old)
-    for a, b in zip(got, want):
-        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and torch.equal(a[2], b[2])
+    for a, b, w in zip(*runs, want):
+        assert all(torch.equal(a[k], b[k]) for k in range(4))
+        assert all(rel_err(a[k], w[k]) < 1e-7 for k in range(3)), [rel_err(a[k], w[k]) for k in range(3)]
         assert torch.equal(a[3].view(torch.int16), a[0].to(torch.bfloat16).view(torch.int16))
-    assert all(torch.equal(k, g) for k, g in zip(kept, grads))
+
+
+def test_without_numba_the_step_is_torchs_fused_kernel_then_the_cast():
+    gen = torch.Generator().manual_seed(5)
+    base = _pieces(gen, 2, shadow=True)
+    grads = [torch.randn(n, generator=gen) * 0.01 for n in SIZES]
+    want = _clone(base)
+    fused_adamw_([w[0] for w in want], [g.clone() for g in grads], [w[1] for w in want], [w[2] for w in want],
+                 step=3, coef=0.5, **HYPER)
+    got = _clone(base)
+    step_(_with(got, [g.clone() for g in grads]), step=3, coef=0.5, compiled=False, **HYPER)
+    for a, w in zip(got, want):
+        assert all(torch.equal(a[k], w[k]) for k in range(3))
+        assert torch.equal(a[3].view(torch.int16), a[0].to(torch.bfloat16).view(torch.int16))
 
 
 CASES = [  # (steps before, coef, gradient spike, moments' scale): t = 1, a hundredfold clip, tiny v
@@ -187,3 +204,22 @@ def test_a_correction_by_one_is_the_speculative_step():
         assert ((a[2] - b[2]).abs() <= 2 * ulp * b[2]).all()
         assert (a[0] - b[0]).abs().max() <= 2 * ulp * b[0].abs().max()
         assert math.isfinite(float(a[0].sum()))
+
+
+@pytest.mark.skipif(not COMPILED, reason="numba is not installed")
+@pytest.mark.parametrize("steps,coef,spike,vscale", [CASES[1], CASES[5], CASES[7]])
+def test_the_correction_of_a_compiled_step_equals_the_compiled_clipped_step(steps, coef, spike, vscale):
+    """The updater speculates with the compiled kernel: its correction lands on the compiled clipped step
+    (moments bit-identical at t = 1, float32 rounding elsewhere), the shadow following."""
+    gen = torch.Generator().manual_seed(steps + int(coef * 1000))
+    base = _pieces(gen, steps, vscale, shadow=True)
+    grads = [torch.randn(n, generator=gen) * 0.01 * spike for n in SIZES]
+    want, got = _clone(base), _clone(base)
+    step_(_with(want, grads), step=steps + 1, coef=coef, compiled=True, **HYPER)
+    step_(_with(got, grads), step=steps + 1, compiled=True, **HYPER)
+    correct_(_with(got, grads), step=steps + 1, coef=coef, compiled=True, **HYPER)
+    for k, bound in ((0, 3e-6), (1, 1e-5), (2, 3e-5)):
+        assert rel_err(torch.cat([a[k] for a in got]), torch.cat([w[k] for w in want])) < bound, k
+    if steps == 0:
+        assert all(torch.equal(a[k], w[k]) for a, w in zip(got, want) for k in (1, 2))
+    assert all(torch.equal(a[3].view(torch.int16), a[0].to(torch.bfloat16).view(torch.int16)) for a in got)
