@@ -1,20 +1,22 @@
 """The updater's AdamW over the store's memory: one pass per chunk, the shadow and clipping inside it.
 
 A chunk's update streams master, both moments and the gradient from host memory once (28 B/param:
-four read, three written). The compiled kernel (numba; the default where numba is installed) does
-what else the update needs inside that pass: the bf16 shadow is cast block by block while the new
-master is in cache (the shadow costs its 2 B/param write, not a second pass over the master), and
-a clipped update divides the gradient in registers (torch's fused kernel writes the clipped
-gradient back where it read it, into the store's gradient slot: 4 B/param more traffic). It is one
-parallel region per tensor, each thread taking blocks of `_KBLOCK` elements, with torch's fused
-kernel's operations in its order (but no fused multiply-add: numba does not contract), so its
-results are within float32 rounding of torch's, and the same bits on every machine, at every
-thread count, with or without the shadow or clipping.
+four read, three written). torch's fused kernel (`torch._fused_adamw_`) does just that, and runs the
+plain update. What else an update needs, the compiled kernel (numba; where numba is installed) does
+inside the same pass: the bf16 shadow is cast block by block while the new master is in cache (the
+shadow costs its 2 B/param write, not a second pass over the master), and a clipped update divides
+the gradient in registers (torch's kernel writes the clipped gradient back where it read it, into
+the store's gradient slot: 4 B/param more traffic). It is one parallel region per tensor, each
+thread taking blocks of `_KBLOCK` elements, with torch's fused kernel's operations in its order
+(but no fused multiply-add: numba does not contract), so its results are within float32 rounding of
+torch's, and the same bits on every machine and at every thread count.
 
-Without numba (or with SLIDEDP_ADAMW_KERNEL=torch) it is torch's fused kernel on whole tensors,
-then the shadow's cast as a second pass. Running torch's kernel block by block instead, to cast
-from cache, made every block a parallel region of the updater's threads, which one preempted thread
-holds up: measured slower than the second pass (docs/tuning.md, "The updater's kernels").
+Without numba (or with SLIDEDP_ADAMW_KERNEL=torch) a shadow or a clipping falls back to torch's
+kernel and a second pass for the shadow's cast. Running torch's kernel block by block instead, to
+cast from cache, made every block a parallel region of the updater's threads, which one preempted
+thread holds up: measured slower than the second pass (docs/tuning.md, "The updater's kernels").
+The plain update stays torch's kernel: on this project's CPUs the compiled one measured 0.8-1.3x
+of it, nothing to gain (benchmarks/updater_rates.py says on a host).
 """
 
 from __future__ import annotations
@@ -173,12 +175,12 @@ def _compiled_step_(pieces: list[Piece], *, lr: float, beta1: float, beta2: floa
 def step_(pieces: Iterable[Sequence[torch.Tensor | None]], *, lr: float, beta1: float, beta2: float, eps: float,
           weight_decay: float, step: int, coef: float = 1.0, compiled: bool = USE_COMPILED) -> None:
     """AdamW step `step` over every piece (master, grad, exp_avg, exp_avg_sq, shadow or None), the
-    gradient clipped by `coef`, each shadow cast from its new master. compiled: in one pass, the store's
-    gradient left as it was; else torch's fused kernel (which writes a clipped gradient back), then
-    the shadows' cast."""
+    gradient clipped by `coef`, each shadow cast from its new master. compiled, where there is a shadow
+    or a clipping to fold in: one pass, the store's gradient left as it was; else torch's fused kernel
+    (which writes a clipped gradient back), then the shadows' cast."""
     hyper = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, step=step, coef=coef)
     pieces = [flat_piece(pc) for pc in pieces]
-    if compiled:
+    if compiled and (coef < 1.0 or any(pc[4] is not None for pc in pieces)):
         _compiled_step_(pieces, **hyper)
         return
     fused_adamw_(*([pc[k] for pc in pieces] for k in range(4)), **hyper)

@@ -1,5 +1,6 @@
 """The bf16 shadow written inside the updater's passes: after every update, correction and undo it is
-the master's cast byte for byte, and keeping it changes no bit of the state. (A checkpoint restore and a
+the master's cast byte for byte, and the state is the one without a shadow to float32 rounding (with a
+shadow the compiled kernel runs the plain update too, torch's kernel without one). (A checkpoint restore and a
 device-held unit's write-back recast the whole store or unit: store.refresh_shadow, torch's own cast.)"""
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ import math
 import torch
 
 from slidedp.store.store import STATE_KINDS
+
+from pipeline.harness import rel_err
 
 from clipping.test_cores import CROSSING, NO_CLIP, made_up_grads, stores  # noqa: F401 (the fixture)
 
@@ -34,5 +37,5 @@ def test_the_shadow_is_the_masters_cast_after_every_kind_of_update(stores):
         seen.append((done.speculated, done.corrected, done.clipped, done.skipped))
         assert _shadow_is_the_cast(shadowed.store), f"step {step}"
         a, b = shadowed.state(), plain.state()
-        assert all(torch.equal(a[k], b[k]) for k in STATE_KINDS), f"step {step}"
+        assert all(rel_err(a[k], b[k]) < 1e-6 for k in STATE_KINDS), (step, [rel_err(a[k], b[k]) for k in STATE_KINDS])
     assert seen == [(4, 0, 0, 0), (2, 2, 1, 0), (0, 0, 1, 0), (0, 0, 0, 0), (4, 0, 0, 0), (2, 2, 0, 1)]
