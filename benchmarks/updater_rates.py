@@ -1,6 +1,6 @@
 """The updater's AdamW rates on store-like shared memory: which kernel, thread count and pages pay.
 
-    python3 -m benchmarks.updater_rates --out FILE.json [--params 512] [--chunk 128] [--threads 1,2,4,8]
+    python3 -m benchmarks.updater_rates --out FILE.json [--params 256] [--chunk 64] [--threads 1,2,4,8]
                                         [--reps 3] [--no-copy] [--no-huge]
 
 Rows (G params/s, median of `--reps` passes over every chunk, the kernels taking turns; a pass is
@@ -140,9 +140,16 @@ class CopyStream:
         self.seg = Segment.create(f"/slidedp-rates-{uuid.uuid4().hex[:8]}.copy", nbytes)
         self.src = self.seg.tensor(torch.uint8)
         self.cpu, self.stop, self.moved, self.elapsed = cpu, threading.Event(), 0, 0.0
+        self.error = ""
         self.thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
+        try:
+            self._copy()
+        except Exception as e:  # say so in the rows rather than time the kernels without a copy unawares
+            self.error = f"{type(e).__name__}: {e}"
+
+    def _copy(self) -> None:
         if self.cpu is not None:
             os.sched_setaffinity(0, [self.cpu])  # this thread only (Linux: per-thread affinity)
         t0 = time.perf_counter()
@@ -199,8 +206,8 @@ def _first_node(cpus: list[int]) -> list[int]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python3 -m benchmarks.updater_rates", description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True, help="the JSON to write")
-    p.add_argument("--params", type=int, default=512, help="millions of parameters per pass (default 512)")
-    p.add_argument("--chunk", type=int, default=128, help="millions of parameters per chunk (default 128)")
+    p.add_argument("--params", type=int, default=256, help="millions of parameters per pass (default 256)")
+    p.add_argument("--chunk", type=int, default=64, help="millions of parameters per chunk (default 64)")
     p.add_argument("--threads", default="", help="comma-separated thread counts (default 1, 2, 4, ... a node)")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--no-copy", action="store_true", help="leave out the rows beside a copy stream")
@@ -234,6 +241,8 @@ def main(argv: list[str] | None = None) -> int:
                         with CopyStream(1 << 28, copy_cpu) as cs:
                             rates = _rates(kernels, n, a.reps)
                         copy = {"copy": cs.kind, "copy_gbps": round(cs.gbps(), 2)}
+                        if cs.error:
+                            copy["copy_error"] = cs.error
                     else:
                         rates, copy = _rates(kernels, n, a.reps), {}
                     for name, rate in rates.items():
