@@ -2,35 +2,35 @@
 
 A speculative update overwrote master and both moments with the unclipped step; keeping a copy
 of them would cost 12 B/param. The gradient g is kept anyway (4 B/param, until the verdict), and
-with it the step is corrected in place. With t the AdamW step the update used, bc1 = 1 - beta1^t,
-bc2 = 1 - beta2^t, u(m, v) = m / (sqrt(v) + eps * sqrt(bc2)) and a = lr * sqrt(bc2) / bc1 (the
-fused kernel's m / (sqrt(v) / sqrt(bc2) + eps) times lr / bc1, rewritten), the speculative state is
+with it the step is corrected in place. With t the AdamW step the update used, w = 1 - beta1,
+c = 1 - beta2 and X(m, v) = -lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps) (the
+fused kernel's update), the speculative state is
 
-    m_s = beta1 m + (1 - beta1) g,   v_s = beta2 v + (1 - beta2) g^2,   p_s = p (1 - lr wd) - a u(m_s, v_s)
+    m_s = m + w (g - m),   v_s = beta2 v + c g^2,   p_s = p (1 - lr wd) + X(m_s, v_s)
 
-and the one clipped by coef (g replaced by coef g) differs from it only in the gradient's terms:
+and the one clipped by coef (gc = g / (1 / coef), as the kernel clips) differs from it only in the
+gradient's terms:
 
-    m' = m_s - (1 - beta1)(1 - coef) g
-    v' = max(0, v_s - (1 - beta2)(1 - coef^2) g^2)
-    p' = p_s + a (u(m_s, v_s) - u(m', v'))
+    m' = m_s + w (gc - g)                 (at t = 1, the moments were zero: w gc)
+    v' = max(0, (v_s - c g^2) + c gc^2)
+    p' = (p_s - X(m_s, v_s)) + X(m', v')
 
 The decay term p (1 - lr wd) and the bias corrections are the same in both, so they cancel: one
-read and one write of each tensor, no division by beta or by (1 - lr wd). At t = 1 the moments
-were zero, so m' = (1 - beta1) coef g and v' = (1 - beta2) coef^2 g^2 outright (no cancellation
-of m_s against its gradient term at a small coef). What it costs is float32 rounding of the
-speculative values, as the undo and redo it replaces (tests/clipping measure both).
+read and one write of each tensor, no division by beta or by (1 - lr wd). Each term taken out is
+recomputed with the operations, in the order, of the kernel that put it in (torch's fused kernel
+and slidedp.adamw's compiled one compute c g^2 and X alike; they differ only in the rounding of
+m_s, which the correction does not recompute), so it cancels to the rounding of the sum it went
+into: at t = 1 the moments come out bit-identical to the clipped step, and elsewhere the error is
+the float32 rounding of the speculative values, at most the undo + redo's (tests/clipping).
 
 A skipped step (non-finite norm) is undone instead:
 
-    p = (p_s + a u(m_s, v_s)) / (1 - lr wd),   m = (m_s - (1 - beta1) g) / beta1,
-    v = max(0, (v_s - (1 - beta2) g^2) / beta2)   (exactly zero at t = 1)
+    p = (p_s - X(m_s, v_s)) / (1 - lr wd),   m = (m_s - w g) / beta1,
+    v = max(0, (v_s - c g^2) / beta2)   (exactly zero at t = 1)
 
-The correction is one compiled pass (numba: it is the sqrt and division of AdamW twice, which
-torch's elementwise ops would take a pass each for); where numba is missing it falls back to the
-undo then the fused redo, block by block. Both write the block's bf16 shadow from cache. The
-terms taken out are recomputed with the operations of the kernel that made them, the same in
-torch's fused kernel and in slidedp.adamw's compiled one (which differ only in the first moment's
-rounding, and the correction's first moment does not recompute it).
+The correction is one compiled pass (numba: it is AdamW's sqrt and division twice, which torch's
+elementwise ops would take a pass over the block each for); where numba is missing it falls back
+to the undo then the fused redo, block by block. Both write the bf16 shadow as they go.
 """
 
 from __future__ import annotations
@@ -78,10 +78,10 @@ if COMPILED:
 
     @numba.njit(parallel=True, boundscheck=False, nogil=True, cache=True)
     def _correct_kernel(p, g, m, v, p_bits, shadow, keep, w, c, scale, bc2s, eps, step_size):  # pragma: no cover
-        """The speculative step's terms, recomputed as torch's fused kernel computed them (its operations in
-        its order, float32), taken out, and the clipped step's put in; then the shadow (if any) cast from
-        the new master with torch's rounding (nearest even; NaN 0x7FC0). No fused multiply-add (numba does
-        not contract), so the bits are the same on every machine."""
+        """The speculative step's terms, recomputed as its kernel computed them (float32, its operations in
+        its order), taken out, and the clipped step's put in; then the shadow (if any) cast from the new
+        master with torch's rounding. No fused multiply-add (numba does not contract), so the bits are
+        the same on every machine."""
         n = p.size
         zero = np.float32(0.0)
         for b in numba.prange((n + _KBLOCK - 1) // _KBLOCK):
