@@ -1,9 +1,10 @@
 """A member of the updater pool: fused AdamW on chunks as their gradients complete.
 
-Pinned by its pool to one NUMA node's CPUs, it runs torch's fused AdamW on zero-copy views
-of the store, block by block with the bf16 shadow's cast (slidedp/adamw.py), and settles
-speculative updates in one pass (slidedp/clipping/rollback.py). `UpdaterCore` is the logic (tests drive it in-process); member.py is the
-member's shell (its socket and signals), pool.py and shell.py the pool that starts the members.
+Pinned by its pool to one NUMA node's CPUs, it runs AdamW on zero-copy views of the store (the
+bf16 shadow's cast and the clipping inside the pass: slidedp/adamw.py) and settles speculative
+updates in one pass (slidedp/clipping/rollback.py). `UpdaterCore` is the logic (tests drive it
+in-process); member.py is the member's shell (its socket and signals), pool.py and shell.py the
+pool that starts the members.
 """
 
 from __future__ import annotations
@@ -262,7 +263,7 @@ class UpdaterCore:
                 yield (train.weight_decay if decay else 0.0), blocks
 
     def _adamw(self, chunk: Chunk, grads: list[tuple[int, int, torch.Tensor]], step: int, coef: float) -> None:
-        """The fused AdamW over the chunk block by block, its bf16 shadow (if any) cast from cache."""
+        """AdamW over the chunk, clipped by coef, its bf16 shadow (if any) cast in the same pass."""
         hyper = self._hyper(chunk, step)
         for wd, blocks in self._groups(chunk, grads):
             step_(blocks, weight_decay=wd, coef=coef, **hyper)
