@@ -1,8 +1,10 @@
 """A member of the updater pool: fused AdamW on chunks as their gradients complete.
 
-Pinned by its pool to one NUMA node's CPUs, it runs torch's fused AdamW on zero-copy views
-of the store. `UpdaterCore` is the logic (tests drive it in-process); member.py is the
-member's shell (its socket and signals), pool.py and shell.py the pool that starts the members.
+Pinned by its pool to one NUMA node's CPUs, it runs AdamW on zero-copy views of the store (the
+bf16 shadow's cast and the clipping inside the pass: slidedp/adamw.py) and settles speculative
+updates in one pass (slidedp/clipping/rollback.py). `UpdaterCore` is the logic (tests drive it
+in-process); member.py is the member's shell (its socket and signals), pool.py and shell.py the
+pool that starts the members.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ import torch
 from slidedp import faults
 from slidedp import log as slog
 from slidedp.clipping import Verdict
-from slidedp.clipping.rollback import fused_adamw_, settle_
+from slidedp.adamw import step_
+from slidedp.clipping import rollback
 from slidedp.jobrecord import JobRecord, attach_job, detach_job
 from slidedp.store.layout import Shard
 from slidedp.protocol import (SOURCE_NONE, SOURCE_RANK_SHARD, SOURCE_RANK_SLOT, Ack, JobEnd, JobStart, Message, Norm,
@@ -25,7 +28,7 @@ from slidedp.schedule import lr_at
 from slidedp.store.layout import Chunk, Member
 from slidedp.store.manifest import SPECULATIVE, UPDATING
 from slidedp.store.rings import GradRings
-from slidedp.store.store import STATE_KINDS, HostStore, member_view
+from slidedp.store.store import STATE_KINDS, HostStore
 from slidedp.tracing import NULL
 
 log = slog.get("updater")
@@ -58,6 +61,7 @@ class UpdaterCore:
         self.end_job()
         self.store, self.rings, self.tracer = attach_job(self.store_name, job, f"updater{self.index}")
         self.job = job
+        rollback.warm_up()
         self.shards.clear()
         self.pending.clear()
         self.ready.clear()
@@ -200,8 +204,6 @@ class UpdaterCore:
             m.updating[chunk.id] = UPDATING
             self._adamw(chunk, self._grads(work, chunk), msg.step, verdict.coef if verdict is not None else 1.0)
             m.adam_steps[chunk.id] += 1
-            if store.has_shadow:
-                store.refresh_shadow(chunk)
         return self._done(chunk, msg, t0, "adamw", skipped=skip)
 
     def speculate(self, *work: Update) -> None:
@@ -217,8 +219,6 @@ class UpdaterCore:
         m.updating[chunk.id] = SPECULATIVE
         self._adamw(chunk, self._grads(work, chunk), msg.step, 1.0)
         m.adam_steps[chunk.id] += 1
-        if store.has_shadow:
-            store.refresh_shadow(chunk)
         busy = time.perf_counter() - t0
         self.busy_s += busy
         self.speculated[(chunk.id, msg.step)] = (work, busy)
@@ -243,8 +243,6 @@ class UpdaterCore:
         self._settle(chunk, self._grads(work, chunk), msg.step, None if verdict.skip else verdict.coef)
         if verdict.skip:
             m.adam_steps[chunk.id] -= 1
-        if store.has_shadow:
-            store.refresh_shadow(chunk)
         return self._done(chunk, msg, t0, "undo" if verdict.skip else "correct", spent, corrected=True,
                           skipped=verdict.skip)
 
@@ -254,45 +252,47 @@ class UpdaterCore:
                     step=int(self.store.manifest.adam_steps[chunk.id]) + 1)  # type: ignore[union-attr]
 
     def _groups(self, chunk: Chunk, grads: list[tuple[int, int, torch.Tensor]]):
-        """(weight decay, [(master, grad, exp_avg, exp_avg_sq) of each member piece]) for decay and no decay."""
+        """(weight decay, [(master, grad, exp_avg, exp_avg_sq, bf16 shadow or None) of each member piece])
+        for decay and no decay."""
         store, train = self.store, self.job.train_section  # type: ignore[union-attr]
         views = [store.chunk(k, chunk) for k in STATE_KINDS]  # type: ignore[union-attr]
+        views.append(store.chunk("shadow", chunk) if store.has_shadow else None)  # type: ignore[union-attr]
         for decay in (True, False):
             blocks = [b for mb in chunk.members if mb.decay == decay for b in _blocks(mb, grads, views)]
             if blocks:
                 yield (train.weight_decay if decay else 0.0), blocks
 
     def _adamw(self, chunk: Chunk, grads: list[tuple[int, int, torch.Tensor]], step: int, coef: float) -> None:
+        """AdamW over the chunk, clipped by coef, its bf16 shadow (if any) cast in the same pass."""
         hyper = self._hyper(chunk, step)
         for wd, blocks in self._groups(chunk, grads):
-            params, grad, exp_avg, exp_avg_sq = (list(t) for t in zip(*blocks))
-            fused_adamw_(params, grad, exp_avg, exp_avg_sq, weight_decay=wd, coef=coef, **hyper)
+            step_(blocks, weight_decay=wd, coef=coef, **hyper)
 
     def _settle(self, chunk: Chunk, grads: list[tuple[int, int, torch.Tensor]], step: int, coef: float | None) -> None:
-        """Undo the chunk's speculative step (its AdamW count not yet taken back), redo it clipped by coef."""
+        """Correct the chunk's speculative step (its AdamW count not yet taken back) to the one clipped by
+        coef, in one pass; undo it when coef is None (the step is skipped). The shadow follows."""
         hyper = self._hyper(chunk, step)
         hyper["step"] -= 1  # the count the speculative update used
         for wd, blocks in self._groups(chunk, grads):
             for b in blocks:
-                settle_(*b, weight_decay=wd, coef=coef, **hyper)
+                if coef is None:
+                    rollback.undo_([b], weight_decay=wd, **hyper)
+                else:
+                    rollback.correct_([b], weight_decay=wd, coef=coef, **hyper)
                 faults.hold("correct", step, chunk=chunk.id)  # the crash tests: half-way through a correction
 
 
 def _blocks(mb: Member, grads: list[tuple[int, int, torch.Tensor]],
-            views: list[torch.Tensor]) -> list[tuple[torch.Tensor, ...]]:
-    """(master, grad, exp_avg, exp_avg_sq) of member `mb` where each gradient piece (start, end, the
-    gradient's elements [start, end)) covers it: the member's own shape where one piece holds all
-    of it, else flat slices of the part each holds."""
-    master, exp_avg, exp_avg_sq = views
+            views: list[torch.Tensor | None]) -> list[tuple[torch.Tensor | None, ...]]:
+    """(master, grad, exp_avg, exp_avg_sq, shadow or None) of member `mb` where each gradient piece (start,
+    end, the gradient's elements [start, end)) covers it: flat slices (the kernels are elementwise)."""
+    master, exp_avg, exp_avg_sq, shadow = views
     lo_mb, hi_mb = mb.offset, mb.offset + mb.numel
     out = []
     for start, end, grad in grads:
         lo, hi = max(lo_mb, start), min(hi_mb, end)
         if lo >= hi:
             continue
-        g = grad[lo - start:hi - start]
-        if (lo, hi) == (lo_mb, hi_mb):
-            out.append((member_view(master, mb), g.view(mb.shape), member_view(exp_avg, mb), member_view(exp_avg_sq, mb)))
-        else:
-            out.append((master[lo:hi], g, exp_avg[lo:hi], exp_avg_sq[lo:hi]))
+        out.append((master[lo:hi], grad[lo - start:hi - start], exp_avg[lo:hi], exp_avg_sq[lo:hi],
+                    shadow[lo:hi] if shadow is not None else None))
     return out

@@ -16,6 +16,7 @@ import time
 import torch
 import zmq
 
+from slidedp import adamw
 from slidedp import log as slog
 from slidedp import numa
 from slidedp.daemons.loop import serve_loop
@@ -52,8 +53,10 @@ def serve_member(store: str, index: int, pool: int, ready_fd: int = -1) -> int:
     hello = Hello(ROLE_UPDATER, index, pool, os.getpid())
     send(sock, hello)
     stop = stop_on(signal.SIGTERM, ignore=(signal.SIGINT,))  # the parent or launcher decides; Ctrl-C goes to the group
-    log.info("updater %d/%d up, %d threads on CPUs %s", index, pool, torch.get_num_threads(),
-             numa.format_cpulist(list(os.sched_getaffinity(0))))
+    log.info("updater %d/%d up, %d threads on CPUs %s; shadow and clipping %s", index, pool, torch.get_num_threads(),
+             numa.format_cpulist(list(os.sched_getaffinity(0))),
+             "in the compiled pass" if adamw.USE_COMPILED else
+             "after torch's kernel (numba missing or SLIDEDP_ADAMW_KERNEL=torch)")
     last_hello = time.monotonic()
     failed = False
 

@@ -107,9 +107,9 @@ GRAD_BYTES = 4  # gradients leave the GPU in fp32 (cast on the GPU)
 # A layer's recompute + backward with compiled pointwise kernels (train.compile) against eager
 # (benchmarks.layer_bench; docs/tuning.md, "The planner's constants").
 COMPILED_LAYER_SPEEDUP = 1.44
-# a correction of a speculative update (undo, then the clipped redo) in AdamW's of the chunk: measured on
-# Qwen3-4B (docs/tuning.md, "Exact clipping: when to speculate")
-CORRECTION_ADAMWS = 2.3
+# a correction of a speculative update (the one-pass correction of clipping/rollback.py) in AdamW's of the
+# chunk (docs/tuning.md, "The updater's kernels"; the undo + redo it replaced measured 2.3)
+CORRECTION_ADAMWS = 1.1
 
 
 def update_bytes_per_param(delivery: str) -> int:

@@ -39,6 +39,7 @@ class Cores:
     max_norm: float
     world: int = 1
     grad_route: str = "host"
+    shadow: bool = False  # the store keeps a bf16 shadow of the master
     agg: AggregatorCore = field(init=False)
     upd: UpdaterCore = field(init=False)
     updates: list[Update] = field(default_factory=list)
@@ -47,7 +48,8 @@ class Cores:
 
     def __post_init__(self) -> None:
         record = attached_job_record(self.store_name, self.world, clip=self.max_norm > 0, max_grad_norm=self.max_norm,
-                                     sets=("train.weight_decay=0.1", "train.warmup_steps=0"), grad_route=self.grad_route)
+                                     sets=("train.weight_decay=0.1", "train.warmup_steps=0"), grad_route=self.grad_route,
+                                     shadow=self.shadow)
         self.record = record
         self.agg, self.upd = AggregatorCore(self.store_name), UpdaterCore(self.store_name, 0)
         self.agg.start_job(record, 1)

@@ -23,15 +23,15 @@ def unique_store(prefix: str = "t") -> str:
 
 
 def attached_job_record(store: str, world: int, clip: bool, max_grad_norm: float = 1.0, sets: tuple[str, ...] = (),
-                        **record: object):
+                        shadow: bool = False, **record: object):
     """A created store (tiny shape, in this process) with a job attached (rings made), and its job record,
     for driving a daemon's core in-process. clip: train.max_grad_norm = max_grad_norm, else 0; `sets`
-    more job file values; `record` overrides JobRecord fields (e.g. grad_route)."""
+    more job file values; shadow: the store keeps a bf16 shadow; `record` overrides JobRecord fields (e.g. grad_route)."""
     from slidedp.config import job_to_dict, load_job
     from slidedp.jobrecord import JobRecord
     from slidedp.store.client import call
 
-    call(store, "create", source="random", shape="tiny", vocab_size=512, init_seed=0)
+    call(store, "create", source="random", shape="tiny", vocab_size=512, init_seed=0, shadow_bf16=shadow)
     st = call(store, "status")
     train = job_to_dict(load_job(TINY, [f"train.max_grad_norm={max_grad_norm if clip else 0.0}", *sets]))["train"]
     from slidedp.jobrecord import gradient_space
