@@ -192,9 +192,9 @@ class DryRun:
                             ", one per chunk: exact clipping keeps each gradient until the step's norm" if clip else "")
                          + ")")
         else:
-            state = sum(segment_sizes(layout, {}, job.store.shadow_bf16).values())
+            state = sum(segment_sizes(layout, {}, job.store.shadow_bf16 is True).values())
             need = state + grads + reduce
-            self.say("store", f"would create store {name!r}: {_size(state)} of state ({14 if job.store.shadow_bf16 else 12} "
+            self.say("store", f"would create store {name!r}: {_size(state)} of state ({14 if job.store.shadow_bf16 is True else 12} "
                               f"bytes/parameter) + {_size(grads + reduce)} of gradient rings = {_size(need)}; "
                               f"{'kept' if job.store.persist else 'destroyed'} after the job (store.persist)")
         free, avail = shm_free_bytes(), psutil.virtual_memory().available
@@ -255,7 +255,7 @@ class DryRun:
                                       f"checkpoint path (or `slidedp-store restore {name} CHECKPOINT`)")
             elif torn:
                 self.say("", f"store is torn ({torn}); the resume checkpoint would restore it")
-            if bool(m.meta.get("shadow")) != self.job.store.shadow_bf16:
+            if self.job.store.shadow_bf16 != "auto" and bool(m.meta.get("shadow")) != self.job.store.shadow_bf16:
                 self.warn("store", f"store.shadow_bf16 = {str(self.job.store.shadow_bf16).lower()} but the existing store "
                                    f"was made {'with' if m.meta.get('shadow') else 'without'} the bf16 shadow; the store's wins")
         finally:

@@ -158,7 +158,7 @@ class JobRun:
         if not status.get("exists"):
             log.info("creating store %s from %s", self.store, model_source(job))
             t0 = time.perf_counter()
-            st = self._call("create", max(self.timeout, 3600), shadow_bf16=job.store.shadow_bf16,
+            st = self._call("create", max(self.timeout, 3600), shadow_bf16=job.store.shadow_bf16 is True,
                             persist=job.store.persist, creator=creator_record(job.run.name), **model_source(job))
             self.created_store = True
             log.info("store %s created: %.3f B parameters, %.2f bytes/parameter, in %.2f s", self.store,

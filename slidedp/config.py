@@ -31,7 +31,8 @@ class ConfigError(ValueError):
         super().__init__("\n".join(self.problems))
 
 
-_TYPE_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "true or false"}
+_TYPE_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "true or false",
+               (bool, str): "true, false or a string"}
 
 
 class _Section:
@@ -53,7 +54,8 @@ class _Section:
                 object.__setattr__(self, f.name, tuple(value) if len(value) > 1 else value[0])
                 continue
             # bool is a subclass of int in Python; a TOML `true` is never a number here.
-            ok = isinstance(value, want) and not (want is not bool and isinstance(value, bool))
+            takes_bool = want is bool or (isinstance(want, tuple) and bool in want)
+            ok = isinstance(value, want) and not (not takes_bool and isinstance(value, bool))
             if want is float and isinstance(value, int) and not isinstance(value, bool):
                 object.__setattr__(self, f.name, float(value))
                 ok = True
@@ -114,7 +116,7 @@ class _Section:
         return path
 
 
-_FIELD_TYPES = {"str": str, "int": int, "float": float, "bool": bool}
+_FIELD_TYPES = {"str": str, "int": int, "float": float, "bool": bool, "bool | str": (bool, str)}
 
 
 def _show(value: Any) -> str:
@@ -290,10 +292,15 @@ class StoreSection(_Section):
     _name: ClassVar[str] = "store"
     name: str = ""  # "" = the run name
     persist: bool = False  # false: destroyed when the job that created it ends
-    shadow_bf16: bool = False
+    # a bf16 copy of the weights beside the master (2 B/param more host memory), refreshed by the updater,
+    # which the bf16 delivery streams instead of the fp32 master: true, false, or "auto": a store this job
+    # creates has one when its plan delivers bf16 (docs/job-file.md says when). An existing store keeps its own.
+    shadow_bf16: bool | str = "auto"
     grad_slots: int = 0  # per rank; 0 = auto (a third of the layers, 3..16: room for the updaters' backlog)
 
     def validate(self) -> None:
+        if self.shadow_bf16 not in (True, False, "auto"):
+            self._report(f"store.shadow_bf16 must be true, false or \"auto\"; got {_show(self.shadow_bf16)}")
         if self.grad_slots == 1 or self.grad_slots < 0:
             raise ConfigError(f"store.grad_slots must be 0 (auto) or at least 2, got {self.grad_slots}")
         if self.name:
@@ -357,9 +364,14 @@ class RuntimeSection(_Section):
     timeout_s: float = 120.0
     param_route: str = "auto"  # "replicated" (every rank copies whole chunks in) | "sharded" (1/N each, all-gathered)
     grad_route: str = "auto"  # "host" (the aggregator sums the ranks) | "reduce_scatter" (summed on the devices)
+    # what carries the weights to the devices: "fp32" (the master, cast there) | "bf16" (the store's bf16
+    # shadow: half the bytes, the same bits for a bf16 compute) | "auto": the plan's choice (on CPU: bf16
+    # where the store has a shadow and the compute is bf16)
+    delivery: str = "auto"
 
     def validate(self) -> None:
         self._choice("device", ("cpu", "cuda"))
+        self._choice("delivery", ("auto", "fp32", "bf16"))
         self._choice("param_route", ("auto", "replicated", "sharded"))
         self._choice("grad_route", ("auto", "host", "reduce_scatter"))
         self._range("workers", 1)
@@ -419,6 +431,13 @@ class JobConfig:
                               + (f", as {m.path} has no tokenizer.json" if m.source == "hf" else ""))
         if self.train.eval_every and not d.eval_path:
             raise ConfigError("train.eval_every needs data.eval_path (the held-out data)")
+        if self.runtime.delivery == "bf16" and self.train.compute_dtype != "bf16":
+            raise ConfigError(f"runtime.delivery = \"bf16\" streams the weights rounded to bf16: it needs "
+                              f"train.compute_dtype = \"bf16\" (got {self.train.compute_dtype!r}); set "
+                              f"runtime.delivery = \"fp32\" or \"auto\"")
+        if self.runtime.delivery == "bf16" and self.store.shadow_bf16 is False:
+            raise ConfigError("runtime.delivery = \"bf16\" streams the store's bf16 shadow, and store.shadow_bf16 = "
+                              "false makes a store without one: set store.shadow_bf16 = true or \"auto\"")
 
     @property
     def store_name(self) -> str:

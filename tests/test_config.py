@@ -88,7 +88,7 @@ def test_round_trip_through_toml(jobdir, monkeypatch):
     monkeypatch.chdir(jobdir.parent)  # reloading elsewhere changes nothing: paths are absolute
     again = load_job(write(jobdir, text, "resolved.toml"))
     assert again == job
-    assert job_to_dict(again)["store"] == {"name": "s1", "persist": False, "shadow_bf16": False, "grad_slots": 0}
+    assert job_to_dict(again)["store"] == {"name": "s1", "persist": False, "shadow_bf16": "auto", "grad_slots": 0}
 
 
 def test_ints_accepted_as_floats(jobdir):
@@ -288,3 +288,26 @@ def test_model_config_from_hf_folder(jobdir):
         f"{p}: model.vocab_size applies to source = 'random' only; got 10 with source = 'hf' "
         "(the checkpoint's config.json sets the vocabulary)"
     )
+
+
+def test_the_bf16_shadow_and_its_delivery(jobdir):
+    """store.shadow_bf16 takes true, false or "auto" (the default); runtime.delivery = "bf16" needs a bf16
+    compute and a store that may have the shadow."""
+    path = write(jobdir, BASE)
+    job = load_job(path)
+    assert (job.store.shadow_bf16, job.runtime.delivery) == ("auto", "auto")
+    assert load_job(path, ["store.shadow_bf16=true"]).store.shadow_bf16 is True
+    assert load_job(path, ["store.shadow_bf16=false"]).store.shadow_bf16 is False
+    assert load_job(path, ["runtime.delivery=bf16"]).runtime.delivery == "bf16"
+    assert 'store.shadow_bf16 must be true, false or "auto"; got \'yes\'' in error(path, ["store.shadow_bf16=yes"])
+    assert "store.shadow_bf16 must be true, false or a string, got 1 (int)" in error(path, ["store.shadow_bf16=1"])
+    assert "runtime.delivery must be one of 'auto', 'fp32', 'bf16'; got 'fp16'" in error(path, ["runtime.delivery=fp16"])
+    msg = error(path, ["runtime.delivery=bf16", 'train.compute_dtype="fp32"'])
+    assert 'runtime.delivery = "bf16" streams the weights rounded to bf16: it needs train.compute_dtype = "bf16"' in msg
+    msg = error(path, ["runtime.delivery=bf16", "store.shadow_bf16=false"])
+    assert "store.shadow_bf16 = false makes a store without one: set store.shadow_bf16 = true" in msg
+    # a resolved job file keeps each form
+    for value in (True, False, "auto"):
+        text = job_to_toml(load_job(path, [f"store.shadow_bf16={str(value).lower() if value != 'auto' else 'auto'}"]))
+        again = load_job(write(jobdir, text, "resolved.toml"))
+        assert again.store.shadow_bf16 == value and type(again.store.shadow_bf16) is type(value)

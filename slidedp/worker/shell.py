@@ -80,10 +80,12 @@ def run(args: argparse.Namespace) -> int:
     reg = Registration()
     if device.type == "cuda":
         t0 = time.perf_counter()
-        master = store.flat("master")
-        reg.register(master, "the master weights")
+        # what the copies stream (the fp32 master, or the bf16 shadow: delivery.py), DMA'd where it lies
+        shadow = plan.delivery == "bf16" and store.has_shadow  # without one, WorkerCore says what to do
+        source = store.flat("shadow" if shadow else "master")
+        reg.register(source, "the bf16 shadow of the weights" if shadow else "the master weights")
         reg.register(rings.rank_ring(rank), f"rank {rank}'s gradient ring")
-        log.info("registered %.2f GiB of host memory with CUDA in %.2f s", master.numel() * 4 / 2**30,
+        log.info("registered %.2f GiB of host memory with CUDA in %.2f s", source.numel() * source.element_size() / 2**30,
                  time.perf_counter() - t0)
     ctx = zmq.Context()
     agg = connect_dealer(ctx, store_name, "agg", identity("w", rank))
