@@ -524,6 +524,7 @@ def run_job(job: JobConfig, job_path: Path, progress: Progress) -> int:
         log.info("ready in %.2f s: store %s at step %d; training steps %d..%d on %d %s worker(s)",
                  time.perf_counter() - t0, run.store, start, start, end - 1, run.world, job.runtime.device)
         progress.predicted_step_s = run.plan.step.predicted_step_s
+        progress.params = run.layout.num_parameters
         progress.predicted_clipped_step_s = run.plan.step.predicted_clipped_step_s
         progress.predicted_corrected_step_s = run.plan.step.predicted_corrected_step_s
         progress.planned_gpu_bytes = run.plan.step.planned_device_bytes

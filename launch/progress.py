@@ -83,6 +83,12 @@ METRICS: dict[str, MetricField] = {
     "correction_s": MetricField(float, "updater busy time of those corrections, summed over processes (inside "
                                        "update_busy_s)"),
     "reduce_busy_s": MetricField(float, "aggregator busy time summing the step's gradients"),
+    "d2h_bytes": MetricField(int, "bytes of gradients copied device to host, all ranks", True, "sum"),
+    "host_bytes_per_param": MetricField(float, "host memory read and written in the step per parameter of the model: "
+                                               "the ranks' parameter copies in (h2d_bytes) and gradients out "
+                                               "(d2h_bytes), the updaters' AdamW passes and shadow refresh and the "
+                                               "aggregator's sums (slidedp/hosttraffic.py); null where the parameter "
+                                               "count is not known", True),
     "host_rss_bytes": MetricField(int, "private resident memory of the launcher and all its child processes "
                                        "(the shared store is counted once, in shm_bytes)"),
     "shm_bytes": MetricField(int, "bytes of the store's shared-memory segments (state, manifest, gradient rings)"),
@@ -143,7 +149,8 @@ def _finite(x: float) -> float | None:
 def make_record(step: int, done: StepDone, stats: dict[int, WorkerStats], lr: float, tokens: int, step_s: float,
                 predicted_step_s: float | None, host_private: int, shm: int,
                 planned_gpu_bytes: int | None = None, eval_loss: float | None = None,
-                trained_tokens: int | None = None) -> dict[str, Any]:
+                trained_tokens: int | None = None, params: int = 0) -> dict[str, Any]:
+    """params: the model's parameter count (0: not known, host_bytes_per_param is null)."""
     worker_fields = {f.name for f in fields(WorkerStats)}
     record: dict[str, Any] = {
         "step": step, "time": time.time(), "loss": _finite(done.loss), "grad_norm": _finite(done.grad_norm),
@@ -161,6 +168,8 @@ def make_record(step: int, done: StepDone, stats: dict[int, WorkerStats], lr: fl
         if f.over_ranks and key in worker_fields:
             values = [getattr(s, key) for s in stats.values()]
             record[key] = (sum(values) if f.over_ranks == "sum" else max(values)) if values else None
+    moved = done.host_bytes + sum(s.h2d_bytes + s.d2h_bytes for s in stats.values())
+    record["host_bytes_per_param"] = moved / params if params else None
     return record
 
 
@@ -197,6 +206,7 @@ class Progress:
         self.predicted_clipped_step_s: float | None = None  # exact clipping: of a step after a clipped one
         self.predicted_corrected_step_s: float | None = None  # exact clipping: of one that speculated, then clipped
         self.planned_gpu_bytes: int | None = None
+        self.params = 0  # the model's parameters: host_bytes_per_param is per parameter (0: not known)
         self.update_busy_s: list[float] = []  # per committed step: the updaters' summed AdamW time
         self.reduce_busy_s: list[float] = []  # per committed step: the aggregator's time summing gradients
         self.gpu_side_s: list[float] = []  # per committed step: the slowest rank's step less its waits for the host
@@ -241,7 +251,8 @@ class Progress:
         elif done.speculate and done.clipped and self.predicted_corrected_step_s:
             predicted = self.predicted_corrected_step_s  # speculated, then corrected
         record = make_record(step, done, stats, lr, self.tokens_per_step, step_s, predicted,
-                             process_tree_private_bytes(), shm, self.planned_gpu_bytes, eval_loss, trained_tokens)
+                             process_tree_private_bytes(), shm, self.planned_gpu_bytes, eval_loss, trained_tokens,
+                             self.params)
         if not done.skipped:
             self.update_busy_s.append(done.update_s - done.correct_s)  # the AdamW rate a plan may learn
             self.reduce_busy_s.append(done.reduce_s)

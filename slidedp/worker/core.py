@@ -179,7 +179,7 @@ class WorkerCore:
         t0 = time.perf_counter()
         link.waits = dict.fromkeys(link.waits, 0.0)
         link.step = step
-        h2d0 = engine.delivery.h2d_bytes
+        h2d0, d2h0 = engine.delivery.h2d_bytes, engine.grads.d2h_bytes
         batch, mbs = self.batches.batch(step), self.plan.micro_batch
         if isinstance(batch, SftBatch):  # rows of documents: masks, positions, the global trained count
             run_step = lambda: feed.run_step(engine, batch, step, self.rank, self.world, self.micro, mbs)  # noqa: E731
@@ -212,7 +212,8 @@ class WorkerCore:
             write_back_s = time.perf_counter() - t_back
         w = link.waits
         return WorkerStats(self.rank, step, time.perf_counter() - t0, times.forward_s, times.backward_s, w["version"],
-                           w["slot"], w["loss"], engine.delivery.h2d_bytes - h2d0, peak, reserved, write_back_s)
+                           w["slot"], w["loss"], engine.delivery.h2d_bytes - h2d0, peak, reserved, write_back_s,
+                           engine.grads.d2h_bytes - d2h0)
 
     def between_steps(self, step: int) -> bool:
         """The launcher may hold us for a checkpoint after `step`, or tell us to stop: True to stop."""

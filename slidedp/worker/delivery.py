@@ -180,6 +180,7 @@ class GradOut:
         self.slot_view = slot_view
         self.group = group  # set: the reduce_scatter route
         self.pending: list[_PendingGrad] = []
+        self.d2h_bytes = 0  # gradients written into host memory
         self.tracer = NULL
         if self.cuda:
             self.stream = torch.cuda.Stream(device)
@@ -199,6 +200,7 @@ class GradOut:
         if not self.cuda:
             part, dst = self._payload(chunk, grad, slot)
             dst.copy_(part)
+            self.d2h_bytes += part.numel() * part.element_size()
             self.pending.append(_PendingGrad(chunk, slot, torch.dot(part, part), None, grad))
             self.tracer.event(f"grad chunk {chunk.id}", "d2h", step, t0, time.time(), chunk=chunk.id, slot=slot)
             return
@@ -209,6 +211,7 @@ class GradOut:
             part, dst = self._payload(chunk, grad, slot)
             sq = torch.dot(part, part)
             dst.copy_(part, non_blocking=True)
+            self.d2h_bytes += part.numel() * part.element_size()
             sq_host = sq.to("cpu", non_blocking=True)
             done = torch.cuda.Event()
             done.record(self.stream)

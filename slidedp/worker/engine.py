@@ -190,6 +190,7 @@ class Engine:
         unit = self.units["embed"]
         self.link.wait_ready(unit, version)
         table = unit_tensors(self.source[unit.offset:], unit)["model.embed_tokens.weight"]
+        self.delivery.h2d_bytes += ids.numel() * table.shape[1] * table.element_size()
         return [L.embed(table, ids[i]).to(self.device, self.dtype) for i in range(ids.shape[0])]
 
     def _send(self, chunk: Chunk, grad: torch.Tensor, step: int) -> None:

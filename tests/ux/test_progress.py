@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from slidedp.launch.progress import METRICS, Progress, check_record, gpu_side, process_tree_private_bytes
+from slidedp.launch.progress import METRICS, Progress, check_record, make_record, gpu_side, process_tree_private_bytes
 from slidedp.protocol import StepDone, WorkerStats
 from slidedp.store.shm import Segment, segment_name
 
@@ -198,3 +198,14 @@ def test_real_run_prints_key_value_lines_and_start_up(tiny_run):
     assert re.search(r"ready in \d+\.\d\d s: store ux-\w+ at step 0", tiny_run.stderr)
     assert re.search(r"first step committed \d+\.\d\d s after launch", tiny_run.stderr)
     assert "trace of the traced steps written to" in tiny_run.stderr
+
+
+def test_host_bytes_per_parameter_add_what_the_ranks_and_the_daemons_moved():
+    """The ranks' parameter copies in and gradients out, and the updaters' and the aggregator's bytes
+    (StepDone.host_bytes), over the model's parameters."""
+    d = StepDone(0, 2.5, 1.0, 0, 0.3, 0.1, host_bytes=28_000)
+    ranks = {0: stats(0, 0, h2d_bytes=8_000, d2h_bytes=4_000), 1: stats(1, 0, h2d_bytes=8_000, d2h_bytes=4_000)}
+    r = make_record(0, d, ranks, 1e-3, 1024, 0.5, None, 0, 0, params=1_000)
+    assert (r["h2d_bytes"], r["d2h_bytes"], r["host_bytes_per_param"]) == (16_000, 8_000, 52.0)
+    assert check_record(r) == []
+    assert make_record(0, d, ranks, 1e-3, 1024, 0.5, None, 0, 0)["host_bytes_per_param"] is None  # no count
