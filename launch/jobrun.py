@@ -527,7 +527,7 @@ def run_job(job: JobConfig, job_path: Path, progress: Progress) -> int:
         progress.params = run.layout.num_parameters
         progress.predicted_clipped_step_s = run.plan.step.predicted_clipped_step_s
         progress.predicted_corrected_step_s = run.plan.step.predicted_corrected_step_s
-        progress.planned_gpu_bytes = run.plan.step.planned_device_bytes
+        progress.planned_device_bytes = run.plan.step.planned_device_bytes
         progress.begin(start, end, run.run_dir)
         if start >= end:
             log.info("the store is already at step %d >= train.steps = %d: nothing to train", start, end)
@@ -540,7 +540,7 @@ def run_job(job: JobConfig, job_path: Path, progress: Progress) -> int:
                 if job.checkpoint.every or job.checkpoint.final:
                     run.checkpoint(committed)
             # last: what the run teaches the planner matters less than the job's state
-            record_training(run.plan, progress.update_busy_s, progress.gpu_side_s, reduce_busy_s=progress.reduce_busy_s)
+            record_training(run.plan, progress.update_busy_s, progress.device_side_s, reduce_busy_s=progress.reduce_busy_s)
         failed = False
         if run.stop_signal:  # stopped cleanly, but not finished: a script must not take it for done
             log.warning("stopped by %s before train.steps = %d%s; exit status %d", signal.Signals(run.stop_signal).name,

@@ -19,8 +19,8 @@ from slidedp.jobrecord import sums_on_host
 from slidedp.planner import Calibration, Plan, Workload, costs, make_plan
 from slidedp.planner.calibration import record_training as record_training_measured
 from slidedp.planner.measure import MeasuredBlocks
-from slidedp.planner.sizes import gpu_work_sizes
-from slidedp.planner.step_model import gpu_time_source
+from slidedp.planner.sizes import device_work_sizes
+from slidedp.planner.step_model import device_time_source
 from slidedp.planner.costs import GiB
 from slidedp.stepplan import StepPlan
 from slidedp.store.layout import default_chunk_rows
@@ -116,7 +116,7 @@ def plan_job(job: JobConfig, calib: Calibration | None = None) -> JobPlan:
     work = Workload(model=cfg, global_batch=t.global_batch, seq_len=t.seq_len, world=rt.workers,
                     micro_batch=t.micro_batch, compute_dtype=t.compute_dtype, clip=t.max_grad_norm > 0,
                     updaters=max(1, rt.updaters), compiled=t.compile in ("auto", "on"))
-    budget = int(mem.gpu_budget_gib * GiB)
+    budget = int(mem.device_budget_gib * GiB)
     allowed = {
         "activations": ("keep", "offload") if mem.offload_layers != 0 else ("keep",),
         "delivery": ("fp32",),  # the bf16 shadow delivery needs a store made with store.shadow_bf16
@@ -128,7 +128,7 @@ def plan_job(job: JobConfig, calib: Calibration | None = None) -> JobPlan:
         calib = calibration(rt.workers, work.model.num_parameters(), measure={
             "model": cfg.to_dict(), "seq_len": t.seq_len, "compute_dtype": t.compute_dtype,
             "compiled": work.compiled, "compile_fallback": t.compile == "auto", "local_batch": work.local_batch,
-            "sizes": gpu_work_sizes(work, budget, allowed)})
+            "sizes": device_work_sizes(work, budget, allowed)})
     allowed.update(_routes(job, calib))
     plan = make_plan(work, budget, calib, allowed,
                      device_layers=None if mem.device_layers < 0 else mem.device_layers)
@@ -164,7 +164,7 @@ def learned_update_rate(run_plan: JobPlan, update_busy_s: list[float]) -> float 
     return params / busy * costs.update_bytes_per_param(plan.delivery) / 28.0
 
 
-def gpu_time_against_plan(run_plan: JobPlan, gpu_side_s: list[float]) -> float | None:
+def device_time_against_plan(run_plan: JobPlan, device_side_s: list[float]) -> float | None:
     """The workers' GPU-side step time (each rank's step less its waits for the host; the slowest rank;
     median step after the first) over the plan's GPU time: how far the measured blocks (or, without
     them, the FLOPs) were from the run. Reported, not learned: the next plan measures its blocks.
@@ -173,12 +173,12 @@ def gpu_time_against_plan(run_plan: JobPlan, gpu_side_s: list[float]) -> float |
     resident, offloaded or device-held layers; a plan that expected copies to show (exposed time over
     a quarter of the GPU time), where the workers' time holds copy stalls that are not GPU work."""
     plan = run_plan.plan
-    if plan is None or len(gpu_side_s) < 3 or not run_plan.keeps_plan:
+    if plan is None or len(device_side_s) < 3 or not run_plan.keeps_plan:
         return None
     gpu = dict(plan.busy_s)["gpu"]
     if plan.exposed_s > 0.25 * gpu:
         return None
-    measured = statistics.median(gpu_side_s[1:])
+    measured = statistics.median(device_side_s[1:])
     return measured / gpu if measured > 0 and gpu > 0 else None
 
 
@@ -197,7 +197,7 @@ def learned_sum_rate(run_plan: JobPlan, reduce_busy_s: list[float]) -> float | N
     return planned * plan.calibration.reduce_rate_gbps(n, summed=True) / measured
 
 
-def record_training(run_plan: JobPlan, update_busy_s: list[float], gpu_side_s: list[float],
+def record_training(run_plan: JobPlan, update_busy_s: list[float], device_side_s: list[float],
                     cache_dir: str | None = None, reduce_busy_s: list[float] | None = None) -> Calibration | None:
     """After a planned (CUDA) run: keep the updaters' AdamW rate the run measured with this host's
     calibration, for the next plan of that model, and report its GPU time against the plan's. Returns
@@ -222,9 +222,9 @@ def record_training(run_plan: JobPlan, update_busy_s: list[float], gpu_side_s: l
         log.info("updaters ran AdamW at %.2f G params/s per process in this run (bare kernel: %.2f); "
                  "the next plan of this model on this host charges it", rate / 1e9,
                  plan.calibration.adamw_params_per_s / 1e9)
-    ratio = gpu_time_against_plan(run_plan, gpu_side_s)
+    ratio = device_time_against_plan(run_plan, device_side_s)
     if ratio is not None:
-        source = gpu_time_source(plan.workload, plan.choices, plan.calibration)
+        source = device_time_source(plan.workload, plan.choices, plan.calibration)
         log.info("the GPU work took %.2fx the plan's GPU time (%s)", ratio, {
             "measured": "blocks measured on this GPU at this shape", "nearby": "blocks measured at nearby sizes",
             "FLOPs": "matmul FLOPs at the calibrated rate"}[source])

@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from slidedp import old_names
 from slidedp.step_records import timed_steps, write_backs
 from slidedp.stepplan import PLAN_FILE, StepPlan, StepPlanError
 
@@ -49,7 +50,7 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
         except ValueError:
             continue  # a launcher killed mid-write leaves a torn last line
         if isinstance(r, dict) and isinstance(r.get("step"), int):
-            by_step[r["step"]] = r
+            by_step[r["step"]] = old_names.current(r)  # a run of an older version, too
     if not by_step:
         raise ReportError(f"{path} holds no step records yet")
     return [by_step[s] for s in sorted(by_step)]
@@ -119,11 +120,11 @@ def summary(records: list[dict[str, Any]]) -> list[str]:
     else:
         lines.append("plan         no prediction (a CPU run has no plan)")
     peak = {k: max((r.get(k) or 0) for r in records)
-            for k in ("gpu_peak_bytes", "gpu_reserved_peak_bytes", "planned_gpu_bytes", "host_rss_bytes", "shm_bytes")}
-    gpu = f"GPU peak {peak['gpu_peak_bytes'] / 2**30:.2f} GiB"
-    if peak["gpu_reserved_peak_bytes"]:
-        gpu += f" ({peak['gpu_reserved_peak_bytes'] / 2**30:.2f} reserved"
-        gpu += f", plan {peak['planned_gpu_bytes'] / 2**30:.2f} with the CUDA context)" if peak["planned_gpu_bytes"] else ")"
+            for k in ("device_peak_bytes", "device_reserved_peak_bytes", "planned_device_bytes", "host_rss_bytes", "shm_bytes")}
+    gpu = f"GPU peak {peak['device_peak_bytes'] / 2**30:.2f} GiB"
+    if peak["device_reserved_peak_bytes"]:
+        gpu += f" ({peak['device_reserved_peak_bytes'] / 2**30:.2f} reserved"
+        gpu += f", plan {peak['planned_device_bytes'] / 2**30:.2f} with the CUDA context)" if peak["planned_device_bytes"] else ")"
     lines.append(f"memory       {gpu}, host private peak {peak['host_rss_bytes'] / 2**30:.2f} GiB, "
                  f"shared (store + rings) {peak['shm_bytes'] / 2**30:.2f} GiB")
     return lines

@@ -16,8 +16,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Sequence
 
+from slidedp import log, old_names
 from slidedp.model.config import NAMED_SHAPES, named_shape
 from slidedp.paths import check_store_name
+
+_log = log.get("config")
 
 if TYPE_CHECKING:
     from slidedp.model.config import ModelConfig
@@ -267,7 +270,7 @@ class TrainSection(_Section):
 @dataclass(frozen=True)
 class MemorySection(_Section):
     _name: ClassVar[str] = "memory"
-    gpu_budget_gib: float = 24.0
+    device_budget_gib: float = 24.0
     embedding: str = "auto"  # "auto" (the plan decides), "host", or "device" (embedding/head held on the GPUs)
     resident_layers: int = -1  # layers kept on the GPU from forward to backward; -1: the plan decides
     seq_tile_tokens: int = -1  # tokens per MLP/norm/head tile along the sequence; 0: untiled; -1: the plan decides
@@ -276,7 +279,7 @@ class MemorySection(_Section):
     prefetch_depth: int = -1  # layer copies running ahead of the compute, 1-8; -1: the plan decides
 
     def validate(self) -> None:
-        self._range("gpu_budget_gib", 0, lo_open=True)
+        self._range("device_budget_gib", 0, lo_open=True)
         if self.prefetch_depth != -1 and not 1 <= self.prefetch_depth <= 8:
             raise ConfigError(f"memory.prefetch_depth must be -1 (the plan decides) or in [1, 8]; "
                               f"got {_show(self.prefetch_depth)}")
@@ -499,6 +502,11 @@ def _apply_override(d: dict[str, Any], item: str) -> None:
     table = d.setdefault(section, {})
     if not isinstance(table, dict):
         raise ConfigError(f"bad override {item!r}: {section!r} is not a section")
+    if old_names.job_key(f"{section}.{name}") != f"{section}.{name}":
+        _log.warning(old_names.deprecation(f"{section}.{name}"))
+        name = old_names.job_key(f"{section}.{name}").partition(".")[2]
+    for old in old_names.old_job_keys(f"{section}.{name}"):  # the override wins over the file's, under either name
+        table.pop(old.partition(".")[2], None)
     cls = SECTIONS.get(section)
     if cls and name in cls._paths and isinstance(value, str) and value and (section, name, value) != (
         "checkpoint", "resume", "latest"
@@ -507,6 +515,22 @@ def _apply_override(d: dict[str, Any], item: str) -> None:
     elif cls and name in cls._lists and isinstance(value, list):
         value = [str(Path(v).expanduser().absolute()) if isinstance(v, str) and v else v for v in value]
     table[name] = value
+
+
+def _renamed_keys(section: str, values: dict[str, Any]) -> list[str]:
+    """Move the section's keys of an older name (old_names.JOB_KEYS) to their new one, each with a
+    warning; returns the problems (a key set under both names)."""
+    problems = []
+    for key in [k for k in values if old_names.job_key(f"{section}.{k}") != f"{section}.{k}"]:
+        new = old_names.job_key(f"{section}.{key}")
+        if new.partition(".")[2] in values:
+            problems.append(f"{section}.{key} and {new} are both set: {section}.{key} is the old name of {new}; "
+                            f"keep only {new}")
+            values.pop(key)
+            continue
+        _log.warning(old_names.deprecation(f"{section}.{key}"))
+        values[new.partition(".")[2]] = values.pop(key)
+    return problems
 
 
 def job_from_dict(d: dict[str, Any], base_dir: Path, name_hint: str) -> JobConfig:
@@ -522,6 +546,7 @@ def job_from_dict(d: dict[str, Any], base_dir: Path, name_hint: str) -> JobConfi
     for name, cls in SECTIONS.items():
         values = d.get(name, {})
         values = dict(values) if isinstance(values, dict) else {}
+        problems += _renamed_keys(name, values)
         fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
         bad = [f"unknown key {name}.{key}; allowed keys in [{name}]: {', '.join(fields)}"
                for key in values if key not in fields]

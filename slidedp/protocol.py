@@ -268,8 +268,8 @@ class WorkerStats(Message):
     wait_slot_s: float  # blocked for a free gradient slot (aggregator/updaters behind)
     wait_loss_s: float  # blocked on the other ranks' loss
     h2d_bytes: int
-    gpu_peak_bytes: int  # the allocator's tensors at their peak
-    gpu_reserved_peak_bytes: int  # what the caching allocator held at its peak (the budget caps this)
+    device_peak_bytes: int  # the allocator's tensors at their peak
+    device_reserved_peak_bytes: int  # what the caching allocator held at its peak (the budget caps this)
     write_back_s: float = 0.0  # inside step_s: device-held units written back to the store (a checkpoint, the end)
     d2h_bytes: int = 0  # gradients written into host memory (h2d_bytes: parameters read from it)
 

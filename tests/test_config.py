@@ -73,7 +73,7 @@ def test_defaults(jobdir):
     assert job.model.source == "random" and job.model.shape == "tiny" and job.model.vocab_size == 0
     assert (job.train.min_lr_ratio, job.train.beta1, job.train.beta2, job.train.eps) == (0.1, 0.9, 0.95, 1e-8)
     assert (job.train.max_grad_norm, job.train.compute_dtype, job.train.schedule) == (1.0, "bf16", "cosine")
-    assert job.memory.gpu_budget_gib == 24.0
+    assert job.memory.device_budget_gib == 24.0
     assert (job.store.name, job.store.persist, job.store.grad_slots) == ("", False, 0)
     assert (job.checkpoint.every, job.checkpoint.keep, job.checkpoint.final, job.checkpoint.resume) == (0, 3, True, "")
     assert (job.runtime.workers, job.runtime.updaters, job.runtime.timeout_s) == (1, 0, 120.0)
@@ -124,8 +124,32 @@ def test_top_level_key_rejected(jobdir):
 
 def test_unknown_key(jobdir):
     p = write(jobdir, BASE + "[memory]\ngpu_budget = 3\n")
-    assert error(p) == (f"{p}: unknown key memory.gpu_budget; allowed keys in [memory]: gpu_budget_gib, embedding, "
+    assert error(p) == (f"{p}: unknown key memory.gpu_budget; allowed keys in [memory]: device_budget_gib, embedding, "
                         f"resident_layers, seq_tile_tokens, offload_layers, device_layers, prefetch_depth")
+
+
+def test_the_old_name_of_the_device_budget_is_read_with_a_warning_naming_the_new_one(jobdir, caplog):
+    p = write(jobdir, BASE + "[memory]\ngpu_budget_gib = 3.5\n")
+    with caplog.at_level("WARNING", logger="slidedp.config"):
+        job = load_job(p)
+    assert job.memory.device_budget_gib == 3.5
+    assert [r.getMessage() for r in caplog.records] == [
+        "memory.gpu_budget_gib is deprecated: call it memory.device_budget_gib"]
+    assert "gpu_budget_gib" not in job_to_toml(job) and "device_budget_gib = 3.5" in job_to_toml(job)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="slidedp.config"):  # an override, by either name, wins over the file
+        assert load_job(p, ["memory.device_budget_gib=7"]).memory.device_budget_gib == 7
+        assert load_job(write(jobdir, BASE + "[memory]\ndevice_budget_gib = 2.0\n", "new.toml"),
+                        ["memory.gpu_budget_gib=9"]).memory.device_budget_gib == 9
+    assert [r.getMessage() for r in caplog.records] == [
+        "memory.gpu_budget_gib is deprecated: call it memory.device_budget_gib"]
+
+
+def test_the_device_budget_under_both_names_is_refused(jobdir):
+    p = write(jobdir, BASE + "[memory]\ngpu_budget_gib = 3.5\ndevice_budget_gib = 4.0\n")
+    assert error(p) == (f"{p}: memory.gpu_budget_gib and memory.device_budget_gib are both set: "
+                        f"memory.gpu_budget_gib is the old name of memory.device_budget_gib; keep only "
+                        f"memory.device_budget_gib")
 
 
 def test_missing_required_key(jobdir):
@@ -162,7 +186,7 @@ def test_wrong_type(jobdir, override, message):
         ("train.max_grad_norm=-1", "train.max_grad_norm must be >= 0; got -1.0"),
         ("train.schedule='step'", "train.schedule must be one of 'cosine', 'constant', 'linear'; got 'step'"),
         ("train.compute_dtype=fp16", "train.compute_dtype must be one of 'bf16', 'fp32'; got 'fp16'"),
-        ("memory.gpu_budget_gib=0", "memory.gpu_budget_gib must be > 0; got 0.0"),
+        ("memory.device_budget_gib=0", "memory.device_budget_gib must be > 0; got 0.0"),
         ("memory.prefetch_depth=0", "memory.prefetch_depth must be -1 (the plan decides) or in [1, 8]; got 0"),
         ("memory.prefetch_depth=9", "memory.prefetch_depth must be -1 (the plan decides) or in [1, 8]; got 9"),
         ("store.grad_slots=1", "store.grad_slots must be 0 (auto) or at least 2, got 1"),

@@ -39,7 +39,7 @@ def test_the_planners_plan_is_the_step_plan_the_ranks_run():
     job = load_job(TINY, ['runtime.device="cuda"', "runtime.workers=2", "train.global_batch=8", "train.micro_batch=2"])
     jp = plan_job(job, REFERENCE_CALIBRATION)
     assert jp.plan is not None and jp.step == jp.plan.step_plan() and jp.step.planned_by == "planner"
-    assert jp.step.planned_device_bytes == jp.plan.gpu_total_bytes and jp.keeps_plan
+    assert jp.step.planned_device_bytes == jp.plan.device_total_bytes and jp.keeps_plan
     forced = plan_job(load_job(TINY, ['runtime.device="cuda"', "runtime.workers=2", "train.global_batch=8",
                                       "memory.seq_tile_tokens=16"]), REFERENCE_CALIBRATION)
     assert forced.step.seq_tile_tokens == 16 and forced.step.planned_by == "planner + job file"

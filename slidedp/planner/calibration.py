@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from slidedp import log
+from slidedp import log, old_names
 from slidedp.planner.measure import MeasuredBlocks, timed
 
 _log = log.get("planner")
@@ -71,9 +71,9 @@ class Calibration:
     adamw_params_per_s: float  # fused CPU AdamW, one updater process using `adamw_threads` threads
     adamw_threads: int
     reduce_gbps: float  # aggregator fp32 sum of 2 buffers, GB/s of output
-    gpu_tflops: float  # effective TFLOP/s of a decoder layer's matmul FLOPs in the compute dtype
-    gpu_mem_bytes: int
-    gpu_adamw_params_per_s: float = 1.0e11  # fused AdamW on the device (embedding kept on the GPU)
+    device_tflops: float  # effective TFLOP/s of a decoder layer's matmul FLOPs in the compute dtype
+    device_mem_bytes: int  # the device's memory: no budget may exceed it
+    device_adamw_params_per_s: float = 1.0e11  # fused AdamW on the device (embedding kept on the GPU)
     # GPU-to-GPU collective bus bandwidth (NCCL all-gather, as nccl-tests reports it), measured
     # among `bus_gpus` GPUs; with bus_gpus = 1 it was not measured (a conservative NVLink figure,
     # used only for an embedding kept on the GPU) and the planner offers no sharded route.
@@ -119,6 +119,7 @@ class Calibration:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], blocks: MeasuredBlocks | None = None) -> "Calibration":
+        d = old_names.current(d)  # a cache file written before a field was renamed
         names = {f.name for f in dataclasses.fields(cls)} - {"blocks"}
         unknown = sorted(set(d) - names)
         if unknown:
@@ -138,7 +139,7 @@ class Calibration:
             + (f"; {self.adamw_beside_copies_params_per_s / 1e9:.2f} beside copies" if self.adamw_beside_copies_params_per_s else "")
             + f"); reduce {self.reduce_gbps:.1f} GB/s; "
             + (f"GPU blocks measured for this shape ({len(self.blocks.layers)} layer and {len(self.blocks.losses)} "
-               f"loss sizes)" if self.blocks else f"GPU {self.gpu_tflops:.1f} TFLOP/s effective")
+               f"loss sizes)" if self.blocks else f"GPU {self.device_tflops:.1f} TFLOP/s effective")
             + (f"; GPU links {self.allreduce_gbps:.0f} GB/s among {self.bus_gpus}, H2D of all "
                f"{self.h2d_total_gbps:.0f} GB/s" if self.bus_gpus > 1 else "")
             + (f"; AdamW in training {self.adamw_train_params_per_s / 1e9:.2f} G params/s "
@@ -195,9 +196,9 @@ REFERENCE_CALIBRATION = Calibration(
     adamw_params_per_s=4.4e9,
     adamw_threads=16,
     reduce_gbps=41.0,
-    gpu_tflops=405.0,
-    gpu_mem_bytes=143_771 * (1 << 20),
-    gpu_adamw_params_per_s=1.0e11,
+    device_tflops=405.0,
+    device_mem_bytes=143_771 * (1 << 20),
+    device_adamw_params_per_s=1.0e11,
     allreduce_gbps=100.0,
 )
 
@@ -265,8 +266,8 @@ def calibrate(device: str = "cuda", quick: bool = False) -> Calibration:
             host=socket.gethostname(), device_name=_device_name("cpu"),
             h2d_gbps=copy, d2h_gbps=copy, bidir_gbps=copy,  # one memory system: copies share it
             adamw_params_per_s=adamw, adamw_threads=torch.get_num_threads(), reduce_gbps=reduce_gbps,
-            gpu_tflops=matmul * LAYER_EFFICIENCY, gpu_mem_bytes=int(psutil.virtual_memory().total),
-            gpu_adamw_params_per_s=adamw,
+            device_tflops=matmul * LAYER_EFFICIENCY, device_mem_bytes=int(psutil.virtual_memory().total),
+            device_adamw_params_per_s=adamw,
         )
 
     if not torch.cuda.is_available():
@@ -296,15 +297,15 @@ def calibrate(device: str = "cuda", quick: bool = False) -> Calibration:
     w = torch.randn(h, i, device=dev, dtype=torch.bfloat16)
     matmul = 2 * t * h * i / _median_time(lambda: torch.mm(x, w), sync, reps) / 1e12
     del x, w
-    gpu_adamw = _adamw_rate((16 if quick else 64) << 20, device, sync, reps)
+    device_adamw = _adamw_rate((16 if quick else 64) << 20, device, sync, reps)
     torch.cuda.empty_cache()
     return Calibration(
         host=socket.gethostname(), device_name=_device_name(device),
         h2d_gbps=h2d, d2h_gbps=d2h, bidir_gbps=max(bidir, h2d, d2h),
         adamw_params_per_s=adamw, adamw_threads=torch.get_num_threads(), reduce_gbps=reduce_gbps,
-        gpu_tflops=matmul * LAYER_EFFICIENCY,
-        gpu_mem_bytes=int(torch.cuda.get_device_properties(dev).total_memory),
-        gpu_adamw_params_per_s=gpu_adamw,
+        device_tflops=matmul * LAYER_EFFICIENCY,
+        device_mem_bytes=int(torch.cuda.get_device_properties(dev).total_memory),
+        device_adamw_params_per_s=device_adamw,
     )
 
 

@@ -265,13 +265,13 @@ def live_in(item: str) -> tuple[str, ...]:
     return LIVE_IN.get(item, PHASES)
 
 
-def gpu_memory_items(
+def device_memory_items(
     model: ModelConfig, *, tokens: int, seq_len: int, micro_batch: int, world: int, delivery: str,
     activations: str, embedding: str, prefetch_depth: int, resident_layers: int, chunk_rows: int,
     loss_chunk_tokens: int, compute_dtype: str = "bf16", offload_layers: int | None = None, seq_tile_tokens: int = 0,
     device_layers: int = 0,
 ) -> list[tuple[str, int]]:
-    """GPU memory of one rank, item by item, each at its largest (`gpu_memory_peak` adds them up
+    """GPU memory of one rank, item by item, each at its largest (`device_memory_peak` adds them up
     phase by phase: not all of them are live at the same instant). tokens: the rank's tokens per step."""
     cb = dtype_bytes(compute_dtype)
     db = delivery_bytes(delivery)
@@ -335,7 +335,7 @@ class MemoryPeak:
     total_bytes: int  # tensors + reserve + the CUDA context: what the budget must hold
 
 
-def gpu_memory_peak(items: list[tuple[str, int]] | tuple[tuple[str, int], ...], world: int) -> MemoryPeak:
+def device_memory_peak(items: list[tuple[str, int]] | tuple[tuple[str, int], ...], world: int) -> MemoryPeak:
     """The step's peak: per phase, the items live in it; the largest phase, plus the allocator's
     reserve on its tensors (allocator_reserve(world)) and the CUDA context (outside the allocator)."""
     context = sum(b for name, b in items if name == "CUDA context")

@@ -69,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
     device = torch.device(args.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-        budget = job.memory.gpu_budget_gib
+        budget = job.memory.device_budget_gib
         if budget:
             total = torch.cuda.get_device_properties(device).total_memory
             torch.cuda.set_per_process_memory_fraction(min(1.0, budget * 2**30 / total), device)
