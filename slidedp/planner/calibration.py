@@ -55,10 +55,11 @@ _NOTHING_LEARNED: dict[str, Any] = {k: 0 for k in LEARNED_FIELDS}
 # GPU work, replaced by the GPU blocks measured at plan time (measure.py). Dropped on reading, with a note.
 RETIRED_FIELDS = ("gpu_train_factors", "gpu_train_model_params")
 
-# 0 = not measured yet: what training runs measure, the host's copy-in with every GPU at once, and
-# the AdamW rate beside the copies (measured on CUDA only)
+# 0 = not measured yet: what training runs measure, the host's copy-in with every GPU at once, the
+# AdamW rate beside the copies (measured on CUDA only), and host memory (a cache file from before it)
 _MAY_BE_ZERO = frozenset(LEARNED_FIELDS) | {"h2d_total_gbps", "adamw_beside_copies_params_per_s",
-                                            "adamw_beside_copies_gpus"}
+                                            "adamw_beside_copies_gpus", "host_read_gbps", "host_write_gbps",
+                                            "host_copy_gbps"}
 
 
 @dataclass(frozen=True)
@@ -102,6 +103,13 @@ class Calibration:
     adamw_train_fraction: float = 0.6
     # the lowest share measured in training; a first plan's device-held layers also hold at it
     adamw_train_fraction_low: float = 0.38
+    # host memory, GB/s of bytes moved (planner/hostmem.py): reading, writing, copying (read + write), every
+    # NUMA node on its own memory, added up; the copy rate bounds a step's host traffic (step_model.host_bound_s).
+    # 0: not measured (a cache file from before it: load_or_calibrate measures it)
+    host_read_gbps: float = 0.0
+    host_write_gbps: float = 0.0
+    host_copy_gbps: float = 0.0
+    host_node_copy_gbps: str = ""  # each node's copy rate, "44.1,40.3", where there are several
     # the GPU blocks measured at plan time for the job's shape (measure.py); kept in their own cache file
     blocks: MeasuredBlocks | None = None
 
@@ -134,7 +142,11 @@ class Calibration:
     def summary(self) -> str:
         return (
             f"{self.device_name} @ {self.host}: H2D {self.h2d_gbps:.1f} GB/s, D2H {self.d2h_gbps:.1f}, "
-            f"both {self.bidir_gbps:.1f}; CPU AdamW {self.adamw_params_per_s / 1e9:.2f} G params/s "
+            f"both {self.bidir_gbps:.1f}; "
+            + (f"host memory copy {self.host_copy_gbps:.1f} GB/s (read {self.host_read_gbps:.1f}, write "
+               f"{self.host_write_gbps:.1f}" + (f"; per NUMA node {self.host_node_copy_gbps}" if self.host_node_copy_gbps
+                                                else "") + "); " if self.host_copy_gbps else "")
+            + f"CPU AdamW {self.adamw_params_per_s / 1e9:.2f} G params/s "
             f"({self.adamw_threads} threads"
             + (f"; {self.adamw_beside_copies_params_per_s / 1e9:.2f} beside copies" if self.adamw_beside_copies_params_per_s else "")
             + f"); reduce {self.reduce_gbps:.1f} GB/s; "
@@ -239,8 +251,21 @@ def _device_name(device: str) -> str:
     return f"cpu ({platform.machine() or 'unknown'})"
 
 
+def host_memory_fields(quick: bool = False) -> dict[str, Any]:
+    """The host memory figures of a calibration, measured now (planner/hostmem.py, about a second)."""
+    from slidedp.planner.hostmem import measure_host_memory
+
+    hm = measure_host_memory(quick=quick)
+    return {"host_read_gbps": hm.read_gbps, "host_write_gbps": hm.write_gbps, "host_copy_gbps": hm.copy_gbps,
+            "host_node_copy_gbps": ",".join(f"{g:.1f}" for g in hm.node_copy_gbps)}
+
+
 def calibrate(device: str = "cuda", quick: bool = False) -> Calibration:
     """Measure the building blocks on this host. quick: small sizes, a few seconds on a CPU."""
+    return dataclasses.replace(_calibrate(device, quick), **host_memory_fields(quick))
+
+
+def _calibrate(device: str, quick: bool) -> Calibration:
     import psutil
     import torch
 
@@ -486,7 +511,7 @@ def load_or_calibrate(
                 calib, learned = _read(path)
             except CalibrationError as e:
                 _log.warning("recalibrating: %s", e)
-        changed = calib is None
+        changed = fresh = calib is None
         if calib is None:
             calib = calibrate(device, quick=quick)
             _log.info("calibrated %s", calib.summary())
@@ -500,6 +525,11 @@ def load_or_calibrate(
                                         h2d_total_gbps=links["h2d_total_gbps"], bus_gpus=gpus)
             _log.info("measured the links among %d GPUs: %.0f GB/s bus, %.0f GB/s of copy-in in all", gpus,
                       calib.allreduce_gbps, calib.h2d_total_gbps)
+            changed = True
+        if not fresh and not calib.host_copy_gbps:  # a cache file from before host memory was measured
+            calib = dataclasses.replace(calib, **host_memory_fields(quick))
+            _log.info("measured this host's memory: copy %.1f GB/s (read %.1f, write %.1f)", calib.host_copy_gbps,
+                      calib.host_read_gbps, calib.host_write_gbps)
             changed = True
         if device.startswith("cuda") and calib.adamw_beside_copies_gpus < gpus:
             from slidedp.planner.measure import adamw_beside_copies
