@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from slidedp.planner import costs
 from slidedp.planner.calibration import Calibration
 from slidedp.planner.costs import GiB
+from slidedp.planner.hostbound import host_lines
 from slidedp.planner.workload import Choices, Workload
 from slidedp.stepplan import StepPlan
 
@@ -150,5 +151,6 @@ class Plan:
             lines.append(f"  the first that clips {self.predicted_corrected_step_s:.3f} s: "
                          f"{w.tokens_per_step / self.predicted_corrected_step_s:,.0f} tokens/s after one that did not "
                          f"(it speculated: its updates are corrected after the backward)")
+        lines += host_lines(w, self.choices, self.calibration, dict(self.busy_s))
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)

@@ -40,7 +40,7 @@ from slidedp.planner.calibration import Calibration
 from slidedp.planner.measure import LayerTime, LossTime, normalized, shape_key
 from slidedp.planner.workload import Choices, Workload
 
-RESOURCES = ("gpu", "h2d", "d2h", "reduce", "update")
+RESOURCES = ("gpu", "h2d", "d2h", "reduce", "update", "host")
 _STEPS = 8  # simulated steps; the period is averaged over the last _AVERAGE of them
 _AVERAGE = 4
 
@@ -279,6 +279,24 @@ def _period(tasks: list[_Task], depth: int, updaters: int, clip: bool, clips: bo
     return (ends[-1] - ends[-1 - _AVERAGE]) / _AVERAGE
 
 
+def host_traffic(work: Workload, ch: Choices) -> dict[str, int]:
+    """Host memory bytes of one step, all ranks, by what moves them (costs.host_traffic)."""
+    return costs.host_traffic(
+        work.model, tokens=work.local_tokens, delivery=ch.delivery, embedding=ch.embedding,
+        resident_layers=ch.resident_layers, device_layers=ch.device_layers, offloaded=ch.offloaded(work.model.num_layers),
+        world=work.world, param_route=ch.param_route if work.world > 1 else "replicated",
+        grad_route=ch.grad_route if work.world > 1 else "host", compute_dtype=work.compute_dtype,
+        summed=sums_on_host(work.world, ch.grad_route))
+
+
+def host_bound_s(work: Workload, ch: Choices, calib: Calibration) -> float:
+    """The shortest step host memory allows: the step's host bytes at the host's measured copy rate (reads and
+    writes together; every NUMA node's). 0 where the calibration did not measure it."""
+    if not calib.host_copy_gbps:
+        return 0.0
+    return sum(host_traffic(work, ch).values()) / (calib.host_copy_gbps * 1e9)
+
+
 def predict_step(work: Workload, choices: Choices, calib: Calibration, clips: bool = False,
                  corrected: bool = False) -> tuple[dict[str, float], float, float]:
     """The model: (busy seconds per resource per step, exposed seconds, predicted step seconds).
@@ -296,6 +314,8 @@ def predict_step(work: Workload, choices: Choices, calib: Calibration, clips: bo
         "d2h": sum(t.d2h_s for t in tasks),
         "reduce": sum(j.reduce_s for j in jobs),
         "update": sum(j.update_s for j in jobs) / work.updaters,
+        "host": host_bound_s(work, choices, calib),
     }
-    step = _period(tasks, choices.prefetch_depth, work.updaters, work.clip, clips, corrected)
+    # the schedule's period, and never less than host memory needs to move the step's bytes
+    step = max(_period(tasks, choices.prefetch_depth, work.updaters, work.clip, clips, corrected), busy["host"])
     return busy, step - busy["gpu"], step
