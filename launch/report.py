@@ -112,6 +112,12 @@ def summary(records: list[dict[str, Any]]) -> list[str]:
         if v is not None:
             lines.append(f"  {what:<30}{v:>9.3f} s  {100 * v / step_s if step_s else 0:>4.0f}% of the step, "
                          f"beside the workers")
+    host = _median(rs, "host_bytes_per_param")  # a run from before it has none
+    if host is not None:
+        h2d, d2h = _median(rs, "h2d_bytes"), _median(rs, "d2h_bytes")
+        lines.append(f"host memory  {host:.1f} B/param read and written per step (median): the ranks' copies in "
+                     f"{(h2d or 0) / 2**30:.2f} GiB and gradients out {(d2h or 0) / 2**30:.2f} GiB, the rest the "
+                     f"updaters' AdamW and the aggregator's sums")
     lines += clipping_summary(rs)
     predicted = _median(rs, "predicted_step_s")
     if predicted:

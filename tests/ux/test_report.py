@@ -167,3 +167,13 @@ def test_not_a_run_dir(tmp_path, capsys):
                                        ("step 3 committed", "step committed"), ("loss + head backward", "loss + head backward")])
 def test_event_kinds(name, kind):
     assert report.event_kind(name) == kind
+
+
+def test_summary_says_what_host_memory_moved_per_parameter(tmp_path):
+    records = [record(s, 2.0, host_bytes_per_param=34.5 + s, h2d_bytes=2**31, d2h_bytes=2**30) for s in range(5)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    text = "\n".join(report.report(tmp_path, plots=False)[0])
+    assert ("host memory  37.0 B/param read and written per step (median): the ranks' copies in 2.00 GiB and "
+            "gradients out 1.00 GiB") in text  # the first step, with the start-up, left out
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(record(s, 2.0)) + "\n" for s in range(5)))
+    assert "host memory" not in "\n".join(report.report(tmp_path, plots=False)[0])  # an older run
