@@ -39,7 +39,7 @@ from slidedp.store.mismatch import describe as describe_mismatch
 from slidedp.transport import bind_router, connect_dealer, identity, recv_dealer, recv_router, send
 
 from . import children
-from .planning import plan_job, record_training
+from .planning import DeliveryError, plan_job, record_training, shadow_fits
 from .preflight import cuda_probe
 from .rundir import RunDirInUse, check_run_dir, write_run_record
 from .schedule_note import schedule_note
@@ -155,10 +155,18 @@ class JobRun:
             log.warning("%s", cleared)
         _write_atomic(self.run_dir / "job.resolved.toml", job_to_toml(job).encode())
         self._write_data(job)
-        if not status.get("exists"):
-            log.info("creating store %s from %s", self.store, model_source(job))
+        # planned before the store is made: the plan says whether it wants the bf16 shadow (store.shadow_bf16 = "auto")
+        exists = bool(status.get("exists"))
+        try:
+            self.plan = plan_job(job, store_shadow="shadow" in status.get("segments", {}) if exists else None,
+                                 shadow_fits=exists or job.store.shadow_bf16 != "auto" or shadow_fits(job, self.layout))
+        except DeliveryError as e:
+            raise JobFailed(str(e)) from None
+        if not exists:
+            log.info("creating store %s from %s%s", self.store, model_source(job),
+                     " with the bf16 shadow of the weights" if self.plan.shadow else "")
             t0 = time.perf_counter()
-            st = self._call("create", max(self.timeout, 3600), shadow_bf16=job.store.shadow_bf16 is True,
+            st = self._call("create", max(self.timeout, 3600), shadow_bf16=self.plan.shadow,
                             persist=job.store.persist, creator=creator_record(job.run.name), **model_source(job))
             self.created_store = True
             log.info("store %s created: %.3f B parameters, %.2f bytes/parameter, in %.2f s", self.store,
@@ -166,9 +174,8 @@ class JobRun:
             status = st
         self._maybe_resume(status)
         write_run_record(job, status)
-        self.plan = plan_job(job)
-        if self.plan.plan is not None:
-            log.info("plan: %s", self.plan.plan.describe().replace("\n", "\n    "))
+        if self.plan.plan is not None or self.plan.notes:
+            log.info("plan: %s", self.plan.describe().replace("\n", "\n    "))
         step = self.plan.step
         self.plan_path = self.run_dir / PLAN_FILE  # beside job.resolved.toml: what every rank carries out
         _write_atomic(self.plan_path, step.to_json().encode())

@@ -445,9 +445,12 @@ def _plan(work: Workload, budget_bytes: int, calib: Calibration, allowed: dict[s
         )
     if best.delivery == "bf16":
         fp32 = min((c[0] for c in candidates if c[2].delivery == "fp32"), default=None)
+        weighed_fp32 = "fp32" in dict(ALL_OPTIONS, **(allowed or {}))["delivery"]
         notes.append(
-            "bf16 delivery needs the store's bf16 shadow (2 B/param of host memory, written by the updater)"
-            + (f"; the fastest fp32 plan predicts {fp32:.3f} s" if fp32 is not None else "; no fp32 plan fits")
+            "bf16 delivery: the store's bf16 shadow streams instead of the fp32 master (the same bits for a bf16 "
+            "compute, half the bytes; 2 B/param of host memory, refreshed by the updater)"
+            + (f"; the fastest fp32 plan predicts {fp32:.3f} s" if fp32 is not None else
+               "; no fp32 plan fits" if weighed_fp32 else "")
         )
     notes.append(_update_rate_note(work, best, calib))
     notes.append(_device_time_note(work, best, calib))
