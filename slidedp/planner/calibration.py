@@ -103,7 +103,7 @@ class Calibration:
     adamw_train_fraction: float = 0.6
     # the lowest share measured in training; a first plan's device-held layers also hold at it
     adamw_train_fraction_low: float = 0.38
-    # host memory, GB/s of bytes moved (planner/hostmem.py): reading, writing, copying (read + write), every
+    # host memory, GB/s of bytes moved (planner/host_bandwidth.py): reading, writing, copying (read + write), every
     # NUMA node on its own memory, added up; the copy rate bounds a step's host traffic (step_model.host_bound_s).
     # 0: not measured (a cache file from before it: load_or_calibrate measures it)
     host_read_gbps: float = 0.0
@@ -252,8 +252,8 @@ def _device_name(device: str) -> str:
 
 
 def host_memory_fields(quick: bool = False) -> dict[str, Any]:
-    """The host memory figures of a calibration, measured now (planner/hostmem.py, about a second)."""
-    from slidedp.planner.hostmem import measure_host_memory
+    """The host memory figures of a calibration, measured now (planner/host_bandwidth.py, about a second)."""
+    from slidedp.planner.host_bandwidth import measure_host_memory
 
     hm = measure_host_memory(quick=quick)
     return {"host_read_gbps": hm.read_gbps, "host_write_gbps": hm.write_gbps, "host_copy_gbps": hm.copy_gbps,

@@ -12,7 +12,7 @@ from slidedp.config import load_job
 from slidedp.launch.planning import DeliveryError, deliveries, plan_job
 from slidedp.model.config import named_shape
 from slidedp.planner import REFERENCE_CALIBRATION, Choices, Workload, costs
-from slidedp.planner.hostmem import measure_host_memory
+from slidedp.planner.host_bandwidth import measure_host_memory
 from slidedp.planner.step_model import host_bound_s, host_traffic, predict_step
 
 from pipeline.harness import TINY

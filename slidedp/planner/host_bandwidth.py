@@ -11,7 +11,7 @@ before torch starts its threads. The host's figure is the nodes' sum: the update
 node on their node's chunks. Rates are GB/s (1e9 B/s) of bytes moved: a copy counts what it reads
 and what it writes.
 
-    python -m slidedp.planner.hostmem --cpus 0-15 [--mib 256] [--reps 5]
+    python -m slidedp.planner.host_bandwidth --cpus 0-15 [--mib 256] [--reps 5]
 prints one node's {"read_gbps", "write_gbps", "copy_gbps"} as a JSON line.
 """
 
@@ -58,7 +58,7 @@ def measure_here(mib: int = 256, reps: int = 5) -> dict[str, float]:
 def _measure_node(cpus: list[int], mib: int, reps: int, timeout_s: float) -> dict[str, float]:
     from slidedp.numa import format_cpulist
 
-    out = subprocess.run([sys.executable, "-m", "slidedp.planner.hostmem", "--cpus", format_cpulist(cpus),
+    out = subprocess.run([sys.executable, "-m", "slidedp.planner.host_bandwidth", "--cpus", format_cpulist(cpus),
                           "--mib", str(mib), "--reps", str(reps)], capture_output=True, text=True, timeout=timeout_s)
     if out.returncode != 0:
         raise RuntimeError(f"measuring host memory on CPUs {format_cpulist(cpus)} failed: {out.stderr.strip()[-1500:]}")
@@ -84,7 +84,7 @@ def measure_host_memory(nodes: list[list[int]] | None = None, quick: bool = Fals
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m slidedp.planner.hostmem", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m slidedp.planner.host_bandwidth", description=__doc__.splitlines()[0])
     p.add_argument("--cpus", required=True, help="the node's CPUs, e.g. 0-15,32-47")
     p.add_argument("--mib", type=int, default=256)
     p.add_argument("--reps", type=int, default=5)
