@@ -128,7 +128,8 @@ def deliveries(job: JobConfig, store_shadow: bool | None, shadow_fits: bool = Tr
             raise DeliveryError(f"runtime.delivery = \"bf16\" streams the store's bf16 shadow, but store "
                                 f"{job.store_name!r} was created without one: set runtime.delivery = \"auto\" or "
                                 f"\"fp32\", or make the store again with store.shadow_bf16 = true (`slidedp-store "
-                                f"destroy {job.store_name}`, then run; a checkpoint restores its state)")
+                                f"checkpoint`, `slidedp-store destroy {job.store_name}`, then run with "
+                                f"checkpoint.resume)")
         return ("fp32",), (f"delivery fp32: store {job.store_name!r} was created without the bf16 shadow "
                            f"(store.shadow_bf16); one would halve the bytes of every copy in, exactly")
     if store_shadow is None and shadow is False:
