@@ -78,6 +78,7 @@ class DryRun:
     start: int = 0
     torn: str | None = None  # why the existing store cannot be trained from as it is
     store_status: dict = field(default_factory=dict)  # the existing store as a run would find it (exists, ...)
+    store_shadow: bool | None = None  # whether the existing store has the bf16 shadow (None: a run creates the store)
 
     _topic: str = ""  # the topic whose lines are being printed
 
@@ -192,9 +193,12 @@ class DryRun:
                             ", one per chunk: exact clipping keeps each gradient until the step's norm" if clip else "")
                          + ")")
         else:
-            state = sum(segment_sizes(layout, {}, job.store.shadow_bf16).values())
+            state = sum(segment_sizes(layout, {}, job.store.shadow_bf16 is True).values())
             need = state + grads + reduce
-            self.say("store", f"would create store {name!r}: {_size(state)} of state ({14 if job.store.shadow_bf16 else 12} "
+            per = ("14" if job.store.shadow_bf16 is True else
+                   "12; 14 with the bf16 shadow, where the plan delivers bf16: store.shadow_bf16 = \"auto\""
+                   if job.store.shadow_bf16 == "auto" and job.train.compute_dtype == "bf16" else "12")
+            self.say("store", f"would create store {name!r}: {_size(state)} of state ({per} "
                               f"bytes/parameter) + {_size(grads + reduce)} of gradient rings = {_size(need)}; "
                               f"{'kept' if job.store.persist else 'destroyed'} after the job (store.persist)")
         free, avail = shm_free_bytes(), psutil.virtual_memory().available
@@ -236,6 +240,7 @@ class DryRun:
                     f"{held.num_parameters:,} parameters) than this job ({mine.model.family}, {mine.num_parameters:,}): "
                     f"{describe_layouts(held, mine)}; set store.name to another store, or destroy it with `slidedp-store destroy {name}`")
             self.start = m.committed_step
+            self.store_shadow = bool(m.meta.get("shadow"))
             self.store_status = {"exists": True, "generation": m.generation, "committed_step": m.committed_step,
                                  "attached_pid": m.attached_pid if _alive(m.attached_pid) else 0}
             self.say("store", f"store {name!r} exists ({_size(sum(segments.values()))}, same model), "
@@ -255,7 +260,7 @@ class DryRun:
                                       f"checkpoint path (or `slidedp-store restore {name} CHECKPOINT`)")
             elif torn:
                 self.say("", f"store is torn ({torn}); the resume checkpoint would restore it")
-            if bool(m.meta.get("shadow")) != self.job.store.shadow_bf16:
+            if self.job.store.shadow_bf16 != "auto" and bool(m.meta.get("shadow")) != self.job.store.shadow_bf16:
                 self.warn("store", f"store.shadow_bf16 = {str(self.job.store.shadow_bf16).lower()} but the existing store "
                                    f"was made {'with' if m.meta.get('shadow') else 'without'} the bf16 shadow; the store's wins")
         finally:
@@ -374,17 +379,26 @@ class DryRun:
             self.say("daemons" if not running else "", f"would start {', '.join(start)} as child processes")
 
     def plan(self) -> None:
-        from .planning import plan_job
+        from .planning import DeliveryError, plan_job, shadow_fits
 
         job = self.job
+        store = dict(store_shadow=self.store_shadow, shadow_fits=self.store_shadow is not None
+                     or job.store.shadow_bf16 != "auto" or self.layout is None or shadow_fits(job, self.layout))
         if self.cfg is None:
             self.say("plan", "not made: it needs the model")
             return
         with self.check("plan"):
             if job.runtime.device != "cuda":
-                step = plan_job(job).step
+                try:
+                    p = plan_job(job, **store)
+                except DeliveryError as e:
+                    raise RuntimeError(str(e)) from None
+                step = p.step
                 self.say("plan", f"CPU run: no plan needed (resident_layers={step.resident_layers}, "
-                                 f"embedding={step.embedding}, micro_batch={step.micro_batch})")
+                                 f"embedding={step.embedding}, micro_batch={step.micro_batch}, "
+                                 f"delivery={step.delivery})")
+                for n in p.notes:
+                    self.say("", f"note: {n}")
                 return
             from slidedp.planner import PlanError
 
@@ -396,11 +410,16 @@ class DryRun:
             if job.runtime.workers > count:
                 self.warn("plan", f"{job.runtime.workers} ranks share {count} GPU(s)")
             try:
-                p = plan_job(job)
+                p = plan_job(job, **store)
             except PlanError as e:
                 raise RuntimeError(f"no plan fits: {e}") from None
+            except DeliveryError as e:
+                raise RuntimeError(str(e)) from None
             assert p.plan is not None
-            self.say("plan", p.plan.describe().replace("\n", "\n" + " " * 11))
+            self.say("plan", p.describe().replace("\n", "\n" + " " * 11))
+            if self.store_shadow is None and p.shadow and job.store.shadow_bf16 == "auto":
+                self.say("", "the plan delivers bf16: a run would create the store with the bf16 shadow "
+                             "(2 B/param more host memory; store.shadow_bf16 = false keeps 12 B/param)")
 
     def run(self) -> int:
         t0 = time.perf_counter()

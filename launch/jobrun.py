@@ -39,7 +39,7 @@ from slidedp.store.mismatch import describe as describe_mismatch
 from slidedp.transport import bind_router, connect_dealer, identity, recv_dealer, recv_router, send
 
 from . import children
-from .planning import plan_job, record_training
+from .planning import DeliveryError, plan_job, record_training, shadow_fits
 from .preflight import cuda_probe
 from .rundir import RunDirInUse, check_run_dir, write_run_record
 from .schedule_note import schedule_note
@@ -155,10 +155,18 @@ class JobRun:
             log.warning("%s", cleared)
         _write_atomic(self.run_dir / "job.resolved.toml", job_to_toml(job).encode())
         self._write_data(job)
-        if not status.get("exists"):
-            log.info("creating store %s from %s", self.store, model_source(job))
+        # planned before the store is made: the plan says whether it wants the bf16 shadow (store.shadow_bf16 = "auto")
+        exists = bool(status.get("exists"))
+        try:
+            self.plan = plan_job(job, store_shadow="shadow" in status.get("segments", {}) if exists else None,
+                                 shadow_fits=exists or job.store.shadow_bf16 != "auto" or shadow_fits(job, self.layout))
+        except DeliveryError as e:
+            raise JobFailed(str(e)) from None
+        if not exists:
+            log.info("creating store %s from %s%s", self.store, model_source(job),
+                     " with the bf16 shadow of the weights" if self.plan.shadow else "")
             t0 = time.perf_counter()
-            st = self._call("create", max(self.timeout, 3600), shadow_bf16=job.store.shadow_bf16,
+            st = self._call("create", max(self.timeout, 3600), shadow_bf16=self.plan.shadow,
                             persist=job.store.persist, creator=creator_record(job.run.name), **model_source(job))
             self.created_store = True
             log.info("store %s created: %.3f B parameters, %.2f bytes/parameter, in %.2f s", self.store,
@@ -166,9 +174,8 @@ class JobRun:
             status = st
         self._maybe_resume(status)
         write_run_record(job, status)
-        self.plan = plan_job(job)
-        if self.plan.plan is not None:
-            log.info("plan: %s", self.plan.plan.describe().replace("\n", "\n    "))
+        if self.plan.plan is not None or self.plan.notes:
+            log.info("plan: %s", self.plan.describe().replace("\n", "\n    "))
         step = self.plan.step
         self.plan_path = self.run_dir / PLAN_FILE  # beside job.resolved.toml: what every rank carries out
         _write_atomic(self.plan_path, step.to_json().encode())
@@ -524,9 +531,10 @@ def run_job(job: JobConfig, job_path: Path, progress: Progress) -> int:
         log.info("ready in %.2f s: store %s at step %d; training steps %d..%d on %d %s worker(s)",
                  time.perf_counter() - t0, run.store, start, start, end - 1, run.world, job.runtime.device)
         progress.predicted_step_s = run.plan.step.predicted_step_s
+        progress.params = run.layout.num_parameters
         progress.predicted_clipped_step_s = run.plan.step.predicted_clipped_step_s
         progress.predicted_corrected_step_s = run.plan.step.predicted_corrected_step_s
-        progress.planned_gpu_bytes = run.plan.step.planned_device_bytes
+        progress.planned_device_bytes = run.plan.step.planned_device_bytes
         progress.begin(start, end, run.run_dir)
         if start >= end:
             log.info("the store is already at step %d >= train.steps = %d: nothing to train", start, end)
@@ -539,7 +547,7 @@ def run_job(job: JobConfig, job_path: Path, progress: Progress) -> int:
                 if job.checkpoint.every or job.checkpoint.final:
                     run.checkpoint(committed)
             # last: what the run teaches the planner matters less than the job's state
-            record_training(run.plan, progress.update_busy_s, progress.gpu_side_s, reduce_busy_s=progress.reduce_busy_s)
+            record_training(run.plan, progress.update_busy_s, progress.device_side_s, reduce_busy_s=progress.reduce_busy_s)
         failed = False
         if run.stop_signal:  # stopped cleanly, but not finished: a script must not take it for done
             log.warning("stopped by %s before train.steps = %d%s; exit status %d", signal.Signals(run.stop_signal).name,

@@ -15,15 +15,18 @@ import sys
 from dataclasses import dataclass, replace
 
 from slidedp.config import JobConfig, model_config
-from slidedp.jobrecord import sums_on_host
+from slidedp.jobrecord import gradient_space, sums_on_host
 from slidedp.planner import Calibration, Plan, Workload, costs, make_plan
 from slidedp.planner.calibration import record_training as record_training_measured
 from slidedp.planner.measure import MeasuredBlocks
-from slidedp.planner.sizes import gpu_work_sizes
-from slidedp.planner.step_model import gpu_time_source
+from slidedp.planner.sizes import device_work_sizes
+from slidedp.planner.step_model import device_time_source
 from slidedp.planner.costs import GiB
 from slidedp.stepplan import StepPlan
-from slidedp.store.layout import default_chunk_rows
+from slidedp.store.layout import Layout, default_chunk_rows
+from slidedp.store.rings import rings_bytes
+from slidedp.store.shm import shm_free_bytes
+from slidedp.store.store import segment_sizes
 
 log = logging.getLogger("slidedp.launcher")
 
@@ -41,10 +44,19 @@ def cpu_micro_batch(local_batch: int) -> int:
 
 @dataclass(frozen=True)
 class JobPlan:
-    """A job's step plan and the planner's report it came from (None where no planner ran: CPU)."""
+    """A job's step plan and the planner's report it came from (None where no planner ran: CPU).
+    shadow: whether the store has (or, made by this job, gets) the bf16 shadow; notes: what the
+    launcher adds to the plan (why the delivery is what it is)."""
 
     step: StepPlan
     plan: Plan | None = None
+    shadow: bool = False
+    notes: tuple[str, ...] = ()
+
+    def describe(self) -> str:
+        """What `--plan` and the launcher's log print: the planner's table and the launcher's notes."""
+        text = self.plan.describe() if self.plan is not None else ""
+        return "\n".join([text] * bool(text) + [f"note: {n}" for n in self.notes])
 
     @property
     def keeps_plan(self) -> bool:
@@ -96,30 +108,88 @@ def _routes(job: JobConfig, calib: Calibration) -> dict[str, tuple[str, ...]]:
             "grad_route": options(job.runtime.grad_route, ("host", "reduce_scatter"))}
 
 
-def plan_job(job: JobConfig, calib: Calibration | None = None) -> JobPlan:
+class DeliveryError(ValueError):
+    """The job asks for the bf16 delivery and its store cannot serve it: the message says what to change."""
+
+
+def deliveries(job: JobConfig, store_shadow: bool | None, shadow_fits: bool = True) -> tuple[tuple[str, ...], str]:
+    """The deliveries the plan may choose, and a note where the bf16 one is ruled out (or "").
+
+    store_shadow: whether the existing store has the bf16 shadow (None: the job creates its store, with
+    one as store.shadow_bf16 says: true, or "auto" where the plan delivers bf16); shadow_fits: whether
+    the host has room for it in a store this job creates. The shadow delivers the same bits to a bf16
+    compute as the cast of the master, so where the store has one anyway (the updaters refresh it
+    whatever the delivery) it is the only choice: half the bytes of every copy, for nothing."""
+    rt, shadow = job.runtime, job.store.shadow_bf16
+    if job.train.compute_dtype != "bf16" or rt.delivery == "fp32":
+        return ("fp32",), ""
+    if store_shadow is False:
+        if rt.delivery == "bf16":
+            raise DeliveryError(f"runtime.delivery = \"bf16\" streams the store's bf16 shadow, but store "
+                                f"{job.store_name!r} was created without one: set runtime.delivery = \"auto\" or "
+                                f"\"fp32\", or make the store again with store.shadow_bf16 = true (`slidedp-store "
+                                f"checkpoint`, `slidedp-store destroy {job.store_name}`, then run with "
+                                f"checkpoint.resume)")
+        return ("fp32",), (f"delivery fp32: store {job.store_name!r} was created without the bf16 shadow "
+                           f"(store.shadow_bf16); one would halve the bytes of every copy in, exactly")
+    if store_shadow is None and shadow is False:
+        return ("fp32",), ""
+    if store_shadow or shadow is True or rt.delivery == "bf16":
+        return ("bf16",), ""
+    if not shadow_fits:
+        return ("fp32",), ("delivery fp32: the host has no room for the bf16 shadow (2 B/param more host memory) "
+                           "beside the store; store.shadow_bf16 = true asks for it")
+    return ("fp32", "bf16"), ""
+
+
+def shadow_fits(job: JobConfig, layout: Layout) -> bool:
+    """Whether the host has room for a store this job creates with the bf16 shadow (14 B/param) and the
+    job's gradient rings (on the host route: the larger), in /dev/shm and in the memory available."""
+    import psutil
+
+    world, clip = job.runtime.workers, job.train.max_grad_norm > 0
+    slots, reduce_slots, full = gradient_space(layout, world, "host", clip, job.store.grad_slots)
+    need = sum(segment_sizes(layout, {}, True).values()) + sum(rings_bytes(layout, world, slots, reduce_slots, full))
+    return need <= min(shm_free_bytes(), psutil.virtual_memory().available)
+
+
+def _store_shadow(job: JobConfig, store_shadow: bool | None, delivery: str) -> bool:
+    """Whether the job's store has the bf16 shadow: the existing store's, or what one this job creates gets."""
+    if store_shadow is not None:
+        return store_shadow
+    return job.store.shadow_bf16 is True or (job.store.shadow_bf16 == "auto" and delivery == "bf16")
+
+
+def plan_job(job: JobConfig, calib: Calibration | None = None, store_shadow: bool | None = None,
+             shadow_fits: bool = True) -> JobPlan:
     """The job's step plan: on CUDA the planner's, with the job file's [memory] overrides (its
-    inputs) applied; on CPU the job file's values, clamped to the model."""
+    inputs) applied; on CPU the job file's values, clamped to the model. store_shadow, shadow_fits:
+    what `deliveries` needs to know of the store (None: the job creates it)."""
     mem, t, rt = job.memory, job.train, job.runtime
+    options, note = deliveries(job, store_shadow, shadow_fits)
+    notes = (note,) if note else ()
     forced_embedding = {"auto": None, "host": "host", "device": "device"}[mem.embedding]
     one = rt.workers == 1  # one rank: nothing to shard
     cfg = model_config(job)
     nl = cfg.num_layers
-    if rt.device != "cuda":
+    if rt.device != "cuda":  # no planner: the bf16 delivery where the store has (or gets) the shadow anyway
+        delivery = options[-1] if len(options) == 1 else "fp32"
         return JobPlan(StepPlan(
-            micro_batch=t.micro_batch or cpu_micro_batch(t.global_batch // rt.workers),
+            micro_batch=t.micro_batch or cpu_micro_batch(t.global_batch // rt.workers), delivery=delivery,
             compute_dtype=t.compute_dtype, chunk_rows=default_chunk_rows(cfg),
             resident_layers=max(0, mem.resident_layers), prefetch_depth=max(1, mem.prefetch_depth),
             embedding=forced_embedding or "host", seq_tile_tokens=max(0, mem.seq_tile_tokens),
             offload_layers=min(max(0, mem.offload_layers), nl), device_layers=min(max(0, mem.device_layers), nl),
             param_route="sharded" if rt.param_route == "sharded" and not one else "replicated",
-            grad_route="reduce_scatter" if rt.grad_route == "reduce_scatter" and not one else "host"))
+            grad_route="reduce_scatter" if rt.grad_route == "reduce_scatter" and not one else "host"),
+            shadow=_store_shadow(job, store_shadow, delivery), notes=notes)
     work = Workload(model=cfg, global_batch=t.global_batch, seq_len=t.seq_len, world=rt.workers,
                     micro_batch=t.micro_batch, compute_dtype=t.compute_dtype, clip=t.max_grad_norm > 0,
                     updaters=max(1, rt.updaters), compiled=t.compile in ("auto", "on"))
-    budget = int(mem.gpu_budget_gib * GiB)
+    budget = int(mem.device_budget_gib * GiB)
     allowed = {
         "activations": ("keep", "offload") if mem.offload_layers != 0 else ("keep",),
-        "delivery": ("fp32",),  # the bf16 shadow delivery needs a store made with store.shadow_bf16
+        "delivery": options,
         "embedding": {None: ("device", "host"), "host": ("host",), "device": ("device",)}[forced_embedding],
     }
     if mem.prefetch_depth > 0:  # the job's depth, planned with its buffers
@@ -128,7 +198,7 @@ def plan_job(job: JobConfig, calib: Calibration | None = None) -> JobPlan:
         calib = calibration(rt.workers, work.model.num_parameters(), measure={
             "model": cfg.to_dict(), "seq_len": t.seq_len, "compute_dtype": t.compute_dtype,
             "compiled": work.compiled, "compile_fallback": t.compile == "auto", "local_batch": work.local_batch,
-            "sizes": gpu_work_sizes(work, budget, allowed)})
+            "sizes": device_work_sizes(work, budget, allowed)})
     allowed.update(_routes(job, calib))
     plan = make_plan(work, budget, calib, allowed,
                      device_layers=None if mem.device_layers < 0 else mem.device_layers)
@@ -140,7 +210,7 @@ def plan_job(job: JobConfig, calib: Calibration | None = None) -> JobPlan:
                    grad_route=plan.grad_route if not one else "host")
     if step != planned:  # the job file overrode a choice: the plan's memory peak is not this run's
         step = replace(step, planned_device_bytes=None, planned_by="planner + job file")
-    return JobPlan(step, plan)
+    return JobPlan(step, plan, shadow=_store_shadow(job, store_shadow, step.delivery), notes=notes)
 
 
 def learned_update_rate(run_plan: JobPlan, update_busy_s: list[float]) -> float | None:
@@ -164,7 +234,7 @@ def learned_update_rate(run_plan: JobPlan, update_busy_s: list[float]) -> float 
     return params / busy * costs.update_bytes_per_param(plan.delivery) / 28.0
 
 
-def gpu_time_against_plan(run_plan: JobPlan, gpu_side_s: list[float]) -> float | None:
+def device_time_against_plan(run_plan: JobPlan, device_side_s: list[float]) -> float | None:
     """The workers' GPU-side step time (each rank's step less its waits for the host; the slowest rank;
     median step after the first) over the plan's GPU time: how far the measured blocks (or, without
     them, the FLOPs) were from the run. Reported, not learned: the next plan measures its blocks.
@@ -173,12 +243,12 @@ def gpu_time_against_plan(run_plan: JobPlan, gpu_side_s: list[float]) -> float |
     resident, offloaded or device-held layers; a plan that expected copies to show (exposed time over
     a quarter of the GPU time), where the workers' time holds copy stalls that are not GPU work."""
     plan = run_plan.plan
-    if plan is None or len(gpu_side_s) < 3 or not run_plan.keeps_plan:
+    if plan is None or len(device_side_s) < 3 or not run_plan.keeps_plan:
         return None
     gpu = dict(plan.busy_s)["gpu"]
     if plan.exposed_s > 0.25 * gpu:
         return None
-    measured = statistics.median(gpu_side_s[1:])
+    measured = statistics.median(device_side_s[1:])
     return measured / gpu if measured > 0 and gpu > 0 else None
 
 
@@ -197,7 +267,7 @@ def learned_sum_rate(run_plan: JobPlan, reduce_busy_s: list[float]) -> float | N
     return planned * plan.calibration.reduce_rate_gbps(n, summed=True) / measured
 
 
-def record_training(run_plan: JobPlan, update_busy_s: list[float], gpu_side_s: list[float],
+def record_training(run_plan: JobPlan, update_busy_s: list[float], device_side_s: list[float],
                     cache_dir: str | None = None, reduce_busy_s: list[float] | None = None) -> Calibration | None:
     """After a planned (CUDA) run: keep the updaters' AdamW rate the run measured with this host's
     calibration, for the next plan of that model, and report its GPU time against the plan's. Returns
@@ -222,9 +292,9 @@ def record_training(run_plan: JobPlan, update_busy_s: list[float], gpu_side_s: l
         log.info("updaters ran AdamW at %.2f G params/s per process in this run (bare kernel: %.2f); "
                  "the next plan of this model on this host charges it", rate / 1e9,
                  plan.calibration.adamw_params_per_s / 1e9)
-    ratio = gpu_time_against_plan(run_plan, gpu_side_s)
+    ratio = device_time_against_plan(run_plan, device_side_s)
     if ratio is not None:
-        source = gpu_time_source(plan.workload, plan.choices, plan.calibration)
+        source = device_time_source(plan.workload, plan.choices, plan.calibration)
         log.info("the GPU work took %.2fx the plan's GPU time (%s)", ratio, {
             "measured": "blocks measured on this GPU at this shape", "nearby": "blocks measured at nearby sizes",
             "FLOPs": "matmul FLOPs at the calibrated rate"}[source])

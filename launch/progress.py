@@ -67,10 +67,10 @@ METRICS: dict[str, MetricField] = {
                                        "the step (at a checkpoint and at the end; inside step_s), slowest rank", True,
                                 "max"),
     "h2d_bytes": MetricField(int, "bytes copied host to device, all ranks", True, "sum"),
-    "gpu_peak_bytes": MetricField(int, "peak GPU memory allocated by one rank (0 on CPU)", True, "max"),
-    "gpu_reserved_peak_bytes": MetricField(int, "peak GPU memory the caching allocator reserved for one rank, what "
-                                                "memory.gpu_budget_gib caps (0 on CPU)", True, "max"),
-    "planned_gpu_bytes": MetricField(int, "the plan's GPU memory peak per rank, CUDA context included; null on CPU "
+    "device_peak_bytes": MetricField(int, "peak GPU memory allocated by one rank (0 on CPU)", True, "max"),
+    "device_reserved_peak_bytes": MetricField(int, "peak GPU memory the caching allocator reserved for one rank, what "
+                                                "memory.device_budget_gib caps (0 on CPU)", True, "max"),
+    "planned_device_bytes": MetricField(int, "the plan's GPU memory peak per rank, CUDA context included; null on CPU "
                                           "(no plan)", True),
     "update_busy_s": MetricField(float, "updater busy time of the step's chunks, summed over processes"),
     "clipped": MetricField(bool, "the global gradient norm was over train.max_grad_norm: the update was clipped"),
@@ -83,6 +83,12 @@ METRICS: dict[str, MetricField] = {
     "correction_s": MetricField(float, "updater busy time of those corrections, summed over processes (inside "
                                        "update_busy_s)"),
     "reduce_busy_s": MetricField(float, "aggregator busy time summing the step's gradients"),
+    "d2h_bytes": MetricField(int, "bytes of gradients copied device to host, all ranks", True, "sum"),
+    "host_bytes_per_param": MetricField(float, "host memory read and written in the step per parameter of the model: "
+                                               "the ranks' parameter copies in (h2d_bytes) and gradients out "
+                                               "(d2h_bytes), the updaters' AdamW passes and shadow refresh and the "
+                                               "aggregator's sums (slidedp/hosttraffic.py); null where the parameter "
+                                               "count is not known", True),
     "host_rss_bytes": MetricField(int, "private resident memory of the launcher and all its child processes "
                                        "(the shared store is counted once, in shm_bytes)"),
     "shm_bytes": MetricField(int, "bytes of the store's shared-memory segments (state, manifest, gradient rings)"),
@@ -130,7 +136,7 @@ def process_tree_private_bytes(pid: int | None = None) -> int:
     return total
 
 
-def gpu_side(stats: WorkerStats) -> float:
+def device_side(stats: WorkerStats) -> float:
     """A rank's own step less its own waits for the host (updates, gradient slots, the loss) and its
     write-back of device-held units (a checkpoint's or the job end's work, not the step's)."""
     return stats.step_s - stats.wait_version_s - stats.wait_slot_s - stats.wait_loss_s - stats.write_back_s
@@ -142,8 +148,9 @@ def _finite(x: float) -> float | None:
 
 def make_record(step: int, done: StepDone, stats: dict[int, WorkerStats], lr: float, tokens: int, step_s: float,
                 predicted_step_s: float | None, host_private: int, shm: int,
-                planned_gpu_bytes: int | None = None, eval_loss: float | None = None,
-                trained_tokens: int | None = None) -> dict[str, Any]:
+                planned_device_bytes: int | None = None, eval_loss: float | None = None,
+                trained_tokens: int | None = None, params: int = 0) -> dict[str, Any]:
+    """params: the model's parameter count (0: not known, host_bytes_per_param is null)."""
     worker_fields = {f.name for f in fields(WorkerStats)}
     record: dict[str, Any] = {
         "step": step, "time": time.time(), "loss": _finite(done.loss), "grad_norm": _finite(done.grad_norm),
@@ -152,7 +159,7 @@ def make_record(step: int, done: StepDone, stats: dict[int, WorkerStats], lr: fl
         "trained_tokens": tokens if trained_tokens is None else trained_tokens,
         "tokens_per_s": tokens / step_s if step_s > 0 else None,
         "worker_step_s": max((s.step_s for s in stats.values()), default=step_s),
-        "predicted_step_s": predicted_step_s, "planned_gpu_bytes": planned_gpu_bytes, "ranks": len(stats),
+        "predicted_step_s": predicted_step_s, "planned_device_bytes": planned_device_bytes, "ranks": len(stats),
         "update_busy_s": done.update_s, "reduce_busy_s": done.reduce_s, "clipped": bool(done.clipped),
         "speculated": bool(done.speculate), "speculated_chunks": done.speculated, "corrected_chunks": done.corrected, "correction_s": done.correct_s,
         "host_rss_bytes": host_private, "shm_bytes": shm,
@@ -161,6 +168,8 @@ def make_record(step: int, done: StepDone, stats: dict[int, WorkerStats], lr: fl
         if f.over_ranks and key in worker_fields:
             values = [getattr(s, key) for s in stats.values()]
             record[key] = (sum(values) if f.over_ranks == "sum" else max(values)) if values else None
+    moved = done.host_bytes + sum(s.h2d_bytes + s.d2h_bytes for s in stats.values())
+    record["host_bytes_per_param"] = moved / params if params else None
     return record
 
 
@@ -196,10 +205,11 @@ class Progress:
         self.predicted_step_s: float | None = None
         self.predicted_clipped_step_s: float | None = None  # exact clipping: of a step after a clipped one
         self.predicted_corrected_step_s: float | None = None  # exact clipping: of one that speculated, then clipped
-        self.planned_gpu_bytes: int | None = None
+        self.planned_device_bytes: int | None = None
+        self.params = 0  # the model's parameters: host_bytes_per_param is per parameter (0: not known)
         self.update_busy_s: list[float] = []  # per committed step: the updaters' summed AdamW time
         self.reduce_busy_s: list[float] = []  # per committed step: the aggregator's time summing gradients
-        self.gpu_side_s: list[float] = []  # per committed step: the slowest rank's step less its waits for the host
+        self.device_side_s: list[float] = []  # per committed step: the slowest rank's step less its waits for the host
         self.records: list[dict[str, Any]] = []  # this run's metrics records, for the summary at the end
         self._bar: tqdm | None = None
         self._redirect = contextlib.ExitStack()
@@ -241,12 +251,13 @@ class Progress:
         elif done.speculate and done.clipped and self.predicted_corrected_step_s:
             predicted = self.predicted_corrected_step_s  # speculated, then corrected
         record = make_record(step, done, stats, lr, self.tokens_per_step, step_s, predicted,
-                             process_tree_private_bytes(), shm, self.planned_gpu_bytes, eval_loss, trained_tokens)
+                             process_tree_private_bytes(), shm, self.planned_device_bytes, eval_loss, trained_tokens,
+                             self.params)
         if not done.skipped:
             self.update_busy_s.append(done.update_s - done.correct_s)  # the AdamW rate a plan may learn
             self.reduce_busy_s.append(done.reduce_s)
             if stats:
-                self.gpu_side_s.append(max(gpu_side(s) for s in stats.values()))
+                self.device_side_s.append(max(device_side(s) for s in stats.values()))
         if self.metrics is not None:
             self.metrics.write(json.dumps(record) + "\n")
             self.metrics.flush()

@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from slidedp import old_names
 from slidedp.step_records import timed_steps, write_backs
 from slidedp.stepplan import PLAN_FILE, StepPlan, StepPlanError
 
@@ -49,7 +50,7 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
         except ValueError:
             continue  # a launcher killed mid-write leaves a torn last line
         if isinstance(r, dict) and isinstance(r.get("step"), int):
-            by_step[r["step"]] = r
+            by_step[r["step"]] = old_names.current(r)  # a run of an older version, too
     if not by_step:
         raise ReportError(f"{path} holds no step records yet")
     return [by_step[s] for s in sorted(by_step)]
@@ -111,6 +112,12 @@ def summary(records: list[dict[str, Any]]) -> list[str]:
         if v is not None:
             lines.append(f"  {what:<30}{v:>9.3f} s  {100 * v / step_s if step_s else 0:>4.0f}% of the step, "
                          f"beside the workers")
+    host = _median(rs, "host_bytes_per_param")  # a run from before it has none
+    if host is not None:
+        h2d, d2h = _median(rs, "h2d_bytes"), _median(rs, "d2h_bytes")
+        lines.append(f"host memory  {host:.1f} B/param read and written per step (median): the ranks' copies in "
+                     f"{(h2d or 0) / 2**30:.2f} GiB and gradients out {(d2h or 0) / 2**30:.2f} GiB, the rest the "
+                     f"updaters' AdamW and the aggregator's sums")
     lines += clipping_summary(rs)
     predicted = _median(rs, "predicted_step_s")
     if predicted:
@@ -119,11 +126,11 @@ def summary(records: list[dict[str, Any]]) -> list[str]:
     else:
         lines.append("plan         no prediction (a CPU run has no plan)")
     peak = {k: max((r.get(k) or 0) for r in records)
-            for k in ("gpu_peak_bytes", "gpu_reserved_peak_bytes", "planned_gpu_bytes", "host_rss_bytes", "shm_bytes")}
-    gpu = f"GPU peak {peak['gpu_peak_bytes'] / 2**30:.2f} GiB"
-    if peak["gpu_reserved_peak_bytes"]:
-        gpu += f" ({peak['gpu_reserved_peak_bytes'] / 2**30:.2f} reserved"
-        gpu += f", plan {peak['planned_gpu_bytes'] / 2**30:.2f} with the CUDA context)" if peak["planned_gpu_bytes"] else ")"
+            for k in ("device_peak_bytes", "device_reserved_peak_bytes", "planned_device_bytes", "host_rss_bytes", "shm_bytes")}
+    gpu = f"GPU peak {peak['device_peak_bytes'] / 2**30:.2f} GiB"
+    if peak["device_reserved_peak_bytes"]:
+        gpu += f" ({peak['device_reserved_peak_bytes'] / 2**30:.2f} reserved"
+        gpu += f", plan {peak['planned_device_bytes'] / 2**30:.2f} with the CUDA context)" if peak["planned_device_bytes"] else ")"
     lines.append(f"memory       {gpu}, host private peak {peak['host_rss_bytes'] / 2**30:.2f} GiB, "
                  f"shared (store + rings) {peak['shm_bytes'] / 2**30:.2f} GiB")
     return lines

@@ -16,8 +16,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Sequence
 
+from slidedp import log, old_names
 from slidedp.model.config import NAMED_SHAPES, named_shape
 from slidedp.paths import check_store_name
+
+_log = log.get("config")
 
 if TYPE_CHECKING:
     from slidedp.model.config import ModelConfig
@@ -31,7 +34,8 @@ class ConfigError(ValueError):
         super().__init__("\n".join(self.problems))
 
 
-_TYPE_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "true or false"}
+_TYPE_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "true or false",
+               (bool, str): "true, false or a string"}
 
 
 class _Section:
@@ -53,7 +57,8 @@ class _Section:
                 object.__setattr__(self, f.name, tuple(value) if len(value) > 1 else value[0])
                 continue
             # bool is a subclass of int in Python; a TOML `true` is never a number here.
-            ok = isinstance(value, want) and not (want is not bool and isinstance(value, bool))
+            takes_bool = want is bool or (isinstance(want, tuple) and bool in want)
+            ok = isinstance(value, want) and not (not takes_bool and isinstance(value, bool))
             if want is float and isinstance(value, int) and not isinstance(value, bool):
                 object.__setattr__(self, f.name, float(value))
                 ok = True
@@ -114,7 +119,7 @@ class _Section:
         return path
 
 
-_FIELD_TYPES = {"str": str, "int": int, "float": float, "bool": bool}
+_FIELD_TYPES = {"str": str, "int": int, "float": float, "bool": bool, "bool | str": (bool, str)}
 
 
 def _show(value: Any) -> str:
@@ -265,7 +270,7 @@ class TrainSection(_Section):
 @dataclass(frozen=True)
 class MemorySection(_Section):
     _name: ClassVar[str] = "memory"
-    gpu_budget_gib: float = 24.0
+    device_budget_gib: float = 24.0
     embedding: str = "auto"  # "auto" (the plan decides), "host", or "device" (embedding/head held on the GPUs)
     resident_layers: int = -1  # layers kept on the GPU from forward to backward; -1: the plan decides
     seq_tile_tokens: int = -1  # tokens per MLP/norm/head tile along the sequence; 0: untiled; -1: the plan decides
@@ -274,7 +279,7 @@ class MemorySection(_Section):
     prefetch_depth: int = -1  # layer copies running ahead of the compute, 1-8; -1: the plan decides
 
     def validate(self) -> None:
-        self._range("gpu_budget_gib", 0, lo_open=True)
+        self._range("device_budget_gib", 0, lo_open=True)
         if self.prefetch_depth != -1 and not 1 <= self.prefetch_depth <= 8:
             raise ConfigError(f"memory.prefetch_depth must be -1 (the plan decides) or in [1, 8]; "
                               f"got {_show(self.prefetch_depth)}")
@@ -290,10 +295,15 @@ class StoreSection(_Section):
     _name: ClassVar[str] = "store"
     name: str = ""  # "" = the run name
     persist: bool = False  # false: destroyed when the job that created it ends
-    shadow_bf16: bool = False
+    # a bf16 copy of the weights beside the master (2 B/param more host memory), refreshed by the updater,
+    # which the bf16 delivery streams instead of the fp32 master: true, false, or "auto": a store this job
+    # creates has one when its plan delivers bf16 (docs/job-file.md says when). An existing store keeps its own.
+    shadow_bf16: bool | str = "auto"
     grad_slots: int = 0  # per rank; 0 = auto (a third of the layers, 3..16: room for the updaters' backlog)
 
     def validate(self) -> None:
+        if self.shadow_bf16 not in (True, False, "auto"):
+            self._report(f"store.shadow_bf16 must be true, false or \"auto\"; got {_show(self.shadow_bf16)}")
         if self.grad_slots == 1 or self.grad_slots < 0:
             raise ConfigError(f"store.grad_slots must be 0 (auto) or at least 2, got {self.grad_slots}")
         if self.name:
@@ -357,9 +367,14 @@ class RuntimeSection(_Section):
     timeout_s: float = 120.0
     param_route: str = "auto"  # "replicated" (every rank copies whole chunks in) | "sharded" (1/N each, all-gathered)
     grad_route: str = "auto"  # "host" (the aggregator sums the ranks) | "reduce_scatter" (summed on the devices)
+    # what carries the weights to the devices: "fp32" (the master, cast there) | "bf16" (the store's bf16
+    # shadow: half the bytes, the same bits for a bf16 compute) | "auto": the plan's choice (on CPU: bf16
+    # where the store has a shadow and the compute is bf16)
+    delivery: str = "auto"
 
     def validate(self) -> None:
         self._choice("device", ("cpu", "cuda"))
+        self._choice("delivery", ("auto", "fp32", "bf16"))
         self._choice("param_route", ("auto", "replicated", "sharded"))
         self._choice("grad_route", ("auto", "host", "reduce_scatter"))
         self._range("workers", 1)
@@ -419,6 +434,13 @@ class JobConfig:
                               + (f", as {m.path} has no tokenizer.json" if m.source == "hf" else ""))
         if self.train.eval_every and not d.eval_path:
             raise ConfigError("train.eval_every needs data.eval_path (the held-out data)")
+        if self.runtime.delivery == "bf16" and self.train.compute_dtype != "bf16":
+            raise ConfigError(f"runtime.delivery = \"bf16\" streams the weights rounded to bf16: it needs "
+                              f"train.compute_dtype = \"bf16\" (got {self.train.compute_dtype!r}); set "
+                              f"runtime.delivery = \"fp32\" or \"auto\"")
+        if self.runtime.delivery == "bf16" and self.store.shadow_bf16 is False:
+            raise ConfigError("runtime.delivery = \"bf16\" streams the store's bf16 shadow, and store.shadow_bf16 = "
+                              "false makes a store without one: set store.shadow_bf16 = true or \"auto\"")
 
     @property
     def store_name(self) -> str:
@@ -480,6 +502,11 @@ def _apply_override(d: dict[str, Any], item: str) -> None:
     table = d.setdefault(section, {})
     if not isinstance(table, dict):
         raise ConfigError(f"bad override {item!r}: {section!r} is not a section")
+    if old_names.job_key(f"{section}.{name}") != f"{section}.{name}":
+        _log.warning(old_names.deprecation(f"{section}.{name}"))
+        name = old_names.job_key(f"{section}.{name}").partition(".")[2]
+    for old in old_names.old_job_keys(f"{section}.{name}"):  # the override wins over the file's, under either name
+        table.pop(old.partition(".")[2], None)
     cls = SECTIONS.get(section)
     if cls and name in cls._paths and isinstance(value, str) and value and (section, name, value) != (
         "checkpoint", "resume", "latest"
@@ -488,6 +515,22 @@ def _apply_override(d: dict[str, Any], item: str) -> None:
     elif cls and name in cls._lists and isinstance(value, list):
         value = [str(Path(v).expanduser().absolute()) if isinstance(v, str) and v else v for v in value]
     table[name] = value
+
+
+def _renamed_keys(section: str, values: dict[str, Any]) -> list[str]:
+    """Move the section's keys of an older name (old_names.JOB_KEYS) to their new one, each with a
+    warning; returns the problems (a key set under both names)."""
+    problems = []
+    for key in [k for k in values if old_names.job_key(f"{section}.{k}") != f"{section}.{k}"]:
+        new = old_names.job_key(f"{section}.{key}")
+        if new.partition(".")[2] in values:
+            problems.append(f"{section}.{key} and {new} are both set: {section}.{key} is the old name of {new}; "
+                            f"keep only {new}")
+            values.pop(key)
+            continue
+        _log.warning(old_names.deprecation(f"{section}.{key}"))
+        values[new.partition(".")[2]] = values.pop(key)
+    return problems
 
 
 def job_from_dict(d: dict[str, Any], base_dir: Path, name_hint: str) -> JobConfig:
@@ -503,6 +546,7 @@ def job_from_dict(d: dict[str, Any], base_dir: Path, name_hint: str) -> JobConfi
     for name, cls in SECTIONS.items():
         values = d.get(name, {})
         values = dict(values) if isinstance(values, dict) else {}
+        problems += _renamed_keys(name, values)
         fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
         bad = [f"unknown key {name}.{key}; allowed keys in [{name}]: {', '.join(fields)}"
                for key in values if key not in fields]

@@ -210,7 +210,7 @@ class Updated(Message):
     correct_s: float = 0.0  # of busy_s, the correction's
 
 
-@message(11, "qddBddBiidB")
+@message(11, "qddBddBiidBq")
 class StepDone(Message):
     """Aggregator -> launcher: every chunk of `step` is updated; the step is committed."""
     step: int
@@ -224,6 +224,7 @@ class StepDone(Message):
     corrected: int = 0  # of those, redone clipped (or undone: a non-finite gradient skipped the step)
     correct_s: float = 0.0  # updater busy time of those corrections
     speculate: int = 0  # the step was allowed to speculate (the last committed step did not clip: slidedp/clipping)
+    host_bytes: int = 0  # host memory the updaters' AdamW (and shadow refresh) and the aggregator's sums moved
 
 
 @message(13, "B")
@@ -255,7 +256,7 @@ class Fault(Message):
     text: str
 
 
-@message(17, "iqddddddqqqd")
+@message(17, "iqddddddqqqdq")
 class WorkerStats(Message):
     """Worker -> launcher after each step: where its time went."""
     rank: int
@@ -267,9 +268,10 @@ class WorkerStats(Message):
     wait_slot_s: float  # blocked for a free gradient slot (aggregator/updaters behind)
     wait_loss_s: float  # blocked on the other ranks' loss
     h2d_bytes: int
-    gpu_peak_bytes: int  # the allocator's tensors at their peak
-    gpu_reserved_peak_bytes: int  # what the caching allocator held at its peak (the budget caps this)
+    device_peak_bytes: int  # the allocator's tensors at their peak
+    device_reserved_peak_bytes: int  # what the caching allocator held at its peak (the budget caps this)
     write_back_s: float = 0.0  # inside step_s: device-held units written back to the store (a checkpoint, the end)
+    d2h_bytes: int = 0  # gradients written into host memory (h2d_bytes: parameters read from it)
 
 
 @message(18, "iqdq")

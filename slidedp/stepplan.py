@@ -69,6 +69,9 @@ class StepPlan:
         if self.micro_batch < 1 or self.loss_chunk_tokens < 1:
             raise StepPlanError(f"plan: micro_batch and loss_chunk_tokens must be >= 1, "
                                 f"got {self.micro_batch} and {self.loss_chunk_tokens}")
+        if self.delivery == "bf16" and self.compute_dtype != "bf16":
+            raise StepPlanError("plan: delivery 'bf16' (the store's bf16 shadow) needs compute_dtype 'bf16': "
+                                f"a {self.compute_dtype} compute would train on weights rounded to bf16")
         if not 1 <= self.prefetch_depth <= 8:
             raise StepPlanError(f"plan: prefetch_depth must be between 1 and 8, got {self.prefetch_depth}")
 

@@ -235,10 +235,10 @@ with open(job.run_dir / "metrics.jsonl", "w") as f:
     for step in reversed(range(job.train.steps)):  # order must not matter
         tokens = job.train.global_batch * job.train.seq_len
         f.write(json.dumps({"step": step, "step_s": step_s[step], "tokens": tokens,
-                            "tokens_per_s": tokens / step_s[step], "gpu_peak_bytes": (step + 1) << 30,
+                            "tokens_per_s": tokens / step_s[step], "device_peak_bytes": (step + 1) << 30,
                             "host_rss_bytes": 2 << 30, "shm_bytes": 3 << 30, "predicted_step_s": 1.5,
                             "loss": 6.0}) + "\\n")
-print("trained", job.store_name, job.train.compute_dtype, job.runtime.device, job.memory.gpu_budget_gib,
+print("trained", job.store_name, job.train.compute_dtype, job.runtime.device, job.memory.device_budget_gib,
       job.train.max_grad_norm, job.checkpoint.final, job.store.persist, job.store.shadow_bf16, flush=True)
 if os.environ.get("FAKE_LAUNCHER_LINGER"):  # every step committed, then a slow shutdown
     import time
@@ -606,7 +606,7 @@ def test_the_headline_session_runs_each_system_in_its_own_command_within_its_bud
     assert systems == ["fsdp2_offload", "deepspeed", "zenflow", "megatrain", "slideformer"]
     for r in runs:
         assert "--shape qwen3-4b --batch 8 --seq 2048 --steps 6 --warmup 2" in r
-        assert "--max-grad-norm 1.0 --slidedp-micro-batch plan --slidedp-set memory.gpu_budget_gib=24" in r
+        assert "--max-grad-norm 1.0 --slidedp-micro-batch plan --slidedp-set memory.device_budget_gib=24" in r
         assert "--timeout 130" in r
     merge = [line for line in text.splitlines() if line.startswith("-m benchmarks.run --merge")]
     assert len(merge) == 1 and merge[0].endswith(f"--out {tmp_path / 'out' / 'offload-b8.json'}")

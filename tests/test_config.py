@@ -73,7 +73,7 @@ def test_defaults(jobdir):
     assert job.model.source == "random" and job.model.shape == "tiny" and job.model.vocab_size == 0
     assert (job.train.min_lr_ratio, job.train.beta1, job.train.beta2, job.train.eps) == (0.1, 0.9, 0.95, 1e-8)
     assert (job.train.max_grad_norm, job.train.compute_dtype, job.train.schedule) == (1.0, "bf16", "cosine")
-    assert job.memory.gpu_budget_gib == 24.0
+    assert job.memory.device_budget_gib == 24.0
     assert (job.store.name, job.store.persist, job.store.grad_slots) == ("", False, 0)
     assert (job.checkpoint.every, job.checkpoint.keep, job.checkpoint.final, job.checkpoint.resume) == (0, 3, True, "")
     assert (job.runtime.workers, job.runtime.updaters, job.runtime.timeout_s) == (1, 0, 120.0)
@@ -88,7 +88,7 @@ def test_round_trip_through_toml(jobdir, monkeypatch):
     monkeypatch.chdir(jobdir.parent)  # reloading elsewhere changes nothing: paths are absolute
     again = load_job(write(jobdir, text, "resolved.toml"))
     assert again == job
-    assert job_to_dict(again)["store"] == {"name": "s1", "persist": False, "shadow_bf16": False, "grad_slots": 0}
+    assert job_to_dict(again)["store"] == {"name": "s1", "persist": False, "shadow_bf16": "auto", "grad_slots": 0}
 
 
 def test_ints_accepted_as_floats(jobdir):
@@ -124,8 +124,32 @@ def test_top_level_key_rejected(jobdir):
 
 def test_unknown_key(jobdir):
     p = write(jobdir, BASE + "[memory]\ngpu_budget = 3\n")
-    assert error(p) == (f"{p}: unknown key memory.gpu_budget; allowed keys in [memory]: gpu_budget_gib, embedding, "
+    assert error(p) == (f"{p}: unknown key memory.gpu_budget; allowed keys in [memory]: device_budget_gib, embedding, "
                         f"resident_layers, seq_tile_tokens, offload_layers, device_layers, prefetch_depth")
+
+
+def test_the_old_name_of_the_device_budget_is_read_with_a_warning_naming_the_new_one(jobdir, caplog):
+    p = write(jobdir, BASE + "[memory]\ngpu_budget_gib = 3.5\n")
+    with caplog.at_level("WARNING", logger="slidedp.config"):
+        job = load_job(p)
+    assert job.memory.device_budget_gib == 3.5
+    assert [r.getMessage() for r in caplog.records] == [
+        "memory.gpu_budget_gib is deprecated: call it memory.device_budget_gib"]
+    assert "gpu_budget_gib" not in job_to_toml(job) and "device_budget_gib = 3.5" in job_to_toml(job)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="slidedp.config"):  # an override, by either name, wins over the file
+        assert load_job(p, ["memory.device_budget_gib=7"]).memory.device_budget_gib == 7
+        assert load_job(write(jobdir, BASE + "[memory]\ndevice_budget_gib = 2.0\n", "new.toml"),
+                        ["memory.gpu_budget_gib=9"]).memory.device_budget_gib == 9
+    assert [r.getMessage() for r in caplog.records] == [
+        "memory.gpu_budget_gib is deprecated: call it memory.device_budget_gib"]
+
+
+def test_the_device_budget_under_both_names_is_refused(jobdir):
+    p = write(jobdir, BASE + "[memory]\ngpu_budget_gib = 3.5\ndevice_budget_gib = 4.0\n")
+    assert error(p) == (f"{p}: memory.gpu_budget_gib and memory.device_budget_gib are both set: "
+                        f"memory.gpu_budget_gib is the old name of memory.device_budget_gib; keep only "
+                        f"memory.device_budget_gib")
 
 
 def test_missing_required_key(jobdir):
@@ -162,7 +186,7 @@ def test_wrong_type(jobdir, override, message):
         ("train.max_grad_norm=-1", "train.max_grad_norm must be >= 0; got -1.0"),
         ("train.schedule='step'", "train.schedule must be one of 'cosine', 'constant', 'linear'; got 'step'"),
         ("train.compute_dtype=fp16", "train.compute_dtype must be one of 'bf16', 'fp32'; got 'fp16'"),
-        ("memory.gpu_budget_gib=0", "memory.gpu_budget_gib must be > 0; got 0.0"),
+        ("memory.device_budget_gib=0", "memory.device_budget_gib must be > 0; got 0.0"),
         ("memory.prefetch_depth=0", "memory.prefetch_depth must be -1 (the plan decides) or in [1, 8]; got 0"),
         ("memory.prefetch_depth=9", "memory.prefetch_depth must be -1 (the plan decides) or in [1, 8]; got 9"),
         ("store.grad_slots=1", "store.grad_slots must be 0 (auto) or at least 2, got 1"),
@@ -288,3 +312,26 @@ def test_model_config_from_hf_folder(jobdir):
         f"{p}: model.vocab_size applies to source = 'random' only; got 10 with source = 'hf' "
         "(the checkpoint's config.json sets the vocabulary)"
     )
+
+
+def test_the_bf16_shadow_and_its_delivery(jobdir):
+    """store.shadow_bf16 takes true, false or "auto" (the default); runtime.delivery = "bf16" needs a bf16
+    compute and a store that may have the shadow."""
+    path = write(jobdir, BASE)
+    job = load_job(path)
+    assert (job.store.shadow_bf16, job.runtime.delivery) == ("auto", "auto")
+    assert load_job(path, ["store.shadow_bf16=true"]).store.shadow_bf16 is True
+    assert load_job(path, ["store.shadow_bf16=false"]).store.shadow_bf16 is False
+    assert load_job(path, ["runtime.delivery=bf16"]).runtime.delivery == "bf16"
+    assert 'store.shadow_bf16 must be true, false or "auto"; got \'yes\'' in error(path, ["store.shadow_bf16=yes"])
+    assert "store.shadow_bf16 must be true, false or a string, got 1 (int)" in error(path, ["store.shadow_bf16=1"])
+    assert "runtime.delivery must be one of 'auto', 'fp32', 'bf16'; got 'fp16'" in error(path, ["runtime.delivery=fp16"])
+    msg = error(path, ["runtime.delivery=bf16", 'train.compute_dtype="fp32"'])
+    assert 'runtime.delivery = "bf16" streams the weights rounded to bf16: it needs train.compute_dtype = "bf16"' in msg
+    msg = error(path, ["runtime.delivery=bf16", "store.shadow_bf16=false"])
+    assert "store.shadow_bf16 = false makes a store without one: set store.shadow_bf16 = true" in msg
+    # a resolved job file keeps each form
+    for value in (True, False, "auto"):
+        text = job_to_toml(load_job(path, [f"store.shadow_bf16={str(value).lower() if value != 'auto' else 'auto'}"]))
+        again = load_job(write(jobdir, text, "resolved.toml"))
+        assert again.store.shadow_bf16 == value and type(again.store.shadow_bf16) is type(value)

@@ -39,8 +39,14 @@ def test_the_planners_plan_is_the_step_plan_the_ranks_run():
     job = load_job(TINY, ['runtime.device="cuda"', "runtime.workers=2", "train.global_batch=8", "train.micro_batch=2"])
     jp = plan_job(job, REFERENCE_CALIBRATION)
     assert jp.plan is not None and jp.step == jp.plan.step_plan() and jp.step.planned_by == "planner"
-    assert jp.step.planned_device_bytes == jp.plan.gpu_total_bytes and jp.keeps_plan
+    assert jp.step.planned_device_bytes == jp.plan.device_total_bytes and jp.keeps_plan
     forced = plan_job(load_job(TINY, ['runtime.device="cuda"', "runtime.workers=2", "train.global_batch=8",
                                       "memory.seq_tile_tokens=16"]), REFERENCE_CALIBRATION)
     assert forced.step.seq_tile_tokens == 16 and forced.step.planned_by == "planner + job file"
     assert forced.step.planned_device_bytes is None and not forced.keeps_plan
+
+
+def test_the_bf16_delivery_needs_a_bf16_compute():
+    assert StepPlan(delivery="bf16").delivery == "bf16"  # compute_dtype bf16 is the default
+    with pytest.raises(StepPlanError, match="plan: delivery 'bf16' .* needs compute_dtype 'bf16': a fp32 compute"):
+        StepPlan(delivery="bf16", compute_dtype="fp32")

@@ -31,10 +31,11 @@ from benchmarks.peers import common
 from benchmarks.teed import run_teed
 from slidedp.config import ConfigError, MemorySection, TrainSection
 from slidedp.model.config import ModelConfig
+from slidedp import old_names
 from slidedp.step_records import timed_steps, write_backs
 
 ROOT = Path(__file__).resolve().parents[2]
-METRIC_KEYS = ("step", "step_s", "tokens", "tokens_per_s", "gpu_peak_bytes", "host_rss_bytes", "shm_bytes",
+METRIC_KEYS = ("step", "step_s", "tokens", "tokens_per_s", "device_peak_bytes", "host_rss_bytes", "shm_bytes",
                "predicted_step_s")
 
 
@@ -73,10 +74,10 @@ def job_dict(args: argparse.Namespace, data: Path, run_dir: Path, name: str) -> 
         "runtime": {"device": args.device, "workers": args.gpus, "timeout_s": args.wait_timeout},
     }
     if args.budget_gib > 0:  # else SlideDP's own default budget
-        job["memory"] = {"gpu_budget_gib": args.budget_gib}
+        job["memory"] = {"device_budget_gib": args.budget_gib}
     for item in args.set:
         key, eq, raw = item.partition("=")
-        section, dot, field = key.strip().partition(".")
+        section, dot, field = old_names.job_key(key.strip()).partition(".")
         if not (eq and dot and section and field):
             raise SystemExit(f"--set {item!r}: expected section.key=value, e.g. store.shadow_bf16=true")
         try:
@@ -119,7 +120,7 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
         except json.JSONDecodeError:
             continue
         if isinstance(rec, dict) and "step" in rec and "step_s" in rec:
-            records.append(rec)
+            records.append(old_names.current(rec))  # an older SlideDP's run, too
     return sorted(records, key=lambda r: r["step"])
 
 
@@ -142,8 +143,8 @@ def reduce_metrics(records: list[dict[str, Any]], warmup: int, row: dict[str, An
         row["predicted_step_s"] = statistics.median(predicted)
     # Host memory comes from the harness's own sampling of the launcher's process tree (as for
     # every peer); the launcher's view is kept beside it.
-    for key, out in (("gpu_peak_bytes", "gpu_peak_gib"), ("gpu_reserved_peak_bytes", "gpu_reserved_peak_gib"),
-                     ("planned_gpu_bytes", "planned_gpu_gib"), ("host_rss_bytes", "metrics_host_rss_gib"),
+    for key, out in (("device_peak_bytes", "gpu_peak_gib"), ("device_reserved_peak_bytes", "gpu_reserved_peak_gib"),
+                     ("planned_device_bytes", "planned_gpu_gib"), ("host_rss_bytes", "metrics_host_rss_gib"),
                      ("shm_bytes", "metrics_shm_gib")):
         values = [float(r[key]) for r in records if r.get(key) is not None]
         if values:
@@ -247,14 +248,14 @@ def run(argv: list[str] | None = None) -> int:
     p.add_argument("--plan-micro-batch", action="store_true",
                    help="let the plan choose train.micro_batch (0) where this SlideDP accepts that; else --micro-batch")
     args = p.parse_args(argv)
-    sets = dict(s.replace(" ", "").partition("=")[::2] for s in args.set)  # SECTION.KEY -> VALUE
+    sets = {old_names.job_key(k): v for k, _, v in (s.replace(" ", "").partition("=") for s in args.set)}
     if "train.micro_batch" in sets:  # a micro-batch set for SlideDP is the one its row reports
         args.micro_batch = int(sets["train.micro_batch"])
         args.plan_micro_batch = False
     common.check_args(args)
-    budget = args.budget_gib if args.budget_gib > 0 else MemorySection().gpu_budget_gib
+    budget = args.budget_gib if args.budget_gib > 0 else MemorySection().device_budget_gib
     budget = f"budget {budget:g} GiB" + ("" if args.budget_gib > 0 else " (SlideDP's default)")
-    if "memory.gpu_budget_gib" in sets:
+    if "memory.device_budget_gib" in sets:
         budget = "budget as set below"
     planned = job_micro_batch(args) == 0
     if planned:

@@ -21,7 +21,7 @@ old() {  # NAME STEPS_SO_FAR MAX_GRAD_NORM TIMEOUT
 }
 new() {  # NAME STEPS_SO_FAR MAX_GRAD_NORM TIMEOUT SYSTEMS
   python3 -m benchmarks.run --shape qwen3-4b --batch "$batch" --seq 2048 --steps "$steps" --warmup "$warm" \
-    --systems "$5" --max-grad-norm "$3" --slidedp-micro-batch 2 --slidedp-set memory.gpu_budget_gib=24 \
+    --systems "$5" --max-grad-norm "$3" --slidedp-micro-batch 2 --slidedp-set memory.device_budget_gib=24 \
     --slidedp-set store.persist=true --slidedp-set 'store.name="arch-new"' \
     --slidedp-set train.steps=$(($2 + steps)) --timeout "$4" --out "/tmp/arch-logs/$1.json" --quiet
   cp "/tmp/arch-logs/$1.json" "$out/"

@@ -15,7 +15,7 @@ run() {  # NAME BATCH MAX_GRAD_NORM SYSTEMS LIMIT [harness args]
   if [ "$left" -lt 60 ]; then echo "regimes: $left s left, not starting $name" >&2; return; fi
   [ "$limit" -gt "$left" ] && limit=$left
   python3 -m benchmarks.run --shape qwen3-4b --batch "$batch" --seq 2048 --steps $steps --warmup $warm \
-    --systems "$systems" --max-grad-norm "$clip" --slidedp-set memory.gpu_budget_gib=24 \
+    --systems "$systems" --max-grad-norm "$clip" --slidedp-set memory.device_budget_gib=24 \
     --slidedp-set store.persist=true --slidedp-set "store.name=\"$store\"" \
     --slidedp-set train.steps=$((done + steps)) --timeout "$limit" --out "/tmp/regimes/$name.json" --quiet "$@"
   case $systems in slidedp*) done=$((done + steps)) ;; esac

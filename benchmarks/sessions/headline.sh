@@ -57,7 +57,7 @@ run() {  # TAG SHAPE BATCH SYSTEMS LIMIT [harness args]: each system in its own 
     committed=$(bash "$(dirname "$0")/committed_step.sh" "headline-$shape")
     python3 -m benchmarks.run --shape "$shape" --batch "$batch" --seq 2048 --steps $steps --warmup $warm \
       --systems "$system" --max-grad-norm 1.0 --slidedp-micro-batch "${MICRO:-plan}" \
-      --slidedp-set memory.gpu_budget_gib=24 --slidedp-set store.persist=true \
+      --slidedp-set memory.device_budget_gib=24 --slidedp-set store.persist=true \
       --slidedp-set "store.name=\"headline-$shape\"" --slidedp-set train.steps=$((committed + steps)) \
       --timeout "$timeout" --out "$work/$tag-$system.json" --quiet "$@"
     [ -f "$work/$tag-$system.json" ] && parts+=("$work/$tag-$system.json")

@@ -15,7 +15,7 @@ for T in "$@"; do
   [ "$T" -ge 262144 ] && { steps=1; warm=0; }
   total=$(( $(bash "$(dirname "$0")/committed_step.sh" "$store") + steps ))
   python3 -m benchmarks.run --shape qwen3-4b --batch 1 --seq "$T" --steps $steps --warmup $warm \
-    --systems "$systems" --slidedp-set memory.gpu_budget_gib=80 --slidedp-set store.persist=true \
+    --systems "$systems" --slidedp-set memory.device_budget_gib=80 --slidedp-set store.persist=true \
     --slidedp-set "store.name=\"$store\"" --slidedp-set train.steps=$total --timeout 560 \
     --out "$out/longseq-$T-${systems//,/+}.json" --quiet
 done

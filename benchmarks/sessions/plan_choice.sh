@@ -64,7 +64,7 @@ run() {  # NAME SYSTEMS MICRO TIMEOUT: SlideDP at train.micro_batch = MICRO (0: 
   local committed
   committed=$(bash "$(dirname "$0")/committed_step.sh" "$store")
   python3 -m benchmarks.run --shape "$hshape" --batch "$batch" --seq 2048 --steps $steps --warmup $warm \
-    --systems "$2" --micro-batch "$peer_micro" --slidedp-set memory.gpu_budget_gib=24 \
+    --systems "$2" --micro-batch "$peer_micro" --slidedp-set memory.device_budget_gib=24 \
     --slidedp-set train.micro_batch="$3" --slidedp-set store.persist=true --slidedp-set "store.name=\"$store\"" \
     --slidedp-set train.steps=$((committed + steps)) "${extra[@]}" --timeout "$4" --out "$out/$1.json" --quiet
 }

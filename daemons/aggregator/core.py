@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from slidedp import log as slog
+from slidedp import hosttraffic, log as slog
 from slidedp.clipping import StepNorm, history_of, norm_order, speculates_after
 from slidedp.store.layout import Shard
 from slidedp.jobrecord import JobRecord, attach_job, detach_job, reduction_slots
@@ -66,6 +66,7 @@ class _Step:
     undecided: dict[int, list[Update]] = field(default_factory=dict)  # chunk -> its Updates, held until decided
     corrected: int = 0
     correct_s: float = 0.0
+    host_bytes: int = 0  # host memory the step's sums here and its updates moved (slidedp/hosttraffic.py)
 
 
 class AggregatorCore:
@@ -210,15 +211,18 @@ class AggregatorCore:
                     shard = Shard(chunk.numel, self.world, g.rank)
                     dst[shard.start:shard.end].copy_(self.rings.slot(g.rank, g.slot, shard.end - shard.start))
                 sq = sum(g.sqnorm for g in grads)
+                st.host_bytes += chunk.numel * hosttraffic.sum_bytes(1)
             elif len(grads) == 1:
                 dst.copy_(self.rings.slot(grads[0].rank, grads[0].slot, chunk.numel))
                 sq = grads[0].sqnorm
+                st.host_bytes += chunk.numel * hosttraffic.sum_bytes(1)
             else:
                 srcs = [self.rings.slot(g.rank, g.slot, chunk.numel) for g in grads]
                 torch.add(srcs[0], srcs[1], out=dst)
                 for s in srcs[2:]:
                     dst.add_(s)
                 sq = float(torch.dot(dst, dst))
+                st.host_bytes += chunk.numel * (hosttraffic.sum_bytes(len(grads)) + hosttraffic.FP32)  # and the norm
             busy = time.perf_counter() - t0
             st.reduce_s += busy
             now = time.time()
@@ -275,6 +279,11 @@ class AggregatorCore:
         st = self._step(msg.step)
         st.corrected += msg.corrected
         st.correct_s += msg.correct_s
+        # the AdamW passes over the chunk: a corrected one ran speculatively and then again (redo or undo);
+        # a skipped step's deferred chunks, and a step skipped for its loss (SOURCE_NONE), none
+        passes = 2 if msg.corrected else 0 if st.skipped or msg.source == SOURCE_NONE else 1
+        st.host_bytes += passes * self.store.layout.chunks[msg.chunk].numel * hosttraffic.update_bytes(
+            self.store.has_shadow)
         return out + self._chunk_updated(msg.step, msg.busy_s)
 
     def _chunk_updated(self, step: int, busy_s: float) -> Outbox:
@@ -296,7 +305,7 @@ class AggregatorCore:
         clipped = clip is not None and clip.complete and clip.verdict().clipped
         return [(self.launcher, StepDone(step, st.loss, norm, int(st.skipped), st.update_s, st.reduce_s, int(clipped),
                                          len(clip.speculated) if clip is not None else 0, st.corrected, st.correct_s,
-                                         int(clip is not None and clip.speculate)))]
+                                         int(clip is not None and clip.speculate), st.host_bytes))]
 
     def _decided(self, step: int, history: int) -> None:
         """Step `step`'s verdict is known: what the next step decides from (and, once committed, the manifest)."""

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from slidedp import log
+from slidedp import log, old_names
 from slidedp.planner.measure import MeasuredBlocks, timed
 
 _log = log.get("planner")
@@ -55,10 +55,11 @@ _NOTHING_LEARNED: dict[str, Any] = {k: 0 for k in LEARNED_FIELDS}
 # GPU work, replaced by the GPU blocks measured at plan time (measure.py). Dropped on reading, with a note.
 RETIRED_FIELDS = ("gpu_train_factors", "gpu_train_model_params")
 
-# 0 = not measured yet: what training runs measure, the host's copy-in with every GPU at once, and
-# the AdamW rate beside the copies (measured on CUDA only)
+# 0 = not measured yet: what training runs measure, the host's copy-in with every GPU at once, the
+# AdamW rate beside the copies (measured on CUDA only), and host memory (a cache file from before it)
 _MAY_BE_ZERO = frozenset(LEARNED_FIELDS) | {"h2d_total_gbps", "adamw_beside_copies_params_per_s",
-                                            "adamw_beside_copies_gpus"}
+                                            "adamw_beside_copies_gpus", "host_read_gbps", "host_write_gbps",
+                                            "host_copy_gbps"}
 
 
 @dataclass(frozen=True)
@@ -71,9 +72,9 @@ class Calibration:
     adamw_params_per_s: float  # fused CPU AdamW, one updater process using `adamw_threads` threads
     adamw_threads: int
     reduce_gbps: float  # aggregator fp32 sum of 2 buffers, GB/s of output
-    gpu_tflops: float  # effective TFLOP/s of a decoder layer's matmul FLOPs in the compute dtype
-    gpu_mem_bytes: int
-    gpu_adamw_params_per_s: float = 1.0e11  # fused AdamW on the device (embedding kept on the GPU)
+    device_tflops: float  # effective TFLOP/s of a decoder layer's matmul FLOPs in the compute dtype
+    device_mem_bytes: int  # the device's memory: no budget may exceed it
+    device_adamw_params_per_s: float = 1.0e11  # fused AdamW on the device (embedding kept on the GPU)
     # GPU-to-GPU collective bus bandwidth (NCCL all-gather, as nccl-tests reports it), measured
     # among `bus_gpus` GPUs; with bus_gpus = 1 it was not measured (a conservative NVLink figure,
     # used only for an embedding kept on the GPU) and the planner offers no sharded route.
@@ -102,6 +103,13 @@ class Calibration:
     adamw_train_fraction: float = 0.6
     # the lowest share measured in training; a first plan's device-held layers also hold at it
     adamw_train_fraction_low: float = 0.38
+    # host memory, GB/s of bytes moved (planner/host_bandwidth.py): reading, writing, copying (read + write), every
+    # NUMA node on its own memory, added up; the copy rate bounds a step's host traffic (step_model.host_bound_s).
+    # 0: not measured (a cache file from before it: load_or_calibrate measures it)
+    host_read_gbps: float = 0.0
+    host_write_gbps: float = 0.0
+    host_copy_gbps: float = 0.0
+    host_node_copy_gbps: str = ""  # each node's copy rate, "44.1,40.3", where there are several
     # the GPU blocks measured at plan time for the job's shape (measure.py); kept in their own cache file
     blocks: MeasuredBlocks | None = None
 
@@ -119,6 +127,7 @@ class Calibration:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], blocks: MeasuredBlocks | None = None) -> "Calibration":
+        d = old_names.current(d)  # a cache file written before a field was renamed
         names = {f.name for f in dataclasses.fields(cls)} - {"blocks"}
         unknown = sorted(set(d) - names)
         if unknown:
@@ -133,12 +142,16 @@ class Calibration:
     def summary(self) -> str:
         return (
             f"{self.device_name} @ {self.host}: H2D {self.h2d_gbps:.1f} GB/s, D2H {self.d2h_gbps:.1f}, "
-            f"both {self.bidir_gbps:.1f}; CPU AdamW {self.adamw_params_per_s / 1e9:.2f} G params/s "
+            f"both {self.bidir_gbps:.1f}; "
+            + (f"host memory copy {self.host_copy_gbps:.1f} GB/s (read {self.host_read_gbps:.1f}, write "
+               f"{self.host_write_gbps:.1f}" + (f"; per NUMA node {self.host_node_copy_gbps}" if self.host_node_copy_gbps
+                                                else "") + "); " if self.host_copy_gbps else "")
+            + f"CPU AdamW {self.adamw_params_per_s / 1e9:.2f} G params/s "
             f"({self.adamw_threads} threads"
             + (f"; {self.adamw_beside_copies_params_per_s / 1e9:.2f} beside copies" if self.adamw_beside_copies_params_per_s else "")
             + f"); reduce {self.reduce_gbps:.1f} GB/s; "
             + (f"GPU blocks measured for this shape ({len(self.blocks.layers)} layer and {len(self.blocks.losses)} "
-               f"loss sizes)" if self.blocks else f"GPU {self.gpu_tflops:.1f} TFLOP/s effective")
+               f"loss sizes)" if self.blocks else f"GPU {self.device_tflops:.1f} TFLOP/s effective")
             + (f"; GPU links {self.allreduce_gbps:.0f} GB/s among {self.bus_gpus}, H2D of all "
                f"{self.h2d_total_gbps:.0f} GB/s" if self.bus_gpus > 1 else "")
             + (f"; AdamW in training {self.adamw_train_params_per_s / 1e9:.2f} G params/s "
@@ -195,9 +208,9 @@ REFERENCE_CALIBRATION = Calibration(
     adamw_params_per_s=4.4e9,
     adamw_threads=16,
     reduce_gbps=41.0,
-    gpu_tflops=405.0,
-    gpu_mem_bytes=143_771 * (1 << 20),
-    gpu_adamw_params_per_s=1.0e11,
+    device_tflops=405.0,
+    device_mem_bytes=143_771 * (1 << 20),
+    device_adamw_params_per_s=1.0e11,
     allreduce_gbps=100.0,
 )
 
@@ -238,8 +251,21 @@ def _device_name(device: str) -> str:
     return f"cpu ({platform.machine() or 'unknown'})"
 
 
+def host_memory_fields(quick: bool = False) -> dict[str, Any]:
+    """The host memory figures of a calibration, measured now (planner/host_bandwidth.py, about a second)."""
+    from slidedp.planner.host_bandwidth import measure_host_memory
+
+    hm = measure_host_memory(quick=quick)
+    return {"host_read_gbps": hm.read_gbps, "host_write_gbps": hm.write_gbps, "host_copy_gbps": hm.copy_gbps,
+            "host_node_copy_gbps": ",".join(f"{g:.1f}" for g in hm.node_copy_gbps)}
+
+
 def calibrate(device: str = "cuda", quick: bool = False) -> Calibration:
     """Measure the building blocks on this host. quick: small sizes, a few seconds on a CPU."""
+    return dataclasses.replace(_calibrate(device, quick), **host_memory_fields(quick))
+
+
+def _calibrate(device: str, quick: bool) -> Calibration:
     import psutil
     import torch
 
@@ -265,8 +291,8 @@ def calibrate(device: str = "cuda", quick: bool = False) -> Calibration:
             host=socket.gethostname(), device_name=_device_name("cpu"),
             h2d_gbps=copy, d2h_gbps=copy, bidir_gbps=copy,  # one memory system: copies share it
             adamw_params_per_s=adamw, adamw_threads=torch.get_num_threads(), reduce_gbps=reduce_gbps,
-            gpu_tflops=matmul * LAYER_EFFICIENCY, gpu_mem_bytes=int(psutil.virtual_memory().total),
-            gpu_adamw_params_per_s=adamw,
+            device_tflops=matmul * LAYER_EFFICIENCY, device_mem_bytes=int(psutil.virtual_memory().total),
+            device_adamw_params_per_s=adamw,
         )
 
     if not torch.cuda.is_available():
@@ -296,15 +322,15 @@ def calibrate(device: str = "cuda", quick: bool = False) -> Calibration:
     w = torch.randn(h, i, device=dev, dtype=torch.bfloat16)
     matmul = 2 * t * h * i / _median_time(lambda: torch.mm(x, w), sync, reps) / 1e12
     del x, w
-    gpu_adamw = _adamw_rate((16 if quick else 64) << 20, device, sync, reps)
+    device_adamw = _adamw_rate((16 if quick else 64) << 20, device, sync, reps)
     torch.cuda.empty_cache()
     return Calibration(
         host=socket.gethostname(), device_name=_device_name(device),
         h2d_gbps=h2d, d2h_gbps=d2h, bidir_gbps=max(bidir, h2d, d2h),
         adamw_params_per_s=adamw, adamw_threads=torch.get_num_threads(), reduce_gbps=reduce_gbps,
-        gpu_tflops=matmul * LAYER_EFFICIENCY,
-        gpu_mem_bytes=int(torch.cuda.get_device_properties(dev).total_memory),
-        gpu_adamw_params_per_s=gpu_adamw,
+        device_tflops=matmul * LAYER_EFFICIENCY,
+        device_mem_bytes=int(torch.cuda.get_device_properties(dev).total_memory),
+        device_adamw_params_per_s=device_adamw,
     )
 
 
@@ -485,7 +511,7 @@ def load_or_calibrate(
                 calib, learned = _read(path)
             except CalibrationError as e:
                 _log.warning("recalibrating: %s", e)
-        changed = calib is None
+        changed = fresh = calib is None
         if calib is None:
             calib = calibrate(device, quick=quick)
             _log.info("calibrated %s", calib.summary())
@@ -499,6 +525,11 @@ def load_or_calibrate(
                                         h2d_total_gbps=links["h2d_total_gbps"], bus_gpus=gpus)
             _log.info("measured the links among %d GPUs: %.0f GB/s bus, %.0f GB/s of copy-in in all", gpus,
                       calib.allreduce_gbps, calib.h2d_total_gbps)
+            changed = True
+        if not fresh and not calib.host_copy_gbps:  # a cache file from before host memory was measured
+            calib = dataclasses.replace(calib, **host_memory_fields(quick))
+            _log.info("measured this host's memory: copy %.1f GB/s (read %.1f, write %.1f)", calib.host_copy_gbps,
+                      calib.host_read_gbps, calib.host_write_gbps)
             changed = True
         if device.startswith("cuda") and calib.adamw_beside_copies_gpus < gpus:
             from slidedp.planner.measure import adamw_beside_copies

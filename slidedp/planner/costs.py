@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from slidedp import hosttraffic
 from slidedp.model.config import ModelConfig
 
 # --------------------------------------------------------------------------------------
@@ -116,9 +117,9 @@ def update_bytes_per_param(delivery: str) -> int:
     """Host memory traffic of the fused CPU AdamW per parameter.
 
     Reads master, exp_avg, exp_avg_sq, grad (16 B) and writes master, exp_avg, exp_avg_sq (12 B)
-    = 28 B; the bf16 shadow delivery also writes 2 B of shadow per parameter.
+    = 28 B; the bf16 shadow delivery's store also has its shadow refreshed (hosttraffic.update_bytes).
     """
-    return 28 + (2 if delivery == "bf16" else 0)
+    return hosttraffic.update_bytes(delivery == "bf16")
 
 
 def reduce_traffic_factor(world: int, grad_route: str = "host", clip: bool = False) -> float:
@@ -132,6 +133,42 @@ def reduce_traffic_factor(world: int, grad_route: str = "host", clip: bool = Fal
     if world <= 1 or grad_route == "reduce_scatter":
         return 0.0
     return (world + 1) / 3.0
+
+
+def host_traffic(
+    model: ModelConfig, *, tokens: int, delivery: str, embedding: str, resident_layers: int, device_layers: int,
+    offloaded: int, world: int, param_route: str, grad_route: str, compute_dtype: str, summed: bool,
+) -> dict[str, int]:
+    """Host memory bytes one step reads and writes, all ranks together (slidedp/hosttraffic.py per element):
+
+    fetch     the copies in: every streamed layer in forward, again in backward unless resident, the
+              final norm, and with the embedding on the host its rows and the matrix for the head;
+              each rank reads its own (sharded: its 1/N)
+    grads     the fp32 gradients written into the rings (reduce_scatter: each rank its 1/N of the sum)
+    offload   the offloaded layers' inputs, written in forward and read back in backward
+    update    the updaters' AdamW over every host parameter, and the shadow refresh with bf16 delivery
+    sum       the aggregator's sum of the ranks' gradients (summed: several ranks, host route), and its norm
+    tokens: one rank's tokens per step."""
+    fb = hosttraffic.fetch_bytes(delivery)
+    p_layer, nl, h = layer_params(model), model.num_layers, model.hidden_size
+    held = min(device_layers, nl)
+    streamed = nl - held
+    refetched = streamed - min(resident_layers, streamed)
+    readers = 1 if param_route == "sharded" else world  # copies of a parameter read from the host per fetch
+    writers = 1 if grad_route == "reduce_scatter" else world
+    fetch = ((streamed + refetched) * p_layer + h) * fb * readers
+    grads = (streamed * p_layer + h) * hosttraffic.FP32 * writers
+    if embedding == "host":
+        vh = embedding_params(model)
+        fetch += tokens * world * h * fb + vh * fb * readers  # the batch's rows, the head's matrix (tied: the embedding)
+        grads += (vh + head_params(model)) * hosttraffic.FP32 * writers
+    updated = host_updated_params(model, embedding, device_layers)
+    return {
+        "fetch": fetch, "grads": grads,
+        "offload": 2 * offloaded * activation_bytes(model, tokens, compute_dtype) * world,
+        "update": updated * hosttraffic.update_bytes(delivery == "bf16"),
+        "sum": updated * (hosttraffic.sum_bytes(world) + hosttraffic.FP32) if summed else 0,
+    }
 
 
 def activation_bytes(model: ModelConfig, tokens: int, compute_dtype: str) -> int:
@@ -265,13 +302,13 @@ def live_in(item: str) -> tuple[str, ...]:
     return LIVE_IN.get(item, PHASES)
 
 
-def gpu_memory_items(
+def device_memory_items(
     model: ModelConfig, *, tokens: int, seq_len: int, micro_batch: int, world: int, delivery: str,
     activations: str, embedding: str, prefetch_depth: int, resident_layers: int, chunk_rows: int,
     loss_chunk_tokens: int, compute_dtype: str = "bf16", offload_layers: int | None = None, seq_tile_tokens: int = 0,
     device_layers: int = 0,
 ) -> list[tuple[str, int]]:
-    """GPU memory of one rank, item by item, each at its largest (`gpu_memory_peak` adds them up
+    """GPU memory of one rank, item by item, each at its largest (`device_memory_peak` adds them up
     phase by phase: not all of them are live at the same instant). tokens: the rank's tokens per step."""
     cb = dtype_bytes(compute_dtype)
     db = delivery_bytes(delivery)
@@ -335,7 +372,7 @@ class MemoryPeak:
     total_bytes: int  # tensors + reserve + the CUDA context: what the budget must hold
 
 
-def gpu_memory_peak(items: list[tuple[str, int]] | tuple[tuple[str, int], ...], world: int) -> MemoryPeak:
+def device_memory_peak(items: list[tuple[str, int]] | tuple[tuple[str, int], ...], world: int) -> MemoryPeak:
     """The step's peak: per phase, the items live in it; the largest phase, plus the allocator's
     reserve on its tensors (allocator_reserve(world)) and the CUDA context (outside the allocator)."""
     context = sum(b for name, b in items if name == "CUDA context")

@@ -15,7 +15,7 @@ from slidedp.jobrecord import sums_on_host
 from slidedp.planner import costs
 from slidedp.planner.calibration import Calibration
 from slidedp.planner.costs import GiB
-from slidedp.planner.step_model import RESOURCES, gpu_time_source, measured, micro_batch_of, predict_step
+from slidedp.planner.step_model import RESOURCES, device_time_source, measured, micro_batch_of, predict_step
 from slidedp.planner.plan_record import Plan, Weighed
 from slidedp.planner.workload import Choices, Workload
 
@@ -57,7 +57,7 @@ def _update_rate_note(work: Workload, ch: Choices, calib: Calibration) -> str:
 
 
 def _memory(work: Workload, ch: Choices) -> list[tuple[str, int]]:
-    return costs.gpu_memory_items(
+    return costs.device_memory_items(
         work.model, tokens=work.local_tokens, seq_len=work.seq_len, micro_batch=micro_batch_of(work, ch),
         world=work.world, delivery=ch.delivery, activations=ch.activations, embedding=ch.embedding,
         prefetch_depth=ch.prefetch_depth, resident_layers=ch.resident_layers,
@@ -82,7 +82,7 @@ def _bounded_memory(work: Workload, ch: Choices, calib: Calibration) -> list[tup
 
 
 def _total(work: Workload, ch: Choices) -> int:
-    return costs.gpu_memory_peak(_memory(work, ch), work.world).total_bytes
+    return costs.device_memory_peak(_memory(work, ch), work.world).total_bytes
 
 
 # train.micro_batch = 0 weighs micro-batches of at most this many tokens (and always one sequence): the
@@ -204,7 +204,7 @@ def _no_fit_error(work: Workload, budget: int, allowed: dict[str, tuple] | None 
     stays forced), its memory and what to change."""
     smallest = _least_memory(work, 1, allowed)
     items = _memory(work, smallest)
-    peak = costs.gpu_memory_peak(items, work.world)
+    peak = costs.device_memory_peak(items, work.world)
     need = peak.total_bytes
     # the largest of the items that make the peak (not the CUDA context, nor an item of another phase)
     name, size = max(((n, b) for n, b in items if n != "CUDA context" and peak.phase in costs.live_in(n)),
@@ -278,7 +278,7 @@ def _forced_device_layers(work: Workload, ch: Choices, d: int, budget: int, cali
         raise PlanError(
             f"memory.device_layers = {d} does not fit the GPU memory budget of {budget / GiB:.2f} GiB: the plan "
             f"with them needs {need / GiB:.2f} GiB (the held layers {held / GiB:.2f} GiB); lower memory.device_layers "
-            f"(-1 lets the plan choose) or raise memory.gpu_budget_gib"
+            f"(-1 lets the plan choose) or raise memory.device_budget_gib"
         )
     return _fewest_resident(work, cand, calib)
 
@@ -355,20 +355,20 @@ def _choose_micro_batch(work: Workload, budget: int, calib: Calibration, allowed
         verdict = ("chosen" if mb == chosen else f"{change:.1f}% slower" if change >= 0.05 else
                    f"{-change:.1f}% faster, within {_EQUAL:.0%}: the larger micro-batch wins" if change <= -0.05
                    else "as fast: the larger micro-batch wins")
-        weighed.append(Weighed(mb, step, _total(work, ch), gpu_time_source(work, ch, calib), verdict))
+        weighed.append(Weighed(mb, step, _total(work, ch), device_time_source(work, ch, calib), verdict))
     weighed += [Weighed(mb, None, need, "-", why) for mb, (need, why) in sorted(rejected.items())]
     return best, every, tuple(weighed)
 
 
-def _gpu_time_note(work: Workload, ch: Choices, calib: Calibration) -> str:
+def _device_time_note(work: Workload, ch: Choices, calib: Calibration) -> str:
     """Where the plan's GPU time comes from: the blocks measured on this GPU, or the FLOPs."""
-    b, source = calib.blocks, gpu_time_source(work, ch, calib)
+    b, source = calib.blocks, device_time_source(work, ch, calib)
     if source != "FLOPs" and b is not None:
         when = (f"measured for this plan in {b.measured_s:.1f} s (the first plan of this shape on this host)"
                 if b.measured_s else "from this host's cache")
         sizes = "" if source == "measured" else " (at the measured sizes nearest this plan's, per sequence)"
         return f"GPU time: one decoder layer and the loss timed on the {b.device_name} at this shape{sizes}, {when}"
-    return (f"GPU time: the matmul FLOPs at {calib.gpu_tflops:.0f} TFLOP/s effective"
+    return (f"GPU time: the matmul FLOPs at {calib.device_tflops:.0f} TFLOP/s effective"
             + (f" (compiled layers {costs.COMPILED_LAYER_SPEEDUP:.2f}x faster)" if work.compiled else "")
             + ": no GPU blocks measured for this shape")
 
@@ -396,12 +396,12 @@ def make_plan(work: Workload, budget_bytes: int, calib: Calibration,
             if search == budget_bytes:
                 raise
             break  # nothing fits in what the measurement leaves
-        over = plan.gpu_total_bytes - budget_bytes
+        over = plan.device_total_bytes - budget_bytes
         if over <= 0:
             return plan
         search = min(search, _total(work, plan.choices)) - over  # what the model's items may take beside it
     raise PlanError(f"no plan fits the GPU memory budget of {budget_bytes / GiB:.2f} GiB with the layer workspace "
-                    f"the GPU measured at this shape ({dict(plan.gpu_memory)['layer workspace'] / GiB:.2f} GiB in "
+                    f"the GPU measured at this shape ({dict(plan.device_memory)['layer workspace'] / GiB:.2f} GiB in "
                     f"the last plan tried): raise the budget, or set train.micro_batch lower")
 
 
@@ -409,10 +409,10 @@ def _plan(work: Workload, budget_bytes: int, calib: Calibration, allowed: dict[s
           device_layers: int | None, shown_budget: int) -> Plan:
     """make_plan's search at one budget; the Plan reports `shown_budget` (the job's)."""
     low = calib.at_lowest_share(work.model.num_parameters())
-    if budget_bytes > calib.gpu_mem_bytes:
+    if budget_bytes > calib.device_mem_bytes:
         raise PlanError(
             f"the GPU memory budget ({budget_bytes / GiB:.2f} GiB) exceeds the memory of {calib.device_name} "
-            f"({calib.gpu_mem_bytes / GiB:.2f} GiB): lower the budget"
+            f"({calib.device_mem_bytes / GiB:.2f} GiB): lower the budget"
         )
     if work.micro_batch:
         candidates = _fitted(work, calib, [_fit(work, base, budget_bytes) for base in _base_choices(work, allowed)])
@@ -420,7 +420,7 @@ def _plan(work: Workload, budget_bytes: int, calib: Calibration, allowed: dict[s
             raise _no_fit_error(work, budget_bytes, allowed)
         best = _held(work, _least_compromise(work, candidates), budget_bytes, calib, device_layers)
         weighed = (Weighed(best.micro_batch or work.micro_batch, _guarded_step(work, best, calib, low), _total(work, best),
-                           gpu_time_source(work, best, calib),
+                           device_time_source(work, best, calib),
                            "chosen" if best.micro_batch == work.micro_batch else "chosen: the job's does not fit"),)
     else:
         best, candidates, weighed = _choose_micro_batch(work, budget_bytes, calib, allowed, device_layers)
@@ -445,12 +445,15 @@ def _plan(work: Workload, budget_bytes: int, calib: Calibration, allowed: dict[s
         )
     if best.delivery == "bf16":
         fp32 = min((c[0] for c in candidates if c[2].delivery == "fp32"), default=None)
+        weighed_fp32 = "fp32" in dict(ALL_OPTIONS, **(allowed or {}))["delivery"]
         notes.append(
-            "bf16 delivery needs the store's bf16 shadow (2 B/param of host memory, written by the updater)"
-            + (f"; the fastest fp32 plan predicts {fp32:.3f} s" if fp32 is not None else "; no fp32 plan fits")
+            "bf16 delivery: the store's bf16 shadow streams instead of the fp32 master (the same bits for a bf16 "
+            "compute, half the bytes; 2 B/param of host memory, refreshed by the updater)"
+            + (f"; the fastest fp32 plan predicts {fp32:.3f} s" if fp32 is not None else
+               "; no fp32 plan fits" if weighed_fp32 else "")
         )
     notes.append(_update_rate_note(work, best, calib))
-    notes.append(_gpu_time_note(work, best, calib))
+    notes.append(_device_time_note(work, best, calib))
     bound = max(busy, key=busy.__getitem__)
     notes.append(f"busiest resource: {bound}")
     return Plan(
@@ -459,7 +462,7 @@ def _plan(work: Workload, budget_bytes: int, calib: Calibration, allowed: dict[s
         delivery=best.delivery, resident_layers=best.resident_layers, loss_chunk_tokens=best.loss_chunk_tokens,
         offload_layers=best.offloaded(work.model.num_layers), seq_tile_tokens=best.seq_tile_tokens,
         param_route=best.param_route, grad_route=best.grad_route, device_layers=best.device_layers,
-        gpu_memory=tuple(items), gpu_total_bytes=costs.gpu_memory_peak(items, work.world).total_bytes,
+        device_memory=tuple(items), device_total_bytes=costs.device_memory_peak(items, work.world).total_bytes,
         busy_s=tuple((r, busy[r]) for r in RESOURCES), exposed_s=exposed, predicted_step_s=step,
         tokens_per_s=work.tokens_per_step / step, workload=work, budget_bytes=shown_budget, calibration=calib,
         notes=tuple(notes), predicted_clipped_step_s=clipped_step, predicted_corrected_step_s=corrected_step,

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from slidedp.planner import costs
 from slidedp.planner.calibration import Calibration
 from slidedp.planner.costs import GiB
+from slidedp.planner.hostbound import host_lines
 from slidedp.planner.workload import Choices, Workload
 from slidedp.stepplan import StepPlan
 
@@ -18,8 +19,8 @@ class Weighed:
 
     micro_batch: int
     predicted_step_s: float | None  # None: no plan fits at this micro-batch
-    gpu_bytes: int  # that plan's GPU memory peak, or the smallest plan's need where none fits
-    gpu_time: str  # "measured" on the GPU at its sizes, "nearby" (at other sizes of the shape), or "FLOPs"
+    device_bytes: int  # that plan's GPU memory peak, or the smallest plan's need where none fits
+    device_time: str  # "measured" on the GPU at its sizes, "nearby" (at other sizes of the shape), or "FLOPs"
     verdict: str  # "chosen", how much slower, or why it was rejected
 
 
@@ -33,8 +34,8 @@ class Plan:
     delivery: str
     resident_layers: int
     loss_chunk_tokens: int
-    gpu_memory: tuple[tuple[str, int], ...]  # item -> bytes at its largest (costs.LIVE_IN says when it is live)
-    gpu_total_bytes: int  # the peak: costs.gpu_memory_peak of gpu_memory
+    device_memory: tuple[tuple[str, int], ...]  # item -> bytes at its largest (costs.LIVE_IN says when it is live)
+    device_total_bytes: int  # the peak: costs.device_memory_peak of device_memory
     busy_s: tuple[tuple[str, float], ...]  # resource -> busy seconds per step
     exposed_s: float  # predicted step minus GPU busy: the time the GPU waits
     predicted_step_s: float
@@ -73,7 +74,7 @@ class Plan:
             grad_route=self.grad_route, predicted_step_s=self.predicted_step_s,
             predicted_clipped_step_s=self.predicted_clipped_step_s or None,
             predicted_corrected_step_s=self.predicted_corrected_step_s or None,
-            planned_device_bytes=self.gpu_total_bytes, planned_by="planner",
+            planned_device_bytes=self.device_total_bytes, planned_by="planner",
         )
 
     def _weighed_lines(self) -> list[str]:
@@ -87,8 +88,8 @@ class Plan:
                  f"  {'micro_batch':<13}{'predicted step':>15}{'GPU memory':>13}   {'GPU time':<10}verdict"]
         for c in self.weighed:
             step = f"{c.predicted_step_s:.3f} s" if c.predicted_step_s is not None else "-"
-            lines.append(f"  {c.micro_batch:<13}{step:>15}{c.gpu_bytes / GiB:>9.2f} GiB   "
-                         f"{c.gpu_time:<10}{c.verdict}")
+            lines.append(f"  {c.micro_batch:<13}{step:>15}{c.device_bytes / GiB:>9.2f} GiB   "
+                         f"{c.device_time:<10}{c.verdict}")
         return lines
 
     @staticmethod
@@ -126,12 +127,12 @@ class Plan:
         ]
         lines += [f"  {k:<22}{v}" for k, v in rows]
         lines += self._weighed_lines()
-        peak = costs.gpu_memory_peak(self.gpu_memory, self.workload.world)
+        peak = costs.device_memory_peak(self.device_memory, self.workload.world)
         lines += ["", f"GPU memory per rank{'':<23}GiB   live"]
-        lines += [f"  {name:<36}{b / GiB:>8.3f}   {self._live_text(name)}" for name, b in self.gpu_memory]
+        lines += [f"  {name:<36}{b / GiB:>8.3f}   {self._live_text(name)}" for name, b in self.device_memory]
         reserve = costs.allocator_reserve(self.workload.world)
         lines += [f"  {f'allocator reserve ({reserve:.0%})':<36}{peak.reserve_bytes / GiB:>8.3f}"]
-        lines += [f"  {'peak, in the ' + peak.phase:<36}{self.gpu_total_bytes / GiB:>8.3f}  "
+        lines += [f"  {'peak, in the ' + peak.phase:<36}{self.device_total_bytes / GiB:>8.3f}  "
                   f"(budget {self.budget_bytes / GiB:.3f})"]
         lines += ["", f"busy per step{'':<25}s   share of step"]
         lines += [
@@ -150,5 +151,6 @@ class Plan:
             lines.append(f"  the first that clips {self.predicted_corrected_step_s:.3f} s: "
                          f"{w.tokens_per_step / self.predicted_corrected_step_s:,.0f} tokens/s after one that did not "
                          f"(it speculated: its updates are corrected after the backward)")
+        lines += host_lines(w, self.choices, self.calibration, dict(self.busy_s))
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)

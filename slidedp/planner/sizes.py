@@ -10,7 +10,7 @@ from slidedp.planner.plan import _base_choices, _fit, _fit_at, _micro_batches
 from slidedp.planner.workload import Workload
 
 
-def gpu_work_sizes(work: Workload, budget: int, allowed: dict[str, tuple] | None = None) -> list[tuple[int, int, int]]:
+def device_work_sizes(work: Workload, budget: int, allowed: dict[str, tuple] | None = None) -> list[tuple[int, int, int]]:
     """The (micro_batch, seq_tile_tokens, loss_chunk_tokens) of every plan make_plan may weigh for this
     budget (memory alone decides them): the GPU blocks to measure before planning."""
     sizes = set()

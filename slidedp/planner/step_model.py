@@ -23,7 +23,7 @@ simulated and the steady-state period is the predicted step time. Ranks are symm
 one rank stands for all; `world` enters through the per-rank batch and the reduction.
 
 The GPU tasks cost what the job's GPU measured for one layer and the loss at the plan's sizes
-(measure.py, `gpu_times`); the updaters' AdamW what the host measured beside copies, or a run of the
+(measure.py, `device_times`); the updaters' AdamW what the host measured beside copies, or a run of the
 model measured (Calibration.update_params_per_s). What the model leaves out (so the measured step
 may be a little longer): the aggregator's traffic beside the updaters (until a run measures it);
 messages, version polling and the Python between the blocks.
@@ -40,7 +40,7 @@ from slidedp.planner.calibration import Calibration
 from slidedp.planner.measure import LayerTime, LossTime, normalized, shape_key
 from slidedp.planner.workload import Choices, Workload
 
-RESOURCES = ("gpu", "h2d", "d2h", "reduce", "update")
+RESOURCES = ("gpu", "h2d", "d2h", "reduce", "update", "host")
 _STEPS = 8  # simulated steps; the period is averaged over the last _AVERAGE of them
 _AVERAGE = 4
 
@@ -60,7 +60,7 @@ class _Task:
 
     name: str
     h2d_s: float = 0.0
-    gpu_s: float = 0.0
+    device_s: float = 0.0
     d2h_s: float = 0.0
     gate: tuple[str, ...] = ()  # jobs of the previous step that must be done before the copy-in
     jobs: tuple[_Job, ...] = ()
@@ -108,7 +108,7 @@ def _tasks(work: Workload, ch: Choices, calib: Calibration) -> list[_Task]:
             return params * gb / rate
         return params * gb / n / rate + params * gb * (n - 1) / n / bus
 
-    g_fwd, g_bwd, g_loss = gpu_times(work, ch, calib)
+    g_fwd, g_bwd, g_loss = device_times(work, ch, calib)
     summed = sums_on_host(work.world, ch.grad_route)
     upd_scale = costs.update_bytes_per_param(ch.delivery) / 28.0 / calib.update_params_per_s(m.num_parameters(), summed)
     red_scale = gb * costs.reduce_traffic_factor(work.world, ch.grad_route, work.clip) / (
@@ -125,7 +125,7 @@ def _tasks(work: Workload, ch: Choices, calib: Calibration) -> list[_Task]:
         tasks.append(_Task("embedding rows", h2d_s=tokens * h * db / fwd_in, gate=("embedding:next",)))
     for c in range(nl):
         tasks.append(_Task(
-            f"layer {c} fwd", h2d_s=params_in(p_layer, fwd_in) if c >= held else 0.0, gpu_s=g_fwd,
+            f"layer {c} fwd", h2d_s=params_in(p_layer, fwd_in) if c >= held else 0.0, device_s=g_fwd,
             d2h_s=act / fwd_out if c < off else 0.0, gate=(f"layer {c}",) if c >= held else (),
         ))
     # ---- loss: the final norm and the head (fetched in row blocks when it lives on the host)
@@ -137,19 +137,19 @@ def _tasks(work: Workload, ch: Choices, calib: Calibration) -> list[_Task]:
                 f"head block {j} in", h2d_s=params_in(r * h, fwd_in) + (norm_in if j == 0 else 0.0),
                 gate=gate + (("norm",) if j == 0 else ()),
             ))
-        tasks.append(_Task("loss", gpu_s=g_loss, d2h_s=grads_out(h, bwd_out), jobs=(norm_job,)))
+        tasks.append(_Task("loss", device_s=g_loss, d2h_s=grads_out(h, bwd_out), jobs=(norm_job,)))
         if not m.tie_word_embeddings:  # an untied head's gradient is complete now: out it goes
             tasks += [
                 _Task(f"head block {j} grad", d2h_s=grads_out(r * h, bwd_out), jobs=(job(f"head:{j}", r * h),))
                 for j, r in enumerate(rows)
             ]
     else:
-        tasks.append(_Task("loss", h2d_s=norm_in, gpu_s=g_loss, d2h_s=grads_out(h, bwd_out), gate=("norm",), jobs=(norm_job,)))
+        tasks.append(_Task("loss", h2d_s=norm_in, device_s=g_loss, d2h_s=grads_out(h, bwd_out), gate=("norm",), jobs=(norm_job,)))
     # ---- backward
     for c in reversed(range(nl)):
         fetch = (0.0 if c >= nl - k or c < held else params_in(p_layer, bwd_in)) + (act / bwd_in if c < off else 0.0)
         tasks.append(_Task(
-            f"layer {c} bwd", h2d_s=fetch, gpu_s=g_bwd, d2h_s=grads_out(p_layer, bwd_out) if c >= held else 0.0,
+            f"layer {c} bwd", h2d_s=fetch, device_s=g_bwd, d2h_s=grads_out(p_layer, bwd_out) if c >= held else 0.0,
             jobs=(job(f"layer {c}", p_layer),) if c >= held else (),
         ))
     if host_emb:
@@ -163,10 +163,10 @@ def _tasks(work: Workload, ch: Choices, calib: Calibration) -> list[_Task]:
             _Task(f"embedding block {j} grad", d2h_s=grads_out(r * h, bwd_out), jobs=emb_jobs if j == len(rows) - 1 else ())
             for j, r in enumerate(rows)
         ]
-    gpu_held = held * p_layer + (0 if host_emb else costs.embedding_params(m) + costs.head_params(m))
-    if gpu_held:  # the device-held units: gradients all-reduced among ranks, AdamW on the GPU, after backward
-        allreduce = 2 * (work.world - 1) / work.world * gpu_held * gb / (calib.allreduce_gbps * 1e9)
-        tasks.append(_Task("device-held AdamW (GPU)", gpu_s=gpu_held / calib.gpu_adamw_params_per_s + allreduce,
+    device_held = held * p_layer + (0 if host_emb else costs.embedding_params(m) + costs.head_params(m))
+    if device_held:  # the device-held units: gradients all-reduced among ranks, AdamW on the GPU, after backward
+        allreduce = 2 * (work.world - 1) / work.world * device_held * gb / (calib.allreduce_gbps * 1e9)
+        tasks.append(_Task("device-held AdamW (GPU)", device_s=device_held / calib.device_adamw_params_per_s + allreduce,
                            clip_gated=True))
     return tasks
 
@@ -178,7 +178,7 @@ def micro_batch_of(work: Workload, ch: Choices) -> int:
     return m
 
 
-def gpu_times(work: Workload, ch: Choices, calib: Calibration) -> tuple[float, float, float]:
+def device_times(work: Workload, ch: Choices, calib: Calibration) -> tuple[float, float, float]:
     """One rank's GPU seconds per step of one layer's forward, of its recompute + backward, and of the
     loss: the blocks measured on the job's GPU at this shape and size (calib.blocks) times the passes
     per step; a size not measured takes the measured one nearest to it, per sequence (the planner may
@@ -186,7 +186,7 @@ def gpu_times(work: Workload, ch: Choices, calib: Calibration) -> tuple[float, f
     calibrated effective rate (a compiled layer costs.COMPILED_LAYER_SPEEDUP faster, the backward 3x
     the forward)."""
     layer, loss = measured(work, ch, calib, nearest=True)
-    flops = calib.gpu_tflops * 1e12
+    flops = calib.device_tflops * 1e12
     if layer is not None:
         per_seq = work.local_batch / layer.micro_batch  # passes, or as many of the nearest size's
         fwd, bwd = layer.forward_s * per_seq, layer.backward_s * per_seq
@@ -220,7 +220,7 @@ def measured(work: Workload, ch: Choices, calib: Calibration,
     return layer, loss
 
 
-def gpu_time_source(work: Workload, ch: Choices, calib: Calibration) -> str:
+def device_time_source(work: Workload, ch: Choices, calib: Calibration) -> str:
     """Where the plan's layer and loss times come from: "measured" at its sizes, "nearby" (measured at
     other sizes of this shape), or "FLOPs" (at the calibrated rate)."""
     if None not in measured(work, ch, calib):
@@ -233,7 +233,7 @@ def _period(tasks: list[_Task], depth: int, updaters: int, clip: bool, clips: bo
     clip: exact clipping (device-held units wait for the norm); clips: every step clips, the host
     updates deferred until the norm; corrected: every step clips after speculating, each host update
     redone after the norm."""
-    h2d_free = gpu_free = d2h_free = reduce_free = 0.0
+    h2d_free = device_free = d2h_free = reduce_free = 0.0
     servers = [0.0] * updaters
     fetch_starts: list[float] = []  # compute start of each task that copies in, in order
     done: dict[str, float] = {}  # job -> time its update finished in the previous step
@@ -247,15 +247,15 @@ def _period(tasks: list[_Task], depth: int, updaters: int, clip: bool, clips: bo
             h2d_end = max(h2d_free, ready, slot) + t.h2d_s
             if t.h2d_s > 0:
                 h2d_free = h2d_end
-            start = max(gpu_free, h2d_end)
+            start = max(device_free, h2d_end)
             if t.clip_gated and clip and released:
                 start = max(start, max(r for _, r in released))
             if t.h2d_s > 0:
                 fetch_starts.append(start)
-            gpu_free = start + t.gpu_s
-            out = gpu_free
+            device_free = start + t.device_s
+            out = device_free
             if t.d2h_s > 0:
-                d2h_free = max(d2h_free, gpu_free) + t.d2h_s
+                d2h_free = max(d2h_free, device_free) + t.d2h_s
                 out = d2h_free
             for j in t.jobs:
                 if j.reduce_s > 0:
@@ -275,8 +275,26 @@ def _period(tasks: list[_Task], depth: int, updaters: int, clip: bool, clips: bo
                 s = min(range(updaters), key=servers.__getitem__)
                 servers[s] = max(servers[s], norm) + j.update_s * costs.CORRECTION_ADAMWS
                 done[j.name] = servers[s]
-        ends.append(gpu_free)
+        ends.append(device_free)
     return (ends[-1] - ends[-1 - _AVERAGE]) / _AVERAGE
+
+
+def host_traffic(work: Workload, ch: Choices) -> dict[str, int]:
+    """Host memory bytes of one step, all ranks, by what moves them (costs.host_traffic)."""
+    return costs.host_traffic(
+        work.model, tokens=work.local_tokens, delivery=ch.delivery, embedding=ch.embedding,
+        resident_layers=ch.resident_layers, device_layers=ch.device_layers, offloaded=ch.offloaded(work.model.num_layers),
+        world=work.world, param_route=ch.param_route if work.world > 1 else "replicated",
+        grad_route=ch.grad_route if work.world > 1 else "host", compute_dtype=work.compute_dtype,
+        summed=sums_on_host(work.world, ch.grad_route))
+
+
+def host_bound_s(work: Workload, ch: Choices, calib: Calibration) -> float:
+    """The shortest step host memory allows: the step's host bytes at the host's measured copy rate (reads and
+    writes together; every NUMA node's). 0 where the calibration did not measure it."""
+    if not calib.host_copy_gbps:
+        return 0.0
+    return sum(host_traffic(work, ch).values()) / (calib.host_copy_gbps * 1e9)
 
 
 def predict_step(work: Workload, choices: Choices, calib: Calibration, clips: bool = False,
@@ -291,11 +309,13 @@ def predict_step(work: Workload, choices: Choices, calib: Calibration, clips: bo
     tasks = _tasks(work, choices, calib)
     jobs = [j for t in tasks for j in t.jobs]
     busy = {
-        "gpu": sum(t.gpu_s for t in tasks),
+        "gpu": sum(t.device_s for t in tasks),
         "h2d": sum(t.h2d_s for t in tasks),
         "d2h": sum(t.d2h_s for t in tasks),
         "reduce": sum(j.reduce_s for j in jobs),
         "update": sum(j.update_s for j in jobs) / work.updaters,
+        "host": host_bound_s(work, choices, calib),
     }
-    step = _period(tasks, choices.prefetch_depth, work.updaters, work.clip, clips, corrected)
+    # the schedule's period, and never less than host memory needs to move the step's bytes
+    step = max(_period(tasks, choices.prefetch_depth, work.updaters, work.clip, clips, corrected), busy["host"])
     return busy, step - busy["gpu"], step

@@ -32,10 +32,7 @@ def eval_loss(engine, version: int, ids: torch.Tensor, targets: torch.Tensor, po
         embed_w = engine._weight("embed", version)
         xs = [L.embed(embed_w, ids_dev[i]) for i in range(M)]
     else:
-        unit = engine.units["embed"]
-        engine.link.wait_ready(unit, version)
-        table = unit_tensors(engine.master[unit.offset:], unit)["model.embed_tokens.weight"]
-        xs = [L.embed(table, ids[i]).to(engine.device, engine.dtype) for i in range(M)]
+        xs = engine.host_embedding(ids, version)
 
     for layer in range(cfg.num_layers):
         unit, strip = engine.units[f"layer.{layer}"], f"model.layers.{layer}."

@@ -71,6 +71,14 @@ def open_batches_for(job: JobConfig, vocab_size: int, tokens: Path | None, docs:
     return Batches(stream, job.train.seq_len, job.train.global_batch, job.data.shuffle, job.data.seed)
 
 
+def check_delivery(plan: StepPlan, store: HostStore) -> None:
+    """The bf16 delivery streams the store's shadow: a store made without one cannot serve it."""
+    if plan.delivery == "bf16" and not store.has_shadow:
+        raise RuntimeError(f"the plan delivers the bf16 shadow of the weights (delivery = 'bf16'), but store "
+                           f"{store.name!r} was created without one: create it with store.shadow_bf16 = true "
+                           f"(`slidedp-store create --shadow-bf16`), or run with runtime.delivery = \"fp32\"")
+
+
 @dataclass
 class LauncherOrders:
     """What the launcher has asked between steps: the step after which every rank stops (None: not asked)."""
@@ -128,6 +136,7 @@ class WorkerCore:
             L.compile_kernels(fallback=t.compile == "auto")
             log.info("the layers' pointwise kernels go through torch.compile at first use (train.compile = %r%s)",
                      t.compile, ": eager where compiling fails" if t.compile == "auto" else "")
+        check_delivery(plan, store)
         units = units_of(store.layout)
         names = held_unit_names(store.layout.model, plan.embedding_held, plan.device_layers)
         self.held = {n: DeviceHeld(store, units[n], device, dtype, t, rank, group) for n in names}
@@ -135,7 +144,8 @@ class WorkerCore:
                              lambda slot, numel: rings.slot(rank, slot, numel), t.global_batch * t.seq_len, plan,
                              t.max_grad_norm, self.held,
                              param_group=group if plan.param_route == "sharded" else None,
-                             grad_group=group if plan.grad_route == "reduce_scatter" else None)
+                             grad_group=group if plan.grad_route == "reduce_scatter" else None,
+                             shadow=store.flat("shadow") if plan.delivery == "bf16" else None)
         self.tracer = Tracer(run_dir, f"worker{rank}", job.run.traced)
         self.engine.set_tracer(self.tracer)
         link.tracer = self.tracer
@@ -146,11 +156,13 @@ class WorkerCore:
         """Steps start..end-1, or until a stop (SIGTERM, or the launcher's order)."""
         t, plan, start, end = self.job.train, self.plan, self.start, self.end
         log.info("rank %d/%d on %s: steps %d..%d, %d micro-batch(es) of %d x %d tokens; params %s (%d ahead), grads %s; "
-                 "%s, %d layer(s) offloaded; held on the device: %s", self.rank, self.world, self.device, start, end - 1,
+                 "%s, %d layer(s) offloaded; held on the device: %s; weights delivered as %s", self.rank, self.world,
+                 self.device, start, end - 1,
                  self.micro, plan.micro_batch, t.seq_len, "sharded" if self.engine.delivery.group else "replicated",
                  plan.prefetch_depth, "reduce_scatter" if self.engine.grads.group else "host",
                  f"seq tiles of {plan.seq_tile_tokens} tokens" if plan.seq_tile_tokens else "untiled",
-                 plan.offload_layers, ", ".join(self.held) or "nothing")
+                 plan.offload_layers, ", ".join(self.held) or "nothing",
+                 "the bf16 shadow" if plan.delivery == "bf16" else "the fp32 master")
         for step in range(start, end):
             if self.stop.requested:
                 log.info("stopping before step %d (SIGTERM)", step)
@@ -167,7 +179,7 @@ class WorkerCore:
         t0 = time.perf_counter()
         link.waits = dict.fromkeys(link.waits, 0.0)
         link.step = step
-        h2d0 = engine.delivery.h2d_bytes
+        h2d0, d2h0 = engine.delivery.h2d_bytes, engine.grads.d2h_bytes
         batch, mbs = self.batches.batch(step), self.plan.micro_batch
         if isinstance(batch, SftBatch):  # rows of documents: masks, positions, the global trained count
             run_step = lambda: feed.run_step(engine, batch, step, self.rank, self.world, self.micro, mbs)  # noqa: E731
@@ -200,7 +212,8 @@ class WorkerCore:
             write_back_s = time.perf_counter() - t_back
         w = link.waits
         return WorkerStats(self.rank, step, time.perf_counter() - t0, times.forward_s, times.backward_s, w["version"],
-                           w["slot"], w["loss"], engine.delivery.h2d_bytes - h2d0, peak, reserved, write_back_s)
+                           w["slot"], w["loss"], engine.delivery.h2d_bytes - h2d0, peak, reserved, write_back_s,
+                           engine.grads.d2h_bytes - d2h0)
 
     def between_steps(self, step: int) -> bool:
         """The launcher may hold us for a checkpoint after `step`, or tell us to stop: True to stop."""

@@ -1,8 +1,11 @@
 """Moving chunks between the store and the device: parameters in, gradients out.
 
 Parameters arrive as fp32 master (zero-copy DMA from registered shared memory) and are
-cast to the compute dtype on the device; gradients are accumulated in fp32 on the device
-and leave it in fp32, so the CPU touches each parameter once per step, inside AdamW.
+cast to the compute dtype on the device, or, with the plan's `delivery = "bf16"`, as the
+store's bf16 shadow (the updater's copy of the master, refreshed before each version is
+raised): half the bytes, and nothing to cast. The shadow is the master rounded to bf16 as the
+device's cast rounds it, so a bf16 compute sees the same bits either way. Gradients are
+accumulated in fp32 on the device and leave it in fp32.
 On CUDA, H2D runs on its own copy stream (as many units ahead of compute as the engine
 prefetches: the step plan's prefetch_depth) and D2H on another; every buffer has one event.
 On CPU the same calls are plain (zero-copy when the compute dtype is fp32).
@@ -63,11 +66,17 @@ def unit_tensors(flat: torch.Tensor, unit: Unit, strip: str = "") -> dict[str, t
 
 
 class ParamDelivery:
-    """fetch(unit, step) -> the unit's parameters on the device in the compute dtype."""
+    """fetch(unit, step) -> the unit's parameters on the device in the compute dtype.
 
-    def __init__(self, master: torch.Tensor, device: torch.device, dtype: torch.dtype,
+    source: the flat store tensor the copies read: the fp32 master, or the bf16 shadow (which
+    must then be the compute dtype: a shadow is never cast up)."""
+
+    def __init__(self, source: torch.Tensor, device: torch.device, dtype: torch.dtype,
                  wait_ready: Callable[[Unit, int], None], group: Group | None = None) -> None:
-        self.master = master
+        if source.dtype not in (torch.float32, dtype):
+            raise ValueError(f"parameters delivered in {source.dtype} cannot feed a {dtype} compute: "
+                             f"the bf16 shadow delivery needs compute_dtype bf16")
+        self.source = source
         self.group = group  # set: the sharded route
         self.device = device
         self.dtype = dtype
@@ -87,23 +96,24 @@ class ParamDelivery:
         self.wait_ready(unit, step)
         shard = self.group.shard(unit.numel) if self.group is not None else None
         lo, hi = (shard.start, shard.end) if shard else (0, unit.numel)
-        src = self.master[unit.offset + lo:unit.offset + hi]
-        self.h2d_bytes += src.numel() * 4
+        src = self.source[unit.offset + lo:unit.offset + hi]
+        nbytes = src.numel() * src.element_size()
+        self.h2d_bytes += nbytes
         t0 = time.time()
         if not self.cuda:
             if shard is None:
-                out = src if self.dtype == torch.float32 else src.to(self.dtype)
+                out = src if src.dtype == self.dtype else src.to(self.dtype)
             else:
                 out = torch.empty(shard.padded, dtype=self.dtype)
                 out[lo:hi].copy_(src)
                 self.group.all_gather(out)  # type: ignore[union-attr]
                 out = out[:unit.numel]
             self._inflight[key] = (out, None)
-            self.tracer.event(f"fetch {unit.name}", "h2d", step, t0, time.time(), bytes=src.numel() * 4)
+            self.tracer.event(f"fetch {unit.name}", "h2d", step, t0, time.time(), bytes=nbytes)
             return
         with torch.cuda.stream(self.stream), torch.autograd.profiler.record_function(f"h2d:{unit.name}"):
             out = torch.empty(shard.padded if shard else unit.numel, dtype=self.dtype, device=self.device)
-            if self.dtype == torch.float32:
+            if src.dtype == self.dtype:  # fp32 compute, or the bf16 shadow: straight into the buffer
                 out[lo:hi].copy_(src, non_blocking=True)
             else:  # fp32 arrives through a fixed staging piece and is cast on the device piece by piece,
                 # so a big unit (the whole embedding) never needs a second, fp32-sized device buffer
@@ -119,7 +129,7 @@ class ParamDelivery:
             event.record(self.stream)
         if self.tracer.on(step):  # traced step: wait for the copy so the span is its real duration
             self.stream.synchronize()
-            self.tracer.event(f"h2d {unit.name}", "h2d", step, t0, time.time(), bytes=src.numel() * 4)
+            self.tracer.event(f"h2d {unit.name}", "h2d", step, t0, time.time(), bytes=nbytes)
         self._inflight[key] = (out, event)
 
     def _staging_buffer(self) -> torch.Tensor:
@@ -170,6 +180,7 @@ class GradOut:
         self.slot_view = slot_view
         self.group = group  # set: the reduce_scatter route
         self.pending: list[_PendingGrad] = []
+        self.d2h_bytes = 0  # gradients written into host memory
         self.tracer = NULL
         if self.cuda:
             self.stream = torch.cuda.Stream(device)
@@ -189,6 +200,7 @@ class GradOut:
         if not self.cuda:
             part, dst = self._payload(chunk, grad, slot)
             dst.copy_(part)
+            self.d2h_bytes += part.numel() * part.element_size()
             self.pending.append(_PendingGrad(chunk, slot, torch.dot(part, part), None, grad))
             self.tracer.event(f"grad chunk {chunk.id}", "d2h", step, t0, time.time(), chunk=chunk.id, slot=slot)
             return
@@ -199,6 +211,7 @@ class GradOut:
             part, dst = self._payload(chunk, grad, slot)
             sq = torch.dot(part, part)
             dst.copy_(part, non_blocking=True)
+            self.d2h_bytes += part.numel() * part.element_size()
             sq_host = sq.to("cpu", non_blocking=True)
             done = torch.cuda.Event()
             done.record(self.stream)

@@ -77,13 +77,19 @@ class Engine:
     def __init__(self, cfg: ModelConfig, layout: Layout, master: torch.Tensor, device: torch.device,
                  dtype: torch.dtype, link: Link, slot_view, global_tokens: int, plan: StepPlan = StepPlan(),
                  max_grad_norm: float = 0.0, held: dict[str, DeviceHeld] | None = None, param_group: Group | None = None,
-                 grad_group: Group | None = None) -> None:
+                 grad_group: Group | None = None, shadow: torch.Tensor | None = None) -> None:
+        """master: the store's flat fp32 master; shadow: its bf16 shadow, which the plan's delivery = "bf16"
+        streams instead (the layers, the norm, the head and the host embedding's rows)."""
         self.cfg, self.layout, self.master = cfg, layout, master
+        if plan.delivery == "bf16" and shadow is None:
+            raise ValueError("the plan delivers the bf16 shadow, and the store has none (store.shadow_bf16)")
+        # what streams to the device; device-held units copy the fp32 master once (device_state.py)
+        self.source = shadow if plan.delivery == "bf16" else master
         self.device, self.dtype, self.link, self.plan = device, dtype, link, plan
         self.max_grad_norm = max_grad_norm  # > 0: device-held chunks wait for the global norm before updating
         self.units = units_of(layout)
         self.held = held or {}  # unit name -> its device-held state ("layer.0".., "embed", "head" when untied)
-        self.delivery = ParamDelivery(master, device, dtype, link.wait_ready, param_group)
+        self.delivery = ParamDelivery(self.source, device, dtype, link.wait_ready, param_group)
         self.grads = GradOut(device, slot_view, grad_group)  # groups set: the sharded routes
         self.scale = 1.0 / global_tokens  # loss = sum of token losses / global token count
         self._rope: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -178,6 +184,15 @@ class Engine:
             return self.held[name].tensors()[tensor]
         return unit_tensors(self.delivery.fetch(unit, step), unit)[tensor]
 
+    def host_embedding(self, ids: torch.Tensor, version: int) -> list[torch.Tensor]:
+        """The rows of ids [M, m, T] (CPU) gathered from the store's copy of the embedding (as delivered:
+        fp32 master or bf16 shadow) at `version`, on the device in the compute dtype, one per micro-batch."""
+        unit = self.units["embed"]
+        self.link.wait_ready(unit, version)
+        table = unit_tensors(self.source[unit.offset:], unit)["model.embed_tokens.weight"]
+        self.delivery.h2d_bytes += ids.numel() * table.shape[1] * table.element_size()
+        return [L.embed(table, ids[i]).to(self.device, self.dtype) for i in range(ids.shape[0])]
+
     def _send(self, chunk: Chunk, grad: torch.Tensor, step: int) -> None:
         for landed in self.grads.landed():
             self.link.grad_landed(*landed, step)
@@ -223,9 +238,7 @@ class Engine:
                 embed_w = self._weight("embed", step)
                 xs = [L.embed(embed_w, ids_dev[i]) for i in range(M)]
             else:  # gather only the batch's rows from the host copy
-                self.link.wait_ready(self.units["embed"], step)
-                table = unit_tensors(self.master[self.units["embed"].offset:], self.units["embed"])["model.embed_tokens.weight"]
-                xs = [L.embed(table, ids[i]).to(self.device, self.dtype) for i in range(M)]
+                xs = self.host_embedding(ids, step)
             if self._fetched(0, backward=False):
                 self.delivery.prefetch(self.units["layer.0"], step)
             self.saved.start(step, (M, m, T, H), self.dtype)

@@ -69,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
     device = torch.device(args.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-        budget = job.memory.gpu_budget_gib
+        budget = job.memory.device_budget_gib
         if budget:
             total = torch.cuda.get_device_properties(device).total_memory
             torch.cuda.set_per_process_memory_fraction(min(1.0, budget * 2**30 / total), device)
@@ -80,11 +80,16 @@ def run(args: argparse.Namespace) -> int:
     reg = Registration()
     if device.type == "cuda":
         t0 = time.perf_counter()
-        master = store.flat("master")
-        reg.register(master, "the master weights")
+        # the master (the copies stream it, or, with the bf16 delivery, device-held units are copied from
+        # and written back to it at checkpoints) and the bf16 shadow the copies stream instead (delivery.py)
+        pinned = [(store.flat("master"), "the master weights")]
+        if plan.delivery == "bf16" and store.has_shadow:  # without one, WorkerCore says what to do
+            pinned.append((store.flat("shadow"), "the bf16 shadow of the weights"))
+        for tensor, what in pinned:
+            reg.register(tensor, what)
         reg.register(rings.rank_ring(rank), f"rank {rank}'s gradient ring")
-        log.info("registered %.2f GiB of host memory with CUDA in %.2f s", master.numel() * 4 / 2**30,
-                 time.perf_counter() - t0)
+        log.info("registered %.2f GiB of host memory with CUDA in %.2f s",
+                 sum(t.numel() * t.element_size() for t, _ in pinned) / 2**30, time.perf_counter() - t0)
     ctx = zmq.Context()
     agg = connect_dealer(ctx, store_name, "agg", identity("w", rank))
     job_sock = connect_dealer(ctx, store_name, "job", identity("w", rank))

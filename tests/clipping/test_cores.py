@@ -188,6 +188,10 @@ def test_a_step_under_the_threshold_is_bit_identical_to_the_unclipped_update(sto
     assert all(u.speculative for u in clipped.updates)  # every chunk went at once
     assert (done.clipped, done.speculated, done.corrected, done.skipped) == (0, 4, 0, 0)
     assert done.grad_norm == pytest.approx(math.sqrt(0.91), rel=1e-6)
+    # host memory moved: one AdamW of every chunk (28 B/param, no shadow), and where the aggregator sums two
+    # ranks' gradients, its reads of both, its write and its norm's read (16 B/param)
+    params = sum(c.numel for c in clipped.store.layout.chunks)
+    assert done.host_bytes == params * (28 + (16 if (world, route) == (2, "host") else 0))
     a, b = clipped.state(), plain.state()
     assert all(torch.equal(a[k], b[k]) for k in STATE_KINDS)
     m = clipped.store.manifest
@@ -210,6 +214,10 @@ def test_a_clipping_step_corrects_the_speculated_chunks_and_matches_the_referenc
     assert [(d.clipped, d.speculated, d.corrected, d.speculate) for d in dones] == [(0, 4, 0, 1), (1, 2, 2, 1),
                                                                                    (0, 0, 0, 0)]
     assert dones[1].correct_s > 0 and dones[1].grad_norm == pytest.approx(2.0, rel=1e-6)
+    # a corrected chunk ran two passes (the speculative AdamW, then the correction), every other one
+    params = sum(c.numel for c in layout.chunks)
+    again = sum(c.numel for c in layout.chunks if spec[c.id] in ("norm", "layer.1"))
+    assert [d.host_bytes for d in dones] == [28 * params, 28 * (params + again), 28 * params]
     want = reference(layout, start, plan, cores.record.train_section, 1.0)
     got = cores.state()
     for k in STATE_KINDS:  # float32 rounding (the fused kernel against torch's loop; the undo's, where corrected)

@@ -43,7 +43,7 @@ def test_cuda_matches_reference(tmp_path, workers, dtype, shape, embedding, extr
     weights = checkpoint_weights(run_dir / "checkpoints" / f"step-{STEPS:08d}")
     worst = max((rel_err(weights[n], ref.params[n]), n) for n in ref.params)
     assert worst[0] < (1e-4 if dtype == "fp32" else WEIGHT_RTOL), worst
-    assert max(m["gpu_peak_bytes"] for m in got) > 0
+    assert max(m["device_peak_bytes"] for m in got) > 0
     assert store_segments(store) == []
     print(f"{workers} worker(s) {dtype} {' '.join(extra)}: losses {[round(m['loss'], 5) for m in got]} ref {[round(x, 5) for x in ref.losses]}; "
           f"worst weight rel err {worst[0]:.2e} ({worst[1]})")

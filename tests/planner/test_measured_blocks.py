@@ -18,8 +18,8 @@ from slidedp.planner import measure
 from slidedp.planner import plan as plan_mod
 from slidedp.planner.costs import GiB
 from slidedp.planner.measure import LayerTime, LossTime, MeasuredBlocks, shape_key
-from slidedp.planner.sizes import gpu_work_sizes
-from slidedp.planner.step_model import gpu_times
+from slidedp.planner.sizes import device_work_sizes
+from slidedp.planner.step_model import device_times
 
 from pipeline.harness import TINY
 
@@ -37,7 +37,7 @@ def _blocks(work: Workload, per_sequence_s: dict[int, float], *budgets: int) -> 
     per sequence at micro-batch m (its backward 3x that), the loss a tenth of the forward. Large enough
     that the GPU bounds the step."""
     layers, losses = {}, []
-    sizes = {s for b in budgets or (BUDGET,) for s in gpu_work_sizes(work, b, FP32)}
+    sizes = {s for b in budgets or (BUDGET,) for s in device_work_sizes(work, b, FP32)}
     for m, tile, chunk in sorted(sizes):
         fwd = per_sequence_s[m] * m
         layers[(m, tile)] = LayerTime(m, tile, fwd, 3 * fwd, 0)
@@ -52,7 +52,7 @@ FAVOURS_2 = {1: 0.030, 2: 0.020, 4: 0.026, 8: 0.032}
 
 def test_a_measured_layer_time_decides_the_micro_batch():
     work = _work()
-    assert sorted({m for m, _, _ in gpu_work_sizes(work, BUDGET, FP32)}) == [1, 2, 4, 8]
+    assert sorted({m for m, _, _ in device_work_sizes(work, BUDGET, FP32)}) == [1, 2, 4, 8]
     for times, want in ((FAVOURS_8, 8), (FAVOURS_2, 2)):
         calib = dataclasses.replace(REFERENCE_CALIBRATION, blocks=_blocks(work, times))
         plan = make_plan(work, BUDGET, calib, FP32)
@@ -66,7 +66,7 @@ def test_a_measured_layer_time_decides_the_micro_batch():
         assert 0 <= held < 0.05 * gpu  # what remains is the device-held units' AdamW
         weighed = {c.micro_batch: c for c in plan.weighed}
         assert sorted(weighed) == [1, 2, 4, 8] and plan.weighed[0].micro_batch == want
-        assert weighed[want].verdict == "chosen" and all(c.gpu_time == "measured" for c in plan.weighed)
+        assert weighed[want].verdict == "chosen" and all(c.device_time == "measured" for c in plan.weighed)
         for m, c in weighed.items():
             if m != want:
                 assert c.predicted_step_s > weighed[want].predicted_step_s
@@ -77,7 +77,7 @@ def test_a_measured_layer_time_decides_the_micro_batch():
 def test_a_budget_that_rules_the_fastest_out_picks_the_best_that_fits():
     work = _work()
     roomy = make_plan(work, BUDGET, dataclasses.replace(REFERENCE_CALIBRATION, blocks=_blocks(work, FAVOURS_8)), FP32)
-    need = {c.micro_batch: c.gpu_bytes for c in roomy.weighed}
+    need = {c.micro_batch: c.device_bytes for c in roomy.weighed}
     assert need[8] > need[4]
     # a budget below the smallest plan at 8 sequences but above one at 4
     smallest_8 = plan_mod._total(work, plan_mod._least_memory(work, 8, FP32))
@@ -86,7 +86,7 @@ def test_a_budget_that_rules_the_fastest_out_picks_the_best_that_fits():
     budget = (smallest_4 + smallest_8) // 2
     calib = dataclasses.replace(REFERENCE_CALIBRATION, blocks=_blocks(work, FAVOURS_8, budget))
     tight = make_plan(work, budget, calib, FP32)
-    assert tight.micro_batch == 4 and tight.gpu_total_bytes <= budget
+    assert tight.micro_batch == 4 and tight.device_total_bytes <= budget
     rejected = [c for c in tight.weighed if c.micro_batch == 8]
     assert len(rejected) == 1 and rejected[0].predicted_step_s is None
     assert rejected[0].verdict == f"does not fit: its smallest plan needs {smallest_8 / GiB:.2f} GiB"
@@ -98,7 +98,7 @@ def test_a_forced_micro_batch_is_kept():
     calib = dataclasses.replace(REFERENCE_CALIBRATION, blocks=_blocks(_work(), FAVOURS_8))
     plan = make_plan(work, BUDGET, calib, FP32)
     assert plan.micro_batch == 2 and [c.micro_batch for c in plan.weighed] == [2]
-    assert plan.weighed[0].verdict == "chosen" and plan.weighed[0].gpu_time == "measured"
+    assert plan.weighed[0].verdict == "chosen" and plan.weighed[0].device_time == "measured"
     assert "micro-batches weighed (train.micro_batch set in the job file)" in plan.describe()
     assert "2 (job's value; 4 per rank per step)" in plan.describe()
 
@@ -109,7 +109,7 @@ def test_the_candidate_table_lists_what_was_weighed():
     text = plan.describe()
     assert "micro-batches weighed (train.micro_batch = 0: the fastest predicted that fits; within 2% of it, the larger)" in text
     for c in plan.weighed:
-        assert (f"  {c.micro_batch:<13}{f'{c.predicted_step_s:.3f} s':>15}{c.gpu_bytes / GiB:>9.2f} GiB   "
+        assert (f"  {c.micro_batch:<13}{f'{c.predicted_step_s:.3f} s':>15}{c.device_bytes / GiB:>9.2f} GiB   "
                 f"measured  {c.verdict}") in text
     assert "GPU time: one decoder layer and the loss timed on the GPU T at this shape, from this host's cache" in text
 
@@ -120,8 +120,8 @@ def test_without_blocks_the_flops_charge_every_micro_batch_alike():
     layers), and the plan says where its GPU time came from."""
     work = _work()
     plan = make_plan(work, BUDGET, REFERENCE_CALIBRATION, FP32)
-    assert {c.gpu_time for c in plan.weighed} == {"FLOPs"} and plan.weighed[0].micro_batch == plan.micro_batch
-    layer_time = {m: gpu_times(work, plan_mod.replace(plan.choices, micro_batch=m), REFERENCE_CALIBRATION)
+    assert {c.device_time for c in plan.weighed} == {"FLOPs"} and plan.weighed[0].micro_batch == plan.micro_batch
+    layer_time = {m: device_times(work, plan_mod.replace(plan.choices, micro_batch=m), REFERENCE_CALIBRATION)
                   for m in (1, 2, 4, 8)}
     assert len(set(layer_time.values())) == 1
     assert "GPU time: the matmul FLOPs at 405 TFLOP/s effective (compiled layers 1.44x faster)" in plan.describe()
@@ -245,7 +245,7 @@ def test_the_launchers_subprocess_returns_the_calibration_and_the_blocks(tmp_pat
     doc = json.loads(json.dumps(plan_inputs(spec, device="cpu")))
     blocks = MeasuredBlocks.from_dict(doc["blocks"])
     assert blocks.has((1, 0, 16)) and blocks.has((2, 0, 16)) and blocks.measured_s > 0
-    assert calibration_mod.Calibration.from_dict(doc["calibration"]).gpu_tflops == REFERENCE_CALIBRATION.gpu_tflops
+    assert calibration_mod.Calibration.from_dict(doc["calibration"]).device_tflops == REFERENCE_CALIBRATION.device_tflops
     assert MeasuredBlocks.from_dict(plan_inputs(spec, device="cpu")["blocks"]).measured_s == 0.0  # cached
 
 
@@ -282,8 +282,8 @@ def test_a_measured_layer_workspace_larger_than_the_model_bounds_the_plan():
     fast = _blocks(work, FAVOURS_8)
     plain = make_plan(work, BUDGET, dataclasses.replace(REFERENCE_CALIBRATION, blocks=fast), FP32)
     assert (plain.micro_batch, plain.seq_tile_tokens) == (8, 0)
-    model_ws = dict(plain.gpu_memory)["layer workspace"]
-    extra = BUDGET - plain.gpu_total_bytes + 2 * GiB
+    model_ws = dict(plain.device_memory)["layer workspace"]
+    extra = BUDGET - plain.device_total_bytes + 2 * GiB
     counted_elsewhere = (plan_mod.costs.layer_params(work.model) + 8 * 2048 * work.model.hidden_size) * 2  # bf16
     big = dataclasses.replace(fast, layers=tuple(
         dataclasses.replace(t, workspace_bytes=model_ws + extra + counted_elsewhere)
@@ -291,13 +291,13 @@ def test_a_measured_layer_workspace_larger_than_the_model_bounds_the_plan():
     calib = dataclasses.replace(REFERENCE_CALIBRATION, blocks=big)
     charged = plan_mod._bounded_memory(work, plain.choices, calib)
     assert dict(charged)["layer workspace"] == model_ws + extra
-    assert plan_mod.costs.gpu_memory_peak(charged, 1).total_bytes > BUDGET  # the plain plan would not fit
+    assert plan_mod.costs.device_memory_peak(charged, 1).total_bytes > BUDGET  # the plain plan would not fit
     bounded = make_plan(work, BUDGET, calib, FP32)
-    assert bounded.gpu_total_bytes <= BUDGET and bounded.budget_bytes == BUDGET
-    assert plan_mod.costs.gpu_memory_peak(bounded.gpu_memory, 1).total_bytes == bounded.gpu_total_bytes
+    assert bounded.device_total_bytes <= BUDGET and bounded.budget_bytes == BUDGET
+    assert plan_mod.costs.device_memory_peak(bounded.device_memory, 1).total_bytes == bounded.device_total_bytes
     assert bounded.choices != plain.choices
     if (bounded.micro_batch, bounded.seq_tile_tokens) == (8, 0):
-        assert dict(bounded.gpu_memory)["layer workspace"] == model_ws + extra
+        assert dict(bounded.device_memory)["layer workspace"] == model_ws + extra
 
 
 @pytest.mark.gpu
@@ -325,15 +325,15 @@ def test_the_measured_blocks_on_a_gpu_are_well_formed_and_within_the_memory_mode
 def test_a_size_not_measured_takes_the_nearest_measured_one_per_sequence():
     """The plan may weigh a size the launcher did not measure (a plan made again in less memory): it is
     charged the measured size nearest to it, per sequence, not the FLOPs, and says so."""
-    from slidedp.planner.step_model import gpu_time_source  # noqa: PLC0415
+    from slidedp.planner.step_model import device_time_source  # noqa: PLC0415
 
     work = _work()
     key = shape_key(work.model, work.seq_len, work.compute_dtype, work.compiled)
     only_2 = MeasuredBlocks(key, "GPU T", (LayerTime(2, 0, 0.2, 0.6),), (LossTime(2, 0, 1024, 0.05),))
     calib = dataclasses.replace(REFERENCE_CALIBRATION, blocks=only_2)
     ch = plan_mod.Choices(embedding="host", micro_batch=4, loss_chunk_tokens=512, seq_tile_tokens=4096)
-    assert gpu_times(work, ch, calib) == pytest.approx((0.2 * 4, 0.6 * 4, 0.05 * 4))  # 8 sequences = 4 x 2
-    assert gpu_time_source(work, ch, calib) == "nearby"
-    assert gpu_time_source(work, dataclasses.replace(ch, micro_batch=2, seq_tile_tokens=0, loss_chunk_tokens=1024),
+    assert device_times(work, ch, calib) == pytest.approx((0.2 * 4, 0.6 * 4, 0.05 * 4))  # 8 sequences = 4 x 2
+    assert device_time_source(work, ch, calib) == "nearby"
+    assert device_time_source(work, dataclasses.replace(ch, micro_batch=2, seq_tile_tokens=0, loss_chunk_tokens=1024),
                            calib) == "measured"
-    assert gpu_time_source(work, ch, REFERENCE_CALIBRATION) == "FLOPs"
+    assert device_time_source(work, ch, REFERENCE_CALIBRATION) == "FLOPs"

@@ -17,7 +17,7 @@ MEASURED = json.loads((Path(__file__).parent / "measured_peaks.json").read_text(
 
 def _items(run: dict, **change) -> list[tuple[str, int]]:
     r = {**run, **change}
-    return costs.gpu_memory_items(
+    return costs.device_memory_items(
         named_shape(r["shape"]), tokens=r["global_batch"] // r["world"] * r["seq_len"], seq_len=r["seq_len"],
         micro_batch=r["micro_batch"], world=r["world"], delivery=r["delivery"], activations=r["activations"],
         embedding=r["embedding"], prefetch_depth=r["prefetch_depth"], resident_layers=r["resident_layers"],
@@ -30,12 +30,12 @@ def test_the_peak_is_the_step_long_items_and_the_largest_phase():
              ("loss chunk logits", 30), ("layer workspace", 20), ("chunk gradients", 15),
              ("held layers' gradients", 50), ("CUDA context", 7)]
     # loss 100+40+8+30 = 178, backward 100+40+8+20+15 = 183, end of backward 100+8+20+15+50 = 193
-    peak = costs.gpu_memory_peak(items, 1)
+    peak = costs.device_memory_peak(items, 1)
     assert (peak.phase, peak.tensor_bytes, peak.reserve_bytes, peak.total_bytes) == ("end of backward", 193, 19, 219)
     smaller = [(n, 5 if n == "held layers' gradients" else b) for n, b in items]
-    assert (costs.gpu_memory_peak(smaller, 1).phase, costs.gpu_memory_peak(smaller, 1).tensor_bytes) == ("backward", 183)
+    assert (costs.device_memory_peak(smaller, 1).phase, costs.device_memory_peak(smaller, 1).tensor_bytes) == ("backward", 183)
     # with several ranks the allocator's slack is larger (blocks wait for other streams before reuse)
-    assert costs.gpu_memory_peak(items, 2).reserve_bytes == 38
+    assert costs.device_memory_peak(items, 2).reserve_bytes == 38
 
 
 def test_held_layers_keep_their_saved_inputs_apart():
@@ -64,7 +64,7 @@ def test_the_model_bounds_every_peak_measured_on_a_gpu(run):
     23%: on the reduce-scatter route a gradient freed while its copy out runs no longer counts as
     allocated, though its block stays taken until the copy ends); with the allocator's reserve the
     plan also holds what the allocator reserved, where that stayed below the budget's cap."""
-    peak = costs.gpu_memory_peak(_items(run), run["world"])
+    peak = costs.device_memory_peak(_items(run), run["world"])
     measured = run["measured_peak_bytes"]
     assert measured <= peak.tensor_bytes <= 1.25 * measured, (peak, measured / GiB)
     if _below_the_cap(run):
@@ -93,5 +93,5 @@ def test_an_untied_head_on_the_host_is_charged_where_it_lives():
 def test_holding_more_layers_costs_more_memory():
     """The planner's searches need it: each held layer more never lowers the peak."""
     run = dict(MEASURED[0], resident_layers=0)
-    totals = [costs.gpu_memory_peak(_items(run, device_layers=d), 1).total_bytes for d in range(0, 37)]
+    totals = [costs.device_memory_peak(_items(run, device_layers=d), 1).total_bytes for d in range(0, 37)]
     assert all(a < b for a, b in zip(totals, totals[1:]))

@@ -42,8 +42,8 @@ TOY = ModelConfig(
 )
 TOY_CAL = Calibration(
     host="toy", device_name="toy", h2d_gbps=1e-3, d2h_gbps=1e-3, bidir_gbps=2e-3,  # 1 MB/s each way, no sharing loss
-    adamw_params_per_s=1e5, adamw_threads=1, reduce_gbps=1e-3, gpu_tflops=4.849664e-6, gpu_mem_bytes=1 << 40,
-    gpu_adamw_params_per_s=163_840,  # tied embedding 256*64 = 16,384 params -> 0.1 s
+    adamw_params_per_s=1e5, adamw_threads=1, reduce_gbps=1e-3, device_tflops=4.849664e-6, device_mem_bytes=1 << 40,
+    device_adamw_params_per_s=163_840,  # tied embedding 256*64 = 16,384 params -> 0.1 s
     adamw_train_fraction=1.0,  # the bare rate: round numbers
 )
 P = 36_992
@@ -70,7 +70,9 @@ def test_cost_formulas_by_hand():
     assert fwd_bwd / 26.5e-3 / 1e12 == pytest.approx(405, rel=2e-3)
     assert costs.default_chunk_rows(q4) == 100_930_816 // 2560
     assert costs.row_blocks(10, 4) == [4, 4, 2]
-    assert costs.update_bytes_per_param("fp32") == 28 and costs.update_bytes_per_param("bf16") == 30
+    # AdamW reads p, m, v, g and writes p, m, v; the bf16 delivery's store refreshes its shadow too (today a
+    # pass of its own: reads the master, writes the shadow)
+    assert costs.update_bytes_per_param("fp32") == 28 and costs.update_bytes_per_param("bf16") == 28 + 4 + 2
     # what the host updates: layers not held on the device, the final norm, a host embedding
     assert costs.host_updated_params(TOY, "device") == 2 * P + 64
     assert costs.host_updated_params(TOY, "device", device_layers=1) == P + 64
@@ -86,6 +88,7 @@ def test_toy_prediction_embedding_on_gpu():
         "d2h": 2 * H + NORM_IO,
         "reduce": 0.0,  # one rank: nothing to sum
         "update": 2 * U + NORM_U,
+        "host": 0.0,  # the toy host's memory bandwidth is not measured: no bound
     }, rel=1e-12)
     # tail: layer 0's gradient out (H), its update (U), its H2D for the next forward (H); the
     # 0.1 s GPU AdamW runs inside that gap
@@ -101,7 +104,7 @@ def test_a_device_held_first_layer_leaves_the_host_and_the_tail():
     held_adamw = P / 163_840
     assert busy == pytest.approx({
         "gpu": 8 + G_LOSS + 0.1 + held_adamw, "h2d": 2 * H + NORM_IO, "d2h": H + NORM_IO, "reduce": 0.0,
-        "update": U + NORM_U,
+        "update": U + NORM_U, "host": 0.0,
     }, rel=1e-12)
     assert step == pytest.approx(busy["gpu"], rel=1e-12) and exposed == pytest.approx(0.0, abs=1e-12)
     # without it the step was the GPU's 8 + G_LOSS + 0.1 plus the exposed tail H + U + H - 0.1
@@ -114,7 +117,7 @@ def test_device_held_layers_memory_and_the_planners_choice():
     step (a slow CPU), the planner holds layers while they fit, dropping resident layers first."""
     q4 = named_shape("qwen3-4b")
     work = Workload(q4, global_batch=8, seq_len=2048, world=1, micro_batch=2, clip=False)
-    items = dict(costs.gpu_memory_items(q4, tokens=16_384, seq_len=2048, micro_batch=2, world=1, delivery="fp32",
+    items = dict(costs.device_memory_items(q4, tokens=16_384, seq_len=2048, micro_batch=2, world=1, delivery="fp32",
                                         activations="keep", embedding="device", prefetch_depth=1, resident_layers=0,
                                         chunk_rows=costs.default_chunk_rows(q4), loss_chunk_tokens=1024,
                                         device_layers=3))
@@ -122,12 +125,12 @@ def test_device_held_layers_memory_and_the_planners_choice():
     assert items["held layers' gradients"] == 3 * costs.layer_params(q4) * 4  # from their backward to their AdamW
     slow_cpu = dataclasses.replace(REFERENCE_CALIBRATION, adamw_params_per_s=1.5e9)
     plan = make_plan(work, 40 * GiB, slow_cpu, {"delivery": ("fp32",)})
-    assert plan.device_layers > 0 and plan.gpu_total_bytes <= 40 * GiB
+    assert plan.device_layers > 0 and plan.device_total_bytes <= 40 * GiB
     without = make_plan(work, 40 * GiB, slow_cpu, {"delivery": ("fp32",)}, device_layers=0)
     assert without.device_layers == 0 and plan.predicted_step_s < without.predicted_step_s
     # one more held layer would not fit
     more = dataclasses.replace(plan.choices, device_layers=plan.device_layers + 1, resident_layers=0)
-    assert costs.gpu_memory_peak(costs.gpu_memory_items(
+    assert costs.device_memory_peak(costs.device_memory_items(
         q4, tokens=16_384, seq_len=2048, micro_batch=plan.micro_batch, world=1, delivery="fp32",
         activations=plan.activations, embedding=plan.embedding, prefetch_depth=plan.prefetch_depth, resident_layers=0,
         chunk_rows=plan.chunk_rows, loss_chunk_tokens=plan.loss_chunk_tokens, offload_layers=plan.offload_layers,
@@ -154,7 +157,7 @@ def test_toy_prediction_embedding_on_host():
         "h2d": 4 * H + NORM_IO + rows_in + head_in,
         "d2h": 2 * H + NORM_IO + head_in,  # the whole embedding gradient comes back
         "reduce": 0.0,
-        "update": 2 * U + NORM_U + need_u + rest_u,
+        "update": 2 * U + NORM_U + need_u + rest_u, "host": 0.0,
     }, rel=1e-12)
     # tail: layer 0 out (H), its update (U), then the needed rows' update, their gather, layer 0's H2D
     assert step == pytest.approx(8 + G_LOSS + H + U + need_u + rows_in + H, rel=1e-12)
@@ -224,10 +227,10 @@ def test_reduce_and_updaters():
     assert busy["reduce"] == pytest.approx((2 * P + 64) * 4 * 5 / 3 / 1e6, rel=1e-12)
     busy, _, _ = predict_step(toy(updaters=2), Choices(embedding="device"), TOY_CAL)
     assert busy["update"] == pytest.approx((2 * U + NORM_U) / 2, rel=1e-12)
-    # bf16 shadow delivery: half the H2D, and the updater writes 2 more bytes per parameter
+    # bf16 shadow delivery: half the H2D, and the updater refreshes the shadow (6 more bytes per parameter)
     busy, _, _ = predict_step(toy(), Choices(embedding="device", delivery="bf16"), TOY_CAL)
     assert busy["h2d"] == pytest.approx((4 * H + NORM_IO) / 2, rel=1e-12)
-    assert busy["update"] == pytest.approx((2 * U + NORM_U) * 30 / 28, rel=1e-12)
+    assert busy["update"] == pytest.approx((2 * U + NORM_U) * 34 / 28, rel=1e-12)
 
 
 def test_busy_matches_transfer_formula():
@@ -272,8 +275,8 @@ def test_plan_never_exceeds_budget():
             refused += 1
             continue
         fitted += 1
-        assert plan.gpu_total_bytes <= budget
-        assert costs.gpu_memory_peak(plan.gpu_memory, work.world).total_bytes == plan.gpu_total_bytes
+        assert plan.device_total_bytes <= budget
+        assert costs.device_memory_peak(plan.device_memory, work.world).total_bytes == plan.device_total_bytes
         assert work.local_batch % plan.micro_batch == 0
         assert 0 <= plan.resident_layers <= work.model.num_layers
         busy = dict(plan.busy_s)
@@ -319,7 +322,7 @@ def test_a_first_plan_holds_layers_for_the_lowest_measured_adamw_share():
     measured rate holds, and says what it predicts at that share."""
     machine_b = Calibration(
         host="b", device_name="NVIDIA H200", h2d_gbps=54.8, d2h_gbps=54.2, bidir_gbps=89.2, adamw_params_per_s=7.28e9,
-        adamw_threads=32, reduce_gbps=43.3, gpu_tflops=352.9, gpu_mem_bytes=143_771 * (1 << 20), allreduce_gbps=238.0,
+        adamw_threads=32, reduce_gbps=43.3, device_tflops=352.9, device_mem_bytes=143_771 * (1 << 20), allreduce_gbps=238.0,
         bus_gpus=2, h2d_total_gbps=101.0)
     work = Workload(named_shape("qwen3-4b"), global_batch=16, seq_len=2048, world=2, micro_batch=2, clip=False,
                     compiled=True)  # the job's train.compile = "auto"
@@ -357,7 +360,7 @@ def test_refusal_names_the_budget_and_the_knob():
         "30.84 GiB, or lower the tokens per rank (global_batch / world x seq_len = 1,048,576): raise world, or "
         "lower global_batch or seq_len"
     )
-    assert make_plan(work, int(30.84 * GiB), REFERENCE_CALIBRATION).gpu_total_bytes <= int(30.84 * GiB)
+    assert make_plan(work, int(30.84 * GiB), REFERENCE_CALIBRATION).device_total_bytes <= int(30.84 * GiB)
     with pytest.raises(PlanError, match=r"exceeds the memory of NVIDIA H200 \(140\.40 GiB\): lower the budget"):
         make_plan(work, 200 * GiB, REFERENCE_CALIBRATION)
 
@@ -381,7 +384,7 @@ def test_describe_lists_every_memory_item_and_resource():
     work = Workload(named_shape("qwen3-4b"), global_batch=8, seq_len=2048, world=1, micro_batch=8)
     plan = make_plan(work, 24 * GiB, REFERENCE_CALIBRATION)
     text = plan.describe()
-    for name, size in plan.gpu_memory:
+    for name, size in plan.device_memory:
         assert f"{name:<36}{size / GiB:>8.3f}" in text
     for name, _ in plan.busy_s:
         assert f"  {name} " in text
@@ -461,6 +464,12 @@ def test_what_runs_measured_is_kept_per_model(tmp_path, caplog):
     with caplog.at_level("INFO"):
         assert calibration_mod.load(old, model_params=q4).adamw_train_params_per_s == 2.5e9
     assert "gpu_train_factors, gpu_train_model_params (GPU-time factors learned from runs) ignored" in caplog.text
+    assert calibration_mod.load(old, model_params=q14) == cal
+    # a file from before "device" replaced "gpu" in the device's fields (old_names.RENAMED)
+    renamed = {("gpu" + k[len("device"):] if k.startswith("device_") and k != "device_name" else k): v
+               for k, v in mixed["calibration"].items()}
+    assert {"gpu_tflops", "gpu_mem_bytes", "gpu_adamw_params_per_s"} <= set(renamed)
+    old.write_text(json.dumps({**mixed, "calibration": renamed}))
     assert calibration_mod.load(old, model_params=q14) == cal
     # an entry that is not a model's measured figures is left out, with a warning; the others stay
     for key, bad in (("7", {"h2d_gbps": 1.0}), ("8", {"adamw_train_params_per_s": "fast"}),
@@ -585,7 +594,7 @@ def test_calibration_rejects_bad_values():
 def test_calibrate_cpu_quick_directly():
     cal = calibrate(device="cpu", quick=True)
     assert cal.device_name.startswith("cpu") and cal.adamw_threads >= 1
-    assert cal.gpu_tflops > 0 and cal.h2d_gbps > 0 and cal.reduce_gbps > 0
+    assert cal.device_tflops > 0 and cal.h2d_gbps > 0 and cal.reduce_gbps > 0
 
 
 def test_routes_follow_the_transfer_formula_and_the_links():
@@ -643,11 +652,11 @@ def test_sequence_tiles_and_offload_follow_the_memory_formulas():
     common = dict(tokens=65536, seq_len=65536, micro_batch=1, world=1, delivery="fp32", embedding="host",
                   prefetch_depth=1, resident_layers=0, chunk_rows=costs.default_chunk_rows(m), loss_chunk_tokens=1024)
     act = 65536 * h * 2
-    kept = dict(costs.gpu_memory_items(m, activations="keep", **common))
+    kept = dict(costs.device_memory_items(m, activations="keep", **common))
     assert kept["saved layer inputs"] == m.num_layers * act and "offload staging" not in kept
-    some = dict(costs.gpu_memory_items(m, activations="offload", offload_layers=10, **common))
+    some = dict(costs.device_memory_items(m, activations="offload", offload_layers=10, **common))
     assert some["saved layer inputs"] == (m.num_layers - 10) * act and some["offload staging"] == 2 * act
-    every = dict(costs.gpu_memory_items(m, activations="offload", **common))
+    every = dict(costs.device_memory_items(m, activations="offload", **common))
     assert "saved layer inputs" not in every and every["offload staging"] == 2 * act
     b = costs.transfer_bytes(m, tokens=65536, delivery="fp32", activations="offload", embedding="host",
                              resident_layers=0, offload_layers=10)
@@ -658,14 +667,14 @@ def test_sequence_tiles_and_offload_follow_the_memory_formulas():
 def test_long_sequence_plans_tile_then_offload_as_the_budget_shrinks():
     work = Workload(named_shape("qwen3-4b"), global_batch=1, seq_len=262144, world=1, micro_batch=1)
     roomy = make_plan(work, 80 * GiB, REFERENCE_CALIBRATION)
-    assert roomy.gpu_total_bytes <= 80 * GiB and roomy.seq_tile_tokens > 0
+    assert roomy.device_total_bytes <= 80 * GiB and roomy.seq_tile_tokens > 0
     tight = make_plan(work, 60 * GiB, REFERENCE_CALIBRATION)
-    assert tight.gpu_total_bytes <= 60 * GiB and tight.activations == "offload"
+    assert tight.device_total_bytes <= 60 * GiB and tight.activations == "offload"
     assert 0 < tight.offload_layers <= work.model.num_layers
     assert f"offload the first {tight.offload_layers} of 36 layers' inputs" in tight.describe()
     # the fewest offloaded layers: one fewer would not fit
     fewer = dataclasses.replace(tight.choices, offload_layers=tight.offload_layers - 1, resident_layers=0)
-    assert tight.offload_layers == 1 or costs.gpu_memory_peak(costs.gpu_memory_items(
+    assert tight.offload_layers == 1 or costs.device_memory_peak(costs.device_memory_items(
         work.model, tokens=work.local_tokens, seq_len=work.seq_len, micro_batch=1, world=1, delivery=fewer.delivery,
         activations="offload", embedding=fewer.embedding, prefetch_depth=fewer.prefetch_depth, resident_layers=0,
         chunk_rows=fewer.chunk_rows, loss_chunk_tokens=fewer.loss_chunk_tokens, offload_layers=fewer.offload_layers,
@@ -766,7 +775,7 @@ def test_old_learned_gpu_factors_are_ignored_and_a_runs_gpu_time_is_reported_not
     the GPU blocks at the job's shapes. A cache file holding such factors still reads (the factors are
     dropped with a note, the AdamW rate of the same entry kept), and a run's GPU time against the plan's
     is logged, not recorded."""
-    from slidedp.launch.planning import JobPlan, gpu_time_against_plan, record_training  # noqa: PLC0415
+    from slidedp.launch.planning import JobPlan, device_time_against_plan, record_training  # noqa: PLC0415
 
     cal = dataclasses.replace(REFERENCE_CALIBRATION, host="host-b", device_name="GPU Y")
     work = Workload(named_shape("qwen3-4b"), global_batch=8, seq_len=2048, world=1, micro_batch=2, clip=False)
@@ -787,15 +796,15 @@ def test_old_learned_gpu_factors_are_ignored_and_a_runs_gpu_time_is_reported_not
                            offload_layers=plan.offload_layers, device_layers=plan.device_layers), plan)
     gpu = dict(plan.busy_s)["gpu"]
     side = [30.0, 1.18 * gpu, 1.22 * gpu, 1.20 * gpu]  # the first step (start-up) is left out
-    assert gpu_time_against_plan(run, side) == pytest.approx(1.20)
+    assert device_time_against_plan(run, side) == pytest.approx(1.20)
     caplog.clear()
     with caplog.at_level("INFO"):
         assert record_training(run, [], side, cache_dir=str(tmp_path / "z")) is None  # nothing to keep
     assert "the GPU work took 1.20x the plan's GPU time (matmul FLOPs at the calibrated rate)" in caplog.text
     assert not (tmp_path / "z").exists()
     # a job that overrode the plan's tiles or layers, or too few steps: nothing to compare
-    assert gpu_time_against_plan(JobPlan(StepPlan(seq_tile_tokens=1024), plan), side) is None
-    assert gpu_time_against_plan(run, side[:2]) is None
+    assert device_time_against_plan(JobPlan(StepPlan(seq_tile_tokens=1024), plan), side) is None
+    assert device_time_against_plan(run, side[:2]) is None
 
 
 def test_gpu_links_are_measured_by_an_all_gather_among_processes():

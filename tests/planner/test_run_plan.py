@@ -45,7 +45,7 @@ def test_cuda_overrides_are_carried_and_offload_clamped():
     assert auto.plan is not None
     assert (auto.step.seq_tile_tokens, auto.step.offload_layers) == (auto.plan.seq_tile_tokens, auto.plan.offload_layers)
     # the metrics carry the plan's GPU peak only where the run keeps the plan's memory choices
-    assert auto.step.planned_device_bytes == auto.plan.gpu_total_bytes > 0
+    assert auto.step.planned_device_bytes == auto.plan.device_total_bytes > 0
     assert plan.step.planned_device_bytes is None
     assert plan_job(load_job(TINY, ["memory.seq_tile_tokens=16"])).step.planned_device_bytes is None  # CPU: no plan
 
@@ -58,8 +58,8 @@ def test_device_layers_are_the_jobs_value_or_the_plans():
     assert plan_job(load_job(TINY, [])).step.device_layers == 0
     forced = plan_job(load_job(TINY, CUDA + ["memory.device_layers=1"]), REFERENCE_CALIBRATION)
     assert forced.step.device_layers == 1 and forced.plan is not None and forced.plan.device_layers == 1
-    assert "device-held layers" in dict(forced.plan.gpu_memory)
-    big = ['model.shape="qwen3-4b"', "train.seq_len=2048", "memory.gpu_budget_gib=24"]
+    assert "device-held layers" in dict(forced.plan.device_memory)
+    big = ['model.shape="qwen3-4b"', "train.seq_len=2048", "memory.device_budget_gib=24"]
     with pytest.raises(PlanError, match=r"memory.device_layers = 20 does not fit the GPU memory budget of 24.00 GiB"):
         plan_job(load_job(TINY, CUDA + big + ["memory.device_layers=20"]), REFERENCE_CALIBRATION)
     auto = plan_job(load_job(TINY, CUDA), REFERENCE_CALIBRATION)
@@ -69,23 +69,23 @@ def test_device_layers_are_the_jobs_value_or_the_plans():
 def test_prefetch_depth_is_the_jobs_value_planned_with_its_buffers_or_the_plans():
     assert plan_job(load_job(TINY, [])).step.prefetch_depth == 1  # CPU: one copy ahead unless the job says
     assert plan_job(load_job(TINY, ["memory.prefetch_depth=3"])).step.prefetch_depth == 3
-    big = CUDA + ['model.shape="qwen3-4b"', "train.seq_len=2048", "memory.gpu_budget_gib=40"]
+    big = CUDA + ['model.shape="qwen3-4b"', "train.seq_len=2048", "memory.device_budget_gib=40"]
     auto = plan_job(load_job(TINY, big), REFERENCE_CALIBRATION)
     assert auto.plan is not None and auto.step.prefetch_depth == auto.plan.prefetch_depth == 1
     slots = {}
     for depth in (2, 5):
         forced = plan_job(load_job(TINY, big + [f"memory.prefetch_depth={depth}"]), REFERENCE_CALIBRATION)
         assert forced.plan is not None and forced.step.prefetch_depth == forced.plan.prefetch_depth == depth
-        assert forced.plan.gpu_total_bytes <= 40 * 2**30
-        slots[depth] = dict(forced.plan.gpu_memory)["parameter slots"]
-    slots[1] = dict(auto.plan.gpu_memory)["parameter slots"]
+        assert forced.plan.device_total_bytes <= 40 * 2**30
+        slots[depth] = dict(forced.plan.device_memory)["parameter slots"]
+    slots[1] = dict(auto.plan.device_memory)["parameter slots"]
     per_copy = slots[2] - slots[1]  # one more layer buffer for each copy ahead
     assert per_copy > 0 and slots[5] - slots[1] == 4 * per_copy
 
 
 def _smallest_need_gib(sets: list[str]) -> float:
     with pytest.raises(PlanError) as e:
-        plan_job(load_job(TINY, sets + ["memory.gpu_budget_gib=1"]), REFERENCE_CALIBRATION)
+        plan_job(load_job(TINY, sets + ["memory.device_budget_gib=1"]), REFERENCE_CALIBRATION)
     return float(str(e.value).split("the smallest plan needs ")[1].split(" GiB")[0])
 
 
@@ -95,10 +95,10 @@ def test_a_forced_prefetch_depth_that_does_not_fit_is_refused_with_its_own_need(
     need_1, need_8 = _smallest_need_gib(big), _smallest_need_gib(big + ["memory.prefetch_depth=8"])
     assert need_8 > need_1
     budget = round((need_1 + need_8) / 2, 2)
-    assert plan_job(load_job(TINY, big + [f"memory.gpu_budget_gib={budget}"]), REFERENCE_CALIBRATION).plan is not None
+    assert plan_job(load_job(TINY, big + [f"memory.device_budget_gib={budget}"]), REFERENCE_CALIBRATION).plan is not None
     with pytest.raises(PlanError, match=rf"^no plan fits the GPU memory budget of {budget:.2f} GiB: the smallest "
                                         rf"plan needs {need_8:.2f} GiB \(.*prefetch_depth=8, micro_batch=1"):
-        plan_job(load_job(TINY, big + [f"memory.gpu_budget_gib={budget}", "memory.prefetch_depth=8"]), REFERENCE_CALIBRATION)
+        plan_job(load_job(TINY, big + [f"memory.device_budget_gib={budget}", "memory.prefetch_depth=8"]), REFERENCE_CALIBRATION)
 
 
 def test_the_launchers_calibration_carries_the_jobs_model_and_sizes(monkeypatch):
@@ -106,7 +106,7 @@ def test_the_launchers_calibration_carries_the_jobs_model_and_sizes(monkeypatch)
     figures of the job's model (by its parameter count) and the GPU blocks of its shape at every size
     the plan may weigh."""
     from slidedp.launch import planning  # noqa: PLC0415
-    from slidedp.planner.sizes import gpu_work_sizes  # noqa: PLC0415
+    from slidedp.planner.sizes import device_work_sizes  # noqa: PLC0415
 
     seen = {}
     monkeypatch.setattr(planning, "calibration", lambda gpus, model_params, measure: seen.update(
@@ -119,6 +119,6 @@ def test_the_launchers_calibration_carries_the_jobs_model_and_sizes(monkeypatch)
     assert (m["model"], m["seq_len"], m["local_batch"], m["compiled"]) == (cfg.to_dict(), job.train.seq_len, 2, True)
     p = planned.plan
     assert (p.micro_batch, p.seq_tile_tokens, p.loss_chunk_tokens) in m["sizes"]  # what it chose was measured
-    assert set(m["sizes"]) <= set(gpu_work_sizes(p.workload, int(job.memory.gpu_budget_gib * 2**30)))
+    assert set(m["sizes"]) <= set(device_work_sizes(p.workload, int(job.memory.device_budget_gib * 2**30)))
     assert {mb for mb, _, _ in m["sizes"]} == {1, 2}  # the divisors of the 2 sequences per rank
     assert planned.step.micro_batch in (1, 2) and planned.step.micro_batch == planned.plan.micro_batch

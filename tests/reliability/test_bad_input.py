@@ -270,17 +270,17 @@ def test_shm_too_small(tmp_path, caplog, unserved_store_daemons):
 def test_gpu_budget_too_small():
     """No plan fits 1 GiB for Qwen3-14B: the planner says the smallest budget that would and what to turn."""
     job = load_job(TINY, ['runtime.device="cuda"', 'model.shape="qwen3-14b"', "model.vocab_size=0",
-                          "memory.gpu_budget_gib=1.0", 'train.compute_dtype="bf16"'])
+                          "memory.device_budget_gib=1.0", 'train.compute_dtype="bf16"'])
     cal = Calibration(host="test", device_name="H200 (synthetic)", h2d_gbps=50.0, d2h_gbps=50.0, bidir_gbps=80.0,
-                      adamw_params_per_s=2e9, adamw_threads=32, reduce_gbps=20.0, gpu_tflops=400.0,
-                      gpu_mem_bytes=140 * 2**30)
+                      adamw_params_per_s=2e9, adamw_threads=32, reduce_gbps=20.0, device_tflops=400.0,
+                      device_mem_bytes=140 * 2**30)
     with pytest.raises(PlanError, match=r"^no plan fits the GPU memory budget of 1\.00 GiB: the smallest plan needs "
                                         r"(\d+\.\d+) GiB \(.*\) and its largest item is .*\. Raise the budget to at "
                                         r"least \1 GiB, "):
         plan_job(job, cal)
     with pytest.raises(PlanError, match=r"the GPU memory budget \(200\.00 GiB\) exceeds the memory of H200 \(synthetic\) "
                                         r"\(140\.00 GiB\): lower the budget"):
-        plan_job(load_job(TINY, ['runtime.device="cuda"', "memory.gpu_budget_gib=200"]), cal)
+        plan_job(load_job(TINY, ['runtime.device="cuda"', "memory.device_budget_gib=200"]), cal)
 
 
 # ---- data and store mismatches against a served store ------------------------------------------------

@@ -76,7 +76,7 @@ def test_a_good_job(tmp_path):
     assert "would create store 'dry-" in text and "1.2 MiB of state (12 bytes/parameter)" in text
     assert "steps      would train steps 0..59 on 2 cpu rank(s): 2 micro-batch(es) of 2 x 64 tokens per rank" in text
     assert "would start slidedp-hoststate, slidedp-aggregator, slidedp-updater as child processes" in text
-    assert "plan       CPU run: no plan needed (resident_layers=0, embedding=host, micro_batch=2)" in text
+    assert "plan       CPU run: no plan needed (resident_layers=0, embedding=host, micro_batch=2, delivery=fp32)" in text
 
 
 def test_exit_status_through_the_cli(tmp_path, capsys, monkeypatch):

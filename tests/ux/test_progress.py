@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from slidedp.launch.progress import METRICS, Progress, check_record, gpu_side, process_tree_private_bytes
+from slidedp.launch.progress import METRICS, Progress, check_record, device_side, make_record, process_tree_private_bytes
 from slidedp.protocol import StepDone, WorkerStats
 from slidedp.store.shm import Segment, segment_name
 
@@ -29,7 +29,7 @@ class Terminal(io.StringIO):
 
 def stats(rank: int, step: int, **kw) -> WorkerStats:
     base = dict(step_s=0.5, forward_s=0.2, backward_s=0.25, wait_version_s=0.01, wait_slot_s=0.02, wait_loss_s=0.03,
-                h2d_bytes=1000, gpu_peak_bytes=5000, gpu_reserved_peak_bytes=6000)
+                h2d_bytes=1000, device_peak_bytes=5000, device_reserved_peak_bytes=6000)
     base.update(kw)
     return WorkerStats(rank, step, **base)
 
@@ -45,8 +45,8 @@ def run_progress(tmp_path, stream, steps: int = 3, log_every: int = 1, skipped_s
     for s in range(steps):
         nan = s == skipped_step
         p.step(s, done(s, float("nan") if nan else 2.5 - s, int(nan)),
-               {0: stats(0, s), 1: stats(1, s, forward_s=0.3, h2d_bytes=500, gpu_peak_bytes=7000,
-                                         gpu_reserved_peak_bytes=8000)}, 1e-3)
+               {0: stats(0, s), 1: stats(1, s, forward_s=0.3, h2d_bytes=500, device_peak_bytes=7000,
+                                         device_reserved_peak_bytes=8000)}, 1e-3)
     p.end()
     return [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
 
@@ -62,7 +62,7 @@ def test_every_worker_stat_has_a_metrics_key():
 
 def test_the_gpu_side_of_a_step_leaves_out_waits_and_the_write_back():
     s = stats(0, 4, step_s=2.0, write_back_s=0.5)
-    assert gpu_side(s) == pytest.approx(2.0 - 0.01 - 0.02 - 0.03 - 0.5)
+    assert device_side(s) == pytest.approx(2.0 - 0.01 - 0.02 - 0.03 - 0.5)
 
 
 def test_records_combine_the_ranks(tmp_path):
@@ -70,8 +70,8 @@ def test_records_combine_the_ranks(tmp_path):
     assert [check_record(r) for r in records] == [[], [], []]
     r = records[1]
     assert (r["step"], r["loss"], r["grad_norm"], r["lr"], r["skipped"], r["tokens"]) == (1, 1.5, 1.25, 1e-3, False, 1024)
-    assert (r["forward_s"], r["backward_s"], r["h2d_bytes"], r["gpu_peak_bytes"]) == (0.3, 0.25, 1500, 7000)
-    assert (r["gpu_reserved_peak_bytes"], r["planned_gpu_bytes"]) == (8000, None)
+    assert (r["forward_s"], r["backward_s"], r["h2d_bytes"], r["device_peak_bytes"]) == (0.3, 0.25, 1500, 7000)
+    assert (r["device_reserved_peak_bytes"], r["planned_device_bytes"]) == (8000, None)
     assert (r["wait_version_s"], r["wait_slot_s"], r["wait_loss_s"]) == (0.01, 0.02, 0.03)
     assert (r["update_busy_s"], r["reduce_busy_s"], r["predicted_step_s"], r["ranks"]) == (0.3, 0.1, 0.4, 2)
     assert r["tokens_per_s"] == pytest.approx(1024 / r["step_s"])
@@ -184,7 +184,7 @@ def test_real_run_metrics_match_the_schema(tiny_run):
     assert [r["step"] for r in records] == list(range(STEPS))
     assert {i: check_record(r) for i, r in enumerate(records)} == {i: [] for i in range(STEPS)}
     for r in records:
-        assert r["ranks"] == 2 and r["gpu_peak_bytes"] == 0 and r["h2d_bytes"] > 0
+        assert r["ranks"] == 2 and r["device_peak_bytes"] == 0 and r["h2d_bytes"] > 0
         assert r["shm_bytes"] >= 12 * 106_880  # the tiny store's state, plus its rings
         assert r["host_rss_bytes"] > 100 * MiB  # launcher, 3 daemons and 2 workers, each with torch loaded
         assert r["predicted_step_s"] is None  # CPU: no plan
@@ -198,3 +198,14 @@ def test_real_run_prints_key_value_lines_and_start_up(tiny_run):
     assert re.search(r"ready in \d+\.\d\d s: store ux-\w+ at step 0", tiny_run.stderr)
     assert re.search(r"first step committed \d+\.\d\d s after launch", tiny_run.stderr)
     assert "trace of the traced steps written to" in tiny_run.stderr
+
+
+def test_host_bytes_per_parameter_add_what_the_ranks_and_the_daemons_moved():
+    """The ranks' parameter copies in and gradients out, and the updaters' and the aggregator's bytes
+    (StepDone.host_bytes), over the model's parameters."""
+    d = StepDone(0, 2.5, 1.0, 0, 0.3, 0.1, host_bytes=28_000)
+    ranks = {0: stats(0, 0, h2d_bytes=8_000, d2h_bytes=4_000), 1: stats(1, 0, h2d_bytes=8_000, d2h_bytes=4_000)}
+    r = make_record(0, d, ranks, 1e-3, 1024, 0.5, None, 0, 0, params=1_000)
+    assert (r["h2d_bytes"], r["d2h_bytes"], r["host_bytes_per_param"]) == (16_000, 8_000, 52.0)
+    assert check_record(r) == []
+    assert make_record(0, d, ranks, 1e-3, 1024, 0.5, None, 0, 0)["host_bytes_per_param"] is None  # no count

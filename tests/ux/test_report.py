@@ -23,7 +23,7 @@ def record(step: int, step_s: float, **kw) -> dict:
     r = {"step": step, "time": 1e9 + step, "loss": 3.0 - 0.5 * step, "grad_norm": 1.0, "lr": 1e-4, "skipped": False,
          "tokens": 4000, "step_s": step_s, "tokens_per_s": 4000 / step_s, "worker_step_s": 1.8,
          "predicted_step_s": 1.6, "ranks": 2, "forward_s": 0.6, "backward_s": 0.9, "wait_version_s": 0.18,
-         "wait_slot_s": 0.0, "wait_loss_s": 0.0, "h2d_bytes": 10, "gpu_peak_bytes": 3 * 2**30, "update_busy_s": 1.0,
+         "wait_slot_s": 0.0, "wait_loss_s": 0.0, "h2d_bytes": 10, "device_peak_bytes": 3 * 2**30, "update_busy_s": 1.0,
          "reduce_busy_s": 0.5, "host_rss_bytes": 2**30, "shm_bytes": 12 * 2**30}
     r.update(kw)
     return r
@@ -94,9 +94,23 @@ def test_the_steps_median_leaves_out_a_write_back_of_device_held_units(tmp_path)
 
 
 def test_summary_sets_the_gpu_peak_beside_the_reserved_memory_and_the_plan(tmp_path):
-    records = [record(s, 2.0, gpu_reserved_peak_bytes=int(3.5 * 2**30), planned_gpu_bytes=(4 + s) * 2**30)
+    records = [record(s, 2.0, device_reserved_peak_bytes=int(3.5 * 2**30), planned_device_bytes=(4 + s) * 2**30)
                for s in range(3)]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    text = "\n".join(report.report(tmp_path, plots=False)[0])
+    assert ("memory       GPU peak 3.00 GiB (3.50 reserved, plan 6.00 with the CUDA context), host private peak "
+            "1.00 GiB, shared (store + rings) 12.00 GiB") in text
+
+
+def test_a_run_of_an_older_version_reads_its_gpu_named_memory_fields(tmp_path):
+    """metrics.jsonl of a run from before "device" replaced "gpu" in the field names (old_names.RENAMED)."""
+    old = []
+    for s in range(3):
+        r = record(s, 2.0, gpu_reserved_peak_bytes=int(3.5 * 2**30), planned_gpu_bytes=(4 + s) * 2**30)
+        r["gpu_peak_bytes"] = r.pop("device_peak_bytes")
+        old.append(r)
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in old))
+    assert report.read_metrics(tmp_path)[2]["planned_device_bytes"] == 6 * 2**30
     text = "\n".join(report.report(tmp_path, plots=False)[0])
     assert ("memory       GPU peak 3.00 GiB (3.50 reserved, plan 6.00 with the CUDA context), host private peak "
             "1.00 GiB, shared (store + rings) 12.00 GiB") in text
@@ -153,3 +167,13 @@ def test_not_a_run_dir(tmp_path, capsys):
                                        ("step 3 committed", "step committed"), ("loss + head backward", "loss + head backward")])
 def test_event_kinds(name, kind):
     assert report.event_kind(name) == kind
+
+
+def test_summary_says_what_host_memory_moved_per_parameter(tmp_path):
+    records = [record(s, 2.0, host_bytes_per_param=34.5 + s, h2d_bytes=2**31, d2h_bytes=2**30) for s in range(5)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    text = "\n".join(report.report(tmp_path, plots=False)[0])
+    assert ("host memory  37.0 B/param read and written per step (median): the ranks' copies in 2.00 GiB and "
+            "gradients out 1.00 GiB") in text  # the first step, with the start-up, left out
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(record(s, 2.0)) + "\n" for s in range(5)))
+    assert "host memory" not in "\n".join(report.report(tmp_path, plots=False)[0])  # an older run
