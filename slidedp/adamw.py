@@ -27,6 +27,8 @@ from typing import Iterable, Sequence
 
 import torch
 
+from slidedp.hosttraffic import compiled_kernel_wanted
+
 try:  # the compiled kernels; without numba, torch's fused kernel (same results to float32 rounding)
     import numba
     import numpy as np
@@ -35,7 +37,7 @@ except ImportError:  # pragma: no cover - numba is a dependency; this keeps an o
 
 COMPILED = numba is not None
 # the kernel the updater runs: compiled where numba is there, unless SLIDEDP_ADAMW_KERNEL=torch
-USE_COMPILED = COMPILED and os.environ.get("SLIDEDP_ADAMW_KERNEL", "compiled") != "torch"
+USE_COMPILED = COMPILED and compiled_kernel_wanted()
 
 # Elements per block of the torch-op paths (the undo, and the correction without numba): a block of
 # the four tensors (16 MiB) stays in the last-level cache from one op to the next, and a 100 M-parameter

@@ -4,6 +4,7 @@ and the advice `--plan` prints where the host bounds the step. Injected calibrat
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 
 import pytest
 
@@ -107,6 +108,8 @@ def test_the_planner_takes_the_bf16_delivery_where_it_pays_and_the_store_follows
 
 
 def test_the_plan_prints_host_bytes_and_says_what_helps_when_the_host_bounds_the_step(monkeypatch):
+    # torch's kernel: the shadow is a pass of its own (6 B/param)
+    monkeypatch.setattr(hosttraffic, "SHADOW_REFRESH_BYTES", hosttraffic.SHADOW_PASS_BYTES)
     job = load_job(TINY, JOB)
     text = plan_job(job, HOST_BOUND).describe()
     line = next(x for x in text.splitlines() if x.startswith("host memory per step:"))
@@ -118,7 +121,7 @@ def test_the_plan_prints_host_bytes_and_says_what_helps_when_the_host_bounds_the
     assert "busy per step" in text and "\n  host " in text
     # with the shadow written inside the AdamW pass (2 B/param, not a pass of its own) the halved copies save more
     # than it costs: the advice names the bf16 delivery where the job keeps fp32
-    monkeypatch.setattr(hosttraffic, "SHADOW_REFRESH_BYTES", 2)
+    monkeypatch.setattr(hosttraffic, "SHADOW_REFRESH_BYTES", hosttraffic.SHADOW_IN_PASS_BYTES)
     fp32 = plan_job(load_job(TINY, JOB + ['runtime.delivery="fp32"']),
                     dataclasses.replace(PCIE_BOUND, host_copy_gbps=20.0)).describe()
     assert "the host bounds the step" in fp32 and 'the bf16 delivery (runtime.delivery = "bf16"' in fp32
@@ -141,3 +144,11 @@ def test_host_memory_is_measured_per_numa_node_and_added_up():
     assert min(hm.read_gbps, hm.write_gbps, *hm.node_copy_gbps) > 0
     one = measure_host_memory([cpus], quick=True)
     assert one.node_copy_gbps == () and one.copy_gbps > 0 and "NUMA" not in one.summary()
+
+
+def test_the_shadow_costs_its_write_where_the_compiled_kernel_runs():
+    """The updaters' kernel decides what the shadow costs: numba's writes it inside the AdamW pass."""
+    assert hosttraffic.compiled_kernel_wanted({}) is (importlib.util.find_spec("numba") is not None)
+    assert hosttraffic.compiled_kernel_wanted({"SLIDEDP_ADAMW_KERNEL": "torch"}) is False
+    assert hosttraffic.update_bytes(True) - hosttraffic.update_bytes(False) == hosttraffic.SHADOW_REFRESH_BYTES
+    assert (hosttraffic.SHADOW_IN_PASS_BYTES, hosttraffic.SHADOW_PASS_BYTES) == (2, 6)

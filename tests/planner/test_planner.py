@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from slidedp.model.config import ModelConfig, named_shape
+from slidedp import hosttraffic
 from slidedp.planner import (
     REFERENCE_CALIBRATION,
     Calibration,
@@ -72,7 +73,7 @@ def test_cost_formulas_by_hand():
     assert costs.row_blocks(10, 4) == [4, 4, 2]
     # AdamW reads p, m, v, g and writes p, m, v; the bf16 delivery's store refreshes its shadow too (today a
     # pass of its own: reads the master, writes the shadow)
-    assert costs.update_bytes_per_param("fp32") == 28 and costs.update_bytes_per_param("bf16") == 28 + 4 + 2
+    assert costs.update_bytes_per_param("fp32") == 28 and costs.update_bytes_per_param("bf16") == 28 + hosttraffic.SHADOW_REFRESH_BYTES
     # what the host updates: layers not held on the device, the final norm, a host embedding
     assert costs.host_updated_params(TOY, "device") == 2 * P + 64
     assert costs.host_updated_params(TOY, "device", device_layers=1) == P + 64
