@@ -179,7 +179,7 @@ class JobRun:
         step = self.plan.step
         self.plan_path = self.run_dir / PLAN_FILE  # beside job.resolved.toml: what every rank carries out
         _write_atomic(self.plan_path, step.to_json().encode())
-        device_chunks = held_chunk_ids(self.layout, held_unit_names(cfg, step.embedding_held, step.device_layers))
+        device_chunks = held_chunk_ids(self.layout, held_unit_names(cfg, step))
         slots, reduce_slots, _ = gradient_space(self.layout, self.world, step.grad_route, job.train.max_grad_norm > 0,
                                                 job.store.grad_slots, device_chunks)
         record = JobRecord(job=job.run.name, store=self.store, world=self.world, train=job_to_dict(job)["train"],

@@ -60,11 +60,9 @@ class JobPlan:
 
     @property
     def keeps_plan(self) -> bool:
-        """Whether the workers run the plan's choices: a plan, and no job-file override of its tiles,
-        resident, offloaded or device-held layers (the choices plan_job lets the job file force)."""
-        p, s = self.plan, self.step
-        return p is not None and (s.seq_tile_tokens, s.resident_layers, s.offload_layers, s.device_layers) == (
-            p.seq_tile_tokens, p.resident_layers, p.offload_layers, p.device_layers)
+        """Whether the workers run the planner's step as it made it: a plan, and no job-file override of
+        its tiles, resident or offloaded layers (plan_job marks one: planned_by "planner + job file")."""
+        return self.plan is not None and self.step == self.plan.step
 
 
 def calibration(gpus: int = 1, model_params: int | None = None, timeout_s: float = 1800.0,
@@ -202,12 +200,12 @@ def plan_job(job: JobConfig, calib: Calibration | None = None, store_shadow: boo
     allowed.update(_routes(job, calib))
     plan = make_plan(work, budget, calib, allowed,
                      device_layers=None if mem.device_layers < 0 else mem.device_layers)
-    planned = plan.step_plan()
-    step = replace(planned, resident_layers=min(_forced(mem.resident_layers, plan.resident_layers), nl),
-                   seq_tile_tokens=_forced(mem.seq_tile_tokens, plan.seq_tile_tokens),
-                   offload_layers=min(_forced(mem.offload_layers, plan.offload_layers), nl),
-                   param_route=plan.param_route if not one else "replicated",
-                   grad_route=plan.grad_route if not one else "host")
+    planned = plan.step
+    step = replace(planned, resident_layers=min(_forced(mem.resident_layers, planned.resident_layers), nl),
+                   seq_tile_tokens=_forced(mem.seq_tile_tokens, planned.seq_tile_tokens),
+                   offload_layers=min(_forced(mem.offload_layers, planned.offload_layers), nl),
+                   param_route=planned.param_route if not one else "replicated",
+                   grad_route=planned.grad_route if not one else "host")
     if step != planned:  # the job file overrode a choice: the plan's memory peak is not this run's
         step = replace(step, planned_device_bytes=None, planned_by="planner + job file")
     return JobPlan(step, plan, shadow=_store_shadow(job, store_shadow, step.delivery), notes=notes)
@@ -230,8 +228,8 @@ def learned_update_rate(run_plan: JobPlan, update_busy_s: list[float]) -> float 
     busy = statistics.median(update_busy_s[1:])
     if busy <= 0:
         return None
-    params = costs.host_updated_params(w.model, plan.embedding, run_plan.step.device_layers)
-    return params / busy * costs.update_bytes_per_param(plan.delivery) / 28.0
+    params = costs.host_updated_params(w.model, plan.step.embedding, run_plan.step.device_layers)
+    return params / busy * costs.update_bytes_per_param(plan.step.delivery) / 28.0
 
 
 def device_time_against_plan(run_plan: JobPlan, device_side_s: list[float]) -> float | None:
@@ -294,7 +292,7 @@ def record_training(run_plan: JobPlan, update_busy_s: list[float], device_side_s
                  plan.calibration.adamw_params_per_s / 1e9)
     ratio = device_time_against_plan(run_plan, device_side_s)
     if ratio is not None:
-        source = device_time_source(plan.workload, plan.choices, plan.calibration)
+        source = device_time_source(plan.workload, plan.step, plan.calibration)
         log.info("the GPU work took %.2fx the plan's GPU time (%s)", ratio, {
             "measured": "blocks measured on this GPU at this shape", "nearby": "blocks measured at nearby sizes",
             "FLOPs": "matmul FLOPs at the calibrated rate"}[source])

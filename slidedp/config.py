@@ -16,11 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Sequence
 
-from slidedp import log, old_names
+from slidedp import old_names
 from slidedp.model.config import NAMED_SHAPES, named_shape
 from slidedp.paths import check_store_name
-
-_log = log.get("config")
 
 if TYPE_CHECKING:
     from slidedp.model.config import ModelConfig
@@ -502,11 +500,7 @@ def _apply_override(d: dict[str, Any], item: str) -> None:
     table = d.setdefault(section, {})
     if not isinstance(table, dict):
         raise ConfigError(f"bad override {item!r}: {section!r} is not a section")
-    if old_names.job_key(f"{section}.{name}") != f"{section}.{name}":
-        _log.warning(old_names.deprecation(f"{section}.{name}"))
-        name = old_names.job_key(f"{section}.{name}").partition(".")[2]
-    for old in old_names.old_job_keys(f"{section}.{name}"):  # the override wins over the file's, under either name
-        table.pop(old.partition(".")[2], None)
+    name = old_names.override_key(section, name, table)
     cls = SECTIONS.get(section)
     if cls and name in cls._paths and isinstance(value, str) and value and (section, name, value) != (
         "checkpoint", "resume", "latest"
@@ -515,22 +509,6 @@ def _apply_override(d: dict[str, Any], item: str) -> None:
     elif cls and name in cls._lists and isinstance(value, list):
         value = [str(Path(v).expanduser().absolute()) if isinstance(v, str) and v else v for v in value]
     table[name] = value
-
-
-def _renamed_keys(section: str, values: dict[str, Any]) -> list[str]:
-    """Move the section's keys of an older name (old_names.JOB_KEYS) to their new one, each with a
-    warning; returns the problems (a key set under both names)."""
-    problems = []
-    for key in [k for k in values if old_names.job_key(f"{section}.{k}") != f"{section}.{k}"]:
-        new = old_names.job_key(f"{section}.{key}")
-        if new.partition(".")[2] in values:
-            problems.append(f"{section}.{key} and {new} are both set: {section}.{key} is the old name of {new}; "
-                            f"keep only {new}")
-            values.pop(key)
-            continue
-        _log.warning(old_names.deprecation(f"{section}.{key}"))
-        values[new.partition(".")[2]] = values.pop(key)
-    return problems
 
 
 def job_from_dict(d: dict[str, Any], base_dir: Path, name_hint: str) -> JobConfig:
@@ -546,7 +524,7 @@ def job_from_dict(d: dict[str, Any], base_dir: Path, name_hint: str) -> JobConfi
     for name, cls in SECTIONS.items():
         values = d.get(name, {})
         values = dict(values) if isinstance(values, dict) else {}
-        problems += _renamed_keys(name, values)
+        problems += old_names.move_job_keys(name, values)
         fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
         bad = [f"unknown key {name}.{key}; allowed keys in [{name}]: {', '.join(fields)}"
                for key in values if key not in fields]

@@ -12,6 +12,7 @@ from typing import Any
 
 from .config import TrainSection
 from .protocol import GRAD_SLOTS, REDUCE_SLOTS
+from .stepplan import StepPlan
 from .store.layout import unit_name
 
 
@@ -67,14 +68,15 @@ class JobRecord:
             raise ValueError(f"job record does not match this SlideDP's (another version?): {e}") from None
 
 
-def held_unit_names(model, embedding_on_device: bool, device_layers: int) -> list[str]:
-    """The units a job holds on its devices: the first `device_layers` decoder layers (their grads
+def held_unit_names(model, plan: StepPlan) -> list[str]:
+    """The units a plan holds on the devices: its first `device_layers` decoder layers (their grads
     come last in backward and the next forward needs them first: on the host they are the tail),
     and the embedding (plus an untied head) where the plan puts it on the device."""
-    if not 0 <= device_layers <= model.num_layers:
-        raise ValueError(f"device_layers must be between 0 and the model's {model.num_layers} layers, got {device_layers}")
-    names = [f"layer.{i}" for i in range(device_layers)]
-    if embedding_on_device:
+    held = plan.device_layers
+    if not 0 <= held <= model.num_layers:
+        raise ValueError(f"device_layers must be between 0 and the model's {model.num_layers} layers, got {held}")
+    names = [f"layer.{i}" for i in range(held)]
+    if plan.embedding_held:
         names += ["embed"] + ([] if model.tie_word_embeddings else ["head"])
     return names
 

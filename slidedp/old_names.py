@@ -1,13 +1,17 @@
 """Names older SlideDP versions wrote, and what they are called now: the one place that knows them.
 
 Data on disk outlives a rename: a host's calibration cache, a run's metrics.jsonl, a job file.
-Readers of such data pass its keys through here (`current`, `job_key`); nothing else spells an
-old name.
+Readers of such data pass its keys through here (`current` for records; `move_job_keys`,
+`override_key` and `job_key` for job-file keys); nothing else spells an old name.
 """
 
 from __future__ import annotations
 
 from typing import Any, Mapping
+
+from slidedp import log
+
+_log = log.get("config")
 
 # record keys ("gpu" became "device" where it means the training device)
 RENAMED: dict[str, str] = {
@@ -41,11 +45,28 @@ def job_key(key: str) -> str:
     return JOB_KEYS.get(key, key)
 
 
-def old_job_keys(key: str) -> list[str]:
-    """The older names of a current job-file key."""
-    return [old for old, new in JOB_KEYS.items() if new == key]
+def move_job_keys(section: str, values: dict[str, Any]) -> list[str]:
+    """Move a job file section's keys of an older name to their current one, each with a one-line
+    warning; returns the problems (a key set under both names, which is refused)."""
+    problems = []
+    for key in [k for k in values if f"{section}.{k}" in JOB_KEYS]:
+        old, new = f"{section}.{key}", JOB_KEYS[f"{section}.{key}"]
+        if new.partition(".")[2] in values:
+            problems.append(f"{old} and {new} are both set: {old} is the old name of {new}; keep only {new}")
+            values.pop(key)
+            continue
+        _log.warning("%s is deprecated: call it %s", old, new)
+        values[new.partition(".")[2]] = values.pop(key)
+    return problems
 
 
-def deprecation(key: str) -> str:
-    """The one-line warning for a job-file key of an older name."""
-    return f"{key} is deprecated: call it {job_key(key)}"
+def override_key(section: str, key: str, table: dict[str, Any]) -> str:
+    """The current name of a command-line override's key (warning where it is an old one); the
+    section's value under any other name of it is dropped: the override wins."""
+    name = f"{section}.{key}"
+    if name in JOB_KEYS:
+        _log.warning("%s is deprecated: call it %s", name, JOB_KEYS[name])
+        name = JOB_KEYS[name]
+    for old in [o for o, new in JOB_KEYS.items() if new == name]:
+        table.pop(old.partition(".")[2], None)
+    return name.partition(".")[2]

@@ -84,6 +84,15 @@ class StepPlan:
     def embedding_held(self) -> bool:
         return self.embedding == "device"
 
+    @property
+    def activations(self) -> str:
+        """"keep" (every saved layer input on the device) | "offload" (the first offload_layers' in host memory)."""
+        return "offload" if self.offload_layers else "keep"
+
+    def offloaded(self, num_layers: int) -> int:
+        """How many of a model's num_layers layers have their inputs waiting in host memory."""
+        return min(self.offload_layers, num_layers)
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 

@@ -9,13 +9,12 @@ from slidedp.planner.calibration import (
 )
 from slidedp.planner.plan import Plan, PlanError, make_plan
 from slidedp.planner.step_model import predict_step
-from slidedp.planner.workload import Choices, Workload
+from slidedp.planner.workload import Workload
 
 __all__ = [
     "REFERENCE_CALIBRATION",
     "Calibration",
     "CalibrationError",
-    "Choices",
     "Plan",
     "PlanError",
     "Workload",

@@ -1,7 +1,7 @@
 """The planner: the fastest choices that fit a GPU memory budget, and the plan it reports.
 
-`make_plan` searches the choices (micro-batch, activations, embedding placement, prefetch depth,
-routes, tiles, resident and device-held layers), charges each with the step-time model
+`make_plan` searches step plans (`StepPlan`: micro-batch, offloaded layers, embedding placement,
+prefetch depth, routes, tiles, resident and device-held layers), charges each with the step-time model
 (step_model.predict_step) and the memory model (costs), and returns the `Plan`.
 """
 
@@ -17,7 +17,8 @@ from slidedp.planner.calibration import Calibration
 from slidedp.planner.costs import GiB
 from slidedp.planner.step_model import RESOURCES, device_time_source, measured, micro_batch_of, predict_step
 from slidedp.planner.plan_record import Plan, Weighed
-from slidedp.planner.workload import Choices, Workload
+from slidedp.planner.workload import Workload
+from slidedp.stepplan import StepPlan
 
 _LOSS_CHUNKS = (1024, 512, 256, 128)  # tokens per logits chunk, largest that fits first
 _TIE = 1e-9  # relative: resident layers that change a prediction by less than this buy nothing
@@ -31,7 +32,7 @@ class PlanError(ValueError):
 
 
 
-def _update_rate_note(work: Workload, ch: Choices, calib: Calibration) -> str:
+def _update_rate_note(work: Workload, ch: StepPlan, calib: Calibration) -> str:
     """Which AdamW rate the update is charged at: the rate a run of this model measured on this host
     (beside a host sum of ranks' gradients where this plan has one), or the bare kernel's discounted
     (the figure a first plan is most often wrong by)."""
@@ -56,7 +57,7 @@ def _update_rate_note(work: Workload, ch: Choices, calib: Calibration) -> str:
 # the planner
 
 
-def _memory(work: Workload, ch: Choices) -> list[tuple[str, int]]:
+def _memory(work: Workload, ch: StepPlan) -> list[tuple[str, int]]:
     return costs.device_memory_items(
         work.model, tokens=work.local_tokens, seq_len=work.seq_len, micro_batch=micro_batch_of(work, ch),
         world=work.world, delivery=ch.delivery, activations=ch.activations, embedding=ch.embedding,
@@ -67,7 +68,7 @@ def _memory(work: Workload, ch: Choices) -> list[tuple[str, int]]:
     )
 
 
-def _bounded_memory(work: Workload, ch: Choices, calib: Calibration) -> list[tuple[str, int]]:
+def _bounded_memory(work: Workload, ch: StepPlan, calib: Calibration) -> list[tuple[str, int]]:
     """_memory, with the layer workspace at least what the GPU measured of one backward at this size
     (the allocator's peak above its inputs, less the layer's compute-dtype gradients and the incoming
     gradient, which "chunk gradients" and "hidden states" count)."""
@@ -81,7 +82,7 @@ def _bounded_memory(work: Workload, ch: Choices, calib: Calibration) -> list[tup
     return [(name, max(b, seen) if name == "layer workspace" else b) for name, b in items]
 
 
-def _total(work: Workload, ch: Choices) -> int:
+def _total(work: Workload, ch: StepPlan) -> int:
     return costs.device_memory_peak(_memory(work, ch), work.world).total_bytes
 
 
@@ -111,16 +112,18 @@ ALL_OPTIONS: dict[str, tuple] = {
 _SEQ_TILES = (0, 8192, 4096, 2048, 1024)  # tokens per MLP/norm/head tile; untiled first
 
 
-def _base_choices(work: Workload, allowed: dict[str, tuple] | None = None) -> list[Choices]:
+def _base_choices(work: Workload, allowed: dict[str, tuple] | None = None) -> list[StepPlan]:
     """Every combination of the options, restricted to `allowed` (what the engine and store offer).
     One rank has no routes to choose."""
     opts = dict(ALL_OPTIONS, **(allowed or {}))
     deliveries = opts["delivery"] if work.compute_dtype == "bf16" else ("fp32",)
     param_routes = opts["param_route"] if work.world > 1 else ("replicated",)
     grad_routes = opts["grad_route"] if work.world > 1 else ("host",)
+    offloaded = {"keep": 0, "offload": work.model.num_layers}  # "offload": all, until fitted (_fewest_offloaded)
     return [
-        Choices(activations=a, embedding=e, delivery=d, prefetch_depth=p, param_route=pr, grad_route=gr,
-                chunk_rows=costs.default_chunk_rows(work.model))
+        StepPlan(micro_batch=work.micro_batch or 1, compute_dtype=work.compute_dtype, offload_layers=offloaded[a],
+                 embedding=e, delivery=d, prefetch_depth=p, param_route=pr, grad_route=gr,
+                 chunk_rows=costs.default_chunk_rows(work.model), loss_chunk_tokens=_LOSS_CHUNKS[0])
         for e in opts["embedding"] for a in opts["activations"] for d in deliveries for p in opts["prefetch_depth"]
         for pr in param_routes for gr in grad_routes
     ]
@@ -142,9 +145,9 @@ def _smallest(lo: int, hi: int, ok: Callable[[int], bool]) -> int:
     return lo
 
 
-def _fewest_offloaded(work: Workload, ch: Choices, budget: int) -> Choices | None:
+def _fewest_offloaded(work: Workload, ch: StepPlan, budget: int) -> StepPlan | None:
     """`ch` if it fits; with activations = "offload", the fewest offloaded layers (>= 1) that fit."""
-    if ch.activations == "keep":
+    if not ch.offload_layers:
         return ch if _total(work, ch) <= budget else None
     nl = work.model.num_layers
     if _total(work, replace(ch, offload_layers=nl)) > budget:
@@ -152,7 +155,7 @@ def _fewest_offloaded(work: Workload, ch: Choices, budget: int) -> Choices | Non
     return replace(ch, offload_layers=_smallest(1, nl, lambda k: _total(work, replace(ch, offload_layers=k)) <= budget))
 
 
-def _fit_at(work: Workload, base: Choices, mb: int, budget: int, grow: bool) -> Choices | None:
+def _fit_at(work: Workload, base: StepPlan, mb: int, budget: int, grow: bool) -> StepPlan | None:
     """At micro-batch mb: untiled if that fits (else the largest sequence tile that does), the largest
     loss chunk that fits and the fewest offloaded layers; then, where `grow` and nothing had to shrink,
     as many resident layers as the rest of the budget holds."""
@@ -171,7 +174,7 @@ def _fit_at(work: Workload, base: Choices, mb: int, budget: int, grow: bool) -> 
     return None
 
 
-def _fit(work: Workload, base: Choices, budget: int) -> Choices | None:
+def _fit(work: Workload, base: StepPlan, budget: int) -> StepPlan | None:
     """The job's micro-batch if it fits (else the largest divisor that does), fitted by `_fit_at`;
     resident layers only at the job's own micro-batch. (Spending memory freed by shrinking on resident
     layers would let a larger budget, where the job's micro-batch fits again, predict a slower step.)"""
@@ -182,7 +185,7 @@ def _fit(work: Workload, base: Choices, budget: int) -> Choices | None:
     return None
 
 
-def _fewest_resident(work: Workload, ch: Choices, calib: Calibration) -> Choices:
+def _fewest_resident(work: Workload, ch: StepPlan, calib: Calibration) -> StepPlan:
     """Fewest resident layers that predict the same step as the most that fit (memory left free)."""
     best = predict_step(work, ch, calib)[2]
     lo = _smallest(0, ch.resident_layers,
@@ -190,7 +193,7 @@ def _fewest_resident(work: Workload, ch: Choices, calib: Calibration) -> Choices
     return replace(ch, resident_layers=lo)
 
 
-def _least_memory(work: Workload, mb: int, allowed: dict[str, tuple] | None) -> Choices:
+def _least_memory(work: Workload, mb: int, allowed: dict[str, tuple] | None) -> StepPlan:
     """The plan of least GPU memory at micro-batch mb among the options `allowed`."""
     return min(
         (replace(b, micro_batch=mb, loss_chunk_tokens=min(_loss_chunks(work)),
@@ -226,7 +229,7 @@ def _no_fit_error(work: Workload, budget: int, allowed: dict[str, tuple] | None 
     )
 
 
-def _holding(work: Workload, ch: Choices, d: int, budget: int) -> Choices | None:
+def _holding(work: Workload, ch: StepPlan, d: int, budget: int) -> StepPlan | None:
     """ch with its first d layers held on the GPU, resident layers dropped (last first) until it fits; None if it cannot."""
     k = min(ch.resident_layers, work.model.num_layers - d)
     while k > 0 and _total(work, replace(ch, device_layers=d, resident_layers=k)) > budget:
@@ -235,14 +238,14 @@ def _holding(work: Workload, ch: Choices, d: int, budget: int) -> Choices | None
     return cand if _total(work, cand) <= budget else None
 
 
-def _guarded_step(work: Workload, ch: Choices, calib: Calibration, low: Calibration | None) -> float:
+def _guarded_step(work: Workload, ch: StepPlan, calib: Calibration, low: Calibration | None) -> float:
     """The predicted step, or, while the updaters' rate is a guess (`low`: Calibration.at_lowest_share),
     the slower of it and the step at the lowest share of the bare kernel measured in training."""
     step = predict_step(work, ch, calib)[2]
     return step if low is None else max(step, predict_step(work, ch, low)[2])
 
 
-def _with_device_layers(work: Workload, ch: Choices, budget: int, calib: Calibration) -> Choices:
+def _with_device_layers(work: Workload, ch: StepPlan, budget: int, calib: Calibration) -> StepPlan:
     """The chosen plan with its first layers held on the GPU where that predicts a faster step.
 
     A held layer takes its AdamW state onto the GPU (16 B per parameter more than a resident
@@ -267,7 +270,7 @@ def _with_device_layers(work: Workload, ch: Choices, budget: int, calib: Calibra
     return best
 
 
-def _forced_device_layers(work: Workload, ch: Choices, d: int, budget: int, calib: Calibration) -> Choices:
+def _forced_device_layers(work: Workload, ch: StepPlan, d: int, budget: int, calib: Calibration) -> StepPlan:
     """The job's memory.device_layers, made to fit by dropping resident layers, or a PlanError."""
     d = min(d, work.model.num_layers)
     cand = _holding(work, ch, d, budget)
@@ -283,7 +286,7 @@ def _forced_device_layers(work: Workload, ch: Choices, d: int, budget: int, cali
     return _fewest_resident(work, cand, calib)
 
 
-def _fitted(work: Workload, calib: Calibration, fits: list[Choices | None]) -> list[tuple[float, int, Choices]]:
+def _fitted(work: Workload, calib: Calibration, fits: list[StepPlan | None]) -> list[tuple[float, int, StepPlan]]:
     """(prediction, memory, choices) of each plan that fits, with its fewest resident layers."""
     out = []
     for ch in fits:
@@ -293,14 +296,14 @@ def _fitted(work: Workload, calib: Calibration, fits: list[Choices | None]) -> l
     return out
 
 
-def _least_compromise(work: Workload, candidates: list[tuple[float, int, Choices]]) -> Choices:
+def _least_compromise(work: Workload, candidates: list[tuple[float, int, StepPlan]]) -> StepPlan:
     """Among the plans predicted within _EQUAL of the fastest: the largest micro-batch, the largest loss
     chunk, the largest tile, the fewest offloaded layers (costs the model leaves out: smaller matmuls,
     more launches, host traffic), then the faster prediction, then the least memory."""
     fastest = min(step for step, _, _ in candidates)
     nl = work.model.num_layers
 
-    def key(c: tuple[float, int, Choices]) -> tuple:
+    def key(c: tuple[float, int, StepPlan]) -> tuple:
         ch = c[2]
         return (-micro_batch_of(work, ch), -ch.loss_chunk_tokens, -(ch.seq_tile_tokens or 1 << 62),
                 ch.offloaded(nl), c[0], c[1])
@@ -308,7 +311,7 @@ def _least_compromise(work: Workload, candidates: list[tuple[float, int, Choices
     return min((c for c in candidates if c[0] <= fastest * (1 + _EQUAL)), key=key)[2]
 
 
-def _held(work: Workload, ch: Choices, budget: int, calib: Calibration, device_layers: int | None) -> Choices:
+def _held(work: Workload, ch: StepPlan, budget: int, calib: Calibration, device_layers: int | None) -> StepPlan:
     """ch with its device-held layers: the plan's choice (None), or the job's number (0: none)."""
     if device_layers is None:
         return _with_device_layers(work, ch, budget, calib)
@@ -318,15 +321,15 @@ def _held(work: Workload, ch: Choices, budget: int, calib: Calibration, device_l
 
 
 def _choose_micro_batch(work: Workload, budget: int, calib: Calibration, allowed: dict[str, tuple] | None,
-                        device_layers: int | None) -> tuple[Choices, list[tuple[float, int, Choices]], tuple[Weighed, ...]]:
+                        device_layers: int | None) -> tuple[StepPlan, list[tuple[float, int, StepPlan]], tuple[Weighed, ...]]:
     """train.micro_batch = 0: the best plan at every divisor of the per-rank batch (tiles, loss chunk,
     offloaded, resident and device-held layers fitted to it), judged as `_with_device_layers` judges
     held layers; the fastest wins, and among those within _EQUAL of it the largest micro-batch (the
     model's own error is larger than that). Returns (the choices, every fitted plan, what was weighed)."""
     low = calib.at_lowest_share(work.model.num_parameters())
     bases = _base_choices(work, allowed)
-    every: list[tuple[float, int, Choices]] = []
-    best_at: dict[int, tuple[float, Choices]] = {}
+    every: list[tuple[float, int, StepPlan]] = []
+    best_at: dict[int, tuple[float, StepPlan]] = {}
     rejected: dict[int, tuple[int, str]] = {}
     refusal: PlanError | None = None
     for mb in _micro_batches(work):
@@ -360,7 +363,7 @@ def _choose_micro_batch(work: Workload, budget: int, calib: Calibration, allowed
     return best, every, tuple(weighed)
 
 
-def _device_time_note(work: Workload, ch: Choices, calib: Calibration) -> str:
+def _device_time_note(work: Workload, ch: StepPlan, calib: Calibration) -> str:
     """Where the plan's GPU time comes from: the blocks measured on this GPU, or the FLOPs."""
     b, source = calib.blocks, device_time_source(work, ch, calib)
     if source != "FLOPs" and b is not None:
@@ -399,7 +402,7 @@ def make_plan(work: Workload, budget_bytes: int, calib: Calibration,
         over = plan.device_total_bytes - budget_bytes
         if over <= 0:
             return plan
-        search = min(search, _total(work, plan.choices)) - over  # what the model's items may take beside it
+        search = min(search, _total(work, plan.step)) - over  # what the model's items may take beside it
     raise PlanError(f"no plan fits the GPU memory budget of {budget_bytes / GiB:.2f} GiB with the layer workspace "
                     f"the GPU measured at this shape ({dict(plan.device_memory)['layer workspace'] / GiB:.2f} GiB in "
                     f"the last plan tried): raise the budget, or set train.micro_batch lower")
@@ -419,7 +422,7 @@ def _plan(work: Workload, budget_bytes: int, calib: Calibration, allowed: dict[s
         if not candidates:
             raise _no_fit_error(work, budget_bytes, allowed)
         best = _held(work, _least_compromise(work, candidates), budget_bytes, calib, device_layers)
-        weighed = (Weighed(best.micro_batch or work.micro_batch, _guarded_step(work, best, calib, low), _total(work, best),
+        weighed = (Weighed(best.micro_batch, _guarded_step(work, best, calib, low), _total(work, best),
                            device_time_source(work, best, calib),
                            "chosen" if best.micro_batch == work.micro_batch else "chosen: the job's does not fit"),)
     else:
@@ -456,15 +459,11 @@ def _plan(work: Workload, budget_bytes: int, calib: Calibration, allowed: dict[s
     notes.append(_device_time_note(work, best, calib))
     bound = max(busy, key=busy.__getitem__)
     notes.append(f"busiest resource: {bound}")
+    total = costs.device_memory_peak(items, work.world).total_bytes
+    chosen = replace(best, predicted_step_s=step, predicted_clipped_step_s=clipped_step if work.clip else None,
+                     predicted_corrected_step_s=corrected_step if work.clip else None, planned_device_bytes=total,
+                     planned_by="planner")
     return Plan(
-        chunk_rows=best.chunk_rows or costs.default_chunk_rows(work.model), prefetch_depth=best.prefetch_depth,
-        micro_batch=best.micro_batch or work.micro_batch, activations=best.activations, embedding=best.embedding,
-        delivery=best.delivery, resident_layers=best.resident_layers, loss_chunk_tokens=best.loss_chunk_tokens,
-        offload_layers=best.offloaded(work.model.num_layers), seq_tile_tokens=best.seq_tile_tokens,
-        param_route=best.param_route, grad_route=best.grad_route, device_layers=best.device_layers,
-        device_memory=tuple(items), device_total_bytes=costs.device_memory_peak(items, work.world).total_bytes,
-        busy_s=tuple((r, busy[r]) for r in RESOURCES), exposed_s=exposed, predicted_step_s=step,
-        tokens_per_s=work.tokens_per_step / step, workload=work, budget_bytes=shown_budget, calibration=calib,
-        notes=tuple(notes), predicted_clipped_step_s=clipped_step, predicted_corrected_step_s=corrected_step,
-        weighed=weighed,
+        step=chosen, device_memory=tuple(items), busy_s=tuple((r, busy[r]) for r in RESOURCES), exposed_s=exposed,
+        workload=work, budget_bytes=shown_budget, calibration=calib, notes=tuple(notes), weighed=weighed,
     )

@@ -9,7 +9,7 @@ from slidedp.planner import costs
 from slidedp.planner.calibration import Calibration
 from slidedp.planner.costs import GiB
 from slidedp.planner.hostbound import host_lines
-from slidedp.planner.workload import Choices, Workload
+from slidedp.planner.workload import Workload
 from slidedp.stepplan import StepPlan
 
 
@@ -26,56 +26,26 @@ class Weighed:
 
 @dataclass(frozen=True)
 class Plan:
-    chunk_rows: int
-    prefetch_depth: int
-    micro_batch: int
-    activations: str
-    embedding: str
-    delivery: str
-    resident_layers: int
-    loss_chunk_tokens: int
+    """The step plan the planner chose (with its predictions) and what it charged it."""
+
+    step: StepPlan  # what the ranks carry out; planned_device_bytes is device_memory's peak
     device_memory: tuple[tuple[str, int], ...]  # item -> bytes at its largest (costs.LIVE_IN says when it is live)
-    device_total_bytes: int  # the peak: costs.device_memory_peak of device_memory
     busy_s: tuple[tuple[str, float], ...]  # resource -> busy seconds per step
     exposed_s: float  # predicted step minus GPU busy: the time the GPU waits
-    predicted_step_s: float
-    tokens_per_s: float
     workload: Workload
     budget_bytes: int
     calibration: Calibration
     notes: tuple[str, ...] = ()
-    param_route: str = "replicated"
-    grad_route: str = "host"
-    offload_layers: int = 0
-    seq_tile_tokens: int = 0
-    device_layers: int = 0
-    predicted_clipped_step_s: float = 0.0  # exact clipping: a step after a clipped one, deferred (0: clipping off)
-    predicted_corrected_step_s: float = 0.0  # exact clipping: a step that speculated, then clipped (0: off)
     weighed: tuple[Weighed, ...] = ()  # the micro-batches weighed, the chosen one first
 
     @property
-    def choices(self) -> Choices:
-        return Choices(
-            activations=self.activations, embedding=self.embedding, delivery=self.delivery,
-            prefetch_depth=self.prefetch_depth, resident_layers=self.resident_layers,
-            micro_batch=self.micro_batch, chunk_rows=self.chunk_rows, loss_chunk_tokens=self.loss_chunk_tokens,
-            offload_layers=self.offload_layers, seq_tile_tokens=self.seq_tile_tokens, param_route=self.param_route,
-            grad_route=self.grad_route, device_layers=self.device_layers,
-        )
+    def device_total_bytes(self) -> int:
+        """The peak: costs.device_memory_peak of device_memory."""
+        return self.step.planned_device_bytes or 0
 
-    def step_plan(self) -> StepPlan:
-        """What the ranks carry out of this plan, with its prediction."""
-        return StepPlan(
-            micro_batch=self.micro_batch, compute_dtype=self.workload.compute_dtype, param_route=self.param_route,
-            delivery=self.delivery, prefetch_depth=self.prefetch_depth, chunk_rows=self.chunk_rows,
-            resident_layers=self.resident_layers, offload_layers=self.offload_layers,
-            seq_tile_tokens=self.seq_tile_tokens, loss_chunk_tokens=self.loss_chunk_tokens,
-            device_layers=self.device_layers, embedding=self.embedding,
-            grad_route=self.grad_route, predicted_step_s=self.predicted_step_s,
-            predicted_clipped_step_s=self.predicted_clipped_step_s or None,
-            predicted_corrected_step_s=self.predicted_corrected_step_s or None,
-            planned_device_bytes=self.device_total_bytes, planned_by="planner",
-        )
+    @property
+    def tokens_per_s(self) -> float:
+        return self.workload.tokens_per_step / self.step.predicted_step_s
 
     def _weighed_lines(self) -> list[str]:
         """The micro-batches weighed: each one's best plan (prediction, memory, where its GPU time came
@@ -98,7 +68,7 @@ class Plan:
 
     def describe(self) -> str:
         """The table `slidedp-launch --plan` prints."""
-        w, m = self.workload, self.workload.model
+        w, m, s = self.workload, self.workload.model, self.step
         tied = "tied" if m.tie_word_embeddings else "untied"
         lines = [
             f"SlideDP plan: {m.family} {m.num_parameters() / 1e9:.2f} B params ({m.num_layers} layers, hidden "
@@ -110,20 +80,20 @@ class Plan:
             "choices",
         ]
         mb_note = ("the plan's choice" if not w.micro_batch
-                   else "job's value" if self.micro_batch == w.micro_batch else f"job asked {w.micro_batch}")
+                   else "job's value" if s.micro_batch == w.micro_batch else f"job asked {w.micro_batch}")
         rows = [
-            ("micro_batch", f"{self.micro_batch} ({mb_note}; {w.local_batch // self.micro_batch} per rank per step)"),
-            ("activations", self.activations if self.activations == "keep"
-             else f"offload the first {self.offload_layers} of {m.num_layers} layers' inputs"),
-            ("seq_tile_tokens", f"{self.seq_tile_tokens:,}" if self.seq_tile_tokens else "0 (untiled)"),
-            ("embedding", self.embedding),
-            ("delivery", self.delivery),
-            ("prefetch_depth", str(self.prefetch_depth)),
-            ("resident_layers", f"{self.resident_layers} of {m.num_layers}"),
-            ("device_layers", f"{self.device_layers} of {m.num_layers}" + (" (AdamW on the GPU)" if self.device_layers else "")),
-            ("chunk_rows", f"{self.chunk_rows:,}"),
-            ("loss_chunk_tokens", f"{self.loss_chunk_tokens:,}"),
-            ("routes", f"params {self.param_route}, grads {self.grad_route}"),
+            ("micro_batch", f"{s.micro_batch} ({mb_note}; {w.local_batch // s.micro_batch} per rank per step)"),
+            ("activations", s.activations if s.activations == "keep"
+             else f"offload the first {s.offload_layers} of {m.num_layers} layers' inputs"),
+            ("seq_tile_tokens", f"{s.seq_tile_tokens:,}" if s.seq_tile_tokens else "0 (untiled)"),
+            ("embedding", s.embedding),
+            ("delivery", s.delivery),
+            ("prefetch_depth", str(s.prefetch_depth)),
+            ("resident_layers", f"{s.resident_layers} of {m.num_layers}"),
+            ("device_layers", f"{s.device_layers} of {m.num_layers}" + (" (AdamW on the GPU)" if s.device_layers else "")),
+            ("chunk_rows", f"{s.chunk_rows:,}"),
+            ("loss_chunk_tokens", f"{s.loss_chunk_tokens:,}"),
+            ("routes", f"params {s.param_route}, grads {s.grad_route}"),
         ]
         lines += [f"  {k:<22}{v}" for k, v in rows]
         lines += self._weighed_lines()
@@ -136,21 +106,21 @@ class Plan:
                   f"(budget {self.budget_bytes / GiB:.3f})"]
         lines += ["", f"busy per step{'':<25}s   share of step"]
         lines += [
-            f"  {name:<32}{s:>8.3f}   {100 * s / self.predicted_step_s:>4.0f}%" for name, s in self.busy_s
+            f"  {name:<32}{busy:>8.3f}   {100 * busy / s.predicted_step_s:>4.0f}%" for name, busy in self.busy_s
         ]
         lines += [
             "",
-            f"predicted step {self.predicted_step_s:.3f} s (GPU busy {dict(self.busy_s)['gpu']:.3f} s, exposed "
+            f"predicted step {s.predicted_step_s:.3f} s (GPU busy {dict(self.busy_s)['gpu']:.3f} s, exposed "
             f"{self.exposed_s:.3f} s): {self.tokens_per_s:,.0f} tokens/s"
             + (" when the gradient norm stays under max_grad_norm" if w.clip else ""),
         ]
         if w.clip:
-            lines.append(f"a step that clips      {self.predicted_clipped_step_s:.3f} s: "
-                         f"{w.tokens_per_step / self.predicted_clipped_step_s:,.0f} tokens/s after a clipped step (its "
+            lines.append(f"a step that clips      {s.predicted_clipped_step_s:.3f} s: "
+                         f"{w.tokens_per_step / s.predicted_clipped_step_s:,.0f} tokens/s after a clipped step (its "
                          f"updates wait for the global norm)")
-            lines.append(f"  the first that clips {self.predicted_corrected_step_s:.3f} s: "
-                         f"{w.tokens_per_step / self.predicted_corrected_step_s:,.0f} tokens/s after one that did not "
+            lines.append(f"  the first that clips {s.predicted_corrected_step_s:.3f} s: "
+                         f"{w.tokens_per_step / s.predicted_corrected_step_s:,.0f} tokens/s after one that did not "
                          f"(it speculated: its updates are corrected after the backward)")
-        lines += host_lines(w, self.choices, self.calibration, dict(self.busy_s))
+        lines += host_lines(w, self.step, self.calibration, dict(self.busy_s))
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)

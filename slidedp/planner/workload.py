@@ -1,5 +1,5 @@
-"""What the planner plans for (`Workload`: the model, the batch, the ranks) and the space it
-chooses in (`Choices`: everything the step-time model needs besides the workload)."""
+"""What the planner plans for (`Workload`: the model, the batch, the ranks). What it chooses is a
+`StepPlan` (slidedp/stepplan.py): everything the step-time model needs besides the workload."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from slidedp.model.config import ModelConfig
 from slidedp.planner import costs
+from slidedp.stepplan import StepPlan
 
 
 @dataclass(frozen=True)
@@ -49,44 +50,4 @@ class Workload:
         return self.global_batch * self.seq_len
 
 
-@dataclass(frozen=True)
-class Choices:
-    """What the planner decides; everything `predict_step` needs besides the workload."""
-
-    activations: str = "keep"  # "keep" on the GPU | "offload" to pinned host memory
-    embedding: str = "host"  # "host" (rows gathered, host update) | "device" (held there, AdamW on the device)
-    delivery: str = "fp32"  # what crosses PCIe to the GPU: fp32 master | bf16 shadow
-    prefetch_depth: int = 1
-    resident_layers: int = 0  # last layers kept on the GPU from forward to backward
-    device_layers: int = 0  # first layers held on the GPU with their AdamW state (no copies, GPU AdamW)
-    micro_batch: int | None = None  # None: the workload's (which must name one)
-    chunk_rows: int | None = None  # None: as many rows as one decoder layer has parameters
-    loss_chunk_tokens: int = 1024
-    offload_layers: int | None = None  # with activations = "offload": the first layers offloaded (None: all)
-    seq_tile_tokens: int = 0  # MLP/norm/head tile along the sequence; 0: untiled
-    param_route: str = "replicated"  # | "sharded": 1/N per rank over PCIe, all-gathered over the GPU links
-    grad_route: str = "host"  # | "reduce_scatter": summed on the GPUs, 1/N per rank over PCIe
-
-    def __post_init__(self) -> None:
-        if self.activations not in ("keep", "offload"):
-            raise ValueError(f"activations must be 'keep' or 'offload', got {self.activations!r}")
-        if self.param_route not in ("replicated", "sharded"):
-            raise ValueError(f"param_route must be 'replicated' or 'sharded', got {self.param_route!r}")
-        if self.grad_route not in ("host", "reduce_scatter"):
-            raise ValueError(f"grad_route must be 'host' or 'reduce_scatter', got {self.grad_route!r}")
-        if self.embedding not in ("host", "device"):
-            raise ValueError(f"embedding must be 'host' or 'device', got {self.embedding!r}")
-        costs.delivery_bytes(self.delivery)
-        if not 1 <= self.prefetch_depth <= 8:
-            raise ValueError(f"prefetch_depth must be between 1 and 8, got {self.prefetch_depth}")
-        if self.seq_tile_tokens < 0:
-            raise ValueError(f"seq_tile_tokens must be >= 0, got {self.seq_tile_tokens}")
-        if self.device_layers < 0:
-            raise ValueError(f"device_layers must be >= 0, got {self.device_layers}")
-
-    def offloaded(self, num_layers: int) -> int:
-        """How many layers' inputs wait in host memory."""
-        if self.activations == "keep":
-            return 0
-        return num_layers if self.offload_layers is None else min(self.offload_layers, num_layers)
-
+Choices = StepPlan  # step_model.py's name for the plan it weighs: the planner searches step plans

@@ -138,7 +138,7 @@ class WorkerCore:
                      t.compile, ": eager where compiling fails" if t.compile == "auto" else "")
         check_delivery(plan, store)
         units = units_of(store.layout)
-        names = held_unit_names(store.layout.model, plan.embedding_held, plan.device_layers)
+        names = held_unit_names(store.layout.model, plan)
         self.held = {n: DeviceHeld(store, units[n], device, dtype, t, rank, group) for n in names}
         self.engine = Engine(cfg, store.layout, store.flat("master"), device, dtype, link,
                              lambda slot, numel: rings.slot(rank, slot, numel), t.global_batch * t.seq_len, plan,

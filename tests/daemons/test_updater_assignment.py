@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from slidedp.daemons.aggregator.core import assign_updaters
 from slidedp.jobrecord import held_chunk_ids, held_unit_names
+from slidedp.stepplan import StepPlan
 from slidedp.model.config import named_shape
 from slidedp.store.layout import make_layout
 
@@ -25,7 +26,7 @@ def test_ranges_are_contiguous_and_balanced_over_what_the_host_updates():
         loads = host_loads(layout, owner, count)
         assert max(loads) <= 1.15 * sum(loads) / count
     # the first 10 layers and the embedding held on the devices: the rest is shared out evenly
-    held = frozenset(held_chunk_ids(layout, held_unit_names(q4, True, 10)))
+    held = frozenset(held_chunk_ids(layout, held_unit_names(q4, StepPlan(embedding="device", device_layers=10))))
     assert len(held) == 10 + len(layout.chunks_of("embed"))
     for count in (2, 4):
         owner = assign_updaters(layout, count, held)

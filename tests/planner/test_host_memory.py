@@ -12,9 +12,10 @@ from slidedp import hosttraffic
 from slidedp.config import load_job
 from slidedp.launch.planning import DeliveryError, deliveries, plan_job
 from slidedp.model.config import named_shape
-from slidedp.planner import REFERENCE_CALIBRATION, Choices, Workload, costs
+from slidedp.planner import REFERENCE_CALIBRATION, Workload, costs
 from slidedp.planner.host_bandwidth import measure_host_memory
 from slidedp.planner.step_model import host_bound_s, host_traffic, predict_step
+from slidedp.stepplan import StepPlan
 
 from pipeline.harness import TINY
 
@@ -35,29 +36,29 @@ def test_host_bytes_per_step_by_hand():
     p, nl, h = costs.layer_params(Q8), Q8.num_layers, Q8.hidden_size
     vh = costs.embedding_params(Q8)
     work = Workload(Q8, global_batch=8, seq_len=2048, world=1, micro_batch=2)
-    t = host_traffic(work, Choices(embedding="device"))
+    t = host_traffic(work, StepPlan(embedding="device"))
     # every layer in twice (forward, backward) in fp32, its gradient out, its AdamW; the final norm once each
     assert t == {"fetch": (2 * nl * p + h) * 4, "grads": (nl * p + h) * 4, "offload": 0,
                  "update": (nl * p + h) * 28, "sum": 0}
     # held layers leave the host; resident ones are fetched once; bf16 halves the copies, the shadow is refreshed
-    t = host_traffic(work, Choices(embedding="device", device_layers=2, resident_layers=3, delivery="bf16"))
+    t = host_traffic(work, StepPlan(embedding="device", device_layers=2, resident_layers=3, delivery="bf16"))
     assert t["fetch"] == ((2 * (nl - 2) - 3) * p + h) * 2 and t["grads"] == ((nl - 2) * p + h) * 4
     assert t["update"] == ((nl - 2) * p + h) * (28 + hosttraffic.SHADOW_REFRESH_BYTES)
     # the embedding on the host: the batch's rows and the head's matrix in, the (untied: both) gradients out
-    t = host_traffic(work, Choices(embedding="host"))
+    t = host_traffic(work, StepPlan(embedding="host"))
     assert t["fetch"] == (2 * nl * p + h) * 4 + 8 * 2048 * h * 4 + vh * 4
     assert t["grads"] == (nl * p + h + 2 * vh) * 4  # qwen3-8b's head is untied
     # two ranks: each reads its own copy (replicated) or its 1/N (sharded); the host route sums them
     two = Workload(Q8, global_batch=8, seq_len=2048, world=2, micro_batch=2)
-    rep, shard = host_traffic(two, Choices(embedding="device")), host_traffic(
-        two, Choices(embedding="device", param_route="sharded", grad_route="reduce_scatter"))
+    rep, shard = host_traffic(two, StepPlan(embedding="device")), host_traffic(
+        two, StepPlan(embedding="device", param_route="sharded", grad_route="reduce_scatter"))
     assert rep["fetch"] == 2 * shard["fetch"] and rep["grads"] == 2 * shard["grads"]
     assert rep["sum"] == (nl * p + h) * (3 * 4 + 4) and shard["sum"] == 0  # reads 2, writes 1, reads it for the norm
 
 
 def test_the_host_bound_floors_the_step_where_it_was_measured():
     work = Workload(Q8, global_batch=8, seq_len=2048, world=1, micro_batch=2)
-    ch = Choices(embedding="device")
+    ch = StepPlan(embedding="device")
     total = sum(host_traffic(work, ch).values())
     busy, _, step = predict_step(work, ch, HOST_BOUND)
     assert busy["host"] == pytest.approx(total / 60e9, rel=1e-12) and step == pytest.approx(busy["host"], rel=1e-12)

@@ -56,8 +56,7 @@ def test_a_measured_layer_time_decides_the_micro_batch():
     for times, want in ((FAVOURS_8, 8), (FAVOURS_2, 2)):
         calib = dataclasses.replace(REFERENCE_CALIBRATION, blocks=_blocks(work, times))
         plan = make_plan(work, BUDGET, calib, FP32)
-        assert plan.micro_batch == want
-        assert plan.step_plan().micro_batch == want  # what the workers carry out (plan.json)
+        assert plan.step.micro_batch == want  # what the workers carry out (plan.json)
         # the GPU time is the measured blocks times the passes: 28 layers x (fwd + bwd) + the loss
         nl, passes = work.model.num_layers, 8 // want
         per_pass = times[want] * want
@@ -86,7 +85,7 @@ def test_a_budget_that_rules_the_fastest_out_picks_the_best_that_fits():
     budget = (smallest_4 + smallest_8) // 2
     calib = dataclasses.replace(REFERENCE_CALIBRATION, blocks=_blocks(work, FAVOURS_8, budget))
     tight = make_plan(work, budget, calib, FP32)
-    assert tight.micro_batch == 4 and tight.device_total_bytes <= budget
+    assert tight.step.micro_batch == 4 and tight.device_total_bytes <= budget
     rejected = [c for c in tight.weighed if c.micro_batch == 8]
     assert len(rejected) == 1 and rejected[0].predicted_step_s is None
     assert rejected[0].verdict == f"does not fit: its smallest plan needs {smallest_8 / GiB:.2f} GiB"
@@ -97,7 +96,7 @@ def test_a_forced_micro_batch_is_kept():
     work = _work(micro_batch=2)
     calib = dataclasses.replace(REFERENCE_CALIBRATION, blocks=_blocks(_work(), FAVOURS_8))
     plan = make_plan(work, BUDGET, calib, FP32)
-    assert plan.micro_batch == 2 and [c.micro_batch for c in plan.weighed] == [2]
+    assert plan.step.micro_batch == 2 and [c.micro_batch for c in plan.weighed] == [2]
     assert plan.weighed[0].verdict == "chosen" and plan.weighed[0].device_time == "measured"
     assert "micro-batches weighed (train.micro_batch set in the job file)" in plan.describe()
     assert "2 (job's value; 4 per rank per step)" in plan.describe()
@@ -120,16 +119,16 @@ def test_without_blocks_the_flops_charge_every_micro_batch_alike():
     layers), and the plan says where its GPU time came from."""
     work = _work()
     plan = make_plan(work, BUDGET, REFERENCE_CALIBRATION, FP32)
-    assert {c.device_time for c in plan.weighed} == {"FLOPs"} and plan.weighed[0].micro_batch == plan.micro_batch
-    layer_time = {m: device_times(work, plan_mod.replace(plan.choices, micro_batch=m), REFERENCE_CALIBRATION)
+    assert {c.device_time for c in plan.weighed} == {"FLOPs"} and plan.weighed[0].micro_batch == plan.step.micro_batch
+    layer_time = {m: device_times(work, plan_mod.replace(plan.step, micro_batch=m), REFERENCE_CALIBRATION)
                   for m in (1, 2, 4, 8)}
     assert len(set(layer_time.values())) == 1
     assert "GPU time: the matmul FLOPs at 405 TFLOP/s effective (compiled layers 1.44x faster)" in plan.describe()
     # blocks measured for another shape are not this job's
     other = dataclasses.replace(REFERENCE_CALIBRATION, blocks=_blocks(_work(), FAVOURS_2))
     longer = Workload(work.model, global_batch=8, seq_len=4096, world=1, micro_batch=0, clip=False, compiled=True)
-    assert predict_step(longer, plan_mod.replace(plan.choices, micro_batch=2), other) == \
-        predict_step(longer, plan_mod.replace(plan.choices, micro_batch=2), REFERENCE_CALIBRATION)
+    assert predict_step(longer, plan_mod.replace(plan.step, micro_batch=2), other) == \
+        predict_step(longer, plan_mod.replace(plan.step, micro_batch=2), REFERENCE_CALIBRATION)
 
 
 def test_more_budget_is_not_slower_beyond_the_models_tolerance():
@@ -146,7 +145,7 @@ def test_more_budget_is_not_slower_beyond_the_models_tolerance():
             assert last == math.inf
             continue
         low = calib.at_lowest_share(work.model.num_parameters()) or calib
-        judged = max(plan.predicted_step_s, predict_step(work, plan.choices, low)[2])
+        judged = max(plan.step.predicted_step_s, predict_step(work, plan.step, low)[2])
         assert judged <= last * (1 + plan_mod._EQUAL) + 1e-12
         last = min(last, judged)
     assert last < math.inf
@@ -269,7 +268,7 @@ def test_train_micro_batch_defaults_to_the_plans_choice_and_is_validated():
     cuda = ['runtime.device="cuda"', "runtime.workers=1", "train.global_batch=4", 'model.shape="qwen3-0.6b"',
             "train.seq_len=512"]
     chosen = plan_job(load_job(TINY, cuda + ["train.micro_batch=0"]), REFERENCE_CALIBRATION)
-    assert chosen.plan is not None and chosen.step.micro_batch == chosen.plan.micro_batch in (1, 2, 4)
+    assert chosen.plan is not None and chosen.step.micro_batch == chosen.plan.step.micro_batch in (1, 2, 4)
     forced = plan_job(load_job(TINY, cuda + ["train.micro_batch=2"]), REFERENCE_CALIBRATION)
     assert forced.step.micro_batch == 2
 
@@ -281,7 +280,7 @@ def test_a_measured_layer_workspace_larger_than_the_model_bounds_the_plan():
     work = _work()
     fast = _blocks(work, FAVOURS_8)
     plain = make_plan(work, BUDGET, dataclasses.replace(REFERENCE_CALIBRATION, blocks=fast), FP32)
-    assert (plain.micro_batch, plain.seq_tile_tokens) == (8, 0)
+    assert (plain.step.micro_batch, plain.step.seq_tile_tokens) == (8, 0)
     model_ws = dict(plain.device_memory)["layer workspace"]
     extra = BUDGET - plain.device_total_bytes + 2 * GiB
     counted_elsewhere = (plan_mod.costs.layer_params(work.model) + 8 * 2048 * work.model.hidden_size) * 2  # bf16
@@ -289,14 +288,14 @@ def test_a_measured_layer_workspace_larger_than_the_model_bounds_the_plan():
         dataclasses.replace(t, workspace_bytes=model_ws + extra + counted_elsewhere)
         if (t.micro_batch, t.seq_tile_tokens) == (8, 0) else t for t in fast.layers))
     calib = dataclasses.replace(REFERENCE_CALIBRATION, blocks=big)
-    charged = plan_mod._bounded_memory(work, plain.choices, calib)
+    charged = plan_mod._bounded_memory(work, plain.step, calib)
     assert dict(charged)["layer workspace"] == model_ws + extra
     assert plan_mod.costs.device_memory_peak(charged, 1).total_bytes > BUDGET  # the plain plan would not fit
     bounded = make_plan(work, BUDGET, calib, FP32)
     assert bounded.device_total_bytes <= BUDGET and bounded.budget_bytes == BUDGET
     assert plan_mod.costs.device_memory_peak(bounded.device_memory, 1).total_bytes == bounded.device_total_bytes
-    assert bounded.choices != plain.choices
-    if (bounded.micro_batch, bounded.seq_tile_tokens) == (8, 0):
+    assert bounded.step != plain.step
+    if (bounded.step.micro_batch, bounded.step.seq_tile_tokens) == (8, 0):
         assert dict(bounded.device_memory)["layer workspace"] == model_ws + extra
 
 
@@ -331,7 +330,7 @@ def test_a_size_not_measured_takes_the_nearest_measured_one_per_sequence():
     key = shape_key(work.model, work.seq_len, work.compute_dtype, work.compiled)
     only_2 = MeasuredBlocks(key, "GPU T", (LayerTime(2, 0, 0.2, 0.6),), (LossTime(2, 0, 1024, 0.05),))
     calib = dataclasses.replace(REFERENCE_CALIBRATION, blocks=only_2)
-    ch = plan_mod.Choices(embedding="host", micro_batch=4, loss_chunk_tokens=512, seq_tile_tokens=4096)
+    ch = plan_mod.StepPlan(embedding="host", micro_batch=4, loss_chunk_tokens=512, seq_tile_tokens=4096)
     assert device_times(work, ch, calib) == pytest.approx((0.2 * 4, 0.6 * 4, 0.05 * 4))  # 8 sequences = 4 x 2
     assert device_time_source(work, ch, calib) == "nearby"
     assert device_time_source(work, dataclasses.replace(ch, micro_batch=2, seq_tile_tokens=0, loss_chunk_tokens=1024),

@@ -19,7 +19,6 @@ from slidedp.planner import (
     REFERENCE_CALIBRATION,
     Calibration,
     CalibrationError,
-    Choices,
     PlanError,
     Workload,
     calibrate,
@@ -81,7 +80,7 @@ def test_cost_formulas_by_hand():
 
 
 def test_toy_prediction_embedding_on_gpu():
-    busy, exposed, step = predict_step(toy(), Choices(embedding="device"), TOY_CAL)
+    busy, exposed, step = predict_step(toy(), StepPlan(embedding="device"), TOY_CAL)
     gpu = 2 * 1 + G_LOSS + 2 * 3 + 0.1  # forward, loss, recompute+backward, GPU AdamW of the embedding
     assert busy == pytest.approx({
         "gpu": gpu,
@@ -101,7 +100,7 @@ def test_a_device_held_first_layer_leaves_the_host_and_the_tail():
     """device_layers=1: layer 0 is neither copied in (twice) nor out, the host does not update it,
     the GPU runs its AdamW (P params at 163,840/s) after backward, and the next forward no longer
     waits for it: the tail (H + U + H) is gone and the step is the GPU's busy time."""
-    busy, exposed, step = predict_step(toy(), Choices(embedding="device", device_layers=1), TOY_CAL)
+    busy, exposed, step = predict_step(toy(), StepPlan(embedding="device", device_layers=1), TOY_CAL)
     held_adamw = P / 163_840
     assert busy == pytest.approx({
         "gpu": 8 + G_LOSS + 0.1 + held_adamw, "h2d": 2 * H + NORM_IO, "d2h": H + NORM_IO, "reduce": 0.0,
@@ -109,7 +108,7 @@ def test_a_device_held_first_layer_leaves_the_host_and_the_tail():
     }, rel=1e-12)
     assert step == pytest.approx(busy["gpu"], rel=1e-12) and exposed == pytest.approx(0.0, abs=1e-12)
     # without it the step was the GPU's 8 + G_LOSS + 0.1 plus the exposed tail H + U + H - 0.1
-    assert predict_step(toy(), Choices(embedding="device"), TOY_CAL)[2] - step == pytest.approx(H + U + H - 0.1 - held_adamw)
+    assert predict_step(toy(), StepPlan(embedding="device"), TOY_CAL)[2] - step == pytest.approx(H + U + H - 0.1 - held_adamw)
 
 
 def test_device_held_layers_memory_and_the_planners_choice():
@@ -126,29 +125,29 @@ def test_device_held_layers_memory_and_the_planners_choice():
     assert items["held layers' gradients"] == 3 * costs.layer_params(q4) * 4  # from their backward to their AdamW
     slow_cpu = dataclasses.replace(REFERENCE_CALIBRATION, adamw_params_per_s=1.5e9)
     plan = make_plan(work, 40 * GiB, slow_cpu, {"delivery": ("fp32",)})
-    assert plan.device_layers > 0 and plan.device_total_bytes <= 40 * GiB
+    assert plan.step.device_layers > 0 and plan.device_total_bytes <= 40 * GiB
     without = make_plan(work, 40 * GiB, slow_cpu, {"delivery": ("fp32",)}, device_layers=0)
-    assert without.device_layers == 0 and plan.predicted_step_s < without.predicted_step_s
+    assert without.step.device_layers == 0 and plan.step.predicted_step_s < without.step.predicted_step_s
     # one more held layer would not fit
-    more = dataclasses.replace(plan.choices, device_layers=plan.device_layers + 1, resident_layers=0)
+    more = dataclasses.replace(plan.step, device_layers=plan.step.device_layers + 1, resident_layers=0)
     assert costs.device_memory_peak(costs.device_memory_items(
-        q4, tokens=16_384, seq_len=2048, micro_batch=plan.micro_batch, world=1, delivery="fp32",
-        activations=plan.activations, embedding=plan.embedding, prefetch_depth=plan.prefetch_depth, resident_layers=0,
-        chunk_rows=plan.chunk_rows, loss_chunk_tokens=plan.loss_chunk_tokens, offload_layers=plan.offload_layers,
-        seq_tile_tokens=plan.seq_tile_tokens, device_layers=more.device_layers), 1).total_bytes > 40 * GiB \
-        or plan.device_layers == q4.num_layers
-    assert f"device_layers         {plan.device_layers} of 36 (AdamW on the GPU)" in plan.describe()
+        q4, tokens=16_384, seq_len=2048, micro_batch=plan.step.micro_batch, world=1, delivery="fp32",
+        activations=plan.step.activations, embedding=plan.step.embedding, prefetch_depth=plan.step.prefetch_depth, resident_layers=0,
+        chunk_rows=plan.step.chunk_rows, loss_chunk_tokens=plan.step.loss_chunk_tokens, offload_layers=plan.step.offload_layers,
+        seq_tile_tokens=plan.step.seq_tile_tokens, device_layers=more.device_layers), 1).total_bytes > 40 * GiB \
+        or plan.step.device_layers == q4.num_layers
+    assert f"device_layers         {plan.step.device_layers} of 36 (AdamW on the GPU)" in plan.describe()
 
 
 def test_compiled_layers_are_charged_the_measured_speedup():
     """train.compile: each layer's forward and recompute + backward at COMPILED_LAYER_SPEEDUP times the
     eager rate; the loss and the GPU AdamW stay as they were."""
-    busy, _, _ = predict_step(toy(compiled=True), Choices(embedding="device"), TOY_CAL)
+    busy, _, _ = predict_step(toy(compiled=True), StepPlan(embedding="device"), TOY_CAL)
     assert busy["gpu"] == pytest.approx((2 * 1 + 2 * 3) / costs.COMPILED_LAYER_SPEEDUP + G_LOSS + 0.1, rel=1e-12)
 
 
 def test_toy_prediction_embedding_on_host():
-    busy, exposed, step = predict_step(toy(), Choices(embedding="host"), TOY_CAL)
+    busy, exposed, step = predict_step(toy(), StepPlan(embedding="host"), TOY_CAL)
     rows_in = 64 * 64 * 4 / 1e6  # the batch's 64 embedding rows, fp32
     head_in = 256 * 64 * 4 / 1e6  # the tied matrix for the loss
     need_u = 64 * 64 / 1e5  # the next batch's rows (<= 64 distinct tokens), updated first
@@ -170,9 +169,9 @@ def test_a_step_under_the_clipping_threshold_keeps_the_overlap():
     clipping; what it adds is the copy of every gradient into the reduction space (one rank: 2/3 of
     the calibrated sum's traffic per element), beside the backward, not after it."""
     for emb in ("device", "host"):
-        busy_free, _, free = predict_step(toy(clip=False), Choices(embedding=emb), TOY_CAL)
-        busy, _, kept = predict_step(toy(clip=True), Choices(embedding=emb), TOY_CAL)
-        _, _, clipped = predict_step(toy(clip=True), Choices(embedding=emb), TOY_CAL, clips=True)
+        busy_free, _, free = predict_step(toy(clip=False), StepPlan(embedding=emb), TOY_CAL)
+        busy, _, kept = predict_step(toy(clip=True), StepPlan(embedding=emb), TOY_CAL)
+        _, _, clipped = predict_step(toy(clip=True), StepPlan(embedding=emb), TOY_CAL, clips=True)
         assert busy == busy_free  # nothing copied: the gradients stay in the rank's slots, one per chunk
         assert kept < clipped
         if emb == "host":
@@ -183,28 +182,28 @@ def test_a_step_under_the_clipping_threshold_keeps_the_overlap():
 
 def test_clipping_exposes_the_whole_update():
     for emb in ("device", "host"):
-        busy, _, free = predict_step(toy(clip=False), Choices(embedding=emb), TOY_CAL)
-        _, exposed, clipped = predict_step(toy(clip=True), Choices(embedding=emb), TOY_CAL, clips=True)
+        busy, _, free = predict_step(toy(clip=False), StepPlan(embedding=emb), TOY_CAL)
+        _, exposed, clipped = predict_step(toy(clip=True), StepPlan(embedding=emb), TOY_CAL, clips=True)
         assert clipped > free
         assert exposed >= busy["update"] - (0.1 if emb == "device" else 0)
     # by hand (embedding on the GPU): after layer 0's gradient is out (the gradients stay in the rank's
     # slots, nothing copied), norm + both layers update in gradient order, then layer 0 goes back in
-    _, _, step = predict_step(toy(clip=True), Choices(embedding="device"), TOY_CAL, clips=True)
+    _, _, step = predict_step(toy(clip=True), StepPlan(embedding="device"), TOY_CAL, clips=True)
     assert step == pytest.approx(8 + G_LOSS + H + NORM_U + 2 * U + H, rel=1e-12)
     # embedding on the host: the embedding's gradient (0.065536 s) is out last; then norm, both
     # layers and the next batch's rows update before the gather and layer 0's H2D
-    _, _, step = predict_step(toy(clip=True), Choices(embedding="host"), TOY_CAL, clips=True)
+    _, _, step = predict_step(toy(clip=True), StepPlan(embedding="host"), TOY_CAL, clips=True)
     tail = H + 256 * 64 * 4 / 1e6 + NORM_U + 2 * U + 64 * 64 / 1e5 + 64 * 64 * 4 / 1e6 + H
     assert step == pytest.approx(8 + G_LOSS + tail, rel=1e-12)
 
 
 def test_bidirectional_sharing_and_resident_layers():
     cal = dataclasses.replace(TOY_CAL, bidir_gbps=1.5e-3)  # backward: 0.75 MB/s each way
-    busy, _, _ = predict_step(toy(), Choices(embedding="device"), cal)
+    busy, _, _ = predict_step(toy(), StepPlan(embedding="device"), cal)
     assert busy["h2d"] == pytest.approx(2 * H + NORM_IO + 2 * P * 4 / 0.75e6, rel=1e-12)
     assert busy["d2h"] == pytest.approx((2 * P * 4 + 64 * 4) / 0.75e6, rel=1e-12)
     # both layers resident: no re-fetch, so the gradients leave at the full D2H rate
-    busy, _, _ = predict_step(toy(), Choices(embedding="device", resident_layers=2), cal)
+    busy, _, _ = predict_step(toy(), StepPlan(embedding="device", resident_layers=2), cal)
     assert busy["h2d"] == pytest.approx(2 * H + NORM_IO, rel=1e-12)
     assert busy["d2h"] == pytest.approx(2 * H + NORM_IO, rel=1e-12)
 
@@ -213,25 +212,25 @@ def test_a_step_that_speculated_then_clipped_corrects_after_the_backward():
     """By hand (embedding on the GPU, one updater): the norm is known when layer 0's gradient is out; the
     updater finishes layer 0's speculative update, then corrects in forward order, layer 0 first (each
     correction costs.CORRECTION_ADAMWS AdamW's), and layer 0 goes back in once it is corrected."""
-    _, _, step = predict_step(toy(clip=True), Choices(embedding="device"), TOY_CAL, clips=True, corrected=True)
+    _, _, step = predict_step(toy(clip=True), StepPlan(embedding="device"), TOY_CAL, clips=True, corrected=True)
     assert step == pytest.approx(8 + G_LOSS + H + U * (1 + costs.CORRECTION_ADAMWS) + H, rel=1e-12)
-    _, _, deferred = predict_step(toy(clip=True), Choices(embedding="device"), TOY_CAL, clips=True)
+    _, _, deferred = predict_step(toy(clip=True), StepPlan(embedding="device"), TOY_CAL, clips=True)
     assert step > deferred  # what a mis-speculation costs over deferring: the undo and one more AdamW
 
 
 def test_reduce_and_updaters():
     # two ranks: the aggregator sums 2 fp32 gradients (3 buffers touched = the calibrated case)
-    busy, _, _ = predict_step(toy(world=2), Choices(embedding="device"), TOY_CAL)
+    busy, _, _ = predict_step(toy(world=2), StepPlan(embedding="device"), TOY_CAL)
     assert busy["reduce"] == pytest.approx((2 * P + 64) * 4 / 1e6, rel=1e-12)
     # four ranks: 5 buffers touched per output
-    busy, _, _ = predict_step(toy(world=4), Choices(embedding="device"), TOY_CAL)
+    busy, _, _ = predict_step(toy(world=4), StepPlan(embedding="device"), TOY_CAL)
     assert busy["reduce"] == pytest.approx((2 * P + 64) * 4 * 5 / 3 / 1e6, rel=1e-12)
-    busy, _, _ = predict_step(toy(updaters=2), Choices(embedding="device"), TOY_CAL)
+    busy, _, _ = predict_step(toy(updaters=2), StepPlan(embedding="device"), TOY_CAL)
     assert busy["update"] == pytest.approx((2 * U + NORM_U) / 2, rel=1e-12)
-    # bf16 shadow delivery: half the H2D, and the updater refreshes the shadow (6 more bytes per parameter)
-    busy, _, _ = predict_step(toy(), Choices(embedding="device", delivery="bf16"), TOY_CAL)
+    # bf16 shadow delivery: half the H2D, and the updater writes the shadow (hosttraffic.SHADOW_REFRESH_BYTES more)
+    busy, _, _ = predict_step(toy(), StepPlan(embedding="device", delivery="bf16"), TOY_CAL)
     assert busy["h2d"] == pytest.approx((4 * H + NORM_IO) / 2, rel=1e-12)
-    assert busy["update"] == pytest.approx((2 * U + NORM_U) * 34 / 28, rel=1e-12)
+    assert busy["update"] == pytest.approx((2 * U + NORM_U) * (28 + hosttraffic.SHADOW_REFRESH_BYTES) / 28, rel=1e-12)
 
 
 def test_busy_matches_transfer_formula():
@@ -240,7 +239,8 @@ def test_busy_matches_transfer_formula():
     for act in ("keep", "offload"):
         for emb in ("device", "host"):
             for k in (0, 5):
-                ch = Choices(activations=act, embedding=emb, resident_layers=k)
+                ch = StepPlan(offload_layers=0 if act == "keep" else work.model.num_layers, embedding=emb,
+                              resident_layers=k)
                 busy, _, step = predict_step(work, ch, cal)
                 b = costs.transfer_bytes(work.model, tokens=work.local_tokens, delivery="fp32", activations=act,
                                          embedding=emb, resident_layers=k)
@@ -278,12 +278,12 @@ def test_plan_never_exceeds_budget():
         fitted += 1
         assert plan.device_total_bytes <= budget
         assert costs.device_memory_peak(plan.device_memory, work.world).total_bytes == plan.device_total_bytes
-        assert work.local_batch % plan.micro_batch == 0
-        assert 0 <= plan.resident_layers <= work.model.num_layers
+        assert work.local_batch % plan.step.micro_batch == 0
+        assert 0 <= plan.step.resident_layers <= work.model.num_layers
         busy = dict(plan.busy_s)
-        assert plan.predicted_step_s >= max(busy.values()) * (1 - 1e-12)
-        assert plan.exposed_s == pytest.approx(plan.predicted_step_s - busy["gpu"])
-        assert plan.tokens_per_s == pytest.approx(work.tokens_per_step / plan.predicted_step_s)
+        assert plan.step.predicted_step_s >= max(busy.values()) * (1 - 1e-12)
+        assert plan.exposed_s == pytest.approx(plan.step.predicted_step_s - busy["gpu"])
+        assert plan.tokens_per_s == pytest.approx(work.tokens_per_step / plan.step.predicted_step_s)
     assert fitted > 10 and refused > 0
 
 
@@ -309,8 +309,8 @@ def test_more_budget_never_gives_a_slower_plan():
                 except PlanError:
                     assert last == math.inf, "a budget refused after a smaller one fitted"
                     continue
-                judged = plan.predicted_step_s if low is None else max(
-                    plan.predicted_step_s, predict_step(work, plan.choices, low)[2])
+                judged = plan.step.predicted_step_s if low is None else max(
+                    plan.step.predicted_step_s, predict_step(work, plan.step, low)[2])
                 assert judged <= last * (1 + 1e-9)
                 last = judged
             assert last < math.inf
@@ -335,13 +335,13 @@ def test_a_first_plan_holds_layers_for_the_lowest_measured_adamw_share():
     unguarded = dataclasses.replace(machine_b, adamw_train_fraction_low=0.6)  # no lower share known
     assert unguarded.at_lowest_share(n) is None
     before = make_plan(work, 24 * GiB, unguarded, allowed)
-    assert before.device_layers == 3  # what machine B ran
-    assert first.device_layers == after.device_layers == 5
+    assert before.step.device_layers == 3  # what machine B ran
+    assert first.step.device_layers == after.step.device_layers == 5
     low = machine_b.at_lowest_share(n)
     assert low is not None and low.update_params_per_s(n) == pytest.approx(0.38 * 7.28e9)
-    at_low = predict_step(work, first.choices, low)[2]
-    assert at_low < predict_step(work, before.choices, low)[2] * 0.95  # 5 held layers guard the step at 0.38 x
-    assert first.predicted_step_s == pytest.approx(predict_step(work, first.choices, machine_b)[2])
+    at_low = predict_step(work, first.step, low)[2]
+    assert at_low < predict_step(work, before.step, low)[2] * 0.95  # 5 held layers guard the step at 0.38 x
+    assert first.step.predicted_step_s == pytest.approx(predict_step(work, first.step, machine_b)[2])
     assert (f"update charged at 4.37 G params/s per updater: 0.6 x the bare kernel until a run of this model on this "
             f"host measures its rate in training; at 0.38 x, the lowest share measured in training, this plan "
             f"predicts {at_low:.3f} s") in first.describe()
@@ -369,16 +369,16 @@ def test_refusal_names_the_budget_and_the_knob():
 def test_micro_batch_is_reduced_only_when_needed_and_said():
     work = Workload(named_shape("qwen3-1.7b"), global_batch=8, seq_len=8192, world=1, micro_batch=8)
     roomy = make_plan(work, 120 * GiB, REFERENCE_CALIBRATION)
-    assert roomy.micro_batch == 8 and not any("micro_batch" in n for n in roomy.notes)
+    assert roomy.step.micro_batch == 8 and not any("micro_batch" in n for n in roomy.notes)
     # 8 sequences of 8,192 tokens: one layer's workspace alone is 12.1 GiB at micro_batch 8, untiled
     assert costs.workspace_bytes_per_token(work.model, "bf16") * 8 * 8192 == 13_029_867_520
     # at 16 GiB, tiling the MLP along the sequence (and offloading inputs) keeps the job's micro-batch
     tiled = make_plan(work, 16 * GiB, REFERENCE_CALIBRATION)
-    assert tiled.micro_batch == 8 and 0 < tiled.seq_tile_tokens < 8 * 8192
+    assert tiled.step.micro_batch == 8 and 0 < tiled.step.seq_tile_tokens < 8 * 8192
     assert not any("micro_batch" in n for n in tiled.notes)
     tight = make_plan(work, 6 * GiB, REFERENCE_CALIBRATION)
-    assert tight.micro_batch < 8 and 8 % tight.micro_batch == 0
-    assert f"micro_batch 8 does not fit the budget; using {tight.micro_batch} (a divisor of the 8 sequences per rank)" in tight.notes
+    assert tight.step.micro_batch < 8 and 8 % tight.step.micro_batch == 0
+    assert f"micro_batch 8 does not fit the budget; using {tight.step.micro_batch} (a divisor of the 8 sequences per rank)" in tight.notes
 
 
 def test_describe_lists_every_memory_item_and_resource():
@@ -389,17 +389,17 @@ def test_describe_lists_every_memory_item_and_resource():
         assert f"{name:<36}{size / GiB:>8.3f}" in text
     for name, _ in plan.busy_s:
         assert f"  {name} " in text
-    assert f"predicted step {plan.predicted_step_s:.3f} s" in text
+    assert f"predicted step {plan.step.predicted_step_s:.3f} s" in text
     assert "exact gradient clipping" in text
     # clipping on (the default): both regimes, the one that clips slower
-    assert plan.predicted_clipped_step_s > plan.predicted_step_s
-    assert f"a step that clips      {plan.predicted_clipped_step_s:.3f} s" in text
+    assert plan.step.predicted_clipped_step_s > plan.step.predicted_step_s
+    assert f"a step that clips      {plan.step.predicted_clipped_step_s:.3f} s" in text
     # the first step that clips after one that did not speculated: its corrections come on top of the update
-    assert plan.predicted_corrected_step_s > plan.predicted_clipped_step_s
-    assert f"the first that clips {plan.predicted_corrected_step_s:.3f} s" in text
+    assert plan.step.predicted_corrected_step_s > plan.step.predicted_clipped_step_s
+    assert f"the first that clips {plan.step.predicted_corrected_step_s:.3f} s" in text
     assert "when the gradient norm stays under max_grad_norm" in text
     off = make_plan(dataclasses.replace(work, clip=False), 24 * GiB, REFERENCE_CALIBRATION)
-    assert off.predicted_clipped_step_s == off.predicted_corrected_step_s == 0.0
+    assert off.step.predicted_clipped_step_s is None and off.step.predicted_corrected_step_s is None
     assert "a step that clips" not in off.describe()
 
 
@@ -571,7 +571,7 @@ def test_cpu_calibration_round_trips_through_the_json_cache(tmp_path, monkeypatc
     assert load_or_calibrate("cpu", cache_dir=tmp_path, model_params=778) == cal
     # a calibration from CI plans like any other
     plan = make_plan(toy(), 4 * GiB, cal)
-    assert plan.predicted_step_s > 0
+    assert plan.step.predicted_step_s > 0
     # an unreadable cache is measured again and rewritten
     files[0].write_text("{not json")
     monkeypatch.setattr(calibration_mod, "calibrate", lambda device, quick=False: TOY_CAL)
@@ -604,7 +604,7 @@ def test_routes_follow_the_transfer_formula_and_the_links():
     fast = dataclasses.replace(REFERENCE_CALIBRATION, bidir_gbps=110.0, allreduce_gbps=1e9, bus_gpus=4)  # free links
     for pr in ("replicated", "sharded"):
         for gr in ("host", "reduce_scatter"):
-            ch = Choices(embedding="device", param_route=pr, grad_route=gr)
+            ch = StepPlan(embedding="device", param_route=pr, grad_route=gr)
             busy, _, _ = predict_step(work, ch, fast)
             b = costs.transfer_bytes(work.model, tokens=work.local_tokens, delivery="fp32", activations="keep",
                                      embedding="device", resident_layers=0, world=4, param_route=pr, grad_route=gr)
@@ -614,13 +614,13 @@ def test_routes_follow_the_transfer_formula_and_the_links():
     slow = dataclasses.replace(fast, allreduce_gbps=10.0)
     p = costs.layer_params(work.model)
     nl, h = work.model.num_layers, work.model.hidden_size
-    busy, _, _ = predict_step(work, Choices(embedding="device", param_route="sharded"), slow)
+    busy, _, _ = predict_step(work, StepPlan(embedding="device", param_route="sharded"), slow)
     gathered = (2 * nl * p + h) * 2 * 3 / 4
     assert busy["h2d"] == pytest.approx((2 * nl * p + h) * 4 / 4 / 55e9 + gathered / 10e9, rel=1e-6)
     # the aggregator sums 4 ranks' whole gradients (N + 1 buffer touches), and leaves reduce-scattered
     # shards where they lie, with exact clipping too (a ring slot per chunk)
-    host = predict_step(work, Choices(embedding="device"), slow)[0]["reduce"]
-    scattered = predict_step(work, Choices(embedding="device", grad_route="reduce_scatter"), slow)[0]["reduce"]
+    host = predict_step(work, StepPlan(embedding="device"), slow)[0]["reduce"]
+    scattered = predict_step(work, StepPlan(embedding="device", grad_route="reduce_scatter"), slow)[0]["reduce"]
     assert work.clip and host > 0 and scattered == 0.0
 
 
@@ -630,12 +630,12 @@ def test_planner_picks_routes_from_the_measured_links():
     pcie_no_p2p = dataclasses.replace(REFERENCE_CALIBRATION, h2d_gbps=25.0, d2h_gbps=25.0, bidir_gbps=40.0,
                                       allreduce_gbps=3.0, bus_gpus=4)
     fast = make_plan(work, 24 * GiB, nvlink)
-    assert (fast.param_route, fast.grad_route) == ("sharded", "reduce_scatter")
+    assert (fast.step.param_route, fast.step.grad_route) == ("sharded", "reduce_scatter")
     assert "params sharded, grads reduce_scatter" in fast.describe()
     slow = make_plan(work, 24 * GiB, pcie_no_p2p)
-    assert (slow.param_route, slow.grad_route) == ("replicated", "host")
+    assert (slow.step.param_route, slow.step.grad_route) == ("replicated", "host")
     one = make_plan(dataclasses.replace(work, world=1, global_batch=2), 24 * GiB, nvlink)
-    assert (one.param_route, one.grad_route) == ("replicated", "host")
+    assert (one.step.param_route, one.step.grad_route) == ("replicated", "host")
 
 
 def test_sequence_tiles_and_offload_follow_the_memory_formulas():
@@ -668,14 +668,14 @@ def test_sequence_tiles_and_offload_follow_the_memory_formulas():
 def test_long_sequence_plans_tile_then_offload_as_the_budget_shrinks():
     work = Workload(named_shape("qwen3-4b"), global_batch=1, seq_len=262144, world=1, micro_batch=1)
     roomy = make_plan(work, 80 * GiB, REFERENCE_CALIBRATION)
-    assert roomy.device_total_bytes <= 80 * GiB and roomy.seq_tile_tokens > 0
+    assert roomy.device_total_bytes <= 80 * GiB and roomy.step.seq_tile_tokens > 0
     tight = make_plan(work, 60 * GiB, REFERENCE_CALIBRATION)
-    assert tight.device_total_bytes <= 60 * GiB and tight.activations == "offload"
-    assert 0 < tight.offload_layers <= work.model.num_layers
-    assert f"offload the first {tight.offload_layers} of 36 layers' inputs" in tight.describe()
+    assert tight.device_total_bytes <= 60 * GiB and tight.step.activations == "offload"
+    assert 0 < tight.step.offload_layers <= work.model.num_layers
+    assert f"offload the first {tight.step.offload_layers} of 36 layers' inputs" in tight.describe()
     # the fewest offloaded layers: one fewer would not fit
-    fewer = dataclasses.replace(tight.choices, offload_layers=tight.offload_layers - 1, resident_layers=0)
-    assert tight.offload_layers == 1 or costs.device_memory_peak(costs.device_memory_items(
+    fewer = dataclasses.replace(tight.step, offload_layers=tight.step.offload_layers - 1, resident_layers=0)
+    assert tight.step.offload_layers == 1 or costs.device_memory_peak(costs.device_memory_items(
         work.model, tokens=work.local_tokens, seq_len=work.seq_len, micro_batch=1, world=1, delivery=fewer.delivery,
         activations="offload", embedding=fewer.embedding, prefetch_depth=fewer.prefetch_depth, resident_layers=0,
         chunk_rows=fewer.chunk_rows, loss_chunk_tokens=fewer.loss_chunk_tokens, offload_layers=fewer.offload_layers,
@@ -690,7 +690,7 @@ def test_a_training_run_teaches_the_planner_its_adamw_rate_for_that_model(tmp_pa
     cal = dataclasses.replace(REFERENCE_CALIBRATION, host="host-a", device_name="GPU X")
     work = Workload(named_shape("qwen3-4b"), global_batch=8, seq_len=2048, world=1, micro_batch=2, clip=False)
     plan = make_plan(work, 24 * GiB, cal, {"delivery": ("fp32",)})  # fp32 master: 28 B per param updated
-    host_params = costs.host_updated_params(work.model, plan.embedding)
+    host_params = costs.host_updated_params(work.model, plan.step.embedding)
     busy = [9.0, host_params / 2.0e9, host_params / 2.5e9, host_params / 2.2e9]  # the first step is left out
     saved = record_training(JobPlan(StepPlan(), plan), busy, [], cache_dir=str(tmp_path))
     assert saved is not None and saved.adamw_train_params_per_s == pytest.approx(2.2e9)
@@ -698,11 +698,11 @@ def test_a_training_run_teaches_the_planner_its_adamw_rate_for_that_model(tmp_pa
     assert saved == dataclasses.replace(cal, adamw_train_params_per_s=saved.adamw_train_params_per_s,
                                         adamw_train_model_params=work.model.num_parameters())
     # the same model: the update costs what the run measured; another model: the bare rate
-    busy_before = dict(predict_step(work, plan.choices, cal)[0])["update"]
-    busy_after = dict(predict_step(work, plan.choices, saved)[0])["update"]
+    busy_before = dict(predict_step(work, plan.step, cal)[0])["update"]
+    busy_after = dict(predict_step(work, plan.step, saved)[0])["update"]
     assert busy_after == pytest.approx(busy_before * cal.adamw_params_per_s * cal.adamw_train_fraction / 2.2e9, rel=1e-9)
     other = Workload(named_shape("qwen3-1.7b"), global_batch=8, seq_len=2048, world=1, micro_batch=2, clip=False)
-    ch = Choices(embedding="device")
+    ch = StepPlan(embedding="device")
     assert predict_step(other, ch, saved)[0]["update"] == predict_step(other, ch, cal)[0]["update"]
     n = work.model.num_parameters()
     assert f"AdamW in training 2.20 G params/s (measured training a {n:,}-param model)" in saved.summary()
@@ -734,12 +734,12 @@ def test_a_run_that_summed_ranks_gradients_on_the_host_teaches_plans_with_such_a
     two = Workload(named_shape("qwen3-4b"), global_batch=16, seq_len=2048, world=2, micro_batch=2, clip=False)
     summed = {"delivery": ("fp32",), "param_route": ("replicated",), "grad_route": ("host",)}
     plan = make_plan(two, 24 * GiB, cal, summed)
-    params = costs.host_updated_params(two.model, plan.embedding, plan.device_layers)
+    params = costs.host_updated_params(two.model, plan.step.embedding, plan.step.device_layers)
     planned_reduce = dict(plan.busy_s)["reduce"]
     assert planned_reduce > 0
     update_busy = [9.0, params / 1.5e9, params / 1.6e9, params / 1.55e9]  # the first step is left out
     reduce_busy = [5.0, 4 * planned_reduce, 5 * planned_reduce, 4.5 * planned_reduce]
-    run = JobPlan(StepPlan(grad_route="host", device_layers=plan.device_layers), plan)
+    run = JobPlan(StepPlan(grad_route="host", device_layers=plan.step.device_layers), plan)
     assert learned_sum_rate(run, reduce_busy) == pytest.approx(cal.reduce_gbps / 4.5)
     saved = record_training(run, update_busy, [], cache_dir=str(tmp_path), reduce_busy_s=reduce_busy)
     assert saved is not None
@@ -748,7 +748,7 @@ def test_a_run_that_summed_ranks_gradients_on_the_host_teaches_plans_with_such_a
         == (pytest.approx(1.55e9), pytest.approx(cal.reduce_gbps / 4.5), n)
     assert saved.adamw_train_params_per_s == 0.0  # the plain rate stays unmeasured
     # the same plan now: the update and the sum cost what the run measured
-    busy = predict_step(two, plan.choices, saved)[0]
+    busy = predict_step(two, plan.step, saved)[0]
     assert busy["update"] == pytest.approx(params / 1.55e9, rel=1e-6)
     assert busy["reduce"] == pytest.approx(4.5 * planned_reduce, rel=1e-6)
     assert ("update charged at 1.55 G params/s per updater and the host sum at "
@@ -758,13 +758,13 @@ def test_a_run_that_summed_ranks_gradients_on_the_host_teaches_plans_with_such_a
     # plans without a host sum keep the plain (here: discounted bare) rate
     scattered = {"delivery": ("fp32",), "grad_route": ("reduce_scatter",)}
     for work, allowed in ((two, scattered), (dataclasses.replace(two, global_batch=8, world=1), {"delivery": ("fp32",)})):
-        ch = make_plan(work, 24 * GiB, cal, allowed).choices
+        ch = make_plan(work, 24 * GiB, cal, allowed).step
         assert predict_step(work, ch, saved)[0] == predict_step(work, ch, cal)[0]
     # the updaters' rate learned without the sum's (no reduce times): the sum stays at its bare rate
     alone = record_training(run, update_busy, [], cache_dir=str(tmp_path / "alone"))
     assert alone is not None and alone.reduce_train_summed_gbps == 0.0
     assert alone.reduce_rate_gbps(n, summed=True) == cal.reduce_gbps
-    assert predict_step(two, plan.choices, alone)[0]["reduce"] == pytest.approx(planned_reduce, rel=1e-9)
+    assert predict_step(two, plan.step, alone)[0]["reduce"] == pytest.approx(planned_reduce, rel=1e-9)
     assert f"and the host sum at {cal.reduce_gbps:.1f} GB/s (its bare rate)" in make_plan(two, 24 * GiB, alone, summed).describe()
     # a run without a host sum teaches no sum rate
     one = make_plan(dataclasses.replace(two, global_batch=8, world=1), 24 * GiB, cal, {"delivery": ("fp32",)})
@@ -793,8 +793,7 @@ def test_old_learned_gpu_factors_are_ignored_and_a_runs_gpu_time_is_reported_not
     assert got == dataclasses.replace(cal, adamw_train_params_per_s=2.5e9, adamw_train_model_params=n)
     assert "(GPU-time factors learned from runs) ignored" in caplog.text and "left out" not in caplog.text
     plan = make_plan(work, 24 * GiB, cal, {"delivery": ("fp32",)})
-    run = JobPlan(StepPlan(seq_tile_tokens=plan.seq_tile_tokens, resident_layers=plan.resident_layers,
-                           offload_layers=plan.offload_layers, device_layers=plan.device_layers), plan)
+    run = JobPlan(plan.step, plan)
     gpu = dict(plan.busy_s)["gpu"]
     side = [30.0, 1.18 * gpu, 1.22 * gpu, 1.20 * gpu]  # the first step (start-up) is left out
     assert device_time_against_plan(run, side) == pytest.approx(1.20)
@@ -804,7 +803,9 @@ def test_old_learned_gpu_factors_are_ignored_and_a_runs_gpu_time_is_reported_not
     assert "the GPU work took 1.20x the plan's GPU time (matmul FLOPs at the calibrated rate)" in caplog.text
     assert not (tmp_path / "z").exists()
     # a job that overrode the plan's tiles or layers, or too few steps: nothing to compare
-    assert device_time_against_plan(JobPlan(StepPlan(seq_tile_tokens=1024), plan), side) is None
+    overridden = dataclasses.replace(plan.step, seq_tile_tokens=plan.step.seq_tile_tokens + 1024,
+                                     planned_device_bytes=None, planned_by="planner + job file")
+    assert device_time_against_plan(JobPlan(overridden, plan), side) is None
     assert device_time_against_plan(run, side[:2]) is None
 
 
@@ -826,10 +827,10 @@ def test_replicated_ranks_share_the_hosts_measured_h2d():
     shared = dataclasses.replace(base, h2d_total_gbps=60.0)
     b = costs.transfer_bytes(work.model, tokens=work.local_tokens, delivery="fp32", activations="keep",
                              embedding="device", resident_layers=0, world=4)
-    ch = Choices(embedding="device")
+    ch = StepPlan(embedding="device")
     assert predict_step(work, ch, base)[0]["h2d"] == pytest.approx(b["h2d"] / 55e9, rel=1e-6)
     assert predict_step(work, ch, shared)[0]["h2d"] == pytest.approx(b["h2d"] / 15e9, rel=1e-6)
-    sharded = predict_step(work, Choices(embedding="device", param_route="sharded"), shared)[0]["h2d"]
+    sharded = predict_step(work, StepPlan(embedding="device", param_route="sharded"), shared)[0]["h2d"]
     assert sharded == pytest.approx(b["h2d"] / 4 / 15e9, rel=1e-6)  # the links are free here
     assert "H2D of all 60 GB/s" in shared.summary()
 
@@ -850,8 +851,8 @@ def test_among_nearly_equal_plans_the_larger_matmuls_win():
     work = Workload(named_shape("qwen3-4b"), global_batch=32, seq_len=2048, world=1, micro_batch=2, clip=False)
     # (the spare memory may then hold layers on the GPU: see the device-held layers' test)
     plan = make_plan(work, 24 * GiB, REFERENCE_CALIBRATION, {"delivery": ("fp32",)}, device_layers=0)
-    assert (plan.loss_chunk_tokens, plan.seq_tile_tokens, plan.offload_layers) == (1024, 0, 0)
-    tight = Choices(embedding="device", micro_batch=2, seq_tile_tokens=2048, loss_chunk_tokens=128,
+    assert (plan.step.loss_chunk_tokens, plan.step.seq_tile_tokens, plan.step.offload_layers) == (1024, 0, 0)
+    tight = StepPlan(embedding="device", micro_batch=2, seq_tile_tokens=2048, loss_chunk_tokens=128,
                     chunk_rows=costs.default_chunk_rows(work.model))
     fastest = predict_step(work, tight, REFERENCE_CALIBRATION)[2]
-    assert fastest <= plan.predicted_step_s <= fastest * 1.02
+    assert fastest <= plan.step.predicted_step_s <= fastest * 1.02

@@ -29,7 +29,7 @@ def test_routes_need_measured_links_unless_the_job_names_them():
     assert (unmeasured.step.param_route, unmeasured.step.grad_route) == ("replicated", "host")
     forced = plan_job(load_job(TINY, CUDA + ['runtime.param_route="sharded"']), REFERENCE_CALIBRATION)
     assert (forced.step.param_route, forced.step.grad_route) == ("sharded", "host")
-    assert forced.plan is not None and forced.plan.param_route == "sharded"  # the prediction is of that route
+    assert forced.plan is not None and forced.plan.step.param_route == "sharded"  # the prediction is of that route
     nvlink = dataclasses.replace(REFERENCE_CALIBRATION, allreduce_gbps=300.0, bus_gpus=2)  # links measured, and fast
     big = CUDA + ['model.shape="qwen3-4b"', "train.seq_len=2048"]
     measured = plan_job(load_job(TINY, big), nvlink)
@@ -43,7 +43,7 @@ def test_cuda_overrides_are_carried_and_offload_clamped():
     assert (plan.step.seq_tile_tokens, plan.step.offload_layers) == (16, 2)
     auto = plan_job(load_job(TINY, CUDA), REFERENCE_CALIBRATION)
     assert auto.plan is not None
-    assert (auto.step.seq_tile_tokens, auto.step.offload_layers) == (auto.plan.seq_tile_tokens, auto.plan.offload_layers)
+    assert (auto.step.seq_tile_tokens, auto.step.offload_layers) == (auto.plan.step.seq_tile_tokens, auto.plan.step.offload_layers)
     # the metrics carry the plan's GPU peak only where the run keeps the plan's memory choices
     assert auto.step.planned_device_bytes == auto.plan.device_total_bytes > 0
     assert plan.step.planned_device_bytes is None
@@ -57,13 +57,13 @@ def test_device_layers_are_the_jobs_value_or_the_plans():
     assert plan_job(load_job(TINY, ["memory.device_layers=5"])).step.device_layers == 2  # tiny has 2 layers
     assert plan_job(load_job(TINY, [])).step.device_layers == 0
     forced = plan_job(load_job(TINY, CUDA + ["memory.device_layers=1"]), REFERENCE_CALIBRATION)
-    assert forced.step.device_layers == 1 and forced.plan is not None and forced.plan.device_layers == 1
+    assert forced.step.device_layers == 1 and forced.plan is not None and forced.plan.step.device_layers == 1
     assert "device-held layers" in dict(forced.plan.device_memory)
     big = ['model.shape="qwen3-4b"', "train.seq_len=2048", "memory.device_budget_gib=24"]
     with pytest.raises(PlanError, match=r"memory.device_layers = 20 does not fit the GPU memory budget of 24.00 GiB"):
         plan_job(load_job(TINY, CUDA + big + ["memory.device_layers=20"]), REFERENCE_CALIBRATION)
     auto = plan_job(load_job(TINY, CUDA), REFERENCE_CALIBRATION)
-    assert auto.plan is not None and auto.step.device_layers == auto.plan.device_layers
+    assert auto.plan is not None and auto.step.device_layers == auto.plan.step.device_layers
 
 
 def test_prefetch_depth_is_the_jobs_value_planned_with_its_buffers_or_the_plans():
@@ -71,11 +71,11 @@ def test_prefetch_depth_is_the_jobs_value_planned_with_its_buffers_or_the_plans(
     assert plan_job(load_job(TINY, ["memory.prefetch_depth=3"])).step.prefetch_depth == 3
     big = CUDA + ['model.shape="qwen3-4b"', "train.seq_len=2048", "memory.device_budget_gib=40"]
     auto = plan_job(load_job(TINY, big), REFERENCE_CALIBRATION)
-    assert auto.plan is not None and auto.step.prefetch_depth == auto.plan.prefetch_depth == 1
+    assert auto.plan is not None and auto.step.prefetch_depth == auto.plan.step.prefetch_depth == 1
     slots = {}
     for depth in (2, 5):
         forced = plan_job(load_job(TINY, big + [f"memory.prefetch_depth={depth}"]), REFERENCE_CALIBRATION)
-        assert forced.plan is not None and forced.step.prefetch_depth == forced.plan.prefetch_depth == depth
+        assert forced.plan is not None and forced.step.prefetch_depth == forced.plan.step.prefetch_depth == depth
         assert forced.plan.device_total_bytes <= 40 * 2**30
         slots[depth] = dict(forced.plan.device_memory)["parameter slots"]
     slots[1] = dict(auto.plan.device_memory)["parameter slots"]
@@ -118,7 +118,7 @@ def test_the_launchers_calibration_carries_the_jobs_model_and_sizes(monkeypatch)
     m = seen["measure"]
     assert (m["model"], m["seq_len"], m["local_batch"], m["compiled"]) == (cfg.to_dict(), job.train.seq_len, 2, True)
     p = planned.plan
-    assert (p.micro_batch, p.seq_tile_tokens, p.loss_chunk_tokens) in m["sizes"]  # what it chose was measured
+    assert (p.step.micro_batch, p.step.seq_tile_tokens, p.step.loss_chunk_tokens) in m["sizes"]  # what it chose was measured
     assert set(m["sizes"]) <= set(device_work_sizes(p.workload, int(job.memory.device_budget_gib * 2**30)))
     assert {mb for mb, _, _ in m["sizes"]} == {1, 2}  # the divisors of the 2 sequences per rank
-    assert planned.step.micro_batch in (1, 2) and planned.step.micro_batch == planned.plan.micro_batch
+    assert planned.step.micro_batch in (1, 2) and planned.step.micro_batch == planned.plan.step.micro_batch
