@@ -238,11 +238,21 @@ def _holding(work: Workload, ch: StepPlan, d: int, budget: int) -> StepPlan | No
     return cand if _total(work, cand) <= budget else None
 
 
-def _guarded_step(work: Workload, ch: StepPlan, calib: Calibration, low: Calibration | None) -> float:
-    """The predicted step, or, while the updaters' rate is a guess (`low`: Calibration.at_lowest_share),
-    the slower of it and the step at the lowest share of the bare kernel measured in training."""
+def judged_step(work: Workload, ch: StepPlan, calib: Calibration) -> float:
+    """The step a plan is judged by. With exact clipping, the slower of its two regimes: a step whose
+    norm stays under the threshold (its updates overlap the backward) and a step after a clipped one
+    (its updates wait for the norm). Which one a job's steps run is not known before its norms are:
+    the plans differ most in the second (a micro-batch of 1 overlaps the deferred updates with the
+    shortest first forward), and a fine-tuning job's first steps often clip."""
     step = predict_step(work, ch, calib)[2]
-    return step if low is None else max(step, predict_step(work, ch, low)[2])
+    return max(step, predict_step(work, ch, calib, clips=True)[2]) if work.clip else step
+
+
+def _guarded_step(work: Workload, ch: StepPlan, calib: Calibration, low: Calibration | None) -> float:
+    """The judged step, or, while the updaters' rate is a guess (`low`: Calibration.at_lowest_share),
+    the slower of it and the step at the lowest share of the bare kernel measured in training."""
+    step = judged_step(work, ch, calib)
+    return step if low is None else max(step, judged_step(work, ch, low))
 
 
 def _with_device_layers(work: Workload, ch: StepPlan, budget: int, calib: Calibration) -> StepPlan:
@@ -292,7 +302,7 @@ def _fitted(work: Workload, calib: Calibration, fits: list[StepPlan | None]) -> 
     for ch in fits:
         if ch is not None:
             ch = _fewest_resident(work, ch, calib)
-            out.append((predict_step(work, ch, calib)[2], _total(work, ch), ch))
+            out.append((judged_step(work, ch, calib), _total(work, ch), ch))
     return out
 
 

@@ -54,6 +54,8 @@ class Plan:
             return []
         how = ("train.micro_batch = 0: the fastest predicted that fits; within 2% of it, the larger"
                if not self.workload.micro_batch else "train.micro_batch set in the job file")
+        if self.workload.clip:
+            how += "; a step judged by the slower of its regimes: the norm under max_grad_norm, or after a clipped step"
         lines = ["", f"micro-batches weighed ({how})",
                  f"  {'micro_batch':<13}{'predicted step':>15}{'GPU memory':>13}   {'GPU time':<10}verdict"]
         for c in self.weighed:

@@ -336,3 +336,23 @@ def test_a_size_not_measured_takes_the_nearest_measured_one_per_sequence():
     assert device_time_source(work, dataclasses.replace(ch, micro_batch=2, seq_tile_tokens=0, loss_chunk_tokens=1024),
                            calib) == "measured"
     assert device_time_source(work, ch, REFERENCE_CALIBRATION) == "FLOPs"
+
+
+def test_with_clipping_the_micro_batch_is_judged_by_the_slower_regime():
+    """Exact clipping has two step times: the norm under the threshold (updates overlap the backward) and a
+    step after a clipped one (they wait for the norm). The plan judges each micro-batch by the slower:
+    these blocks make 1 the fastest without clipping by 3%, 4 within 2% of 1 after a clipped step."""
+    times = {1: 0.00093, 2: 0.00091, 4: 0.00086, 8: 0.00105}
+    work = Workload(named_shape("qwen3-4b"), global_batch=8, seq_len=2048, world=1, micro_batch=0, clip=True,
+                    compiled=True)
+    n = work.model.num_parameters()
+    calib = dataclasses.replace(REFERENCE_CALIBRATION, blocks=_blocks(dataclasses.replace(work, clip=False), times),
+                                adamw_train_params_per_s=2.5e9, adamw_train_model_params=n)  # a learned rate
+    assert make_plan(dataclasses.replace(work, clip=False), BUDGET, calib, FP32).step.micro_batch == 1
+    plan = make_plan(work, BUDGET, calib, FP32)
+    assert plan.step.micro_batch == 4
+    for c in plan.weighed:  # each row: the slower regime of that micro-batch's plan
+        step = make_plan(dataclasses.replace(work, micro_batch=c.micro_batch), BUDGET, calib, FP32).step
+        assert c.predicted_step_s == pytest.approx(max(step.predicted_step_s, step.predicted_clipped_step_s))
+        assert step.predicted_clipped_step_s > step.predicted_step_s  # the updater bounds a clipped step here
+    assert "judged by the slower of its regimes" in plan.describe()

@@ -30,6 +30,7 @@ from slidedp.planner import calibration as calibration_mod
 from slidedp.planner import measure as measure_mod
 from slidedp.stepplan import StepPlan
 from slidedp.planner import costs
+from slidedp.planner.plan import judged_step
 from slidedp.planner.costs import GiB
 
 # A 2-layer toy with round rates: every number below is worked out by hand in the comments.
@@ -290,7 +291,7 @@ def test_plan_never_exceeds_budget():
 def test_more_budget_never_gives_a_slower_plan():
     """Slower as the planner judges a first plan: the worse of its predictions at the charged share of the
     bare AdamW and at the lowest share measured (the held layers are chosen for both); with the rate
-    learned, the prediction itself."""
+    learned, the prediction itself; with clipping, of both regimes (plan.judged_step)."""
     works = [
         Workload(named_shape("qwen3-4b"), global_batch=8, seq_len=2048, world=1, micro_batch=8, clip=False),
         Workload(named_shape("qwen3-8b"), global_batch=8, seq_len=4096, world=2, micro_batch=2, clip=True),
@@ -309,8 +310,8 @@ def test_more_budget_never_gives_a_slower_plan():
                 except PlanError:
                     assert last == math.inf, "a budget refused after a smaller one fitted"
                     continue
-                judged = plan.step.predicted_step_s if low is None else max(
-                    plan.step.predicted_step_s, predict_step(work, plan.step, low)[2])
+                judged = judged_step(work, plan.step, calib) if low is None else max(
+                    judged_step(work, plan.step, calib), judged_step(work, plan.step, low))
                 assert judged <= last * (1 + 1e-9)
                 last = judged
             assert last < math.inf
