@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# SlideDP as a user runs it, on one H200: the job file's defaults (clipping 1.0, the plan's own
+# micro-batch, delivery and held layers) at a 24 GiB budget, beside clipping off, a threshold no
+# step reaches, and GPU-resident training with the same kernels and eagerly, in one command.
+#   bash benchmarks/sessions/defaults.sh OUT PART     (BUDGET_S: seconds to keep to, default 520)
+# PART:
+#   4b   the updaters' AdamW rates on store-like memory (benchmarks/updater_rates.py, ~1 min), then
+#        Qwen3-4B at 8 x 2,048: SlideDP default, never-clips (max_grad_norm 1000), clipping off;
+#        resident_same_kernels and gpu_resident
+#   8b   Qwen3-8B at 8 x 2,048: SlideDP default, then resident_same_kernels
+# OUT receives PART.json (merged), PART.md, PART.png, PART-logs.tgz and, for 4b, updater-rates.json.
+# A fresh machine each call: every SlideDP run of the part shares one persistent store, and the first
+# one creates it, calibrates, measures the plan's blocks and compiles (its first step is warm-up).
+set -u
+out=$1 part=$2 budget=${BUDGET_S:-520} steps=8 warm=2 done=0
+work=/tmp/defaults/$part
+mkdir -p "$out" "$work"
+case $part in 4b) shape=qwen3-4b ;; 8b) shape=qwen3-8b ;; *) echo "unknown PART $part (4b, 8b)" >&2; exit 2 ;; esac
+store=defaults-$shape
+run() {  # NAME MAX_GRAD_NORM SYSTEMS LIMIT [harness args]
+  local name=$1 clip=$2 systems=$3 limit=$4 left
+  shift 4
+  left=$((budget - SECONDS - 20))
+  if [ "$left" -lt 60 ]; then echo "defaults: $left s left, not starting $name" >&2; return; fi
+  [ "$limit" -gt "$left" ] && limit=$left
+  python3 -m benchmarks.run --shape "$shape" --batch 8 --seq 2048 --steps $steps --warmup $warm \
+    --systems "$systems" --max-grad-norm "$clip" --slidedp-micro-batch plan --slidedp-set memory.device_budget_gib=24 \
+    --slidedp-set store.persist=true --slidedp-set "store.name=\"$store\"" \
+    --slidedp-set train.steps=$((done + steps)) --timeout "$limit" --out "$work/$name.json" --quiet "$@"
+  case $systems in slidedp*) done=$((done + steps)) ;; esac
+}
+case $part in
+  4b)
+    timeout 120 python3 -m benchmarks.updater_rates --threads 4,8,16 --no-huge --out "$out/updater-rates.json" > "$work/updater-rates.log" 2>&1 \
+      || echo "updater_rates: rc $?" >&2
+    tail -25 "$work/updater-rates.log"
+    run default 1.0 slidedp 200
+    run never 1000 slidedp 110
+    run off 0 slidedp 110
+    run limit 1.0 resident_same_kernels,gpu_resident 80 ;;
+  8b)
+    run default 1.0 slidedp 300
+    slidedp-store destroy --force "$store" >/dev/null 2>&1 || true  # the resident peer needs the host's memory
+    run limit 1.0 resident_same_kernels 120 ;;
+esac
+slidedp-store destroy --force "$store" >/dev/null 2>&1 || true
+runs=("$work"/*.json)
+[ -f "${runs[0]}" ] && python3 -m benchmarks.run --merge "${runs[@]}" --out "$out/$part.json"
+tar czf "$out/$part-logs.tgz" -C "$work" --exclude='*.npy' --exclude='*.safetensors' --exclude='state' \
+  --exclude='profile-*.json' . 2>/dev/null || true
+ls -la "$out"
