@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import psutil
 import zmq
 
 from slidedp import daemonlock, numa
@@ -40,6 +41,7 @@ from slidedp.transport import bind_router, connect_dealer, identity, recv_dealer
 
 from . import children
 from .planning import DeliveryError, plan_job, record_training, shadow_fits
+from .host_room import host_need, room_problem
 from .preflight import cuda_probe
 from .rundir import RunDirInUse, check_run_dir, write_run_record
 from .schedule_note import schedule_note
@@ -162,6 +164,13 @@ class JobRun:
                                  shadow_fits=exists or job.store.shadow_bf16 != "auto" or shadow_fits(job, self.layout))
         except DeliveryError as e:
             raise JobFailed(str(e)) from None
+        step = self.plan.step
+        device_chunks = held_chunk_ids(self.layout, held_unit_names(cfg, step))
+
+        room = room_problem(job, host_need(job, self.layout, step, exists, self.plan.shadow, device_chunks),
+                            psutil.virtual_memory().available)
+        if room:
+            raise JobFailed(room)
         if not exists:
             log.info("creating store %s from %s%s", self.store, model_source(job),
                      " with the bf16 shadow of the weights" if self.plan.shadow else "")
@@ -176,10 +185,8 @@ class JobRun:
         write_run_record(job, status)
         if self.plan.plan is not None or self.plan.notes:
             log.info("plan: %s", self.plan.describe().replace("\n", "\n    "))
-        step = self.plan.step
         self.plan_path = self.run_dir / PLAN_FILE  # beside job.resolved.toml: what every rank carries out
         _write_atomic(self.plan_path, step.to_json().encode())
-        device_chunks = held_chunk_ids(self.layout, held_unit_names(cfg, step))
         slots, reduce_slots, _ = gradient_space(self.layout, self.world, step.grad_route, job.train.max_grad_norm > 0,
                                                 job.store.grad_slots, device_chunks)
         record = JobRecord(job=job.run.name, store=self.store, world=self.world, train=job_to_dict(job)["train"],

@@ -1,0 +1,70 @@
+"""Whether the host has room for a job, asked before anything is made.
+
+A job needs host memory for its store's state (created by the job where it does not exist), its
+gradient rings (with exact clipping one slot per host chunk: every gradient of a step stays until
+the step's norm) and its processes. The store refuses a state it has no room for, but the rings
+and processes came after it: on the H200 host (125 GiB) a Qwen3-8B job with clipping created its
+91.5 GiB store and 30.5 GiB of rings, and the host-state daemon was killed for memory in step 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from slidedp.config import JobConfig
+from slidedp.jobrecord import gradient_space, ring_slots
+from slidedp.stepplan import StepPlan
+from slidedp.store.layout import Layout
+from slidedp.store.rings import rings_bytes
+from slidedp.store.store import segment_sizes
+
+GiB = 1 << 30
+# Host memory of the job's processes per rank: a worker with its share of the launcher and daemons
+# (8.5 GiB measured for one rank on the H200, CUDA context and pinned staging included; a CPU rank
+# of the tiny job about 0.9 GiB: docs/tuning.md, "Host memory a job needs").
+PROCESS_BYTES = {"cuda": 8 * GiB, "cpu": 1 * GiB}
+
+
+@dataclass(frozen=True)
+class HostNeed:
+    items: tuple[tuple[str, int], ...]  # what -> bytes
+    rings_per_chunk: bool  # exact clipping's ring: a slot per host chunk
+
+    @property
+    def total(self) -> int:
+        return sum(b for _, b in self.items)
+
+    def describe(self) -> str:
+        return ", ".join(f"{what} {b / GiB:.1f} GiB" for what, b in self.items)
+
+
+def host_need(job: JobConfig, layout: Layout, step: StepPlan, store_exists: bool, shadow: bool,
+              device_chunks: tuple[int, ...] = ()) -> HostNeed:
+    """What the job takes of the host's memory beyond what is in use now (an existing store is)."""
+    world, clip = job.runtime.workers, job.train.max_grad_norm > 0
+    slots, reduce_slots, full = gradient_space(layout, world, step.grad_route, clip, job.store.grad_slots,
+                                               device_chunks)
+    rings = sum(rings_bytes(layout, world, slots, reduce_slots, full, shard_slots=step.grad_route == "reduce_scatter"))
+    items = []
+    if not store_exists:
+        items.append((f"the store's state ({14 if shadow else 12} B/param)", sum(segment_sizes(layout, {}, shadow).values())))
+    per_chunk = clip and not full and slots > ring_slots(job.store.grad_slots, layout.model.num_layers)
+    items.append(("gradient rings" + (" (exact clipping: a slot per host chunk)" if per_chunk else ""), rings))
+    device = "cuda" if job.runtime.device.startswith("cuda") else "cpu"
+    items.append((f"the job's processes ({world} rank(s))", world * PROCESS_BYTES[device]))
+    return HostNeed(tuple(items), per_chunk)
+
+
+def room_problem(job: JobConfig, need: HostNeed, available: int) -> str | None:
+    """None where the host has room; else what the job needs, what the host has, and what would help."""
+    if need.total <= available:
+        return None
+    helps = ["a host with more memory, or other stores destroyed (`slidedp-store list` shows them)"]
+    if need.rings_per_chunk:
+        helps.append("more layers held on the device (memory.device_layers, a larger memory.device_budget_gib): "
+                     "their gradients stay there")
+        helps.append("train.max_grad_norm = 0 keeps a few gradient slots per rank instead, but does not clip "
+                     "(it changes the math)")
+    return (f"the job needs {need.total / GiB:.1f} GiB of host memory ({need.describe()}) but the host has "
+            f"{available / GiB:.1f} GiB available: started, it would be killed for memory. What would help: "
+            + "; ".join(helps))

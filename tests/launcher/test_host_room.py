@@ -1,0 +1,62 @@
+"""The launcher's host-memory check before it makes anything: the store, the gradient rings and the
+processes of a job against what the host has available (the numbers of the H200 host where a Qwen3-8B
+job with clipping was killed for memory in its first step)."""
+
+from __future__ import annotations
+
+from slidedp.config import load_job
+from slidedp.jobrecord import gradient_space
+from slidedp.model.config import named_shape
+from slidedp.stepplan import StepPlan
+from slidedp.store.layout import make_layout
+from slidedp.store.rings import rings_bytes
+from slidedp.store.store import segment_sizes
+
+from launch.host_room import GiB, PROCESS_BYTES, host_need, room_problem
+from pipeline.harness import TINY
+
+CUDA_8B = ["runtime.device=\"cuda\"", "runtime.workers=1", "train.global_batch=8", "train.micro_batch=2"]
+
+
+def _job(extra=()):
+    return load_job(TINY, CUDA_8B + list(extra))
+
+
+def test_a_new_store_with_clipping_counts_state_rings_and_processes():
+    job, layout = _job(), make_layout(named_shape("qwen3-8b"))
+    need = host_need(job, layout, StepPlan(), store_exists=False, shadow=False)
+    slots, reduce_slots, full = gradient_space(layout, 1, "host", True, 0)
+    assert slots == len(layout.chunks) and need.rings_per_chunk  # a slot per host chunk
+    state = sum(segment_sizes(layout, {}, False).values())
+    rings = sum(rings_bytes(layout, 1, slots, reduce_slots, full))
+    assert dict(need.items) == {"the store's state (12 B/param)": state,
+                                "gradient rings (exact clipping: a slot per host chunk)": rings,
+                                "the job's processes (1 rank(s))": PROCESS_BYTES["cuda"]}
+    assert 91 * GiB < state < 92 * GiB and 32 * GiB < rings < 33 * GiB  # 45 slots of the largest chunk
+    # the H200 host had about 124 GiB available: refused, with what it needs and what would help
+    msg = room_problem(job, need, 124 * GiB)
+    assert msg is not None and msg.startswith(f"the job needs {need.total / GiB:.1f} GiB of host memory (the store's "
+                                              f"state (12 B/param) {state / GiB:.1f} GiB, gradient rings")
+    assert "but the host has 124.0 GiB available" in msg and "train.max_grad_norm = 0" in msg
+    assert "memory.device_layers" in msg
+    assert room_problem(job, need, need.total) is None
+
+
+def test_an_existing_store_counts_only_what_the_job_adds():
+    job, layout = _job(), make_layout(named_shape("qwen3-8b"))
+    need = host_need(job, layout, StepPlan(), store_exists=True, shadow=False)
+    assert [what for what, _ in need.items] == ["gradient rings (exact clipping: a slot per host chunk)",
+                                                "the job's processes (1 rank(s))"]
+    # device-held layers keep their gradients on the device: fewer slots
+    held = host_need(job, layout, StepPlan(), store_exists=True, shadow=False, device_chunks=(1, 2, 3))
+    assert held.total == need.total - 3 * layout.max_chunk_numel * 4
+
+
+def test_without_clipping_the_rings_are_a_few_slots_and_the_advice_says_nothing_of_them():
+    job, layout = _job(["train.max_grad_norm=0"]), make_layout(named_shape("qwen3-8b"))
+    need = host_need(job, layout, StepPlan(), store_exists=False, shadow=True)
+    assert not need.rings_per_chunk and "the store's state (14 B/param)" in dict(need.items)
+    # a third of the 36 layers: 12 slots of the largest chunk
+    assert dict(need.items)["gradient rings"] == sum(rings_bytes(layout, 1, 12, 0, False)) < 9 * GiB
+    msg = room_problem(job, need, need.total - 1)
+    assert msg is not None and "max_grad_norm" not in msg and "a host with more memory" in msg
