@@ -243,7 +243,7 @@ def device_time_against_plan(run_plan: JobPlan, device_side_s: list[float]) -> f
     plan = run_plan.plan
     if plan is None or len(device_side_s) < 3 or not run_plan.keeps_plan:
         return None
-    gpu = dict(plan.busy_s)["gpu"]
+    gpu = dict(plan.busy_s)["device"]
     if plan.exposed_s > 0.25 * gpu:
         return None
     measured = statistics.median(device_side_s[1:])

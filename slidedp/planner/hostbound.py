@@ -16,7 +16,8 @@ from slidedp.planner import costs
 from slidedp.planner.calibration import Calibration
 from slidedp.planner.costs import GiB
 from slidedp.planner.step_model import host_traffic
-from slidedp.planner.workload import Choices, Workload
+from slidedp.planner.workload import Workload
+from slidedp.stepplan import StepPlan
 
 _WHAT = (("fetch", "copies in"), ("grads", "gradients out"), ("offload", "offloaded inputs"),
          ("update", "AdamW"), ("sum", "sums of ranks"))
@@ -27,10 +28,10 @@ def host_bound(busy: dict[str, float]) -> tuple[str, float] | None:
     updaters or the aggregator's sums; None where the GPU is the longer."""
     name, seconds = max((("host memory traffic", busy.get("host", 0.0)), ("the updaters' AdamW", busy["update"]),
                          ("the aggregator's sums", busy["reduce"])), key=lambda x: x[1])
-    return (name, seconds) if seconds > busy["gpu"] else None
+    return (name, seconds) if seconds > busy["device"] else None
 
 
-def host_lines(work: Workload, ch: Choices, calib: Calibration, busy: dict[str, float]) -> list[str]:
+def host_lines(work: Workload, ch: StepPlan, calib: Calibration, busy: dict[str, float]) -> list[str]:
     """The plan's host bytes per parameter per step and their bound; when the host bounds the step, what helps."""
     n = work.model.num_parameters()
     traffic = host_traffic(work, ch)
@@ -46,13 +47,13 @@ def host_lines(work: Workload, ch: Choices, calib: Calibration, busy: dict[str, 
     if bound is None:
         return lines
     what, seconds = bound
-    lines.append(f"the host bounds the step: {what} takes {seconds:.3f} s per step, the GPU {busy['gpu']:.3f} s. "
+    lines.append(f"the host bounds the step: {what} takes {seconds:.3f} s per step, the GPU {busy['device']:.3f} s. "
                  f"What would help:")
-    lines += [f"  - {a}" for a in advice(work, ch, total, seconds / busy["gpu"])]
+    lines += [f"  - {a}" for a in advice(work, ch, total, seconds / busy["device"])]
     return lines
 
 
-def advice(work: Workload, ch: Choices, total: int, over: float) -> list[str]:
+def advice(work: Workload, ch: StepPlan, total: int, over: float) -> list[str]:
     """The levers, each with what it changes; over: the host's time over the GPU's."""
     out = []
     unit = work.world * (ch.micro_batch or work.micro_batch or 1)

@@ -112,7 +112,7 @@ class Plan:
         ]
         lines += [
             "",
-            f"predicted step {s.predicted_step_s:.3f} s (GPU busy {dict(self.busy_s)['gpu']:.3f} s, exposed "
+            f"predicted step {s.predicted_step_s:.3f} s (GPU busy {dict(self.busy_s)['device']:.3f} s, exposed "
             f"{self.exposed_s:.3f} s): {self.tokens_per_s:,.0f} tokens/s"
             + (" when the gradient norm stays under max_grad_norm" if w.clip else ""),
         ]

@@ -38,9 +38,10 @@ from slidedp.jobrecord import sums_on_host
 from slidedp.planner import costs
 from slidedp.planner.calibration import Calibration
 from slidedp.planner.measure import LayerTime, LossTime, normalized, shape_key
-from slidedp.planner.workload import Choices, Workload
+from slidedp.planner.workload import Workload
+from slidedp.stepplan import StepPlan
 
-RESOURCES = ("gpu", "h2d", "d2h", "reduce", "update", "host")
+RESOURCES = ("device", "h2d", "d2h", "reduce", "update", "host")
 _STEPS = 8  # simulated steps; the period is averaged over the last _AVERAGE of them
 _AVERAGE = 4
 
@@ -80,7 +81,7 @@ def _rates(calib: Calibration, both: bool, ranks: int = 1) -> tuple[float, float
     return min(h, share * h / (h + d)), min(d, share * d / (h + d))
 
 
-def _tasks(work: Workload, ch: Choices, calib: Calibration) -> list[_Task]:
+def _tasks(work: Workload, ch: StepPlan, calib: Calibration) -> list[_Task]:
     m, nl, h, v = work.model, work.model.num_layers, work.model.hidden_size, work.model.vocab_size
     db = costs.delivery_bytes(ch.delivery)
     gb = costs.GRAD_BYTES
@@ -171,14 +172,14 @@ def _tasks(work: Workload, ch: Choices, calib: Calibration) -> list[_Task]:
     return tasks
 
 
-def micro_batch_of(work: Workload, ch: Choices) -> int:
+def micro_batch_of(work: Workload, ch: StepPlan) -> int:
     m = ch.micro_batch or work.micro_batch
     if not m:
         raise ValueError("no micro-batch: the workload leaves it to the plan (micro_batch = 0) and the choices name none")
     return m
 
 
-def device_times(work: Workload, ch: Choices, calib: Calibration) -> tuple[float, float, float]:
+def device_times(work: Workload, ch: StepPlan, calib: Calibration) -> tuple[float, float, float]:
     """One rank's GPU seconds per step of one layer's forward, of its recompute + backward, and of the
     loss: the blocks measured on the job's GPU at this shape and size (calib.blocks) times the passes
     per step; a size not measured takes the measured one nearest to it, per sequence (the planner may
@@ -199,7 +200,7 @@ def device_times(work: Workload, ch: Choices, calib: Calibration) -> tuple[float
     return fwd, bwd, g_loss
 
 
-def measured(work: Workload, ch: Choices, calib: Calibration,
+def measured(work: Workload, ch: StepPlan, calib: Calibration,
              nearest: bool = False) -> tuple[LayerTime | None, LossTime | None]:
     """The layer and the loss measured on the GPU at this plan's sizes (None: not measured; blocks of
     another job's shape are not this one's); nearest: else the measured sizes nearest to them (the
@@ -220,7 +221,7 @@ def measured(work: Workload, ch: Choices, calib: Calibration,
     return layer, loss
 
 
-def device_time_source(work: Workload, ch: Choices, calib: Calibration) -> str:
+def device_time_source(work: Workload, ch: StepPlan, calib: Calibration) -> str:
     """Where the plan's layer and loss times come from: "measured" at its sizes, "nearby" (measured at
     other sizes of this shape), or "FLOPs" (at the calibrated rate)."""
     if None not in measured(work, ch, calib):
@@ -279,7 +280,7 @@ def _period(tasks: list[_Task], depth: int, updaters: int, clip: bool, clips: bo
     return (ends[-1] - ends[-1 - _AVERAGE]) / _AVERAGE
 
 
-def host_traffic(work: Workload, ch: Choices) -> dict[str, int]:
+def host_traffic(work: Workload, ch: StepPlan) -> dict[str, int]:
     """Host memory bytes of one step, all ranks, by what moves them (costs.host_traffic)."""
     return costs.host_traffic(
         work.model, tokens=work.local_tokens, delivery=ch.delivery, embedding=ch.embedding,
@@ -289,7 +290,7 @@ def host_traffic(work: Workload, ch: Choices) -> dict[str, int]:
         summed=sums_on_host(work.world, ch.grad_route))
 
 
-def host_bound_s(work: Workload, ch: Choices, calib: Calibration) -> float:
+def host_bound_s(work: Workload, ch: StepPlan, calib: Calibration) -> float:
     """The shortest step host memory allows: the step's host bytes at the host's measured copy rate (reads and
     writes together; every NUMA node's). 0 where the calibration did not measure it."""
     if not calib.host_copy_gbps:
@@ -297,7 +298,7 @@ def host_bound_s(work: Workload, ch: Choices, calib: Calibration) -> float:
     return sum(host_traffic(work, ch).values()) / (calib.host_copy_gbps * 1e9)
 
 
-def predict_step(work: Workload, choices: Choices, calib: Calibration, clips: bool = False,
+def predict_step(work: Workload, choices: StepPlan, calib: Calibration, clips: bool = False,
                  corrected: bool = False) -> tuple[dict[str, float], float, float]:
     """The model: (busy seconds per resource per step, exposed seconds, predicted step seconds).
     clips: a step after a clipped one (every update deferred); corrected: a step that speculated and clipped."""
@@ -309,7 +310,7 @@ def predict_step(work: Workload, choices: Choices, calib: Calibration, clips: bo
     tasks = _tasks(work, choices, calib)
     jobs = [j for t in tasks for j in t.jobs]
     busy = {
-        "gpu": sum(t.device_s for t in tasks),
+        "device": sum(t.device_s for t in tasks),
         "h2d": sum(t.h2d_s for t in tasks),
         "d2h": sum(t.d2h_s for t in tasks),
         "reduce": sum(j.reduce_s for j in jobs),
@@ -318,4 +319,4 @@ def predict_step(work: Workload, choices: Choices, calib: Calibration, clips: bo
     }
     # the schedule's period, and never less than host memory needs to move the step's bytes
     step = max(_period(tasks, choices.prefetch_depth, work.updaters, work.clip, clips, corrected), busy["host"])
-    return busy, step - busy["gpu"], step
+    return busy, step - busy["device"], step

@@ -7,7 +7,6 @@ from dataclasses import dataclass
 
 from slidedp.model.config import ModelConfig
 from slidedp.planner import costs
-from slidedp.stepplan import StepPlan
 
 
 @dataclass(frozen=True)
@@ -49,5 +48,3 @@ class Workload:
     def tokens_per_step(self) -> int:
         return self.global_batch * self.seq_len
 
-
-Choices = StepPlan  # step_model.py's name for the plan it weighs: the planner searches step plans

@@ -60,7 +60,7 @@ def test_a_measured_layer_time_decides_the_micro_batch():
         # the GPU time is the measured blocks times the passes: 28 layers x (fwd + bwd) + the loss
         nl, passes = work.model.num_layers, 8 // want
         per_pass = times[want] * want
-        gpu = dict(plan.busy_s)["gpu"]
+        gpu = dict(plan.busy_s)["device"]
         held = gpu - nl * passes * 4 * per_pass - passes * per_pass / 10
         assert 0 <= held < 0.05 * gpu  # what remains is the device-held units' AdamW
         weighed = {c.micro_batch: c for c in plan.weighed}

@@ -84,7 +84,7 @@ def test_toy_prediction_embedding_on_gpu():
     busy, exposed, step = predict_step(toy(), StepPlan(embedding="device"), TOY_CAL)
     gpu = 2 * 1 + G_LOSS + 2 * 3 + 0.1  # forward, loss, recompute+backward, GPU AdamW of the embedding
     assert busy == pytest.approx({
-        "gpu": gpu,
+        "device": gpu,
         "h2d": 4 * H + NORM_IO,  # each layer fetched twice, the norm once
         "d2h": 2 * H + NORM_IO,
         "reduce": 0.0,  # one rank: nothing to sum
@@ -104,10 +104,10 @@ def test_a_device_held_first_layer_leaves_the_host_and_the_tail():
     busy, exposed, step = predict_step(toy(), StepPlan(embedding="device", device_layers=1), TOY_CAL)
     held_adamw = P / 163_840
     assert busy == pytest.approx({
-        "gpu": 8 + G_LOSS + 0.1 + held_adamw, "h2d": 2 * H + NORM_IO, "d2h": H + NORM_IO, "reduce": 0.0,
+        "device": 8 + G_LOSS + 0.1 + held_adamw, "h2d": 2 * H + NORM_IO, "d2h": H + NORM_IO, "reduce": 0.0,
         "update": U + NORM_U, "host": 0.0,
     }, rel=1e-12)
-    assert step == pytest.approx(busy["gpu"], rel=1e-12) and exposed == pytest.approx(0.0, abs=1e-12)
+    assert step == pytest.approx(busy["device"], rel=1e-12) and exposed == pytest.approx(0.0, abs=1e-12)
     # without it the step was the GPU's 8 + G_LOSS + 0.1 plus the exposed tail H + U + H - 0.1
     assert predict_step(toy(), StepPlan(embedding="device"), TOY_CAL)[2] - step == pytest.approx(H + U + H - 0.1 - held_adamw)
 
@@ -144,7 +144,7 @@ def test_compiled_layers_are_charged_the_measured_speedup():
     """train.compile: each layer's forward and recompute + backward at COMPILED_LAYER_SPEEDUP times the
     eager rate; the loss and the GPU AdamW stay as they were."""
     busy, _, _ = predict_step(toy(compiled=True), StepPlan(embedding="device"), TOY_CAL)
-    assert busy["gpu"] == pytest.approx((2 * 1 + 2 * 3) / costs.COMPILED_LAYER_SPEEDUP + G_LOSS + 0.1, rel=1e-12)
+    assert busy["device"] == pytest.approx((2 * 1 + 2 * 3) / costs.COMPILED_LAYER_SPEEDUP + G_LOSS + 0.1, rel=1e-12)
 
 
 def test_toy_prediction_embedding_on_host():
@@ -154,7 +154,7 @@ def test_toy_prediction_embedding_on_host():
     need_u = 64 * 64 / 1e5  # the next batch's rows (<= 64 distinct tokens), updated first
     rest_u = 256 * 64 * (1 - 64 / 256) / 1e5
     assert busy == pytest.approx({
-        "gpu": 8 + G_LOSS,
+        "device": 8 + G_LOSS,
         "h2d": 4 * H + NORM_IO + rows_in + head_in,
         "d2h": 2 * H + NORM_IO + head_in,  # the whole embedding gradient comes back
         "reduce": 0.0,
@@ -283,7 +283,7 @@ def test_plan_never_exceeds_budget():
         assert 0 <= plan.step.resident_layers <= work.model.num_layers
         busy = dict(plan.busy_s)
         assert plan.step.predicted_step_s >= max(busy.values()) * (1 - 1e-12)
-        assert plan.exposed_s == pytest.approx(plan.step.predicted_step_s - busy["gpu"])
+        assert plan.exposed_s == pytest.approx(plan.step.predicted_step_s - busy["device"])
         assert plan.tokens_per_s == pytest.approx(work.tokens_per_step / plan.step.predicted_step_s)
     assert fitted > 10 and refused > 0
 
@@ -795,7 +795,7 @@ def test_old_learned_gpu_factors_are_ignored_and_a_runs_gpu_time_is_reported_not
     assert "(GPU-time factors learned from runs) ignored" in caplog.text and "left out" not in caplog.text
     plan = make_plan(work, 24 * GiB, cal, {"delivery": ("fp32",)})
     run = JobPlan(plan.step, plan)
-    gpu = dict(plan.busy_s)["gpu"]
+    gpu = dict(plan.busy_s)["device"]
     side = [30.0, 1.18 * gpu, 1.22 * gpu, 1.20 * gpu]  # the first step (start-up) is left out
     assert device_time_against_plan(run, side) == pytest.approx(1.20)
     caplog.clear()
