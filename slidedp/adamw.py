@@ -1,4 +1,4 @@
-"""The updater's AdamW over the store's memory: one pass per chunk, the shadow and clipping inside it.
+"""The updater's AdamW over the store's memory: torch's fused kernel, and a compiled pass for what it lacks.
 
 A chunk's update streams master, both moments and the gradient from host memory once (28 B/param:
 four read, three written). torch's fused kernel (`torch._fused_adamw_`) does just that, and runs the
@@ -11,12 +11,15 @@ thread taking blocks of `_KBLOCK` elements, with torch's fused kernel's operatio
 (but no fused multiply-add: numba does not contract), so its results are within float32 rounding of
 torch's, and the same bits on every machine and at every thread count.
 
-Without numba (or with SLIDEDP_ADAMW_KERNEL=torch) a shadow or a clipping falls back to torch's
-kernel and a second pass for the shadow's cast. Running torch's kernel block by block instead, to
-cast from cache, made every block a parallel region of the updater's threads, which one preempted
-thread holds up: measured slower than the second pass (docs/tuning.md, "The updater's kernels").
-The plain update stays torch's kernel: on this project's CPUs the compiled one measured 0.8-1.3x
-of it, nothing to gain (benchmarks/updater_rates.py says on a host).
+Which runs (hosttraffic.adamw_kernel, SLIDEDP_ADAMW_KERNEL): by default every update is torch's
+kernel (a shadow then a second pass), and the compiled kernels run the corrections of speculated
+chunks (slidedp/clipping/rollback.py), 2.8x the undo + redo they replace on the H200 host and 11x
+beside a copy. The compiled update ("all") is opt-in: on that host at 16 threads it ran clipped
+updates at 0.91x torch's and shadow updates at 0.87x (0.64x beside a copy; docs/tuning.md, "The
+defaults on one H200"), and a store with a shadow must train the same bits as one without (the
+bf16 delivery is exact only if both stores' updates are the same kernel's). Running torch's kernel
+block by block instead, to cast from cache, made every block a parallel region of the updater's
+threads, which one preempted thread holds up: measured slower than the second pass.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from typing import Iterable, Sequence
 
 import torch
 
-from slidedp.hosttraffic import compiled_kernel_wanted
+from slidedp.hosttraffic import adamw_kernel
 
 try:  # the compiled kernels; without numba, torch's fused kernel (same results to float32 rounding)
     import numba
@@ -36,8 +39,10 @@ except ImportError:  # pragma: no cover - numba is a dependency; this keeps an o
     numba = None
 
 COMPILED = numba is not None
-# the kernel the updater runs: compiled where numba is there, unless SLIDEDP_ADAMW_KERNEL=torch
-USE_COMPILED = COMPILED and compiled_kernel_wanted()
+# the kernels the updater runs (hosttraffic.adamw_kernel): the compiled correction where numba is there,
+# the compiled update for clipped and shadow updates only where SLIDEDP_ADAMW_KERNEL=all asks for it
+USE_COMPILED = COMPILED and adamw_kernel() != "torch"
+STEP_COMPILED = COMPILED and adamw_kernel() == "all"
 
 # Elements per block of the torch-op paths (the undo, and the correction without numba): a block of
 # the four tensors (16 MiB) stays in the last-level cache from one op to the next, and a 100 M-parameter
@@ -175,7 +180,7 @@ def _compiled_step_(pieces: list[Piece], *, lr: float, beta1: float, beta2: floa
 
 
 def step_(pieces: Iterable[Sequence[torch.Tensor | None]], *, lr: float, beta1: float, beta2: float, eps: float,
-          weight_decay: float, step: int, coef: float = 1.0, compiled: bool = USE_COMPILED) -> None:
+          weight_decay: float, step: int, coef: float = 1.0, compiled: bool = STEP_COMPILED) -> None:
     """AdamW step `step` over every piece (master, grad, exp_avg, exp_avg_sq, shadow or None), the
     gradient clipped by `coef`, each shadow cast from its new master. compiled, where there is a shadow
     or a clipping to fold in: one pass, the store's gradient left as it was; else torch's fused kernel

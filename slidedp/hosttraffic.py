@@ -10,9 +10,9 @@ Per element of a chunk:
 - a gradient out writes 4 B (fp32) into a ring slot;
 - the fused AdamW reads master, exp_avg, exp_avg_sq and the gradient (16 B) and writes the three
   states (12 B): 28 B;
-- the shadow: the compiled kernel (slidedp/adamw.py, numba) casts each block of the new master while
-  it is in cache and writes the shadow (2 B); torch's kernel (no numba, or SLIDEDP_ADAMW_KERNEL=torch)
-  leaves it to a second pass (store.refresh_shadow) that reads the new master (4 B) and writes it (2 B);
+- the shadow: after torch's kernel (the default) a second pass (store.refresh_shadow) reads the new
+  master (4 B) and writes the shadow (2 B); with SLIDEDP_ADAMW_KERNEL=all the compiled kernel
+  (slidedp/adamw.py, numba) casts each block while it is in cache and writes only the shadow (2 B);
 - a correction of a speculative update (undo, then the clipped redo, block by block in cache,
   clipping/rollback.py) touches the chunk's state about once: one AdamW's bytes, and the refresh again;
 - the aggregator's sum of N ranks' gradients reads N and writes 1 (4 B each); a copy reads 1 and
@@ -26,18 +26,27 @@ import os
 from typing import Mapping
 
 
-def compiled_kernel_wanted(environ: Mapping[str, str] | None = None) -> bool:
-    """Whether the updaters run slidedp/adamw.py's compiled kernel: numba is installed and
-    SLIDEDP_ADAMW_KERNEL does not ask for torch's (told without importing numba)."""
+KERNELS = ("correction", "all", "torch")
+
+
+def adamw_kernel(environ: Mapping[str, str] | None = None) -> str:
+    """Which AdamW kernels the updaters run, from SLIDEDP_ADAMW_KERNEL (told without importing numba):
+    "correction" (the default): torch's fused kernel for every update, slidedp/adamw.py's compiled
+    one-pass kernel for the corrections of speculated chunks; "all": the compiled kernel also for
+    clipped and shadow updates (the shadow cast inside the pass); "torch": torch's for everything.
+    Without numba, "torch" whatever is asked."""
     env = os.environ if environ is None else environ
-    return env.get("SLIDEDP_ADAMW_KERNEL", "compiled") != "torch" and importlib.util.find_spec("numba") is not None
+    kind = env.get("SLIDEDP_ADAMW_KERNEL", "correction")
+    if kind not in KERNELS:
+        raise ValueError(f"SLIDEDP_ADAMW_KERNEL must be one of {', '.join(KERNELS)}, got {kind!r}")
+    return kind if importlib.util.find_spec("numba") is not None else "torch"
 
 
 FP32 = 4
 ADAMW_BYTES = 16 + 12  # reads p, m, v, g; writes p, m, v
 SHADOW_IN_PASS_BYTES = 2  # the compiled kernel writes the shadow from cache, inside the AdamW pass
 SHADOW_PASS_BYTES = 4 + 2  # torch's kernel: a pass of its own reads the new master, writes its bf16 copy
-SHADOW_REFRESH_BYTES = SHADOW_IN_PASS_BYTES if compiled_kernel_wanted() else SHADOW_PASS_BYTES
+SHADOW_REFRESH_BYTES = SHADOW_IN_PASS_BYTES if adamw_kernel() == "all" else SHADOW_PASS_BYTES
 
 
 def fetch_bytes(delivery: str) -> int:

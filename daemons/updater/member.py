@@ -53,10 +53,11 @@ def serve_member(store: str, index: int, pool: int, ready_fd: int = -1) -> int:
     hello = Hello(ROLE_UPDATER, index, pool, os.getpid())
     send(sock, hello)
     stop = stop_on(signal.SIGTERM, ignore=(signal.SIGINT,))  # the parent or launcher decides; Ctrl-C goes to the group
-    log.info("updater %d/%d up, %d threads on CPUs %s; shadow and clipping %s", index, pool, torch.get_num_threads(),
+    log.info("updater %d/%d up, %d threads on CPUs %s; AdamW kernels: %s", index, pool, torch.get_num_threads(),
              numa.format_cpulist(list(os.sched_getaffinity(0))),
-             "in the compiled pass" if adamw.USE_COMPILED else
-             "after torch's kernel (numba missing or SLIDEDP_ADAMW_KERNEL=torch)")
+             "compiled for every clipped, shadow and corrected update" if adamw.STEP_COMPILED else
+             "torch's for updates, compiled for corrections" if adamw.USE_COMPILED else
+             "torch's (numba missing or SLIDEDP_ADAMW_KERNEL=torch)")
     last_hello = time.monotonic()
     failed = False
 

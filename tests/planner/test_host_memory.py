@@ -148,8 +148,15 @@ def test_host_memory_is_measured_per_numa_node_and_added_up():
 
 
 def test_the_shadow_costs_its_write_where_the_compiled_kernel_runs():
-    """The updaters' kernel decides what the shadow costs: numba's writes it inside the AdamW pass."""
-    assert hosttraffic.compiled_kernel_wanted({}) is (importlib.util.find_spec("numba") is not None)
-    assert hosttraffic.compiled_kernel_wanted({"SLIDEDP_ADAMW_KERNEL": "torch"}) is False
+    """The updaters' kernel decides what the shadow costs: numba's (SLIDEDP_ADAMW_KERNEL=all) writes it inside
+    the AdamW pass, after torch's kernel it is a pass of its own."""
+    numba = importlib.util.find_spec("numba") is not None
+    assert hosttraffic.adamw_kernel({}) == ("correction" if numba else "torch")
+    assert hosttraffic.adamw_kernel({"SLIDEDP_ADAMW_KERNEL": "all"}) == ("all" if numba else "torch")
+    assert hosttraffic.adamw_kernel({"SLIDEDP_ADAMW_KERNEL": "torch"}) == "torch"
+    with pytest.raises(ValueError, match="SLIDEDP_ADAMW_KERNEL must be one of correction, all, torch, got 'fast'"):
+        hosttraffic.adamw_kernel({"SLIDEDP_ADAMW_KERNEL": "fast"})
+    # by default the shadow is a pass of its own after torch's kernel
+    assert hosttraffic.SHADOW_REFRESH_BYTES == hosttraffic.SHADOW_PASS_BYTES
     assert hosttraffic.update_bytes(True) - hosttraffic.update_bytes(False) == hosttraffic.SHADOW_REFRESH_BYTES
     assert (hosttraffic.SHADOW_IN_PASS_BYTES, hosttraffic.SHADOW_PASS_BYTES) == (2, 6)
