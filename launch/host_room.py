@@ -16,6 +16,7 @@ from slidedp.jobrecord import gradient_space, ring_slots
 from slidedp.stepplan import StepPlan
 from slidedp.store.layout import Layout
 from slidedp.store.rings import rings_bytes
+from slidedp.store.shm import SHM_DIR
 from slidedp.store.store import segment_sizes
 
 GiB = 1 << 30
@@ -55,8 +56,14 @@ def host_need(job: JobConfig, layout: Layout, step: StepPlan, store_exists: bool
     return HostNeed(tuple(items), per_chunk)
 
 
-def room_problem(job: JobConfig, need: HostNeed, available: int) -> str | None:
-    """None where the host has room; else what the job needs, what the host has, and what would help."""
+def room_problem(job: JobConfig, need: HostNeed, available: int, shm_free: int | None = None) -> str | None:
+    """None where the host has room; else what the job needs, what the host has, and what would help.
+    shm_free: what /dev/shm has free (the store and the rings live there; the processes do not)."""
+    shm = sum(b for what, b in need.items if not what.startswith("the job's processes"))
+    if shm_free is not None and shm > shm_free:
+        return (f"the job needs {shm / GiB:.1f} GiB of shared memory ({need.describe()}) but {SHM_DIR} has only "
+                f"{shm_free / GiB:.1f} GiB free; enlarge it (e.g. `mount -o remount,size=<N>G {SHM_DIR}`) or "
+                f"choose a smaller model/store")
     if need.total <= available:
         return None
     helps = ["a host with more memory, or other stores destroyed (`slidedp-store list` shows them)"]

@@ -37,6 +37,7 @@ from slidedp.store.client import StoreRequestError, call, daemon_running
 from slidedp.store.ephemeral import creator_record, left_behind
 from slidedp.store.layout import make_layout
 from slidedp.store.mismatch import describe as describe_mismatch
+from slidedp.store.shm import shm_free_bytes
 from slidedp.transport import bind_router, connect_dealer, identity, recv_dealer, recv_router, send
 
 from . import children
@@ -168,7 +169,7 @@ class JobRun:
         device_chunks = held_chunk_ids(self.layout, held_unit_names(cfg, step))
 
         room = room_problem(job, host_need(job, self.layout, step, exists, self.plan.shadow, device_chunks),
-                            psutil.virtual_memory().available)
+                            psutil.virtual_memory().available, shm_free_bytes())
         if room:
             raise JobFailed(room)
         if not exists:

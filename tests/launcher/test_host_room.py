@@ -60,3 +60,14 @@ def test_without_clipping_the_rings_are_a_few_slots_and_the_advice_says_nothing_
     assert dict(need.items)["gradient rings"] == sum(rings_bytes(layout, 1, 12, 0, False)) < 9 * GiB
     msg = room_problem(job, need, need.total - 1)
     assert msg is not None and "max_grad_norm" not in msg and "a host with more memory" in msg
+
+
+def test_a_dev_shm_too_small_for_the_store_and_rings_is_named():
+    job, layout = _job(), make_layout(named_shape("qwen3-8b"))
+    need = host_need(job, layout, StepPlan(), store_exists=False, shadow=False)
+    shm = need.total - PROCESS_BYTES["cuda"]
+    msg = room_problem(job, need, 10 * need.total, shm_free=shm - 1)
+    assert msg == (f"the job needs {shm / GiB:.1f} GiB of shared memory ({need.describe()}) but /dev/shm has only "
+                   f"{(shm - 1) / GiB:.1f} GiB free; enlarge it (e.g. `mount -o remount,size=<N>G /dev/shm`) or "
+                   f"choose a smaller model/store")
+    assert room_problem(job, need, 10 * need.total, shm_free=shm) is None  # the processes are not in /dev/shm

@@ -260,9 +260,9 @@ def test_shm_too_small(tmp_path, caplog, unserved_store_daemons):
     rc, logs = run_inprocess(fast_sets(unserved_store_daemons.store, tmp_path / "run", 'model.shape="qwen3-14b"',
                                        "model.vocab_size=0"), caplog)
     assert rc == 1
-    m = re.search(r"job failed: store '[^']+' \(14\.\d+ B parameters\) needs (\d+\.\d+) GiB of shared memory but "
-                  r"/dev/shm has only (\d+\.\d+) GiB free; enlarge it \(e\.g\. `mount -o remount,size=<N>G /dev/shm`\) "
-                  r"or choose a smaller model/store", logs)
+    m = re.search(r"job failed: the job needs (\d+\.\d+) GiB of shared memory \(the store's state \(12 B/param\) "
+                  r"165\.0 GiB, gradient rings .*\) but /dev/shm has only (\d+\.\d+) GiB free; enlarge it \(e\.g\. "
+                  r"`mount -o remount,size=<N>G /dev/shm`\) or choose a smaller model/store", logs)
     assert m and float(m.group(1)) > float(m.group(2)), logs
     unserved_store_daemons.check()
 
