@@ -32,6 +32,8 @@ from slidedp.store.rings import rings_bytes
 from slidedp.store.shm import SHM_DIR, list_store_segments, segment_name, shm_free_bytes
 from slidedp.store.store import segment_sizes
 
+from .host_room import PROCESS_BYTES
+
 GiB = 2**30
 # What a check can raise for bad input: ConfigError, DataError, ModelConfigError (ValueError);
 # CheckpointError, StoreError, ManifestError (RuntimeError); missing or unreadable files (OSError).
@@ -206,8 +208,11 @@ class DryRun:
         if need > free:
             self.problem("store", f"needs {_size(need)} of shared memory but {SHM_DIR} has only {_size(free)} free; "
                                   f"enlarge it (`mount -o remount,size=<N>G {SHM_DIR}`) or choose a smaller model")
-        elif need > avail:
-            self.problem("store", f"needs {_size(need)} of memory but the host has only {_size(avail)} available")
+        else:  # beside the store and rings, the job's processes (as the launcher counts them: launch/host_room.py)
+            procs = world * PROCESS_BYTES["cuda" if job.runtime.device.startswith("cuda") else "cpu"]
+            if need + procs > avail:
+                self.problem("store", f"needs {_size(need)} of memory and its {world} rank(s) about {_size(procs)} "
+                                      f"more, but the host has only {_size(avail)} available")
 
     def _left_behind(self, name: str, segments: dict[str, int]) -> bool:
         """A store that a dead job made for itself (store.persist = false): a run destroys it, never adopts it."""

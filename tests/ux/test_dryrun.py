@@ -181,6 +181,18 @@ def test_store_too_big_for_shared_memory(tmp_path, monkeypatch):
                               "(`mount -o remount,size=<N>G /dev/shm`) or choose a smaller model"]
 
 
+def test_memory_for_the_store_but_not_for_the_ranks_beside_it(tmp_path, monkeypatch):
+    """The launcher counts the job's processes beside the store and rings (launch/host_room.py): so does the
+    dry run. A host with 1.5 GiB available holds the tiny job's 2.5 MiB store, not its 2 ranks' 2 GiB."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(dryrun.psutil, "virtual_memory", lambda: SimpleNamespace(available=3 * 2**29))
+    rc, text = dry(tmp_path)
+    assert rc == 1
+    assert problems(text) == ["needs 2.5 MiB of memory and its 2 rank(s) about 2.00 GiB more, but the host has only "
+                              "1.50 GiB available"]
+
+
 def test_store_holding_another_model(tmp_path, made_store):
     other = made_store("tiny-llama")
     other.close()
