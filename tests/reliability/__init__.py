@@ -6,6 +6,7 @@ and `drop_store` removes its segments, so a failing test leaves nothing behind.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -293,3 +294,16 @@ def run_uninterrupted(tmp: Path, store: str, sets: list[str], timeout: float) ->
     finally:
         run.cleanup()
         drop_store(store)
+
+
+def wait_marker(run: RunningJob, marker: Path, timeout: float = 120.0) -> dict:
+    """What the process held at a fault point wrote (slidedp/faults.py), once it is there (the timeout
+    only bounds a hang: whenever the point is reached, the wait ends)."""
+    deadline = time.monotonic() + timeout
+    while not marker.exists():
+        assert run.proc.poll() is None, f"launcher exited before the hold:\n{run.output[-4000:]}"
+        assert time.monotonic() < deadline, f"nothing reached the hold point:\n{run.output[-4000:]}"
+        run.note_pids()
+        time.sleep(0.02)
+    run.note_pids()
+    return json.loads(marker.read_text())

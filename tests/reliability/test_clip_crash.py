@@ -26,7 +26,8 @@ from slidedp.faults import ENV as HOLD_ENV
 from slidedp.store import checkpoint as ckpt
 from slidedp.store.client import StoreRequestError, call
 
-from . import TINY, RunningJob, drop_store, fast_sets, manifest_state, run_uninterrupted, unique_store, wait_gone
+from . import (TINY, RunningJob, drop_store, fast_sets, manifest_state, run_uninterrupted, unique_store, wait_gone,
+               wait_marker)
 from pipeline.harness import checkpoint_state, checkpoint_weights, metrics
 
 STEPS = 6
@@ -46,17 +47,6 @@ def uninterrupted(tmp_path_factory):
     return tmp / "run"
 
 
-def _wait_marker(run: RunningJob, marker: Path, timeout: float = 120.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while not marker.exists():
-        assert run.proc.poll() is None, f"launcher exited before the hold:\n{run.output[-4000:]}"
-        assert time.monotonic() < deadline, f"no correction reached the hold point:\n{run.output[-4000:]}"
-        run.note_pids()
-        time.sleep(0.02)
-    run.note_pids()
-    return json.loads(marker.read_text())
-
-
 @pytest.mark.parametrize("victim", ["updater_member", "aggregator"])
 def test_kill_during_a_correction_is_torn_then_resumes_exactly(tmp_path, victim, uninterrupted):
     store = unique_store(f"clipcr-{victim[:3]}")
@@ -64,7 +54,7 @@ def test_kill_during_a_correction_is_torn_then_resumes_exactly(tmp_path, victim,
     try:
         run = RunningJob.start(TINY, _sets(store, run_dir), tmp_path, store, env={HOLD_ENV: f"correct@{HOLD_STEP}:{marker}"})
         try:
-            held = _wait_marker(run, marker)
+            held = wait_marker(run, marker)
             assert held["step"] >= HOLD_STEP
             deadline = time.monotonic() + 120  # the held step does not stop the checkpoint of step 2 being written
             while ckpt.latest_valid(run_dir / "checkpoints") is None:

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import zmq
 
+from slidedp.faults import ENV as HOLD_ENV
 from slidedp.paths import socket_address
 from slidedp.protocol import _REGISTRY, MAX_TEXT, Ack, Grad, JobStart, ProtocolError, Reply, Request, decode, request
 from slidedp.store.client import call
@@ -25,7 +26,8 @@ from slidedp.transport import recv_dealer, send
 
 from pipeline.harness import attached_job_record
 
-from . import TINY, RunningJob, daemon_pids, drop_store, fast_sets, start_daemons, stop_daemons, unique_store
+from . import (TINY, RunningJob, daemon_pids, drop_store, fast_sets, start_daemons, stop_daemons, unique_store,
+               wait_marker)
 
 _EXAMPLES = {  # one valid instance of each message type with fixed fields, for truncating and padding
     t: cls(*[("{}" if f == "text" else 1) for f in cls.__dataclass_fields__]) for t, cls in _REGISTRY.items()
@@ -182,12 +184,17 @@ def test_a_job_trains_through_garbage(daemons, tmp_path):
     store, procs, logs = daemons
     pids = daemon_pids(store)
     run_dir = tmp_path / "run"
-    run = RunningJob.start(TINY, fast_sets(store, run_dir, "train.steps=4"), tmp_path, store)
+    marker = tmp_path / "held"
+    # the launcher holds once it has reported step 1 (slidedp/faults.py): the garbage is in every socket
+    # while the job is mid-way, whatever the machine's speed
+    run = RunningJob.start(TINY, fast_sets(store, run_dir, "train.steps=4"), tmp_path, store,
+                           env={HOLD_ENV: f"reported@1:{marker}"})
     try:
-        run.wait_step(1, run_dir)
+        wait_marker(run, marker)
         payloads = undecodable(random.Random(11))[:80]
         for socket in ("job", "agg", "control"):
             blast(store, socket, payloads)
+        marker.unlink()
         assert run.wait_exit(240) == 0, run.output[-4000:]
     finally:
         run.cleanup()
