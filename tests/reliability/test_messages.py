@@ -60,7 +60,9 @@ def undecodable(rng: random.Random) -> list[bytes]:
     return out
 
 
-def blast(store: str, socket: str, payloads: list, ident: bytes = b"intruder") -> None:
+def blast(store: str, socket: str, payloads: list, ident: bytes = b"intruder", keep_open: bool = False):
+    """Send every payload to one of the store's sockets; with keep_open the socket is returned open (a
+    ROUTER may drop what a peer sent once the peer is gone, before the owner has read it)."""
     ctx = zmq.Context.instance()
     s = ctx.socket(zmq.DEALER)
     s.setsockopt(zmq.IDENTITY, ident)
@@ -73,8 +75,13 @@ def blast(store: str, socket: str, payloads: list, ident: bytes = b"intruder") -
                 s.send_multipart(p)
             else:
                 s.send(p)
-    finally:
-        s.close()  # linger: every message delivered before we go on
+    except BaseException:
+        s.close()
+        raise
+    if keep_open:
+        return s
+    s.close()  # linger: every message delivered before we go on
+    return None
 
 
 def aggregator_answers(store: str, timeout: float = 30.0, record: dict | None = None) -> str:
@@ -189,14 +196,17 @@ def test_a_job_trains_through_garbage(daemons, tmp_path):
     # while the job is mid-way, whatever the machine's speed
     run = RunningJob.start(TINY, fast_sets(store, run_dir, "train.steps=4"), tmp_path, store,
                            env={HOLD_ENV: f"reported@1:{marker}"})
+    senders = []
     try:
         wait_marker(run, marker)
         payloads = undecodable(random.Random(11))[:80]
-        for socket in ("job", "agg", "control"):
-            blast(store, socket, payloads)
+        for socket in ("job", "agg", "control"):  # open until the job ends: the held launcher reads them later
+            senders.append(blast(store, socket, payloads, keep_open=True))
         marker.unlink()
         assert run.wait_exit(240) == 0, run.output[-4000:]
     finally:
+        for s in senders:
+            s.close(linger=0)
         run.cleanup()
     assert "dropped a bad message" in run.output  # the launcher's job socket logged them too
     assert [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()] == [0, 1, 2, 3]
