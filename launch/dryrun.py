@@ -32,7 +32,7 @@ from slidedp.store.rings import rings_bytes
 from slidedp.store.shm import SHM_DIR, list_store_segments, segment_name, shm_free_bytes
 from slidedp.store.store import segment_sizes
 
-from .host_room import PROCESS_BYTES
+from .host_room import process_bytes
 
 GiB = 2**30
 # What a check can raise for bad input: ConfigError, DataError, ModelConfigError (ValueError);
@@ -209,7 +209,7 @@ class DryRun:
             self.problem("store", f"needs {_size(need)} of shared memory but {SHM_DIR} has only {_size(free)} free; "
                                   f"enlarge it (`mount -o remount,size=<N>G {SHM_DIR}`) or choose a smaller model")
         else:  # beside the store and rings, the job's processes (as the launcher counts them: launch/host_room.py)
-            procs = world * PROCESS_BYTES["cuda" if job.runtime.device.startswith("cuda") else "cpu"]
+            procs = process_bytes(job)
             if need + procs > avail:
                 self.problem("store", f"needs {_size(need)} of memory and its {world} rank(s) about {_size(procs)} "
                                       f"more, but the host has only {_size(avail)} available")

@@ -4,7 +4,7 @@ A job needs host memory for its store's state (created by the job where it does 
 gradient rings (with exact clipping one slot per host chunk: every gradient of a step stays until
 the step's norm) and its processes. The store refuses a state it has no room for, but the rings
 and processes came after it: on the H200 host (125 GiB) a Qwen3-8B job with clipping created its
-91.5 GiB store and 30.5 GiB of rings, and the host-state daemon was killed for memory in step 0.
+91.5 GiB store and 30.9 GiB of rings, and the host-state daemon was killed for memory in step 0.
 """
 
 from __future__ import annotations
@@ -28,15 +28,30 @@ PROCESS_BYTES = {"cuda": 8 * GiB, "cpu": 1 * GiB}
 
 @dataclass(frozen=True)
 class HostNeed:
-    items: tuple[tuple[str, int], ...]  # what -> bytes
+    shm: tuple[tuple[str, int], ...]  # what lives in /dev/shm (the store to create, the rings) -> bytes
+    processes: int  # the job's processes' memory, beside them
+    world: int
     rings_per_chunk: bool  # exact clipping's ring: a slot per host chunk
 
     @property
+    def items(self) -> tuple[tuple[str, int], ...]:
+        return self.shm + ((f"the job's processes ({self.world} rank(s))", self.processes),)
+
+    @property
+    def shm_bytes(self) -> int:
+        return sum(b for _, b in self.shm)
+
+    @property
     def total(self) -> int:
-        return sum(b for _, b in self.items)
+        return self.shm_bytes + self.processes
 
     def describe(self) -> str:
         return ", ".join(f"{what} {b / GiB:.1f} GiB" for what, b in self.items)
+
+
+def process_bytes(job: JobConfig) -> int:
+    """Host memory charged for the job's processes: PROCESS_BYTES per rank of its device kind."""
+    return job.runtime.workers * PROCESS_BYTES["cuda" if job.runtime.device.startswith("cuda") else "cpu"]
 
 
 def host_need(job: JobConfig, layout: Layout, step: StepPlan, store_exists: bool, shadow: bool,
@@ -46,22 +61,19 @@ def host_need(job: JobConfig, layout: Layout, step: StepPlan, store_exists: bool
     slots, reduce_slots, full = gradient_space(layout, world, step.grad_route, clip, job.store.grad_slots,
                                                device_chunks)
     rings = sum(rings_bytes(layout, world, slots, reduce_slots, full, shard_slots=step.grad_route == "reduce_scatter"))
-    items = []
+    shm = []
     if not store_exists:
-        items.append((f"the store's state ({14 if shadow else 12} B/param)", sum(segment_sizes(layout, {}, shadow).values())))
+        shm.append((f"the store's state ({14 if shadow else 12} B/param)", sum(segment_sizes(layout, {}, shadow).values())))
     per_chunk = clip and not full and slots > ring_slots(job.store.grad_slots, layout.model.num_layers)
-    items.append(("gradient rings" + (" (exact clipping: a slot per host chunk)" if per_chunk else ""), rings))
-    device = "cuda" if job.runtime.device.startswith("cuda") else "cpu"
-    items.append((f"the job's processes ({world} rank(s))", world * PROCESS_BYTES[device]))
-    return HostNeed(tuple(items), per_chunk)
+    shm.append(("gradient rings" + (" (exact clipping: a slot per host chunk)" if per_chunk else ""), rings))
+    return HostNeed(tuple(shm), process_bytes(job), world, per_chunk)
 
 
 def room_problem(job: JobConfig, need: HostNeed, available: int, shm_free: int | None = None) -> str | None:
     """None where the host has room; else what the job needs, what the host has, and what would help.
     shm_free: what /dev/shm has free (the store and the rings live there; the processes do not)."""
-    shm = sum(b for what, b in need.items if not what.startswith("the job's processes"))
-    if shm_free is not None and shm > shm_free:
-        return (f"the job needs {shm / GiB:.1f} GiB of shared memory ({need.describe()}) but {SHM_DIR} has only "
+    if shm_free is not None and need.shm_bytes > shm_free:
+        return (f"the job needs {need.shm_bytes / GiB:.1f} GiB of shared memory ({need.describe()}) but {SHM_DIR} has only "
                 f"{shm_free / GiB:.1f} GiB free; enlarge it (e.g. `mount -o remount,size=<N>G {SHM_DIR}`) or "
                 f"choose a smaller model/store")
     if need.total <= available:

@@ -15,7 +15,7 @@ import sys
 from dataclasses import dataclass, replace
 
 from slidedp.config import JobConfig, model_config
-from slidedp.jobrecord import gradient_space, sums_on_host
+from slidedp.jobrecord import sums_on_host
 from slidedp.planner import Calibration, Plan, Workload, costs, make_plan
 from slidedp.planner.calibration import record_training as record_training_measured
 from slidedp.planner.measure import MeasuredBlocks
@@ -24,9 +24,9 @@ from slidedp.planner.step_model import device_time_source
 from slidedp.planner.costs import GiB
 from slidedp.stepplan import StepPlan
 from slidedp.store.layout import Layout, default_chunk_rows
-from slidedp.store.rings import rings_bytes
 from slidedp.store.shm import shm_free_bytes
-from slidedp.store.store import segment_sizes
+
+from .host_room import host_need
 
 log = logging.getLogger("slidedp.launcher")
 
@@ -145,9 +145,7 @@ def shadow_fits(job: JobConfig, layout: Layout) -> bool:
     job's gradient rings (on the host route: the larger), in /dev/shm and in the memory available."""
     import psutil
 
-    world, clip = job.runtime.workers, job.train.max_grad_norm > 0
-    slots, reduce_slots, full = gradient_space(layout, world, "host", clip, job.store.grad_slots)
-    need = sum(segment_sizes(layout, {}, True).values()) + sum(rings_bytes(layout, world, slots, reduce_slots, full))
+    need = host_need(job, layout, StepPlan(grad_route="host"), store_exists=False, shadow=True).shm_bytes
     return need <= min(shm_free_bytes(), psutil.virtual_memory().available)
 
 
