@@ -96,6 +96,26 @@ def test_create_from_transformers_folder_is_bit_exact(tmp_path, store, family, s
         s.close()
 
 
+@pytest.mark.parametrize("threads", [1, 4])
+def test_random_store_is_init_params_bit_for_bit(store, threads):
+    # the fill runs a tensor per thread: the values must not depend on which thread or in what order
+    from slidedp.model.init import init_params
+    from slidedp.store.store import fill_random
+
+    layout = make_layout(TINY)
+    made = HostStore.create(store, layout, {"source": "random:tiny", "init_seed": 3}, fill=fill_random(3, threads))
+    try:
+        want = init_params(TINY, 3)
+        got = dict(made.tensors("master"))
+        assert list(got) == list(want)
+        for name, ref in want.items():
+            assert torch.equal(got[name], ref), name
+        assert not any(made.flat(k).any() for k in ("exp_avg", "exp_avg_sq"))
+    finally:
+        made.close()
+
+
+
 # ---- checkpoint, then restore into a new store ----------------------------------------------------
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 def test_checkpoint_restore_into_new_store(tmp_path, dtype):
