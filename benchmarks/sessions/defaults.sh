@@ -7,8 +7,8 @@
 #   4b    the updaters' AdamW rates on store-like memory (benchmarks/updater_rates.py, ~1 min; RATES=0
 #         leaves them out), then Qwen3-4B at 8 x 2,048: SlideDP default, never-clips (max_grad_norm
 #         1000), clipping off; resident_same_kernels and gpu_resident (~6 min)
-#   4b32  the same at 32 x 2,048 without the rates; gpu_resident_chunked (the eager peer's full
-#         logits of 32 sequences do not fit), ~8 min
+#   4b32  the same at 32 x 2,048 without the rates, 10 steps a run; gpu_resident_chunked (the eager
+#         peer's full logits of 32 sequences do not fit), ~9 min
 #   8b    Qwen3-8B at 8 x 2,048: SlideDP default (with clipping it needs more host memory than this
 #         host's 125 GiB: the launcher refuses it, and the row says why), SlideDP clipping off, then
 #         resident_same_kernels and gpu_resident_chunked (~7 min)
@@ -22,7 +22,7 @@ out=$1 part=$2 budget=${BUDGET_S:-520} steps=8 warm=2
 work=/tmp/defaults/$part
 mkdir -p "$out" "$work"
 case $part in
-  4b) shape=qwen3-4b batch=8 ;; 4b32) shape=qwen3-4b batch=32 ;; 8b) shape=qwen3-8b batch=8 ;;
+  4b) shape=qwen3-4b batch=8 ;; 4b32) shape=qwen3-4b batch=32 steps=10 ;; 8b) shape=qwen3-8b batch=8 ;;
   *) echo "unknown PART $part (4b, 4b32, 8b)" >&2; exit 2 ;;
 esac
 store=defaults-$shape-b$batch
