@@ -104,8 +104,9 @@ class Calibration:
     # the lowest share measured in training; a first plan's device-held layers also hold at it
     adamw_train_fraction_low: float = 0.38
     # host memory, GB/s of bytes moved (planner/host_bandwidth.py): reading, writing, copying (read + write), every
-    # NUMA node on its own memory, added up; the copy rate bounds a step's host traffic (step_model.host_bound_s).
-    # 0: not measured (a cache file from before it: load_or_calibrate measures it)
+    # NUMA node on its own memory, added up; the larger of the read and copy rates bounds a step's host traffic
+    # (host_peak_gbps, step_model.host_bound_s). 0: not measured (a cache file from before it: load_or_calibrate
+    # measures it)
     host_read_gbps: float = 0.0
     host_write_gbps: float = 0.0
     host_copy_gbps: float = 0.0
@@ -120,6 +121,13 @@ class Calibration:
                 continue
             if f.type in ("float", "int") and not (math.isfinite(value) and value > 0):
                 raise CalibrationError(f"calibration field {f.name} must be a positive finite number, got {value!r}")
+
+    @property
+    def host_peak_gbps(self) -> float:
+        """The most the host's memory moved when measured: the larger of the read and copy rates. A step's copies
+        in (the GPU's DMA), gradients out and AdamW together reached it and no more: Qwen3-8B at 24 GiB on the H200
+        moved 94.4 GB/s against read 95.2 and copy 76.2 (docs/tuning.md, "The host bound")."""
+        return max(self.host_read_gbps, self.host_copy_gbps)
 
     def to_dict(self) -> dict[str, Any]:
         """The calibration's figures (the blocks travel apart: `blocks.to_dict()`)."""

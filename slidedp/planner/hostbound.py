@@ -38,8 +38,9 @@ def host_lines(work: Workload, ch: StepPlan, calib: Calibration, busy: dict[str,
     total = sum(traffic.values())
     parts = ", ".join(f"{label} {traffic[k] / n:.1f}" for k, label in _WHAT if traffic[k])
     line = f"host memory per step: {total / n:.1f} B/param ({parts})"
-    if calib.host_copy_gbps:
-        line += f"; at the host's measured copy rate of {calib.host_copy_gbps:.1f} GB/s: {busy['host']:.3f} s"
+    if calib.host_peak_gbps:
+        which = "read" if calib.host_read_gbps >= calib.host_copy_gbps else "copy"
+        line += f"; at the host's measured {which} rate of {calib.host_peak_gbps:.1f} GB/s: {busy['host']:.3f} s"
     else:
         line += "; the host's memory bandwidth was not measured (an old calibration): no bound"
     lines = ["", line]

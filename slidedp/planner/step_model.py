@@ -291,11 +291,11 @@ def host_traffic(work: Workload, ch: StepPlan) -> dict[str, int]:
 
 
 def host_bound_s(work: Workload, ch: StepPlan, calib: Calibration) -> float:
-    """The shortest step host memory allows: the step's host bytes at the host's measured copy rate (reads and
-    writes together; every NUMA node's). 0 where the calibration did not measure it."""
-    if not calib.host_copy_gbps:
+    """The shortest step host memory allows: the step's host bytes (reads and writes together, every NUMA node's)
+    at the most the host's memory moved when measured (Calibration.host_peak_gbps). 0 where it was not measured."""
+    if not calib.host_peak_gbps:
         return 0.0
-    return sum(host_traffic(work, ch).values()) / (calib.host_copy_gbps * 1e9)
+    return sum(host_traffic(work, ch).values()) / (calib.host_peak_gbps * 1e9)
 
 
 def predict_step(work: Workload, choices: StepPlan, calib: Calibration, clips: bool = False,
