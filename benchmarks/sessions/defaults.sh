@@ -12,6 +12,8 @@
 #   8b    Qwen3-8B at 8 x 2,048: SlideDP default (with clipping it needs more host memory than this
 #         host's 125 GiB: the launcher refuses it, and the row says why), SlideDP clipping off, then
 #         resident_same_kernels and gpu_resident_chunked (~7 min)
+#   8b-host  issue 26's rows: Qwen3-8B with clipping off at 8 and at 32 x 2,048 (one store), then
+#         gpu_resident_chunked at both (micro-batches of 8 at 32), ~8 min
 # OUT receives PART.json (merged), PART.md, PART.png, PART-logs.tgz and, for 4b, updater-rates.json.
 # A fresh machine each call: every SlideDP run of the part shares one persistent store, and the first
 # one creates it, calibrates, measures the plan's blocks and compiles (its first step is warm-up).
@@ -22,18 +24,18 @@ out=$1 part=$2 budget=${BUDGET_S:-520} steps=8 warm=2
 work=/tmp/defaults/$part
 mkdir -p "$out" "$work"
 case $part in
-  4b) shape=qwen3-4b batch=8 ;; 4b32) shape=qwen3-4b batch=32 steps=10 ;; 8b) shape=qwen3-8b batch=8 ;;
-  *) echo "unknown PART $part (4b, 4b32, 8b)" >&2; exit 2 ;;
+  4b) shape=qwen3-4b batch=8 ;; 4b32) shape=qwen3-4b batch=32 steps=10 ;; 8b | 8b-host) shape=qwen3-8b batch=8 ;;
+  *) echo "unknown PART $part (4b, 4b32, 8b, 8b-host)" >&2; exit 2 ;;
 esac
 store=defaults-$shape-b$batch
-run() {  # NAME MAX_GRAD_NORM SYSTEMS LIMIT [harness args]
+run() {  # NAME MAX_GRAD_NORM SYSTEMS LIMIT [harness args]; BATCH=N before it: another batch than the part's
   local name=$1 clip=$2 systems=$3 limit=$4 left
   shift 4
   left=$((budget - SECONDS - 20))
   if [ "$left" -lt 60 ]; then echo "defaults: $left s left, not starting $name" >&2; return; fi
   [ "$limit" -gt "$left" ] && limit=$left
   done=$(bash "$(dirname "$0")/committed_step.sh" "$store")  # 0 where a refused run made no store
-  python3 -m benchmarks.run --shape "$shape" --batch "$batch" --seq 2048 --steps $steps --warmup $warm \
+  python3 -m benchmarks.run --shape "$shape" --batch "${BATCH:-$batch}" --seq 2048 --steps $steps --warmup $warm \
     --systems "$systems" --max-grad-norm "$clip" --slidedp-micro-batch plan --slidedp-set memory.device_budget_gib=24 \
     --slidedp-set store.persist=true --slidedp-set "store.name=\"$store\"" \
     --slidedp-set train.steps=$((done + steps)) --timeout "$limit" --out "$work/$name.json" --quiet "$@"
@@ -57,6 +59,12 @@ case $part in
     run off 0 slidedp 240
     slidedp-store destroy --force "$store" >/dev/null 2>&1 || true  # the resident peers need the host's memory
     run limit 1.0 resident_same_kernels,gpu_resident_chunked 150 ;;
+  8b-host)
+    run off 0 slidedp 170
+    BATCH=32 run off32 0 slidedp 150
+    slidedp-store destroy --force "$store" >/dev/null 2>&1 || true
+    run limit 0 gpu_resident_chunked 60
+    BATCH=32 run limit32 0 gpu_resident_chunked 110 --micro-batch 8 ;;
 esac
 slidedp-store destroy --force "$store" >/dev/null 2>&1 || true
 runs=("$work"/*.json)
