@@ -226,6 +226,10 @@ job = load_job(sys.argv[-1])
 if os.environ.get("FAKE_LAUNCHER_OOM"):
     print("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 1.00 GiB")
     sys.exit(3)
+if os.environ.get("FAKE_LAUNCHER_REFUSES"):  # the launcher's refusal, then the daemons' goodbyes
+    print("14:41:34 ERROR [launcher] job failed: the job needs 130.4 GiB of host memory but the host has 123.5 GiB")
+    print("14:41:34 INFO [hoststate] stopped")
+    sys.exit(1)
 job.run_dir.mkdir(parents=True, exist_ok=True)
 with open(f"/dev/shm/slidedp.{job.store_name}.grads", "wb") as f:  # a segment the "launcher" forgets
     f.write(bytes(4096))
@@ -337,6 +341,18 @@ def test_slidedp_launcher_out_of_memory_is_a_row(tmp_path, monkeypatch):
     assert row["status"] == "out of memory" and row["launcher_exit_code"] == 3
     assert row["error"] == ("out of memory: the launcher exited with code 3: "
                             "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 1.00 GiB")
+
+
+def test_a_refused_slidedp_run_is_a_row_that_says_why(tmp_path, monkeypatch):
+    mods = tmp_path / "mods"
+    mods.mkdir()
+    _write_module(mods, "fake_launcher", FAKE_LAUNCHER)
+    monkeypatch.setenv("PYTHONPATH", str(mods))
+    monkeypatch.setenv("FAKE_LAUNCHER_REFUSES", "1")
+    assert slidedp_run.run(_slidedp_argv(tmp_path)) == 1
+    row = json.loads((tmp_path / "row.json").read_text())
+    assert row["error"] == ("the launcher exited with code 1: 14:41:34 ERROR [launcher] job failed: the job needs "
+                            "130.4 GiB of host memory but the host has 123.5 GiB")
 
 
 def test_a_slidedp_run_stopped_by_the_timeout_keeps_the_steps_it_committed(tmp_path, monkeypatch, capsys):

@@ -510,6 +510,13 @@ def last_line(text: str) -> str:
     return lines[-1][:500] if lines else "(no output)"
 
 
+def failure_line(text: str) -> str:
+    """What ended a failed run: its last logged ERROR line (the launcher's refusal names what to change), else its
+    last line; the log lines after an error (daemons stopping) say nothing of why."""
+    errors = [ln.strip() for ln in text.splitlines() if " ERROR " in ln or ln.startswith("error:")]
+    return errors[-1][:500] if errors else last_line(text)
+
+
 def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 

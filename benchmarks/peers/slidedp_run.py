@@ -222,7 +222,7 @@ def measure(args: argparse.Namespace, row: dict[str, Any], host: common.HostMemo
         raise TimeoutError(f"the launcher ran past --timeout {args.timeout:.0f} s: {last}")
     if rc != 0:
         oom = "out of memory: " if common.is_oom(RuntimeError(tail)) else ""  # run_peer makes it an OOM row
-        raise RuntimeError(f"{oom}the launcher exited with code {rc}: {last}")
+        raise RuntimeError(f"{oom}the launcher exited with code {rc}: {common.failure_line(tail)}")
     if not records:
         raise RuntimeError(f"the launcher exited 0 but {metrics} has no step records: {last}")
     reduce_metrics(records, args.warmup, row)
