@@ -452,8 +452,8 @@ def _plan(work: Workload, budget_bytes: int, calib: Calibration, allowed: dict[s
         notes.append(
             f"exact gradient clipping: a step whose norm stays under max_grad_norm keeps the updates it ran "
             f"during the backward ({step:.3f} s; without clipping {unclipped:.3f} s); a step after a clipped one "
-            f"does not speculate: it waits for the global norm, so its update ({busy['update']:.3f} s) is exposed: "
-            f"{clipped_step:.3f} s; the first step that clips after one that did not corrects its speculated "
+            f"does not speculate: its update ({busy['update']:.3f} s) waits for the global norm, then runs in forward "
+            f"order beside the next forward: {clipped_step:.3f} s; the first step that clips after one that did not corrects its speculated "
             f"updates: {corrected_step:.3f} s"
         )
     if best.delivery == "bf16":

@@ -16,7 +16,7 @@ embedding rows the next batch needs). With exact gradient clipping the model pre
 steps: one whose norm stays under max_grad_norm keeps its speculative updates, overlapped with
 the backward as without clipping (device-held units wait for the norm); one after a clipped
 step (slidedp/clipping: it does not speculate) has every update wait for the global norm, i.e.
-the last gradient (`clips`); and a step that speculated and then clipped (`corrected`) runs its
+the last gradient, then run in forward order as the updaters run them (`clips`); and a step that speculated and then clipped (`corrected`) runs its
 updates during the backward, then corrects every one of them (costs.CORRECTION_ADAMWS AdamW's
 of the chunk each, in forward order) once the norm is known. A few steps are
 simulated and the steady-state period is the predicted step time. Ranks are symmetric, so
@@ -239,6 +239,9 @@ def _period(tasks: list[_Task], depth: int, updaters: int, clip: bool, clips: bo
     fetch_starts: list[float] = []  # compute start of each task that copies in, in order
     done: dict[str, float] = {}  # job -> time its update finished in the previous step
     ends: list[float] = []
+    # where the next step's schedule first needs each job's update: the updaters run waiting work in that
+    # order (daemons/updater/core.py: the oldest step, then forward order)
+    needed = {g: i for i, t in reversed(list(enumerate(tasks))) for g in t.gate}
     for _ in range(_STEPS):
         released: list[tuple[_Job, float]] = []
         for t in tasks:
@@ -267,7 +270,10 @@ def _period(tasks: list[_Task], depth: int, updaters: int, clip: bool, clips: bo
         norm = max((r for _, r in released), default=0.0)
         norm_known = norm if clip and clips and not corrected else 0.0
         done = {}
-        for j, r in released:
+        # every update of a clipped step waits for the norm, then runs in forward order; otherwise as its
+        # gradient comes
+        order = sorted(released, key=lambda jr: needed.get(jr[0].name, len(tasks))) if norm_known else released
+        for j, r in order:
             s = min(range(updaters), key=servers.__getitem__)
             servers[s] = max(servers[s], r, norm_known) + j.update_s
             done[j.name] = servers[s]
