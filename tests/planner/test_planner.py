@@ -718,6 +718,11 @@ def test_a_training_run_teaches_the_planner_its_adamw_rate_for_that_model(tmp_pa
     assert ("note: update charged at 2.20 G params/s per updater, measured training this model on this host"
             in make_plan(work, 24 * GiB, saved, {"delivery": ("fp32",)}).describe())
     assert "0.6 x the bare kernel" in make_plan(other, 24 * GiB, saved).describe()
+    # a calibration that measured the kernel beside copies charges that rate, and says so
+    beside = dataclasses.replace(cal, adamw_beside_copies_params_per_s=2.45e9, adamw_beside_copies_gpus=1)
+    assert beside.update_params_per_s(n) == 2.45e9
+    assert ("note: update charged at 2.45 G params/s per updater: the kernel measured beside 1 GPU(s) copying, until "
+            "a run of this model on this host measures its rate in training") in make_plan(work, 24 * GiB, beside).describe()
     # too few steps, or no plan (a CPU run): nothing learned, nothing written
     assert record_training(JobPlan(StepPlan(), plan), busy[:2], [], cache_dir=str(tmp_path / "x")) is None
     assert record_training(JobPlan(StepPlan()), busy, busy, cache_dir=str(tmp_path / "x")) is None
