@@ -330,27 +330,27 @@ def test_every_system_trains_on_the_same_batch_at_every_step(tmp_path):
     assert not torch.equal(common.random_batch(cfg, batch, seq, "cpu", seed=6)[0], ids)
 
 
-def test_slidedp_launcher_out_of_memory_is_a_row(tmp_path, monkeypatch):
+def _failed_launcher_row(tmp_path: Path, monkeypatch, how: str) -> dict:
+    """The row of a SlideDP run whose (fake) launcher fails as FAKE_LAUNCHER_<how> says."""
     mods = tmp_path / "mods"
     mods.mkdir()
     _write_module(mods, "fake_launcher", FAKE_LAUNCHER)
     monkeypatch.setenv("PYTHONPATH", str(mods))
-    monkeypatch.setenv("FAKE_LAUNCHER_OOM", "1")
+    monkeypatch.setenv(f"FAKE_LAUNCHER_{how}", "1")
     assert slidedp_run.run(_slidedp_argv(tmp_path)) == 1
-    row = json.loads((tmp_path / "row.json").read_text())
+    return json.loads((tmp_path / "row.json").read_text())
+
+
+def test_slidedp_launcher_out_of_memory_is_a_row(tmp_path, monkeypatch):
+    row = _failed_launcher_row(tmp_path, monkeypatch, "OOM")
     assert row["status"] == "out of memory" and row["launcher_exit_code"] == 3
     assert row["error"] == ("out of memory: the launcher exited with code 3: "
                             "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 1.00 GiB")
 
 
 def test_a_refused_slidedp_run_is_a_row_that_says_why(tmp_path, monkeypatch):
-    mods = tmp_path / "mods"
-    mods.mkdir()
-    _write_module(mods, "fake_launcher", FAKE_LAUNCHER)
-    monkeypatch.setenv("PYTHONPATH", str(mods))
-    monkeypatch.setenv("FAKE_LAUNCHER_REFUSES", "1")
-    assert slidedp_run.run(_slidedp_argv(tmp_path)) == 1
-    row = json.loads((tmp_path / "row.json").read_text())
+    # the launcher's ERROR line, not the daemons' goodbyes printed after it
+    row = _failed_launcher_row(tmp_path, monkeypatch, "REFUSES")
     assert row["error"] == ("the launcher exited with code 1: 14:41:34 ERROR [launcher] job failed: the job needs "
                             "130.4 GiB of host memory but the host has 123.5 GiB")
 
