@@ -2,7 +2,7 @@
 
 A job needs host memory for its store's state (created by the job where it does not exist), its
 gradient rings (with exact clipping one slot per host chunk: every gradient of a step stays until
-the step's norm) and its processes. The store refuses a state it has no room for, but the rings
+the step's norm), the buffers its ranks keep offloaded layer inputs in, and its processes. The store refuses a state it has no room for, but the rings
 and processes came after it: on the H200 host (125 GiB) a Qwen3-8B job with clipping created its
 91.5 GiB store and 30.9 GiB of rings, and the host-state daemon was killed for memory in step 0.
 """
@@ -32,10 +32,13 @@ class HostNeed:
     processes: int  # the job's processes' memory, beside them
     world: int
     rings_per_chunk: bool  # exact clipping's ring: a slot per host chunk
+    offload: int = 0  # the ranks' page-locked buffers for offloaded layer inputs (not in /dev/shm)
+    offload_layers: int = 0
 
     @property
     def items(self) -> tuple[tuple[str, int], ...]:
-        return self.shm + ((f"the job's processes ({self.world} rank(s))", self.processes),)
+        buffers = ((f"offloaded inputs of {self.offload_layers} layer(s)", self.offload),) if self.offload else ()
+        return self.shm + buffers + ((f"the job's processes ({self.world} rank(s))", self.processes),)
 
     @property
     def shm_bytes(self) -> int:
@@ -43,7 +46,7 @@ class HostNeed:
 
     @property
     def total(self) -> int:
-        return self.shm_bytes + self.processes
+        return self.shm_bytes + self.offload + self.processes
 
     def describe(self) -> str:
         return ", ".join(f"{what} {b / GiB:.1f} GiB" for what, b in self.items)
@@ -52,6 +55,14 @@ class HostNeed:
 def process_bytes(job: JobConfig) -> int:
     """Host memory charged for the job's processes: PROCESS_BYTES per rank of its device kind."""
     return job.runtime.workers * PROCESS_BYTES["cuda" if job.runtime.device.startswith("cuda") else "cpu"]
+
+
+def offload_bytes(job: JobConfig, layout: Layout, step: StepPlan) -> int:
+    """The host buffers the ranks page-lock for their offloaded layers' inputs, all ranks: each rank keeps
+    every micro-batch's input of each offloaded layer (slidedp/worker/activations.py, [layers, M, m, T, H])."""
+    layers = step.offloaded(layout.model.num_layers)
+    itemsize = 2 if job.train.compute_dtype == "bf16" else 4
+    return layers * job.train.global_batch * job.train.seq_len * layout.model.hidden_size * itemsize
 
 
 def host_need(job: JobConfig, layout: Layout, step: StepPlan, store_exists: bool, shadow: bool,
@@ -66,7 +77,8 @@ def host_need(job: JobConfig, layout: Layout, step: StepPlan, store_exists: bool
         shm.append((f"the store's state ({14 if shadow else 12} B/param)", sum(segment_sizes(layout, {}, shadow).values())))
     per_chunk = clip and not full and slots > ring_slots(job.store.grad_slots, layout.model.num_layers)
     shm.append(("gradient rings" + (" (exact clipping: a slot per host chunk)" if per_chunk else ""), rings))
-    return HostNeed(tuple(shm), process_bytes(job), world, per_chunk)
+    return HostNeed(tuple(shm), process_bytes(job), world, per_chunk, offload_bytes(job, layout, step),
+                    step.offloaded(layout.model.num_layers))
 
 
 def room_problem(job: JobConfig, need: HostNeed, available: int, shm_free: int | None = None) -> str | None:
@@ -79,6 +91,9 @@ def room_problem(job: JobConfig, need: HostNeed, available: int, shm_free: int |
     if need.total <= available:
         return None
     helps = ["a host with more memory, or other stores destroyed (`slidedp-store list` shows them)"]
+    if need.offload:
+        helps.append("fewer layers' inputs offloaded (memory.offload_layers, or a larger memory.device_budget_gib "
+                     "that keeps them on the device)")
     if need.rings_per_chunk:
         helps.append("more layers held on the device (memory.device_layers, a larger memory.device_budget_gib): "
                      "their gradients stay there")

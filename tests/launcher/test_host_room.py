@@ -71,3 +71,19 @@ def test_a_dev_shm_too_small_for_the_store_and_rings_is_named():
                    f"{(shm - 1) / GiB:.1f} GiB free; enlarge it (e.g. `mount -o remount,size=<N>G /dev/shm`) or "
                    f"choose a smaller model/store")
     assert room_problem(job, need, 10 * need.total, shm_free=shm) is None  # the processes are not in /dev/shm
+
+
+def test_offloaded_layer_inputs_are_counted_beside_the_store():
+    # Qwen3-8B at 32 x 2,048 with the first 20 layers' inputs offloaded, as the H200 plan chose: 20 x 32 x 2,048
+    # x 4,096 bf16 values, the 10.0 GiB the harness saw the job's host memory grow by
+    job = _job(["train.max_grad_norm=0", "train.global_batch=32", "train.micro_batch=8", "train.seq_len=2048",
+                'train.compute_dtype="bf16"'])
+    layout = make_layout(named_shape("qwen3-8b"))
+    need = host_need(job, layout, StepPlan(offload_layers=20), store_exists=True, shadow=False)
+    assert dict(need.items)["offloaded inputs of 20 layer(s)"] == 20 * 32 * 2048 * 4096 * 2
+    assert need.total == need.shm_bytes + 20 * 32 * 2048 * 4096 * 2 + PROCESS_BYTES["cuda"]
+    assert need.shm_bytes == dict(need.items)["gradient rings"]  # the buffers are the processes', not /dev/shm's
+    msg = room_problem(job, need, need.total - 1)
+    assert msg is not None and "offloaded inputs of 20 layer(s) 10.0 GiB" in msg and "memory.offload_layers" in msg
+    # nothing offloaded: no such item
+    assert "offloaded" not in " ".join(w for w, _ in host_need(job, layout, StepPlan(), True, False).items)
