@@ -86,6 +86,18 @@ def _bounded_memory(work: Workload, ch: StepPlan, calib: Calibration) -> list[tu
     return [(name, max(b, seen) if name == "layer workspace" else b) for name, b in items]
 
 
+def _workspace_note(work: Workload, ch: StepPlan, calib: Calibration) -> str | None:
+    """The layer workspace the GPU measured at this size beside the formula's, and which the plan counts."""
+    layer = measured(work, ch, calib)[0]
+    if layer is None or not layer.workspace_bytes:
+        return None
+    formula = dict(_memory(work, ch))["layer workspace"]
+    seen = dict(_bounded_memory(work, ch, calib))["layer workspace"]
+    return (f"layer workspace at micro-batch {micro_batch_of(work, ch)}: the formula's {formula / GiB:.3f} GiB, the "
+            f"GPU's backward {layer.workspace_bytes / GiB:.3f} GiB above its inputs; the plan counts "
+            f"{seen / GiB:.3f} GiB (the larger of the formula's and the GPU's less the gradients other items count)")
+
+
 def _total(work: Workload, ch: StepPlan) -> int:
     return costs.device_memory_peak(_memory(work, ch), work.world).total_bytes
 
@@ -471,6 +483,9 @@ def _plan(work: Workload, budget_bytes: int, calib: Calibration, allowed: dict[s
         )
     notes.append(_update_rate_note(work, best, calib))
     notes.append(_device_time_note(work, best, calib))
+    workspace = _workspace_note(work, best, calib)
+    if workspace:
+        notes.append(workspace)
     bound = max(busy, key=busy.__getitem__)
     notes.append(f"busiest resource: {bound}")
     total = costs.device_memory_peak(items, work.world).total_bytes
