@@ -186,17 +186,22 @@ class Manifest:
         """
         if self.torn_flag:
             return "a restore into it did not finish"
+        # every chunk state that tears the store, named together: which of them a crash leaves depends on
+        # where in the step it came
+        reasons = []
         busy = np.nonzero(self.updating == UPDATING)[0]
         if len(busy):
-            return f"chunk(s) {busy[:8].tolist()} were being updated when their writer stopped"
+            reasons.append(f"chunk(s) {busy[:8].tolist()} were being updated when their writer stopped")
         unsure = np.nonzero(self.updating == SPECULATIVE)[0]
         if len(unsure):
-            return (f"chunk(s) {unsure[:8].tolist()} hold a speculative update that was never validated against "
-                    f"the step's gradient norm (the updater or aggregator stopped)")
+            reasons.append(f"chunk(s) {unsure[:8].tolist()} hold a speculative update that was never validated "
+                           f"against the step's gradient norm (the updater or aggregator stopped)")
         leased = np.nonzero(self.updating == LEASED)[0]
         if len(leased) and not allow_leased:
-            return (f"chunk(s) {leased[:8].tolist()} are held on a job's GPUs and were not written back "
-                    f"(the job ended without finishing)")
+            reasons.append(f"chunk(s) {leased[:8].tolist()} are held on a job's GPUs and were not written back "
+                           f"(the job ended without finishing)")
+        if reasons:
+            return "; ".join(reasons)
         step = self.committed_step
         off = np.nonzero(self.versions != step)[0]
         if len(off) and (self.versions == step + 1).all():

@@ -176,7 +176,9 @@ def test_kill_a_worker_holding_layers_leaves_the_store_torn_naming_them(tmp_path
             chunk = layer0.layout.layer_chunk(0).id
         finally:
             layer0.close()
-        assert out.torn is not None and re.match(rf"chunk\(s\) \[{chunk}\] are held on a job's GPUs", out.torn), out.torn
+        # named whatever else the kill left (a speculative update not yet validated, where it came mid-step)
+        assert out.torn is not None and re.search(rf"(^|; )chunk\(s\) \[{chunk}\] are held on a job's GPUs",
+                                                  out.torn), out.torn
         assert check_refused_then_restore(store, tmp_path / f"run-{store}") >= 2
     finally:
         drop_store(store)

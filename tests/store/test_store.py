@@ -116,6 +116,30 @@ def test_random_store_is_init_params_bit_for_bit(store, threads):
 
 
 
+def test_a_torn_store_names_every_chunk_state_that_tears_it(store):
+    # a worker holding layer chunks killed mid-step, while other chunks' speculative updates wait for the
+    # norm: both are named, whichever the kill came nearer
+    from slidedp.store.manifest import LEASED, SPECULATIVE
+
+    made = HostStore.create(store, make_layout(TINY), {"source": "random:tiny", "init_seed": 0})
+    try:
+        m = made.manifest
+        assert m.torn_reason() is None
+        m.updating[1] = LEASED
+        assert m.torn_reason() == ("chunk(s) [1] are held on a job's GPUs and were not written back (the job ended "
+                                   "without finishing)")
+        m.updating[2] = m.updating[3] = SPECULATIVE
+        assert m.torn_reason() == ("chunk(s) [2, 3] hold a speculative update that was never validated against the "
+                                   "step's gradient norm (the updater or aggregator stopped); chunk(s) [1] are held "
+                                   "on a job's GPUs and were not written back (the job ended without finishing)")
+        assert m.torn_reason(allow_leased=True).startswith("chunk(s) [2, 3] hold a speculative update")
+        assert "held on a job's GPUs" not in m.torn_reason(allow_leased=True)
+        m.updating[:] = 0
+    finally:
+        made.close()
+
+
+
 # ---- checkpoint, then restore into a new store ----------------------------------------------------
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 def test_checkpoint_restore_into_new_store(tmp_path, dtype):
