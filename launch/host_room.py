@@ -2,9 +2,10 @@
 
 A job needs host memory for its store's state (created by the job where it does not exist), its
 gradient rings (with exact clipping one slot per host chunk: every gradient of a step stays until
-the step's norm), the buffers its ranks keep offloaded layer inputs in, and its processes. The store refuses a state it has no room for, but the rings
-and processes came after it: on the H200 host (125 GiB) a Qwen3-8B job with clipping created its
-91.5 GiB store and 30.9 GiB of rings, and the host-state daemon was killed for memory in step 0.
+the step's norm), the buffers its ranks keep offloaded layer inputs in, and its processes. The
+store refuses a state it has no room for, but the rest came after it: on the H200 host (125 GiB)
+a Qwen3-8B job with clipping created its 91.5 GiB store and 30.9 GiB of rings, and the host-state
+daemon was killed for memory in step 0.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 
 from slidedp.config import JobConfig
 from slidedp.jobrecord import gradient_space, ring_slots
+from slidedp.planner.costs import activation_bytes
 from slidedp.stepplan import StepPlan
 from slidedp.store.layout import Layout
 from slidedp.store.rings import rings_bytes
@@ -60,9 +62,8 @@ def process_bytes(job: JobConfig) -> int:
 def offload_bytes(job: JobConfig, layout: Layout, step: StepPlan) -> int:
     """The host buffers the ranks page-lock for their offloaded layers' inputs, all ranks: each rank keeps
     every micro-batch's input of each offloaded layer (slidedp/worker/activations.py, [layers, M, m, T, H])."""
-    layers = step.offloaded(layout.model.num_layers)
-    itemsize = 2 if job.train.compute_dtype == "bf16" else 4
-    return layers * job.train.global_batch * job.train.seq_len * layout.model.hidden_size * itemsize
+    tokens = job.train.global_batch * job.train.seq_len  # every rank's
+    return step.offloaded(layout.model.num_layers) * activation_bytes(layout.model, tokens, job.train.compute_dtype)
 
 
 def host_need(job: JobConfig, layout: Layout, step: StepPlan, store_exists: bool, shadow: bool,
