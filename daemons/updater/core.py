@@ -274,11 +274,8 @@ class UpdaterCore:
         hyper = self._hyper(chunk, step)
         hyper["step"] -= 1  # the count the speculative update used
         for wd, blocks in self._groups(chunk, grads):
-            for b in blocks:
-                if coef is None:
-                    rollback.undo_([b], weight_decay=wd, **hyper)
-                else:
-                    rollback.correct_([b], weight_decay=wd, coef=coef, **hyper)
+            for param, grad, exp_avg, exp_avg_sq, shadow in blocks:
+                rollback.settle_(param, grad, exp_avg, exp_avg_sq, shadow=shadow, weight_decay=wd, coef=coef, **hyper)
                 faults.hold("correct", step, chunk=chunk.id)  # the crash tests: half-way through a correction
 
 
