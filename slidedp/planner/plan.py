@@ -86,16 +86,17 @@ def _bounded_memory(work: Workload, ch: StepPlan, calib: Calibration) -> list[tu
     return [(name, max(b, seen) if name == "layer workspace" else b) for name, b in items]
 
 
-def _workspace_note(work: Workload, ch: StepPlan, calib: Calibration) -> str | None:
-    """The layer workspace the GPU measured at this size beside the formula's, and which the plan counts."""
+def _workspace_note(work: Workload, ch: StepPlan, calib: Calibration, counted: int) -> str | None:
+    """The layer workspace the GPU measured at this size beside the formula's, and what the plan counts
+    (`counted`: its _bounded_memory item)."""
     layer = measured(work, ch, calib)[0]
     if layer is None or not layer.workspace_bytes:
         return None
     formula = dict(_memory(work, ch))["layer workspace"]
-    seen = dict(_bounded_memory(work, ch, calib))["layer workspace"]
     return (f"layer workspace at micro-batch {micro_batch_of(work, ch)}: the formula's {formula / GiB:.3f} GiB, the "
             f"GPU's backward {layer.workspace_bytes / GiB:.3f} GiB above its inputs; the plan counts "
-            f"{seen / GiB:.3f} GiB (the larger of the formula's and the GPU's less the gradients other items count)")
+            f"{counted / GiB:.3f} GiB (the larger of the formula's and the GPU's less the gradients other items "
+            "count)")
 
 
 def _total(work: Workload, ch: StepPlan) -> int:
@@ -469,8 +470,8 @@ def _plan(work: Workload, budget_bytes: int, calib: Calibration, allowed: dict[s
             f"exact gradient clipping: a step whose norm stays under max_grad_norm keeps the updates it ran "
             f"during the backward ({step:.3f} s; without clipping {unclipped:.3f} s); a step after a clipped one "
             f"does not speculate: its update ({busy['update']:.3f} s) waits for the global norm, then runs in forward "
-            f"order beside the next forward: {clipped_step:.3f} s; the first step that clips after one that did not corrects its speculated "
-            f"updates: {corrected_step:.3f} s"
+            f"order beside the next forward: {clipped_step:.3f} s; the first step that clips after one that did not "
+            f"corrects its speculated updates: {corrected_step:.3f} s"
         )
     if best.delivery == "bf16":
         fp32 = min((c[0] for c in candidates if c[2].delivery == "fp32"), default=None)
@@ -483,7 +484,7 @@ def _plan(work: Workload, budget_bytes: int, calib: Calibration, allowed: dict[s
         )
     notes.append(_update_rate_note(work, best, calib))
     notes.append(_device_time_note(work, best, calib))
-    workspace = _workspace_note(work, best, calib)
+    workspace = _workspace_note(work, best, calib, dict(items)["layer workspace"])
     if workspace:
         notes.append(workspace)
     bound = max(busy, key=busy.__getitem__)

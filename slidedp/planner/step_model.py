@@ -16,11 +16,12 @@ embedding rows the next batch needs). With exact gradient clipping the model pre
 steps: one whose norm stays under max_grad_norm keeps its speculative updates, overlapped with
 the backward as without clipping (device-held units wait for the norm); one after a clipped
 step (slidedp/clipping: it does not speculate) has every update wait for the global norm, i.e.
-the last gradient, then run in forward order as the updaters run them (`clips`); and a step that speculated and then clipped (`corrected`) runs its
-updates during the backward, then corrects every one of them (costs.CORRECTION_ADAMWS AdamW's
-of the chunk each, in forward order) once the norm is known. A few steps are
-simulated and the steady-state period is the predicted step time. Ranks are symmetric, so
-one rank stands for all; `world` enters through the per-rank batch and the reduction.
+the last gradient, then run in forward order as the updaters run them (`clips`); and a step that
+speculated and then clipped (`corrected`) runs its updates during the backward, then corrects
+every one of them (costs.CORRECTION_ADAMWS AdamW's of the chunk each, in forward order) once the
+norm is known. A few steps are simulated and the steady-state period is the predicted step time.
+Ranks are symmetric, so one rank stands for all; `world` enters through the per-rank batch and the
+reduction.
 
 The GPU tasks cost what the job's GPU measured for one layer and the loss at the plan's sizes
 (measure.py, `device_times`); the updaters' AdamW what the host measured beside copies, or a run of the
@@ -241,7 +242,8 @@ def _period(tasks: list[_Task], depth: int, updaters: int, clip: bool, clips: bo
     ends: list[float] = []
     # where the next step's schedule first needs each job's update: the updaters run waiting work in that
     # order (daemons/updater/core.py: the oldest step, then forward order)
-    needed = {g: i for i, t in reversed(list(enumerate(tasks))) for g in t.gate}
+    deferred = clip and clips and not corrected
+    needed = {g: i for i, t in reversed(list(enumerate(tasks))) for g in t.gate} if deferred else {}
     for _ in range(_STEPS):
         released: list[tuple[_Job, float]] = []
         for t in tasks:
@@ -268,7 +270,7 @@ def _period(tasks: list[_Task], depth: int, updaters: int, clip: bool, clips: bo
                 else:
                     released.append((j, out))
         norm = max((r for _, r in released), default=0.0)
-        norm_known = norm if clip and clips and not corrected else 0.0
+        norm_known = norm if deferred else 0.0
         done = {}
         # every update of a clipped step waits for the norm, then runs in forward order; otherwise as its
         # gradient comes

@@ -298,12 +298,13 @@ def test_a_measured_layer_workspace_larger_than_the_model_bounds_the_plan():
     if (bounded.step.micro_batch, bounded.step.seq_tile_tokens) == (8, 0):
         assert dict(bounded.device_memory)["layer workspace"] == model_ws + extra
     # the plan says both figures and which it counts: the data to tell whether the formula is near the GPU
-    note = plan_mod._workspace_note(work, plain.step, calib)
+    note = plan_mod._workspace_note(work, plain.step, calib, dict(charged)["layer workspace"])
     assert note == (f"layer workspace at micro-batch 8: the formula's {model_ws / GiB:.3f} GiB, the GPU's backward "
                     f"{(model_ws + extra + counted_elsewhere) / GiB:.3f} GiB above its inputs; the plan counts "
                     f"{(model_ws + extra) / GiB:.3f} GiB (the larger of the formula's and the GPU's less the gradients "
                     "other items count)")
-    assert plan_mod._workspace_note(work, plain.step, dataclasses.replace(REFERENCE_CALIBRATION, blocks=fast)) is None
+    assert plan_mod._workspace_note(work, plain.step, dataclasses.replace(REFERENCE_CALIBRATION, blocks=fast),
+                                    model_ws) is None
 
 
 @pytest.mark.gpu
