@@ -16,7 +16,8 @@ embedding rows the next batch needs). With exact gradient clipping the model pre
 steps: one whose norm stays under max_grad_norm keeps its speculative updates, overlapped with
 the backward as without clipping (device-held units wait for the norm); one after a clipped
 step (slidedp/clipping: it does not speculate) has every update wait for the global norm, i.e.
-the last gradient, then run in forward order as the updaters run them (`clips`); and a step that
+the last gradient the GPU computes (a device-held layer's counts too), then run in forward order as
+the updaters run them (`clips`); and a step that
 speculated and then clipped (`corrected`) runs its updates during the backward, then corrects
 every one of them (costs.CORRECTION_ADAMWS AdamW's of the chunk each, in forward order) once the
 norm is known. A few steps are simulated and the steady-state period is the predicted step time.
@@ -246,7 +247,10 @@ def _period(tasks: list[_Task], depth: int, updaters: int, clip: bool, clips: bo
     needed = {g: i for i, t in reversed(list(enumerate(tasks))) for g in t.gate} if deferred else {}
     for _ in range(_STEPS):
         released: list[tuple[_Job, float]] = []
+        grads_end = 0.0  # the GPU's last gradient: device-held units' norms count in the global norm
         for t in tasks:
+            if t.clip_gated:
+                grads_end = max(grads_end, device_free)
             ready = max([done.get(g, 0.0) for g in t.gate], default=0.0)
             # depth + 1 slots: this copy may start once the fetch `depth` back has begun computing
             slot = fetch_starts[-depth] if len(fetch_starts) >= depth else 0.0
@@ -269,7 +273,7 @@ def _period(tasks: list[_Task], depth: int, updaters: int, clip: bool, clips: bo
                     released.append((j, reduce_free))
                 else:
                     released.append((j, out))
-        norm = max((r for _, r in released), default=0.0)
+        norm = max(max((r for _, r in released), default=0.0), grads_end or device_free)
         norm_known = norm if deferred else 0.0
         done = {}
         # every update of a clipped step waits for the norm, then runs in forward order; otherwise as its

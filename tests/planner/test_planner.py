@@ -202,6 +202,22 @@ def test_a_clipped_step_updates_in_forward_order_once_the_norm_is_known():
     assert kept < step and exposed >= busy["update"] - 1 - 1e-9
 
 
+def test_a_clipped_step_knows_its_norm_only_after_the_device_held_layers_backward():
+    """The global norm counts the device-held layers' gradients, which the GPU computes last: after a
+    clipped step the host updates start when layer 0's backward ends, not when the last host gradient is
+    out (the 24 GiB Qwen3-1.7B plans hold 13-16 of 28 layers: the updater then runs after the whole backward).
+    By hand, layer 0 held, layer 1 on the host, updaters at 1e4 params/s (U' = 3.6992 s): the norm is known
+    at the end of layer 0's backward; layer 1 updates (U') while the GPU runs the held units' AdamW and
+    layer 0's forward, then goes in (H), forward (1 s), loss, the backward of both layers (3 s each; layer
+    1's re-fetch goes in during the loss)."""
+    slow = dataclasses.replace(TOY_CAL, adamw_params_per_s=1e4)
+    held = StepPlan(embedding="device", device_layers=1)
+    _, _, step = predict_step(toy(clip=True), held, slow, clips=True)
+    assert step == pytest.approx(P / 1e4 + H + 1 + G_LOSS + 3 + 3, rel=1e-12)
+    _, _, kept = predict_step(toy(clip=True), held, slow)  # speculated: layer 1 updates during layer 0's backward
+    assert kept < step - 2
+
+
 def test_bidirectional_sharing_and_resident_layers():
     cal = dataclasses.replace(TOY_CAL, bidir_gbps=1.5e-3)  # backward: 0.75 MB/s each way
     busy, _, _ = predict_step(toy(), StepPlan(embedding="device"), cal)
