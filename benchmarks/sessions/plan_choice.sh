@@ -4,7 +4,9 @@
 # the first plan of this shape in the session's cache: it measures) next to GPU-resident training,
 # then the micro-batch forced to 1, 2, 4 and 8 (same machine, the blocks now cached); a summary says
 # the chosen micro-batch, each run's predicted and measured step, and how far the choice is from the
-# best forced one. One persistent store per shape.
+# best forced one. Every run starts from a store of its own, made from the same seed: trained on one
+# batch, a store's gradient norm falls below max_grad_norm within ~20 steps, and a run that inherited
+# a trained store would time the unclipped step against the others' clipped one.
 #
 #   bash benchmarks/sessions/plan_choice.sh OUT SHAPE BATCH     # SHAPE: qwen3-1.7b | qwen3-4b | qwen3-8b
 #   bash benchmarks/sessions/plan_choice.sh OUT unseen BATCH    # a Llama-family HF folder (below)
@@ -35,7 +37,8 @@ mkdir -p "$out" "$final"
 export SLIDEDP_CACHE_DIR=${SLIDEDP_CACHE_DIR:-$out/cache}
 mkdir -p "$SLIDEDP_CACHE_DIR"
 echo "cache $SLIDEDP_CACHE_DIR holds: $(ls "$SLIDEDP_CACHE_DIR" | tr '\n' ' ')"
-steps=8 warm=3
+steps=${STEPS:-8} warm=${WARM:-3} budget=${BUDGET_S:-560}  # BUDGET_S: seconds this call keeps to
+clip=${CLIP:-1.0}  # max_grad_norm; CLIP=0 for Qwen3-8B on a 125 GiB host (clipped, its job needs ~130 GiB)
 peer_micro=${PEER_MICRO:-8}  # the GPU-resident peer's micro-batch
 [ "$shape" = qwen3-8b ] && peer_micro=${PEER_MICRO:-2}
 extra=()
@@ -61,12 +64,14 @@ fi
 store=slidedp-plan-$shape
 tag=$shape-b$batch
 run() {  # NAME SYSTEMS MICRO TIMEOUT: SlideDP at train.micro_batch = MICRO (0: the plan's choice)
-  local committed
-  committed=$(bash "$(dirname "$0")/committed_step.sh" "$store")
+  local limit=$4 left=$((budget - SECONDS - 25))
+  if [ "$left" -lt 60 ]; then echo "plan_choice: $left s left, not starting $1" >&2; return; fi
+  [ "$limit" -gt "$left" ] && limit=$left
+  slidedp-store destroy --force "$store" >/dev/null 2>&1 || true  # one a stopped run left behind
   python3 -m benchmarks.run --shape "$hshape" --batch "$batch" --seq 2048 --steps $steps --warmup $warm \
-    --systems "$2" --micro-batch "$peer_micro" --slidedp-set memory.device_budget_gib=24 \
-    --slidedp-set train.micro_batch="$3" --slidedp-set store.persist=true --slidedp-set "store.name=\"$store\"" \
-    --slidedp-set train.steps=$((committed + steps)) "${extra[@]}" --timeout "$4" --out "$out/$1.json" --quiet
+    --systems "$2" --micro-batch "$peer_micro" --max-grad-norm "$clip" --slidedp-set memory.device_budget_gib=24 \
+    --slidedp-set train.micro_batch="$3" --slidedp-set "store.name=\"$store\"" \
+    --slidedp-set train.steps=$steps --slidedp-set "run.trace_steps=\"${TRACE:-}\"" "${extra[@]}" --timeout "$limit" --out "$out/$1.json" --quiet
 }
 if [[ $parts == *auto* ]]; then
   systems=slidedp,gpu_resident
@@ -108,6 +113,8 @@ if auto and forced:
     print(f"chosen micro_batch {auto[0]} ran {auto[2]:.3f} s; best forced {best} ran {forced[best]:.3f} s: "
           f"{100 * (auto[2] / forced[best] - 1):+.1f}%")
 EOF
+# the calibration and the measured blocks, so that a plan can be replayed off the machine
+for f in "$SLIDEDP_CACHE_DIR"/*.json; do [ -f "$f" ] && cp "$f" "$final/cache-$(basename "$f")"; done
 runs=("$out/$tag"-*.json)
 [ -f "${runs[0]}" ] && python3 -m benchmarks.run --merge "${runs[@]}" --out "$final/$tag.json" >/dev/null
 tar czf "$final/$tag-logs.tgz" -C "$out" --exclude='*.npy' --exclude='profile-*.json' --exclude='*.safetensors' \
