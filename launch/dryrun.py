@@ -32,7 +32,7 @@ from slidedp.store.rings import rings_bytes
 from slidedp.store.shm import SHM_DIR, list_store_segments, segment_name, shm_free_bytes
 from slidedp.store.store import segment_sizes
 
-from .host_room import process_bytes
+from .host_room import planned_room_problem, process_bytes
 
 GiB = 2**30
 # What a check can raise for bad input: ConfigError, DataError, ModelConfigError (ValueError);
@@ -81,6 +81,8 @@ class DryRun:
     torn: str | None = None  # why the existing store cannot be trained from as it is
     store_status: dict = field(default_factory=dict)  # the existing store as a run would find it (exists, ...)
     store_shadow: bool | None = None  # whether the existing store has the bf16 shadow (None: a run creates the store)
+    store_exists: bool = False
+    room_flagged: bool = True  # the store's host-memory check spoke, or never ran: the plan's check stays quiet
 
     _topic: str = ""  # the topic whose lines are being printed
 
@@ -203,8 +205,10 @@ class DryRun:
             self.say("store", f"would create store {name!r}: {_size(state)} of state ({per} "
                               f"bytes/parameter) + {_size(grads + reduce)} of gradient rings = {_size(need)}; "
                               f"{'kept' if job.store.persist else 'destroyed'} after the job (store.persist)")
+        self.store_exists = bool(segments)
         free, avail = shm_free_bytes(), psutil.virtual_memory().available
         self.say("", f"{SHM_DIR} has {_size(free)} free; the host has {_size(avail)} of memory available")
+        self.room_flagged = need > free or need + process_bytes(job) > avail
         if need > free:
             self.problem("store", f"needs {_size(need)} of shared memory but {SHM_DIR} has only {_size(free)} free; "
                                   f"enlarge it (`mount -o remount,size=<N>G {SHM_DIR}`) or choose a smaller model")
@@ -404,6 +408,7 @@ class DryRun:
                                  f"delivery={step.delivery})")
                 for n in p.notes:
                     self.say("", f"note: {n}")
+                self._planned_room(p)
                 return
             from slidedp.planner import PlanError
 
@@ -425,6 +430,16 @@ class DryRun:
             if self.store_shadow is None and p.shadow and job.store.shadow_bf16 == "auto":
                 self.say("", "the plan delivers bf16: a run would create the store with the bf16 shadow "
                              "(2 B/param more host memory; store.shadow_bf16 = false keeps 12 B/param)")
+            self._planned_room(p)
+
+    def _planned_room(self, p) -> None:
+        """The launcher's host check with the plan's own choices (its offloaded layers' buffers, its held
+        layers' rings, the shadow), in its words: what the store's check above could not yet count."""
+        if self.layout is None or self.room_flagged:
+            return  # the store's check said it already
+        room = planned_room_problem(self.job, self.layout, p.step, self.store_exists, p.shadow)
+        if room:
+            self.problem("host", room)
 
     def run(self) -> int:
         t0 = time.perf_counter()

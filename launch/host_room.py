@@ -12,13 +12,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import psutil
+
 from slidedp.config import JobConfig
-from slidedp.jobrecord import gradient_space, ring_slots
+from slidedp.jobrecord import gradient_space, held_chunk_ids, held_unit_names, ring_slots
 from slidedp.planner.costs import activation_bytes
 from slidedp.stepplan import StepPlan
 from slidedp.store.layout import Layout
 from slidedp.store.rings import rings_bytes
-from slidedp.store.shm import SHM_DIR
+from slidedp.store.shm import SHM_DIR, shm_free_bytes
 from slidedp.store.store import segment_sizes
 
 GiB = 1 << 30
@@ -103,3 +105,11 @@ def room_problem(job: JobConfig, need: HostNeed, available: int, shm_free: int |
     return (f"the job needs {need.total / GiB:.1f} GiB of host memory ({need.describe()}) but the host has "
             f"{available / GiB:.1f} GiB available: started, it would be killed for memory. What would help: "
             + "; ".join(helps))
+
+
+def planned_room_problem(job: JobConfig, layout: Layout, step: StepPlan, store_exists: bool, shadow: bool) -> str | None:
+    """The launcher's check once the job is planned, before anything is made (the dry run asks the same):
+    None where this host has room now for everything the planned job takes of its memory."""
+    device_chunks = held_chunk_ids(layout, held_unit_names(layout.model, step))
+    return room_problem(job, host_need(job, layout, step, store_exists, shadow, device_chunks),
+                        psutil.virtual_memory().available, shm_free_bytes())

@@ -18,7 +18,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-import psutil
 import zmq
 
 from slidedp import daemonlock, faults, numa
@@ -37,12 +36,11 @@ from slidedp.store.client import StoreRequestError, call, daemon_running
 from slidedp.store.ephemeral import creator_record, left_behind
 from slidedp.store.layout import make_layout
 from slidedp.store.mismatch import describe as describe_mismatch
-from slidedp.store.shm import shm_free_bytes
 from slidedp.transport import bind_router, connect_dealer, identity, recv_dealer, recv_router, send
 
 from . import children
 from .planning import DeliveryError, plan_job, record_training, shadow_fits
-from .host_room import host_need, room_problem
+from .host_room import planned_room_problem
 from .preflight import cuda_probe
 from .rundir import RunDirInUse, check_run_dir, write_run_record
 from .schedule_note import schedule_note
@@ -167,9 +165,7 @@ class JobRun:
             raise JobFailed(str(e)) from None
         step = self.plan.step
         device_chunks = held_chunk_ids(self.layout, held_unit_names(cfg, step))
-
-        room = room_problem(job, host_need(job, self.layout, step, exists, self.plan.shadow, device_chunks),
-                            psutil.virtual_memory().available, shm_free_bytes())
+        room = planned_room_problem(job, self.layout, step, exists, self.plan.shadow)
         if room:
             raise JobFailed(room)
         if not exists:

@@ -193,6 +193,34 @@ def test_memory_for_the_store_but_not_for_the_ranks_beside_it(tmp_path, monkeypa
                               "1.50 GiB available"]
 
 
+def test_the_plans_offload_buffers_are_counted_as_the_launch_counts_them(tmp_path, monkeypatch):
+    """The store's check runs before the plan, so it cannot count the buffers the plan's offloaded layers
+    take: once planned, the dry run asks the launcher's own question (host_room.planned_room_problem) and
+    refuses in its words what the launch would refuse. A host with room for the tiny job's store, rings
+    and processes, and for half of the inputs of its two offloaded layers."""
+    from types import SimpleNamespace
+
+    from slidedp.launch import host_room
+    from slidedp.stepplan import StepPlan
+
+    sets = ("memory.offload_layers=2",)
+    job = load_job(TINY, list(sets))
+    layout = make_layout(named_shape("tiny", 512))
+    need = host_room.host_need(job, layout, StepPlan(offload_layers=2), store_exists=False, shadow=False)
+    offload = dict(need.items)["offloaded inputs of 2 layer(s)"]
+    assert offload == 2 * 8 * 64 * 64 * 4  # two layers x 8 sequences x 64 tokens x hidden 64, fp32
+    available = need.total - offload // 2
+    monkeypatch.setattr(dryrun.psutil, "virtual_memory", lambda: SimpleNamespace(available=available))
+    rc, text = dry(tmp_path, *sets)
+    assert rc == 1
+    assert problems(text) == [host_room.room_problem(job, need, available)]
+    assert "offloaded inputs of 2 layer(s) 0.0 GiB" in problems(text)[0] and "memory.offload_layers" in problems(text)[0]
+    # room for the buffers too: no problem
+    monkeypatch.setattr(dryrun.psutil, "virtual_memory", lambda: SimpleNamespace(available=need.total))
+    rc, text = dry(tmp_path, *sets)
+    assert rc == 0, text
+
+
 def test_store_holding_another_model(tmp_path, made_store):
     other = made_store("tiny-llama")
     other.close()
