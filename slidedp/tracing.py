@@ -4,6 +4,12 @@ Every process of a job (workers, aggregator, updaters) appends complete events (
 wall-clock microseconds, so processes line up) to <run dir>/trace/<process>.jsonl for the
 steps listed in run.trace_steps; the launcher merges them (launch/tracefile.py). Outside
 those steps a span costs one set lookup.
+
+Work queued on CUDA streams (a worker's compute and copies) is timed by a pair of CUDA events per
+span (`device_span`): nothing waits for them, so a traced step overlaps its copies and compute as
+an untraced one does. They are read once the step's work is done (`flush_device`, after the
+worker's end-of-step synchronize) and placed on the wall clock by an anchor event recorded after
+all of them.
 """
 
 from __future__ import annotations
@@ -13,7 +19,7 @@ import os
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 
 class Tracer:
@@ -25,6 +31,7 @@ class Tracer:
             folder = Path(run_dir) / "trace"
             folder.mkdir(parents=True, exist_ok=True)
             self._file = open(folder / f"{process}.jsonl", "a", buffering=1)
+        self._device: list[tuple[str, str, int, Any, Any, dict]] = []  # spans whose events are not read yet
 
     def on(self, step: int) -> bool:
         return step in self.steps
@@ -48,6 +55,45 @@ class Tracer:
             yield
         finally:
             self.event(name, track, step, t0, time.time(), **args)
+
+    @contextmanager
+    def device_span(self, name: str, track: str, step: int, stream: Any = None, **args) -> Iterator[None]:
+        """A span of the work queued on a CUDA stream (the current one by default) while the block
+        runs, as the device ran it: two CUDA events, read at `flush_device`; the host never waits."""
+        if step not in self.steps:
+            yield
+            return
+        import torch
+
+        stream = stream or torch.cuda.current_stream()
+        start = torch.cuda.Event(enable_timing=True)
+        start.record(stream)
+        try:
+            yield
+        finally:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record(stream)
+            self._device.append((name, track, step, start, end, args))
+
+    def flush_device(self, device: Any = None, anchor: Any = None, now: float | None = None) -> None:
+        """Write the device spans recorded so far. Waits for the device, then records an anchor event
+        and takes the wall clock when it has run: an event `ms` before the anchor ran `ms` before
+        that time. (anchor, now: given by tests.)"""
+        if not self._device:
+            return
+        if anchor is None:
+            import torch
+
+            torch.cuda.synchronize(device)
+            anchor = torch.cuda.Event(enable_timing=True)
+            anchor.record(torch.cuda.current_stream(device))
+            anchor.synchronize()
+            now = time.time()
+        assert now is not None
+        for name, track, step, start, end, args in self._device:
+            self.event(name, track, step, now - start.elapsed_time(anchor) / 1e3, now - end.elapsed_time(anchor) / 1e3,
+                       **args)
+        self._device.clear()
 
     def close(self) -> None:
         if self._file is not None:

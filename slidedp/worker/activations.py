@@ -85,15 +85,13 @@ class SavedInputs:
         ready.record(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.d2h), torch.autograd.profiler.record_function(f"d2h:act{layer}.{i}"):
             self.d2h.wait_event(ready)
-            dst.copy_(x, non_blocking=True)
+            with self.tracer.device_span(f"offload layer {layer}", "d2h", self.step, self.d2h, bytes=dst.nbytes):
+                dst.copy_(x, non_blocking=True)
             if layer not in self._out:
                 self._out[layer] = torch.cuda.Event()
             done = self._out[layer]
             done.record(self.d2h)
         x.record_stream(self.d2h)  # its memory is not reused before the copy has read it
-        if self.tracer.on(self.step):
-            done.synchronize()
-            self.tracer.event(f"offload layer {layer}", "d2h", self.step, t0, time.time(), bytes=dst.nbytes)
 
     def prefetch(self, layer: int) -> None:
         """Start bringing an offloaded layer's inputs back (no-op for kept layers or one already coming)."""
@@ -108,13 +106,11 @@ class SavedInputs:
         with torch.cuda.stream(self.h2d), torch.autograd.profiler.record_function(f"h2d:act{layer}"):
             self.h2d.wait_event(self._out[layer])  # the copy-out has landed
             out = torch.empty(src.shape, dtype=src.dtype, device=self.device)
-            out.copy_(src, non_blocking=True)
+            with self.tracer.device_span(f"reload layer {layer}", "h2d", self.step, self.h2d, bytes=src.nbytes):
+                out.copy_(src, non_blocking=True)
             event = torch.cuda.Event()
             event.record(self.h2d)
         self._back[layer] = (out, event)
-        if self.tracer.on(self.step):
-            event.synchronize()
-            self.tracer.event(f"reload layer {layer}", "h2d", self.step, t0, time.time(), bytes=src.nbytes)
 
     def get(self, layer: int, i: int) -> torch.Tensor:
         """Micro-batch i's input of `layer` on the device, ready for the compute stream."""

@@ -195,6 +195,7 @@ class WorkerCore:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
             peak, reserved = torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)
+            self.tracer.flush_device(device)  # a traced step's device spans, now that its work is done
         self.done_steps = step + 1
         if self.eval_rows is not None and ((t.eval_every and self.done_steps % t.eval_every == 0)
                                            or self.done_steps == t.steps):

@@ -111,7 +111,8 @@ class ParamDelivery:
             self._inflight[key] = (out, None)
             self.tracer.event(f"fetch {unit.name}", "h2d", step, t0, time.time(), bytes=nbytes)
             return
-        with torch.cuda.stream(self.stream), torch.autograd.profiler.record_function(f"h2d:{unit.name}"):
+        with torch.cuda.stream(self.stream), torch.autograd.profiler.record_function(f"h2d:{unit.name}"), \
+                self.tracer.device_span(f"h2d {unit.name}", "h2d", step, self.stream, bytes=nbytes):
             out = torch.empty(shard.padded if shard else unit.numel, dtype=self.dtype, device=self.device)
             if src.dtype == self.dtype:  # fp32 compute, or the bf16 shadow: straight into the buffer
                 out[lo:hi].copy_(src, non_blocking=True)
@@ -127,9 +128,6 @@ class ParamDelivery:
                 out = out[:unit.numel]
             event = torch.cuda.Event()
             event.record(self.stream)
-        if self.tracer.on(step):  # traced step: wait for the copy so the span is its real duration
-            self.stream.synchronize()
-            self.tracer.event(f"h2d {unit.name}", "h2d", step, t0, time.time(), bytes=nbytes)
         self._inflight[key] = (out, event)
 
     def _staging_buffer(self) -> torch.Tensor:
@@ -208,18 +206,16 @@ class GradOut:
         ready.record(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream), torch.autograd.profiler.record_function(f"d2h:chunk{chunk.id}"):
             self.stream.wait_event(ready)
-            part, dst = self._payload(chunk, grad, slot)
-            sq = torch.dot(part, part)
-            dst.copy_(part, non_blocking=True)
-            self.d2h_bytes += part.numel() * part.element_size()
-            sq_host = sq.to("cpu", non_blocking=True)
+            with self.tracer.device_span(f"d2h chunk {chunk.id}", "d2h", step, self.stream, chunk=chunk.id, slot=slot):
+                part, dst = self._payload(chunk, grad, slot)
+                sq = torch.dot(part, part)
+                dst.copy_(part, non_blocking=True)
+                self.d2h_bytes += part.numel() * part.element_size()
+                sq_host = sq.to("cpu", non_blocking=True)
             done = torch.cuda.Event()
             done.record(self.stream)
         grad.record_stream(self.stream)
         self.pending.append(_PendingGrad(chunk, slot, sq_host, done, part))
-        if self.tracer.on(step):
-            done.synchronize()
-            self.tracer.event(f"d2h chunk {chunk.id}", "d2h", step, t0, time.time(), chunk=chunk.id, slot=slot)
 
     def landed(self, block: bool = False) -> list[tuple[Chunk, int, float]]:
         """(chunk, slot, squared norm) of every gradient now in host memory, in issue order."""

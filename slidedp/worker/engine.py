@@ -104,19 +104,16 @@ class Engine:
 
     @contextmanager
     def _span(self, name: str, step: int, **args) -> Iterator[None]:
-        """A compute-track span; on a traced CUDA step the device is synchronized around it so the
-        span is the GPU's time, not the launch time (traced steps run slower for it)."""
+        """A compute-track span: on CUDA the compute stream's time for the work queued in it (CUDA
+        events, read after the step: nothing waits), on CPU the host's."""
         if not self.tracer.on(step):
             yield
-            return
-        cuda = self.device.type == "cuda"
-        if cuda:
-            torch.cuda.synchronize(self.device)
-        t0 = time.time()
-        yield
-        if cuda:
-            torch.cuda.synchronize(self.device)
-        self.tracer.event(name, "compute", step, t0, time.time(), **args)
+        elif self.device.type == "cuda":
+            with self.tracer.device_span(name, "compute", step, torch.cuda.current_stream(self.device), **args):
+                yield
+        else:
+            with self.tracer.span(name, "compute", step, **args):
+                yield
 
     # ---- helpers ---------------------------------------------------------------------------
     def rope(self, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
