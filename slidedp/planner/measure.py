@@ -23,6 +23,7 @@ No torch at import: the planner's arithmetic runs anywhere; measuring imports it
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 import threading
@@ -37,6 +38,10 @@ from slidedp.model.config import ModelConfig
 _log = log.get("planner")
 
 SCHEMA = 1
+# a timed block runs back to back for at least this long: on the H200 a layer pass of 1-5 ms timed
+# alone moved by up to 20% between two machines' first plans (docs/tuning.md, "How the planner measures")
+BLOCK_WINDOW_S = 0.05
+MAX_INNER = 64
 Size = tuple[int, int, int]  # (micro_batch, seq_tile_tokens, loss_chunk_tokens) of one rank's GPU work
 
 
@@ -131,17 +136,28 @@ def shape_key(model: ModelConfig, seq_len: int, compute_dtype: str, compiled: bo
 # --------------------------------------------------------------------------------------
 # the engine's work, as callables (benchmarks/layer_bench.py times the same ones)
 
-def timed(fn: Callable[[], None], sync: Callable[[], None], repeat: int, warmup: int = 2) -> float:
-    """Median seconds of fn over `repeat` runs after `warmup` runs (compiles happen there)."""
+def timed(fn: Callable[[], None], sync: Callable[[], None], repeat: int, warmup: int = 2,
+          min_window_s: float = 0.0) -> float:
+    """Median seconds of fn over `repeat` runs after `warmup` runs (compiles happen there). With
+    min_window_s, each timed run repeats fn back to back until the window is at least that long (at
+    most MAX_INNER times) and counts one fn's share: a window of a few milliseconds is timer and
+    scheduler noise as much as GPU work."""
     for _ in range(warmup):
         fn()
     sync()
-    out = []
-    for _ in range(repeat):
+    inner = 1
+    if min_window_s > 0:
         t0 = time.perf_counter()
         fn()
         sync()
-        out.append(time.perf_counter() - t0)
+        inner = max(1, min(MAX_INNER, math.ceil(min_window_s / max(time.perf_counter() - t0, 1e-9))))
+    out = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        sync()
+        out.append((time.perf_counter() - t0) / inner)
     return max(statistics.median(out), 1e-9)
 
 
@@ -242,7 +258,7 @@ def _device_tools(device: str) -> tuple[Callable[[], None], Callable[[Callable[[
 
 
 def measure_blocks(model: ModelConfig, seq_len: int, compute_dtype: str, compiled: bool, sizes: Iterable[Size],
-                   local_batch: int, device: str = "cuda", repeat: int = 3, compile_fallback: bool = True,
+                   local_batch: int, device: str = "cuda", repeat: int = 5, compile_fallback: bool = True,
                    device_name: str = "") -> MeasuredBlocks:
     """Time one layer's forward, its recompute + backward and the loss at each size, on `device`, with
     the engine's code (compiled pointwise pieces where `compiled`). Each time is per micro-batch pass,
@@ -265,12 +281,13 @@ def measure_blocks(model: ModelConfig, seq_len: int, compute_dtype: str, compile
             passes = local_batch // m
             if (m, tile) not in layers:
                 forward, backward = layer_work(model, m, seq_len, passes, tile, device, dtype)
-                fwd = timed(forward, sync, repeat)
-                bwd = timed(backward, sync, repeat)
+                fwd = timed(forward, sync, repeat, min_window_s=BLOCK_WINDOW_S)
+                bwd = timed(backward, sync, repeat, min_window_s=BLOCK_WINDOW_S)
                 layers[(m, tile)] = LayerTime(m, tile, fwd / passes, bwd / passes, peak_of(backward))
                 del forward, backward
             run = loss_work(model, m, seq_len, passes, tile, chunk, device, dtype)
-            losses.append(LossTime(m, tile, chunk, timed(run, sync, repeat) / passes, peak_of(run)))
+            losses.append(LossTime(m, tile, chunk, timed(run, sync, repeat, min_window_s=BLOCK_WINDOW_S) / passes,
+                                   peak_of(run)))
             del run
             if device.startswith("cuda"):
                 torch.cuda.empty_cache()

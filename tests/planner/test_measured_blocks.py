@@ -364,3 +364,15 @@ def test_with_clipping_the_micro_batch_is_judged_by_the_slower_regime():
         assert c.predicted_step_s == pytest.approx(max(step.predicted_step_s, step.predicted_clipped_step_s))
         assert step.predicted_clipped_step_s > step.predicted_step_s  # the updater bounds a clipped step here
     assert "judged by the slower of its regimes" in plan.describe()
+
+
+def test_a_timed_block_runs_back_to_back_for_its_window():
+    """A pass of a few milliseconds is timed inside a window of at least BLOCK_WINDOW_S (at most
+    MAX_INNER passes); without a window each timed run is one call."""
+    calls = []
+    fn = lambda: calls.append(1)  # noqa: E731
+    assert measure.timed(fn, lambda: None, repeat=5, warmup=2) > 0
+    assert len(calls) == 2 + 5
+    calls.clear()
+    measure.timed(fn, lambda: None, repeat=5, warmup=2, min_window_s=1e6)  # no call lasts that long: the cap
+    assert len(calls) == 2 + 1 + 5 * measure.MAX_INNER
