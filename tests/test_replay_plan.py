@@ -1,0 +1,58 @@
+"""benchmarks/replay_plan.py: a plan made again off the GPU machine from the cache files a call brought back."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks import replay_plan
+from slidedp.model.config import named_shape
+from slidedp.planner import REFERENCE_CALIBRATION, calibration, measure
+from slidedp.planner.measure import LayerTime, LossTime, MeasuredBlocks
+
+SHAPE = "qwen3-1.7b"
+
+
+def write_cache(tmp_path, learned_rate: float | None = None):
+    cfg = named_shape(SHAPE)
+    cal_path, blocks_path = tmp_path / "calibration.json", tmp_path / "measured.json"
+    learned = ({cfg.num_parameters(): {"adamw_train_params_per_s": learned_rate,
+                                       "adamw_train_model_params": cfg.num_parameters()}} if learned_rate else None)
+    calibration.save(REFERENCE_CALIBRATION, cal_path, learned)
+    key = measure.shape_key(cfg, 2048, "bf16", True)
+    blocks = MeasuredBlocks(key, "NVIDIA H200",
+                            tuple(LayerTime(m, 0, 0.4e-3 * m + 0.4e-3, 1.3e-3 * m + 3.5e-3, 0) for m in (1, 2, 4, 8)),
+                            tuple(LossTime(m, 0, 1024, 11.4e-3 * m, 0) for m in (1, 2, 4, 8)))
+    measure._write(blocks_path, {key: blocks})
+    return cal_path, blocks_path
+
+
+def test_replays_every_micro_batch_asked_and_the_plans_choice(tmp_path, capsys):
+    cal_path, blocks_path = write_cache(tmp_path)
+    assert replay_plan.main([str(cal_path), str(blocks_path), "--shape", SHAPE, "--batch", "8", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["asked"] for r in rows] == [0, 1, 2, 4, 8]
+    chosen = rows[0]
+    assert chosen["micro_batch"] in (1, 2, 4, 8)
+    same = next(r for r in rows[1:] if r["asked"] == chosen["micro_batch"])
+    assert same["judged_s"] == pytest.approx(chosen["judged_s"])  # the choice replays as that micro-batch forced
+    assert all(r["judged_s"] >= chosen["judged_s"] * 0.98 for r in rows[1:])  # the fastest, within the 2% rule
+    assert all(r["clipped_s"] >= r["unclipped_s"] for r in rows)
+
+
+def test_learned_charges_the_rate_runs_of_the_model_measured(tmp_path, capsys):
+    slow = REFERENCE_CALIBRATION.adamw_beside_copies_params_per_s or REFERENCE_CALIBRATION.adamw_params_per_s
+    cal_path, blocks_path = write_cache(tmp_path, learned_rate=slow / 4)
+    args = [str(cal_path), str(blocks_path), "--shape", SHAPE, "--batch", "8", "--micro", "4", "--json"]
+    replay_plan.main(args)
+    first = json.loads(capsys.readouterr().out)[0]
+    replay_plan.main(args + ["--learned"])
+    learned = json.loads(capsys.readouterr().out)[0]
+    assert learned["clipped_s"] > first["clipped_s"]  # a quarter of the rate: the deferred updates take longer
+
+
+def test_a_blocks_file_without_the_shape_is_named(tmp_path):
+    cal_path, blocks_path = write_cache(tmp_path)
+    with pytest.raises(SystemExit, match="the blocks file has no entry for 'qwen3 h2560"):
+        replay_plan.main([str(cal_path), str(blocks_path), "--shape", "qwen3-4b", "--batch", "8"])
