@@ -96,6 +96,8 @@ class Tracer:
         self._device.clear()
 
     def close(self) -> None:
+        if self._device and self._file is not None:  # spans of a step that ended without its flush
+            self.flush_device()
         if self._file is not None:
             self._file.close()
             self._file = None

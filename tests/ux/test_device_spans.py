@@ -68,3 +68,13 @@ def test_a_copy_on_its_stream_overlaps_the_compute_it_ran_beside(tmp_path):
     compute, h2d = spans["compute"], spans["h2d"]
     assert compute["dur"] > 0 and h2d["dur"] > 0
     assert compute["ts"] <= h2d["ts"] and h2d["ts"] + h2d["dur"] <= compute["ts"] + compute["dur"]
+
+
+def test_spans_left_at_close_are_written(tmp_path, monkeypatch):
+    """A traced step that ended without its flush (the job stopped) still writes its device spans."""
+    tracer = Tracer(tmp_path, "worker0", (3,))
+    tracer._device.append(("forward layer 0", "compute", 3, FakeEvent(2.0), FakeEvent(1.0), {}))
+    flushed = []
+    monkeypatch.setattr(tracer, "flush_device", lambda: flushed.append(len(tracer._device)))
+    tracer.close()
+    assert flushed == [1]
