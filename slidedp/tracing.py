@@ -90,14 +90,15 @@ class Tracer:
             anchor.synchronize()
             now = time.time()
         assert now is not None
-        for name, track, step, start, end, args in self._device:
+        pending, self._device = self._device, []
+        for name, track, step, start, end, args in pending:
             self.event(name, track, step, now - start.elapsed_time(anchor) / 1e3, now - end.elapsed_time(anchor) / 1e3,
                        **args)
-        self._device.clear()
 
     def close(self) -> None:
-        if self._device and self._file is not None:  # spans of a step that ended without its flush
-            self.flush_device()
+        # spans still pending belong to a step that failed before its flush: reading them would wait on a
+        # device that may be in error or stuck in a collective whose peer is gone, so they are dropped
+        self._device.clear()
         if self._file is not None:
             self._file.close()
             self._file = None

@@ -79,13 +79,13 @@ class SavedInputs:
         t0 = time.time()
         if not self.cuda:
             dst.copy_(x)
-            self.tracer.event(f"offload layer {layer}", "d2h", self.step, t0, time.time(), bytes=dst.nbytes)
+            self.tracer.event(f"offload layer {layer}", "d2h act", self.step, t0, time.time(), bytes=dst.nbytes)
             return
         ready = torch.cuda.Event()
         ready.record(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.d2h), torch.autograd.profiler.record_function(f"d2h:act{layer}.{i}"):
             self.d2h.wait_event(ready)
-            with self.tracer.device_span(f"offload layer {layer}", "d2h", self.step, self.d2h, bytes=dst.nbytes):
+            with self.tracer.device_span(f"offload layer {layer}", "d2h act", self.step, self.d2h, bytes=dst.nbytes):
                 dst.copy_(x, non_blocking=True)
             if layer not in self._out:
                 self._out[layer] = torch.cuda.Event()
@@ -101,12 +101,12 @@ class SavedInputs:
         t0 = time.time()
         if not self.cuda:
             self._back[layer] = (src.clone(), None)
-            self.tracer.event(f"reload layer {layer}", "h2d", self.step, t0, time.time(), bytes=src.nbytes)
+            self.tracer.event(f"reload layer {layer}", "h2d act", self.step, t0, time.time(), bytes=src.nbytes)
             return
         with torch.cuda.stream(self.h2d), torch.autograd.profiler.record_function(f"h2d:act{layer}"):
             self.h2d.wait_event(self._out[layer])  # the copy-out has landed
             out = torch.empty(src.shape, dtype=src.dtype, device=self.device)
-            with self.tracer.device_span(f"reload layer {layer}", "h2d", self.step, self.h2d, bytes=src.nbytes):
+            with self.tracer.device_span(f"reload layer {layer}", "h2d act", self.step, self.h2d, bytes=src.nbytes):
                 out.copy_(src, non_blocking=True)
             event = torch.cuda.Event()
             event.record(self.h2d)
