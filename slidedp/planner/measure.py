@@ -37,7 +37,7 @@ from slidedp.model.config import ModelConfig
 
 _log = log.get("planner")
 
-SCHEMA = 1
+SCHEMA = 2  # 2: blocks timed over BLOCK_WINDOW_S windows, the median of five (1: single runs, of three)
 # a timed block runs back to back for at least this long: on the H200 a layer pass of 1-5 ms timed
 # alone moved by up to 20% between two machines' first plans (docs/tuning.md, "How the planner measures")
 BLOCK_WINDOW_S = 0.05
@@ -391,7 +391,8 @@ def _read(path: Path) -> dict[str, MeasuredBlocks]:
         _log.warning("%s is unreadable (%s): measuring again", path, e)
         return {}
     if not isinstance(doc, dict) or doc.get("schema") != SCHEMA or not isinstance(doc.get("shapes"), dict):
-        _log.warning("%s is not a schema-%d file of measured blocks: measuring again", path, SCHEMA)
+        _log.warning("%s is not a schema-%d file of measured blocks (an older one is measured again, once): "
+                     "measuring again", path, SCHEMA)
         return {}
     out = {}
     for shape, entry in doc["shapes"].items():

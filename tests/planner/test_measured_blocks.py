@@ -183,7 +183,7 @@ def test_the_cache_is_read_on_the_second_plan(tmp_path, caplog):
     assert calls[-1] == [(4, 8, 16)] and third.has((1, 0, 16)) and third.has((4, 8, 16))
     path = measure.cache_file("host-c", "GPU C", tmp_path)
     doc = json.loads(path.read_text())
-    assert doc["schema"] == 1 and list(doc["shapes"]) == [shape_key(cfg, 16, "bf16", True)]
+    assert doc["schema"] == measure.SCHEMA == 2 and list(doc["shapes"]) == [shape_key(cfg, 16, "bf16", True)]
     # another shape (another sequence length) is measured apart, beside it
     measure.measured_blocks(cfg, 32, "bf16", True, [(1, 0, 16)], 4, "host-c", "GPU C", cache_dir=tmp_path,
                             measure=fake_measure)
@@ -366,13 +366,23 @@ def test_with_clipping_the_micro_batch_is_judged_by_the_slower_regime():
     assert "judged by the slower of its regimes" in plan.describe()
 
 
-def test_a_timed_block_runs_back_to_back_for_its_window():
+def test_a_timed_block_runs_back_to_back_for_its_window(monkeypatch):
     """A pass of a few milliseconds is timed inside a window of at least BLOCK_WINDOW_S (at most
-    MAX_INNER passes); without a window each timed run is one call."""
+    MAX_INNER passes) and counted as one pass's share; without a window each timed run is one call.
+    A fake clock: every call of the block takes 1/64 s (exact in binary, so the window's count is too)."""
+    clock = [0.0]
     calls = []
-    fn = lambda: calls.append(1)  # noqa: E731
-    assert measure.timed(fn, lambda: None, repeat=5, warmup=2) > 0
+
+    def fn() -> None:
+        calls.append(1)
+        clock[0] += 1 / 64
+
+    monkeypatch.setattr(measure.time, "perf_counter", lambda: clock[0])
+    assert measure.timed(fn, lambda: None, repeat=5, warmup=2) == 1 / 64
     assert len(calls) == 2 + 5
     calls.clear()
-    measure.timed(fn, lambda: None, repeat=5, warmup=2, min_window_s=1e6)  # no call lasts that long: the cap
+    assert measure.timed(fn, lambda: None, repeat=5, warmup=2, min_window_s=1 / 16) == 1 / 64  # one call's share
+    assert len(calls) == 2 + 1 + 5 * 4  # warm-up, the probe, five windows of four calls
+    calls.clear()
+    measure.timed(fn, lambda: None, repeat=5, warmup=2, min_window_s=1e6)  # no window that long: the cap
     assert len(calls) == 2 + 1 + 5 * measure.MAX_INNER
