@@ -208,15 +208,17 @@ class DryRun:
         self.store_exists = bool(segments)
         free, avail = shm_free_bytes(), psutil.virtual_memory().available
         self.say("", f"{SHM_DIR} has {_size(free)} free; the host has {_size(avail)} of memory available")
-        self.room_flagged = need > free or need + process_bytes(job) > avail
+        self.room_flagged = False
         if need > free:
             self.problem("store", f"needs {_size(need)} of shared memory but {SHM_DIR} has only {_size(free)} free; "
                                   f"enlarge it (`mount -o remount,size=<N>G {SHM_DIR}`) or choose a smaller model")
+            self.room_flagged = True
         else:  # beside the store and rings, the job's processes (as the launcher counts them: launch/host_room.py)
             procs = process_bytes(job)
             if need + procs > avail:
                 self.problem("store", f"needs {_size(need)} of memory and its {world} rank(s) about {_size(procs)} "
                                       f"more, but the host has only {_size(avail)} available")
+                self.room_flagged = True
 
     def _left_behind(self, name: str, segments: dict[str, int]) -> bool:
         """A store that a dead job made for itself (store.persist = false): a run destroys it, never adopts it."""

@@ -107,9 +107,12 @@ def room_problem(job: JobConfig, need: HostNeed, available: int, shm_free: int |
             + "; ".join(helps))
 
 
-def planned_room_problem(job: JobConfig, layout: Layout, step: StepPlan, store_exists: bool, shadow: bool) -> str | None:
+def planned_room_problem(job: JobConfig, layout: Layout, step: StepPlan, store_exists: bool, shadow: bool,
+                         device_chunks: tuple[int, ...] | None = None) -> str | None:
     """The launcher's check once the job is planned, before anything is made (the dry run asks the same):
-    None where this host has room now for everything the planned job takes of its memory."""
-    device_chunks = held_chunk_ids(layout, held_unit_names(layout.model, step))
+    None where this host has room now for everything the planned job takes of its memory. device_chunks:
+    the chunks the plan holds on the devices (None: found from the plan)."""
+    if device_chunks is None:
+        device_chunks = held_chunk_ids(layout, held_unit_names(layout.model, step))
     return room_problem(job, host_need(job, layout, step, store_exists, shadow, device_chunks),
                         psutil.virtual_memory().available, shm_free_bytes())

@@ -165,7 +165,7 @@ class JobRun:
             raise JobFailed(str(e)) from None
         step = self.plan.step
         device_chunks = held_chunk_ids(self.layout, held_unit_names(cfg, step))
-        room = planned_room_problem(job, self.layout, step, exists, self.plan.shadow)
+        room = planned_room_problem(job, self.layout, step, exists, self.plan.shadow, device_chunks)
         if room:
             raise JobFailed(room)
         if not exists:
