@@ -9,6 +9,11 @@ For each micro-batch (0: the plan's choice) it prints what the plan holds, offlo
 in both clipping regimes, with the step model of this checkout: what a change to the model would
 have predicted for runs already measured. --learned charges the AdamW rate the cache learned
 from runs of this model (the forced runs of a call had it); without it, the first plan's.
+
+What the launcher would take from the job file is fixed here as the plan_choice.sh runs had it: one
+rank and one updater, bf16 compute with the pointwise kernels compiled, fp32 delivery (those runs'
+plans chose it; a store without the bf16 shadow allows nothing else), offloading and the embedding's
+place left to the plan.
 """
 
 from __future__ import annotations
