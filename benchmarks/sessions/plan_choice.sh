@@ -93,10 +93,14 @@ out, tag = pathlib.Path(sys.argv[1]), sys.argv[2]
 rows = {}
 for f in sorted(out.glob(f"{tag}-*.json")):
     for r in json.loads(f.read_text()).get("rows", []):
-        if r.get("system") != "slidedp" or r.get("status") != "ok":
-            if r.get("system") != "slidedp":
-                print(f"{f.stem}: {r.get('system')} {r.get('status')} {r.get('step_s')} s/step")
+        if r.get("system") != "slidedp":
+            print(f"{f.stem}: {r.get('system')} {r.get('status')} {r.get('step_s')} s/step")
             continue
+        if not r.get("step_s") or not r.get("run_dir"):  # failed, or stopped before a timed step
+            print(f"{f.stem}: slidedp {r.get('status')}")
+            continue
+        if r.get("status") != "ok":  # stopped by its limit, with its timed steps committed
+            print(f"{f.stem}: slidedp {r.get('status')}; its {len(r.get('step_times_s', []))} committed steps count")
         plan = json.loads((pathlib.Path(r["run_dir"]) / "plan.json").read_text())
         log = pathlib.Path(r["log"]).read_text() if r.get("log") else ""
         measuring = re.findall(r"measuring one decoder layer .*?: ([0-9.]+) s", log)
