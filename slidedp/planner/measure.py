@@ -41,7 +41,7 @@ SCHEMA = 2  # 2: blocks timed over BLOCK_WINDOW_S windows, the median of five (1
 # a timed block runs back to back for at least this long: on the H200 a layer pass of 1-5 ms timed
 # alone moved by up to 20% between two machines' first plans (docs/tuning.md, "How the planner measures")
 BLOCK_WINDOW_S = 0.05
-MAX_INNER = 64
+MAX_INNER = 64  # passes per window at most: a block of under 1 ms (CPU tests' tiny shapes) stays cheap to time
 Size = tuple[int, int, int]  # (micro_batch, seq_tile_tokens, loss_chunk_tokens) of one rank's GPU work
 
 
