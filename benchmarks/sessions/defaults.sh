@@ -34,6 +34,9 @@ run() {  # NAME MAX_GRAD_NORM SYSTEMS LIMIT [harness args]; BATCH=N before it: a
   left=$((budget - SECONDS - 20))
   if [ "$left" -lt 60 ]; then echo "defaults: $left s left, not starting $name" >&2; return; fi
   [ "$limit" -gt "$left" ] && limit=$left
+  # --timeout is each system's: several in one command share what is left
+  local n=$(($(tr -cd , <<< "$systems" | wc -c) + 1))
+  [ $((limit * n)) -gt "$left" ] && limit=$((left / n))
   done=$(bash "$(dirname "$0")/committed_step.sh" "$store")  # 0 where a refused run made no store
   python3 -m benchmarks.run --shape "$shape" --batch "${BATCH:-$batch}" --seq 2048 --steps $steps --warmup $warm \
     --systems "$systems" --max-grad-norm "$clip" --slidedp-micro-batch plan --slidedp-set memory.device_budget_gib=24 \
