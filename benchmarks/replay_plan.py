@@ -35,8 +35,9 @@ GiB = 1 << 30
 
 def load(cal_path: Path, blocks_path: Path, model_params: int,
          learned: bool) -> tuple[cal.Calibration, dict[str, measure.MeasuredBlocks]]:
-    """The cache's calibration (with what runs of this model measured, if `learned`), and its blocks by shape."""
-    return cal.load(cal_path, model_params if learned else None), measure._read(blocks_path)
+    """The cache's calibration (with what runs of this model measured, if `learned`), and its blocks by shape
+    (of either schema: a replay uses the blocks a run was planned with)."""
+    return cal.load(cal_path, model_params if learned else None), measure.read_blocks(blocks_path, measure.READABLE_SCHEMAS)
 
 
 def replay(calib: cal.Calibration, shapes: dict[str, measure.MeasuredBlocks], shape: str, batch: int, micro_batches: list[int], seq: int = 2048,

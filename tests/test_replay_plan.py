@@ -56,3 +56,15 @@ def test_a_blocks_file_without_the_shape_is_named(tmp_path):
     cal_path, blocks_path = write_cache(tmp_path)
     with pytest.raises(SystemExit, match="the blocks file has no entry for 'qwen3 h2560"):
         replay_plan.main([str(cal_path), str(blocks_path), "--shape", "qwen3-4b", "--batch", "8"])
+
+
+def test_a_replay_reads_the_blocks_a_run_was_planned_with_where_a_plan_measures_again(tmp_path, capsys):
+    """The blocks kept beside this repository's results were timed the older way (schema 1: the same
+    fields): a plan measures them again, a replay reads them as they are."""
+    cal_path, blocks_path = write_cache(tmp_path)
+    doc = json.loads(blocks_path.read_text())
+    blocks_path.write_text(json.dumps(dict(doc, schema=1)))
+    assert measure.read_blocks(blocks_path) == {}  # what a plan sees: nothing cached, measure again
+    assert list(measure.read_blocks(blocks_path, measure.READABLE_SCHEMAS)) == list(doc["shapes"])
+    assert replay_plan.main([str(cal_path), str(blocks_path), "--shape", SHAPE, "--batch", "8", "--json"]) == 0
+    assert len(json.loads(capsys.readouterr().out)) == 5

@@ -381,8 +381,14 @@ def cache_file(host: str, device_name: str, cache_dir: str | os.PathLike | None 
     return root / f"measured-{slug(host)}-{slug(device_name)}.json"
 
 
-def _read(path: Path) -> dict[str, MeasuredBlocks]:
-    """The cache file's blocks by shape; an unreadable file or entry is left out with a warning."""
+# schema 1 holds the same fields, timed by single runs: a plan measures them again, a replay reads them
+READABLE_SCHEMAS = (1, SCHEMA)
+
+
+def read_blocks(path: str | os.PathLike, schemas: tuple[int, ...] = (SCHEMA,)) -> dict[str, MeasuredBlocks]:
+    """A cache file's blocks by shape; an unreadable file or entry, or a schema not in `schemas`, is left
+    out with a warning (a plan passes the current schema only: older blocks are measured again)."""
+    path = Path(path)
     if not path.exists():
         return {}
     try:
@@ -390,7 +396,7 @@ def _read(path: Path) -> dict[str, MeasuredBlocks]:
     except (OSError, ValueError) as e:
         _log.warning("%s is unreadable (%s): measuring again", path, e)
         return {}
-    if not isinstance(doc, dict) or doc.get("schema") != SCHEMA or not isinstance(doc.get("shapes"), dict):
+    if not isinstance(doc, dict) or doc.get("schema") not in schemas or not isinstance(doc.get("shapes"), dict):
         _log.warning("%s is not a schema-%d file of measured blocks (an older one is measured again, once): "
                      "measuring again", path, SCHEMA)
         return {}
@@ -422,7 +428,7 @@ def measured_blocks(model: ModelConfig, seq_len: int, compute_dtype: str, compil
     sizes = sorted({(m, normalized(m, seq_len, tile), chunk) for m, tile, chunk in sizes})
     path = cache_file(host, device_name, cache_dir)
     with locked(path):  # one job measures at a time: two at once would measure each other
-        shapes = _read(path)
+        shapes = read_blocks(path)
         have = shapes.get(key, MeasuredBlocks(key, device_name))
         missing = [s for s in sizes if not have.has(s)]
         if not missing:
