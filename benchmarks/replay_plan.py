@@ -26,7 +26,7 @@ from pathlib import Path
 
 from slidedp.model.config import named_shape
 from slidedp.planner import calibration as cal
-from slidedp.planner import measure, step_model
+from slidedp.planner import measure
 from slidedp.planner.plan import make_plan
 from slidedp.planner.workload import Workload
 
@@ -54,9 +54,9 @@ def replay(calib: cal.Calibration, shapes: dict[str, measure.MeasuredBlocks], sh
                         clip=clip, compiled=compiled)
         plan = make_plan(work, int(budget_gib * GiB), calib,
                          {"activations": ("keep", "offload"), "delivery": ("fp32",), "embedding": ("device", "host")})
-        s = plan.step
-        _, _, free = step_model.predict_step(work, s, calib)
-        _, _, clipped = step_model.predict_step(work, s, calib, clips=True) if clip else (None, None, free)
+        s = plan.step  # it carries the predictions the plan made: both regimes where clipping is on
+        free = s.predicted_step_s
+        clipped = s.predicted_clipped_step_s if clip else free
         rows.append({"asked": mb, "micro_batch": s.micro_batch, "device_layers": s.device_layers,
                      "offload_layers": s.offload_layers, "embedding": s.embedding, "unclipped_s": free,
                      "clipped_s": clipped, "judged_s": max(free, clipped)})
