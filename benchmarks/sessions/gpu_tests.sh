@@ -16,7 +16,8 @@ trap 'rm -rf "$work"' EXIT
 cd "$work" || exit 2
 args=("$@")
 [ ${#args[@]} -eq 0 ] && args=(tests)
-python3 -m pytest -q -rA -m gpu -p no:randomly "${args[@]}" > "$out/gpu-tests.txt" 2>&1
+# unbuffered, a line per test: a call that stops it at its time limit still brings back what ran
+python3 -u -m pytest -v -rA --durations=15 -m gpu -p no:randomly "${args[@]}" > "$out/gpu-tests.txt" 2>&1
 rc=$?
 tail -15 "$out/gpu-tests.txt"
 exit $rc
