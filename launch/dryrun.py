@@ -31,17 +31,13 @@ from slidedp.store.mismatch import describe_layouts
 from slidedp.store.rings import rings_bytes
 from slidedp.store.shm import SHM_DIR, list_store_segments, segment_name, shm_free_bytes
 from slidedp.store.store import segment_sizes
+from slidedp.stepplan import StepPlan
 
-from .host_room import planned_room_problem, process_bytes
+from .host_room import host_need, planned_room_problem, room_problem, size
 
-GiB = 2**30
 # What a check can raise for bad input: ConfigError, DataError, ModelConfigError (ValueError);
 # CheckpointError, StoreError, ManifestError (RuntimeError); missing or unreadable files (OSError).
 _BAD_INPUT = (OSError, ValueError, RuntimeError, KeyError)
-
-
-def _size(n: float) -> str:
-    return f"{n / GiB:.2f} GiB" if n >= GiB / 10 else f"{n / 2**20:.1f} MiB"
 
 
 def _alive(pid: int) -> bool:
@@ -192,7 +188,7 @@ class DryRun:
             except _BAD_INPUT as e:  # another model or an incomplete store: its space means nothing here
                 self.problem("store", str(e))
                 return
-            self.say("", f"would attach and add gradient rings of {_size(need)} ({world} rank(s) x {slots} slots"
+            self.say("", f"would attach and add gradient rings of {size(need)} ({world} rank(s) x {slots} slots"
                          + (", a full-model reduction buffer for exact clipping" if full else
                             ", one per chunk: exact clipping keeps each gradient until the step's norm" if clip else "")
                          + ")")
@@ -202,23 +198,20 @@ class DryRun:
             per = ("14" if job.store.shadow_bf16 is True else
                    "12; 14 with the bf16 shadow, where the plan delivers bf16: store.shadow_bf16 = \"auto\""
                    if job.store.shadow_bf16 == "auto" and job.train.compute_dtype == "bf16" else "12")
-            self.say("store", f"would create store {name!r}: {_size(state)} of state ({per} "
-                              f"bytes/parameter) + {_size(grads + reduce)} of gradient rings = {_size(need)}; "
+            self.say("store", f"would create store {name!r}: {size(state)} of state ({per} "
+                              f"bytes/parameter) + {size(grads + reduce)} of gradient rings = {size(need)}; "
                               f"{'kept' if job.store.persist else 'destroyed'} after the job (store.persist)")
         self.store_exists = bool(segments)
         free, avail = shm_free_bytes(), psutil.virtual_memory().available
-        self.say("", f"{SHM_DIR} has {_size(free)} free; the host has {_size(avail)} of memory available")
-        self.room_flagged = False
-        if need > free:
-            self.problem("store", f"needs {_size(need)} of shared memory but {SHM_DIR} has only {_size(free)} free; "
-                                  f"enlarge it (`mount -o remount,size=<N>G {SHM_DIR}`) or choose a smaller model")
-            self.room_flagged = True
-        else:  # beside the store and rings, the job's processes (as the launcher counts them: launch/host_room.py)
-            procs = process_bytes(job)
-            if need + procs > avail:
-                self.problem("store", f"needs {_size(need)} of memory and its {world} rank(s) about {_size(procs)} "
-                                      f"more, but the host has only {_size(avail)} available")
-                self.room_flagged = True
+        self.say("", f"{SHM_DIR} has {size(free)} free; the host has {size(avail)} of memory available")
+        # the launcher's own question (host_room.py), before the plan: the route it would take, no layer
+        # held on the device, no input offloaded; once planned, plan() asks it again with the plan's
+        pre_plan = StepPlan(grad_route="reduce_scatter" if scattered else "host")
+        problem = room_problem(job, host_need(job, layout, pre_plan, self.store_exists, job.store.shadow_bf16 is True),
+                               avail, free)
+        self.room_flagged = problem is not None
+        if problem:
+            self.problem("store", problem)
 
     def _left_behind(self, name: str, segments: dict[str, int]) -> bool:
         """A store that a dead job made for itself (store.persist = false): a run destroys it, never adopts it."""
@@ -254,7 +247,7 @@ class DryRun:
             self.store_shadow = bool(m.meta.get("shadow"))
             self.store_status = {"exists": True, "generation": m.generation, "committed_step": m.committed_step,
                                  "attached_pid": m.attached_pid if _alive(m.attached_pid) else 0}
-            self.say("store", f"store {name!r} exists ({_size(sum(segments.values()))}, same model), "
+            self.say("store", f"store {name!r} exists ({size(sum(segments.values()))}, same model), "
                               f"committed step {m.committed_step}")
             pid = m.attached_pid
             if pid and _alive(pid):
@@ -369,11 +362,11 @@ class DryRun:
         free = shutil.disk_usage(_existing_ancestor(job.checkpoint_dir)).free
         kept = (c.keep if c.every else 0) + (1 if c.final else 0)
         if one > free:
-            self.problem("checkpoint", f"one checkpoint needs about {_size(one)} but {_existing_ancestor(job.checkpoint_dir)} "
-                                       f"has {_size(free)} free; free space or set checkpoint.dir elsewhere")
+            self.problem("checkpoint", f"one checkpoint needs about {size(one)} but {_existing_ancestor(job.checkpoint_dir)} "
+                                       f"has {size(free)} free; free space or set checkpoint.dir elsewhere")
         elif one * kept > free:
-            self.warn("checkpoint", f"{kept} checkpoint(s) of about {_size(one)} each need more than the "
-                                    f"{_size(free)} free on {_existing_ancestor(job.checkpoint_dir)}")
+            self.warn("checkpoint", f"{kept} checkpoint(s) of about {size(one)} each need more than the "
+                                    f"{size(free)} free on {_existing_ancestor(job.checkpoint_dir)}")
 
     def daemons(self) -> None:
         name = self.job.store_name

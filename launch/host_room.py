@@ -24,6 +24,12 @@ from slidedp.store.shm import SHM_DIR, shm_free_bytes
 from slidedp.store.store import segment_sizes
 
 GiB = 1 << 30
+
+
+def size(n: float) -> str:
+    """Bytes as a person reads them: GiB from a tenth of one, else MiB (a tiny job's store is a few)."""
+    return f"{n / GiB:.1f} GiB" if n >= GiB / 10 else f"{n / 2**20:.1f} MiB"
+
 # Host memory of the job's processes per rank: a worker with its share of the launcher and daemons
 # (8.5 GiB measured for one rank on the H200, CUDA context and pinned staging included; a CPU rank
 # of the tiny job about 0.9 GiB: docs/tuning.md, "Host memory a job needs").
@@ -53,7 +59,7 @@ class HostNeed:
         return self.shm_bytes + self.offload + self.processes
 
     def describe(self) -> str:
-        return ", ".join(f"{what} {b / GiB:.1f} GiB" for what, b in self.items)
+        return ", ".join(f"{what} {size(b)}" for what, b in self.items)
 
 
 def process_bytes(job: JobConfig) -> int:
@@ -88,8 +94,8 @@ def room_problem(job: JobConfig, need: HostNeed, available: int, shm_free: int |
     """None where the host has room; else what the job needs, what the host has, and what would help.
     shm_free: what /dev/shm has free (the store and the rings live there; the processes do not)."""
     if shm_free is not None and need.shm_bytes > shm_free:
-        return (f"the job needs {need.shm_bytes / GiB:.1f} GiB of shared memory ({need.describe()}) but {SHM_DIR} has only "
-                f"{shm_free / GiB:.1f} GiB free; enlarge it (e.g. `mount -o remount,size=<N>G {SHM_DIR}`) or "
+        return (f"the job needs {size(need.shm_bytes)} of shared memory ({need.describe()}) but {SHM_DIR} has only "
+                f"{size(shm_free)} free; enlarge it (e.g. `mount -o remount,size=<N>G {SHM_DIR}`) or "
                 f"choose a smaller model/store")
     if need.total <= available:
         return None
@@ -102,8 +108,8 @@ def room_problem(job: JobConfig, need: HostNeed, available: int, shm_free: int |
                      "their gradients stay there")
         helps.append("train.max_grad_norm = 0 keeps a few gradient slots per rank instead, but does not clip "
                      "(it changes the math)")
-    return (f"the job needs {need.total / GiB:.1f} GiB of host memory ({need.describe()}) but the host has "
-            f"{available / GiB:.1f} GiB available: started, it would be killed for memory. What would help: "
+    return (f"the job needs {size(need.total)} of host memory ({need.describe()}) but the host has "
+            f"{size(available)} available: started, it would be killed for memory. What would help: "
             + "; ".join(helps))
 
 
