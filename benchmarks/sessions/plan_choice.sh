@@ -4,15 +4,21 @@
 # the first plan of this shape in the session's cache: it measures) next to GPU-resident training,
 # then the micro-batch forced to 1, 2, 4 and 8 (same machine, the blocks now cached); a summary says
 # the chosen micro-batch, each run's predicted and measured step, and how far the choice is from the
-# best forced one. Every run starts from a store of its own, made from the same seed: trained on one
-# batch, a store's gradient norm falls below max_grad_norm within ~20 steps, and a run that inherited
-# a trained store would time the unclipped step against the others' clipped one.
+# best forced one. With clipping on, every run starts from a store of its own, made from the same
+# seed: trained on one batch, a store's gradient norm falls below max_grad_norm within ~20 steps, and
+# a run that inherited a trained store would time the unclipped step against the others' clipped one.
+# With CLIP=0 no step's time depends on its norm, and the runs share one persistent store (each
+# trains on from its committed step): Qwen3-8B's store takes 18-27 s to make, once instead of per run.
+# A call with PARTS=auto makes it anew, and a call removes it at its end unless KEEP_STORE=1 (the
+# (SHAPE, BATCH)'s next call, PARTS=forced on the same machine, then trains on from it).
+# DEVICE=cpu runs the script's own smoke test on this machine's CPU (SHAPE tiny).
 #
 #   bash benchmarks/sessions/plan_choice.sh OUT SHAPE BATCH     # SHAPE: qwen3-1.7b | qwen3-4b | qwen3-8b
 #   bash benchmarks/sessions/plan_choice.sh OUT unseen BATCH    # a Llama-family HF folder (below)
 #
 # Device calls of at most ~9 minutes: one per (SHAPE, BATCH) for the small shapes, two or three for
-# Qwen3-8B (PARTS=auto, then PARTS=forced with FORCED="1 2" and FORCED="4 8"; the same OUT each time):
+# Qwen3-8B (CLIP=0 KEEP_STORE=1 PARTS=auto, then CLIP=0 PARTS=forced with FORCED="8 4" and "2 1", the
+# first of them with KEEP_STORE=1 too; the same OUT and PLAN_CHOICE_WORK each time, back to back):
 #   qwen3-1.7b 8 | qwen3-1.7b 32 | qwen3-4b 8 | qwen3-4b 32 | qwen3-8b 8 (auto; forced) |
 #   qwen3-8b 32 (auto; forced 1 2; forced 4 8) | unseen 8
 # About 10-11 calls; each prints its summary, and the last call of a (SHAPE, BATCH) the comparison.
@@ -67,15 +73,23 @@ EOF
 fi
 store=slidedp-plan-$shape
 tag=$shape-b$batch
+shared=0  # 1: the runs share one persistent store (no clipping: the norm does not set a step's time)
+python3 -c "import sys; sys.exit(float(sys.argv[1]) != 0)" "$clip" && shared=1
+[ $shared = 1 ] && [[ $parts == *auto* ]] && { slidedp-store destroy --force "$store" >/dev/null 2>&1 || true; }
 run() {  # NAME SYSTEMS MICRO TIMEOUT: SlideDP at train.micro_batch = MICRO (0: the plan's choice)
-  local limit=$4 left=$((budget - SECONDS - 25))
+  local limit=$4 left=$((budget - SECONDS - 25)) done=0 keep=()
   if [ "$left" -lt 60 ]; then echo "plan_choice: $left s left, not starting $1" >&2; return; fi
   [ "$limit" -gt "$left" ] && limit=$left
-  slidedp-store destroy --force "$store" >/dev/null 2>&1 || true  # one a stopped run left behind
-  python3 -m benchmarks.run --shape "$hshape" --batch "$batch" --seq 2048 --steps $steps --warmup $warm \
-    --systems "$2" --micro-batch "$peer_micro" --max-grad-norm "$clip" --slidedp-set memory.device_budget_gib=24 \
-    --slidedp-set train.micro_batch="$3" --slidedp-set "store.name=\"$store\"" \
-    --slidedp-set train.steps=$steps --slidedp-set "run.trace_steps=\"${TRACE:-}\"" "${extra[@]}" --timeout "$limit" --out "$out/$1.json" --quiet
+  if [ $shared = 1 ]; then  # train on from the shared store's committed step (0 while it does not exist)
+    done=$(bash "$(dirname "$0")/committed_step.sh" "$store") keep=(--slidedp-set store.persist=true)
+  else
+    slidedp-store destroy --force "$store" >/dev/null 2>&1 || true  # the run before's, or one a stopped run left
+  fi
+  python3 -m benchmarks.run --shape "$hshape" --batch "$batch" --seq "${SEQ:-2048}" --steps $steps --warmup $warm \
+    ${DEVICE:+--device "$DEVICE"} --systems "$2" --micro-batch "$peer_micro" --max-grad-norm "$clip" --slidedp-set memory.device_budget_gib=24 \
+    --slidedp-set train.micro_batch="$3" --slidedp-set "store.name=\"$store\"" "${keep[@]}" \
+    --slidedp-set train.steps=$((done + steps)) --slidedp-set "run.trace_steps=\"${TRACE:-}\"" "${extra[@]}" \
+    --timeout "$limit" --out "$out/$1.json" --quiet
 }
 if [[ $parts == *auto* ]]; then
   run "$tag-auto" slidedp 0 300
@@ -87,6 +101,8 @@ if [[ $parts == *forced* ]]; then
     [ $((batch % m)) -eq 0 ] && run "$tag-m$m" slidedp "$m" 240
   done
 fi
+# a shared store stays for the (SHAPE, BATCH)'s next call (KEEP_STORE=1), else it goes with this one
+[ $shared = 1 ] && [ "${KEEP_STORE:-0}" != 1 ] && { slidedp-store destroy --force "$store" >/dev/null 2>&1 || true; }
 python3 - "$out" "$tag" <<'EOF' | tee "$final/$tag-summary.txt"
 import json, pathlib, re, statistics, sys
 out, tag = pathlib.Path(sys.argv[1]), sys.argv[2]
@@ -104,7 +120,7 @@ for f in sorted(out.glob(f"{tag}-*.json")):
         plan = json.loads((pathlib.Path(r["run_dir"]) / "plan.json").read_text())
         log = pathlib.Path(r["log"]).read_text() if r.get("log") else ""
         measuring = re.findall(r"measuring one decoder layer .*?: ([0-9.]+) s", log)
-        rows[f.stem] = (plan["micro_batch"], r["predicted_step_s"], r["step_s"], measuring)
+        rows[f.stem] = (plan["micro_batch"], r.get("predicted_step_s"), r["step_s"], measuring)  # none on a CPU
         if f.stem.endswith("-auto") and "micro-batches weighed" in log:
             for line in log[log.find("micro-batches weighed"):].splitlines():
                 if not line.strip():
@@ -112,7 +128,7 @@ for f in sorted(out.glob(f"{tag}-*.json")):
                 print(line.strip())
 for name, (mb, pred, meas, measuring) in rows.items():
     err = 100 * (pred / meas - 1) if pred and meas else float("nan")
-    print(f"{name:28s} micro_batch {mb}: predicted {pred:.3f} s, measured median {meas:.3f} s, error {err:+.1f}%"
+    print(f"{name:28s} micro_batch {mb}: predicted {pred or float('nan'):.3f} s, measured median {meas:.3f} s, error {err:+.1f}%"
           + (f"; measured the blocks in {measuring[0]} s" if measuring else ""))
 forced = {mb: meas for name, (mb, _, meas, _) in rows.items() if not name.endswith("-auto")}
 auto = next((v for k, v in rows.items() if k.endswith("-auto")), None)
