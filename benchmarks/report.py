@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from benchmarks.table import HEADLINE, add_ratios, format_table, group_rows, workload_title
+from benchmarks.table import HEADLINE, add_ratios, format_table, group_rows, row_labels, workload_title
 
 INDEX = "index.md"
 
@@ -38,9 +38,9 @@ def _headline(group: list[dict[str, Any]]) -> list[str]:
         lines.append(f"{ratio:.2f}x the throughput of `{head['baseline']}`"
                      + (f" ({what} {1 - ratio:+.0%})" if what != "against" else "")
                      + ("." if what != "against" else " (no same-kernel resident row ran)."))
-    others = [r for r in group if r is not head and r.get("slidedp_ratio") is not None]
+    others = [(r, name) for r, name in zip(group, row_labels(group)) if r is not head and r.get("slidedp_ratio") is not None]
     if others:
-        lines.append("SlideDP / each: " + ", ".join(f"`{r['system']}` {r['slidedp_ratio']:.2f}x" for r in others) + ".")
+        lines.append("SlideDP / each: " + ", ".join(f"`{name}` {r['slidedp_ratio']:.2f}x" for r, name in others) + ".")
     return lines
 
 
@@ -84,7 +84,7 @@ def plot(doc: dict[str, Any], path: Path) -> bool:
     fig, axes = plt.subplots(1, max(1, len(groups)), figsize=(6.5 * max(1, len(groups)), 0.45 * height + 1.6),
                              squeeze=False)
     for ax, (key, group) in zip(axes[0], groups.items()):
-        names = [str(r.get("system", "?")) for r in group]
+        names = row_labels(group)
         values = [float(r["tokens_per_s"]) if r.get("status") == "ok" and r.get("tokens_per_s") else 0.0 for r in group]
         colors = ["#d95f02" if n.startswith("slidedp") else "#7570b3" if n == "resident_same_kernels" else "#999999"
                   for n in names]

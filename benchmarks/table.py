@@ -36,6 +36,19 @@ def workload_title(key: tuple[Any, ...]) -> str:
     return f"{shape}, {batch} x {seq:,} tokens/step{gpu_text}" if batch and seq else f"{shape}{gpu_text}"
 
 
+def row_labels(group: list[dict[str, Any]]) -> list[str]:
+    """Each row's system, and where a system has several rows in the workload (a session's forced
+    variants), the items of its config the others do not share: `slidedp (train.micro_batch=4)`."""
+    items = [[c for c in str(r.get("config", "")).split(", ") if c] for r in group]
+    labels = []
+    for r, mine in zip(group, items):
+        same = [set(i) for other, i in zip(group, items) if other.get("system") == r.get("system")]
+        own = [c for c in mine if not all(c in s for s in same)] if len(same) > 1 else []
+        own = [c for c in own if "=" in c] or own  # a setting names the variant better than its effect
+        labels.append(str(r.get("system", "?")) + (f" ({', '.join(own)})" if own else ""))
+    return labels
+
+
 def group_rows(rows: list[dict[str, Any]]) -> dict[tuple[Any, ...], list[dict[str, Any]]]:
     """Rows by workload, in the order each workload first appears."""
     groups: dict[tuple[Any, ...], list[dict[str, Any]]] = {}

@@ -204,6 +204,23 @@ def test_merge_joins_runs_and_takes_ratios_within_each_workload(tmp_path, capsys
     assert "[a](a.md)" not in text  # a.json has no report (it was written by hand here)
 
 
+def test_a_systems_variants_in_one_workload_are_named_by_the_settings_they_differ_in():
+    """plan_choice.sh's forced runs are SlideDP rows of one workload: the report names each by its own setting."""
+    from benchmarks.table import row_labels
+
+    base = "8x2048, 1 worker(s), clip 1, memory.device_budget_gib=24"
+    group = [{"system": "slidedp", "config": f"{base}, train.micro_batch=0"},
+             {"system": "slidedp", "config": f"8x2048 (micro 1), 1 worker(s), clip 1, memory.device_budget_gib=24, "
+                                             f"train.micro_batch=1"},
+             {"system": "gpu_resident", "config": "8x2048, fp32 on CUDA, clip 1"},
+             {"system": "fsdp2_offload", "config": "8x2048, clip 1"}]
+    assert row_labels(group) == ["slidedp (train.micro_batch=0)", "slidedp (train.micro_batch=1)", "gpu_resident",
+                                 "fsdp2_offload"]
+    # rows of one system that differ only in an effect, not a setting, are named by it
+    assert row_labels([{"system": "x", "config": "a, fast"}, {"system": "x", "config": "a, slow"}]) == [
+        "x (fast)", "x (slow)"]
+
+
 def test_out_of_memory_inside_a_peer_is_a_row(tmp_path, capsys):
     args = common.parser("t").parse_args(["--device", "cpu", "--shape", "tiny", "--json", str(tmp_path / "r.json")])
     common.check_args(args)
