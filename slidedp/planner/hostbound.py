@@ -39,7 +39,8 @@ def host_lines(work: Workload, ch: StepPlan, calib: Calibration, busy: dict[str,
     parts = ", ".join(f"{label} {traffic[k] / n:.1f}" for k, label in _WHAT if traffic[k])
     line = f"host memory per step: {total / n:.1f} B/param ({parts})"
     if calib.host_peak_gbps:
-        which = "read" if calib.host_read_gbps >= calib.host_copy_gbps else "copy"
+        rates = calib.host_rates_gbps
+        which = max(rates, key=rates.get)
         line += f"; at the host's measured {which} rate of {calib.host_peak_gbps:.1f} GB/s: {busy['host']:.3f} s"
     else:
         line += "; the host's memory bandwidth was not measured (an old calibration): no bound"

@@ -24,7 +24,11 @@ Q8 = named_shape("qwen3-8b")
 JOB = ['model.shape="qwen3-8b"', "model.vocab_size=0", "train.seq_len=2048", "train.global_batch=8",
        "train.micro_batch=2", 'train.compute_dtype="bf16"', 'runtime.device="cuda"', "runtime.workers=1",
        "memory.device_budget_gib=24"]
-HOST_BOUND = dataclasses.replace(REFERENCE_CALIBRATION, host_read_gbps=70.0, host_write_gbps=40.0, host_copy_gbps=60.0)
+# a host whose memory is slow for every workload timed: reading 70 GB/s, copying 60, the bare AdamW 67.2 (2.4 G
+# params/s x 28 B), and 2.3 G params/s beside the GPU's copies (the updaters alone would take less than the traffic)
+HOST_BOUND = dataclasses.replace(REFERENCE_CALIBRATION, host_read_gbps=70.0, host_write_gbps=40.0, host_copy_gbps=60.0,
+                                 adamw_params_per_s=2.4e9, adamw_beside_copies_params_per_s=2.3e9,
+                                 adamw_beside_copies_gpus=1)
 # PCIe slow, host memory and the updaters plentiful: the copies in bound the step
 PCIE_BOUND = dataclasses.replace(REFERENCE_CALIBRATION, h2d_gbps=6.0, d2h_gbps=6.0, bidir_gbps=12.0,
                                  host_copy_gbps=2000.0, adamw_params_per_s=1e12)
@@ -61,10 +65,15 @@ def test_the_host_bound_floors_the_step_where_it_was_measured():
     ch = StepPlan(embedding="device")
     total = sum(host_traffic(work, ch).values())
     busy, _, step = predict_step(work, ch, HOST_BOUND)
-    # the larger of the read (70) and copy (60) rates: the most the host's memory was seen to move
+    # the largest of the read (70), copy (60) and bare AdamW (67.2) rates: the most the host's memory was seen to move
+    assert HOST_BOUND.host_rates_gbps == pytest.approx({"read": 70.0, "copy": 60.0, "AdamW": 67.2}, rel=1e-12)
     assert busy["host"] == pytest.approx(total / 70e9, rel=1e-12) and step == pytest.approx(busy["host"], rel=1e-12)
     copy_faster = dataclasses.replace(HOST_BOUND, host_copy_gbps=80.0)
     assert host_bound_s(work, ch, copy_faster) == pytest.approx(total / 80e9, rel=1e-12)
+    # the kernel moved more than the read probe (4 G params/s x 28 B = 112 GB/s): it bounds the traffic
+    adamw_faster = dataclasses.replace(HOST_BOUND, adamw_params_per_s=4.0e9)
+    assert host_bound_s(work, ch, adamw_faster) == pytest.approx(total / 112e9, rel=1e-12)
+    assert "at the host's measured AdamW rate of 112.0 GB/s" in plan_job(load_job(TINY, JOB), adamw_faster).describe()
     busy, _, step = predict_step(work, ch, REFERENCE_CALIBRATION)  # not measured (an old cache): no bound
     assert busy["host"] == 0.0 == host_bound_s(work, ch, REFERENCE_CALIBRATION) and step > 0
 
@@ -126,8 +135,11 @@ def test_the_plan_prints_host_bytes_and_says_what_helps_when_the_host_bounds_the
     # with the shadow written inside the AdamW pass (2 B/param, not a pass of its own) the halved copies save more
     # than it costs: the advice names the bf16 delivery where the job keeps fp32
     monkeypatch.setattr(hosttraffic, "SHADOW_REFRESH_BYTES", hosttraffic.SHADOW_IN_PASS_BYTES)
-    fp32 = plan_job(load_job(TINY, JOB + ['runtime.delivery="fp32"']),
-                    dataclasses.replace(PCIE_BOUND, host_copy_gbps=20.0)).describe()
+    # host memory slow (copy 20 GB/s, the bare AdamW 19.6) and PCIe slow, so the DMA hardly loads host memory and
+    # the updaters run near their bare rate: the traffic, not the updaters, bounds the step
+    slow_host = dataclasses.replace(PCIE_BOUND, host_copy_gbps=20.0, adamw_params_per_s=0.7e9,
+                                    adamw_beside_copies_params_per_s=0.69e9, adamw_beside_copies_gpus=1)
+    fp32 = plan_job(load_job(TINY, JOB + ['runtime.delivery="fp32"']), slow_host).describe()
     assert "the host bounds the step" in fp32 and 'the bf16 delivery (runtime.delivery = "bf16"' in fp32
     # the GPU bounds it: the bytes and the bound, no advice
     gpu = plan_job(job, DEVICE_BOUND).describe()
