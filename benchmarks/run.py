@@ -112,7 +112,7 @@ def peer_argv(args: argparse.Namespace, json_path: Path) -> list[str]:
 
 def workload(args: argparse.Namespace) -> dict[str, Any]:
     """The keys a row's workload is told by (every peer's row has them; rows the harness writes too)."""
-    return {"shape": args.shape, "batch": args.batch, "seq": args.seq, "gpus": args.gpus,
+    return {"shape": args.workload_label or args.shape, "batch": args.batch, "seq": args.seq, "gpus": args.gpus,
             "tokens_per_step": args.batch * args.seq}
 
 
@@ -178,6 +178,8 @@ def run_system(name: str, system: System, args: argparse.Namespace, log_dir: Pat
     row.setdefault("config", " ".join(system.args))
     for key, value in workload(args).items():
         row.setdefault(key, value)
+    if args.workload_label:  # the model came from elsewhere (an HF folder): its row is not --shape's
+        row["shape"] = args.workload_label
     row["system"] = name
     row.update(command=shlex.join(cmd), exit_code=rc, wall_s=wall, log=str(log_dir / f"{name}.log"))
     say(f"=== {name}: {row['status']} in {wall:.0f} s")
@@ -311,6 +313,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "choose it (else the peers'), peers = --micro-batch, N = that many sequences")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: the smoke version (--shape tiny)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--workload-label", default="", metavar="NAME",
+                   help="the rows' shape as tables and reports name it (default --shape): a model SlideDP reads "
+                        "from --slidedp-set model.path, trained on --shape's token data")
     p.add_argument("--gpus", type=int, default=1, help="ranks: SlideDP workers, torchrun processes for FSDP2")
     p.add_argument("--exact-init", action="store_true", help="peers draw weights with slidedp.model.init (slow)")
     p.add_argument("--slidedp-set", action="append", default=[], metavar="SECTION.KEY=VALUE",

@@ -145,6 +145,25 @@ def test_failed_killed_and_hung_systems_become_rows(tmp_path, monkeypatch, capsy
     assert all((r["shape"], r["batch"], r["seq"], r["gpus"]) == ("tiny", 8, 2048, 1) for r in rows.values())
 
 
+def test_a_workload_label_names_the_rows_of_a_model_from_elsewhere(tmp_path, monkeypatch):
+    """plan_choice.sh's unseen shape: an HF folder trained on qwen3-4b's token data. Its rows (a peer's, which
+    names --shape itself, and the harness's own) carry the label, so no report files it under qwen3-4b."""
+    mods = tmp_path / "mods"
+    mods.mkdir()
+    _write_module(mods, "peer_names_its_shape", "import json, sys\n"
+                  "path = sys.argv[sys.argv.index('--json') + 1]\n"
+                  "open(path, 'w').write(json.dumps({'system': 'x', 'shape': 'tiny', 'status': 'ok', 'step_s': 1.0,"
+                  " 'tokens_per_s': 1.0}))\n")
+    monkeypatch.setenv("PYTHONPATH", str(mods))
+    monkeypatch.setattr(bench, "SYSTEMS", {**bench.SYSTEMS, "named": bench.System("peer_names_its_shape")})
+    out = tmp_path / "label.json"
+    assert bench.main(["--device", "cpu", "--shape", "tiny", "--steps", "2", "--warmup", "1", "--quiet",
+                       "--systems", "named,slideformer", "--workload-label", "llama-unseen", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["system"], r["shape"]) for r in rows] == [("named", "llama-unseen"), ("slideformer", "llama-unseen")]
+    assert "## llama-unseen, 8 x 2,048 tokens/step, 1 GPU" in out.with_suffix(".md").read_text()
+
+
 def test_merge_joins_runs_and_takes_ratios_within_each_workload(tmp_path, capsys):
     def doc(rows, **env):
         return json.dumps({"rows": rows, "host": "gpu-box", "gpu": "NVIDIA H200", "cpus": 16, **env})

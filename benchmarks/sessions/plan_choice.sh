@@ -11,7 +11,7 @@
 # trains on from its committed step): Qwen3-8B's store takes 18-27 s to make, once instead of per run.
 # A call with PARTS=auto makes it anew, and a call removes it at its end unless KEEP_STORE=1 (the
 # (SHAPE, BATCH)'s next call, PARTS=forced on the same machine, then trains on from it).
-# DEVICE=cpu runs the script's own smoke test on this machine's CPU (SHAPE tiny).
+# DEVICE=cpu runs the script on a CPU: SHAPE tiny, or unseen with UNSEEN_DIMS="64 2 4 2 128" SEQ=64.
 #
 #   bash benchmarks/sessions/plan_choice.sh OUT SHAPE BATCH     # SHAPE: qwen3-1.7b | qwen3-4b | qwen3-8b
 #   bash benchmarks/sessions/plan_choice.sh OUT unseen BATCH    # a Llama-family HF folder (below)
@@ -54,22 +54,24 @@ resident=${RESIDENT:-gpu_resident}  # 32 sequences' full logits, or Qwen3-8B's, 
 extra=()
 hshape=$shape
 if [ "$shape" = unseen ]; then
-  hshape=qwen3-4b  # the harness's token data (vocabulary 151,936) and row labels
+  hshape=qwen3-4b  # the harness's token data (vocabulary 151,936); the rows say llama-unseen
   folder="$out/llama-unseen"
   if [ ! -f "$folder/config.json" ]; then
-    python3 - "$folder" <<'EOF'
+    # UNSEEN_DIMS="hidden layers heads kv_heads intermediate": a smaller one for the CPU run of this script
+    python3 - "$folder" ${UNSEEN_DIMS:-3072 26 24 8 8192} <<'EOF'
 import sys, torch
 from transformers import LlamaConfig, LlamaForCausalLM
-cfg = LlamaConfig(vocab_size=151936, hidden_size=3072, intermediate_size=8192, num_hidden_layers=26,
-                  num_attention_heads=24, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False,
-                  max_position_embeddings=8192, rope_theta=500000.0)
-with torch.device("cuda"):
+hidden, layers, heads, kv, inter = map(int, sys.argv[2:7])
+cfg = LlamaConfig(vocab_size=151936, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+                  num_attention_heads=heads, num_key_value_heads=kv, head_dim=hidden // heads,
+                  tie_word_embeddings=False, max_position_embeddings=8192, rope_theta=500000.0)
+with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
     model = LlamaForCausalLM(cfg).to(torch.bfloat16)
 model.save_pretrained(sys.argv[1], safe_serialization=True)
 print(f"wrote {sys.argv[1]}: {sum(p.numel() for p in model.parameters()) / 1e9:.2f} B parameters")
 EOF
   fi
-  extra=(--slidedp-set 'model.source="hf"' --slidedp-set "model.path=\"$folder\"")
+  extra=(--slidedp-set 'model.source="hf"' --slidedp-set "model.path=\"$folder\"" --workload-label llama-unseen)
 fi
 store=slidedp-plan-$shape
 tag=$shape-b$batch
