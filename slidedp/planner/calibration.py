@@ -137,7 +137,7 @@ class Calibration:
     def host_peak_gbps(self) -> float:
         """The most the host's memory moved when measured, the largest of host_rates_gbps (0: not measured). The
         AdamW figure counts: on one H200 machine three calibrations minutes apart read 139.8, 80.7 and 89.3 GB/s
-        while the same kernel moved 124, 112 and 109, and training moved 92 GB/s beside the 89.3 (docs/tuning.md,
+        while the same kernel moved 124, 112 and 109, and the updaters in training did not slow (docs/tuning.md,
         "The host bound")."""
         rates = self.host_rates_gbps
         return max(rates.values()) if rates else 0.0
