@@ -86,8 +86,9 @@ def plot(doc: dict[str, Any], path: Path) -> bool:
     for ax, (key, group) in zip(axes[0], groups.items()):
         names = row_labels(group)
         values = [float(r["tokens_per_s"]) if r.get("status") == "ok" and r.get("tokens_per_s") else 0.0 for r in group]
+        systems = [str(r.get("system", "?")) for r in group]  # the colour is the system's, whatever its label
         colors = ["#d95f02" if n.startswith("slidedp") else "#7570b3" if n == "resident_same_kernels" else "#999999"
-                  for n in names]
+                  for n in systems]
         ys = list(range(len(group)))[::-1]
         ax.barh(ys, values, color=colors)
         top = max(values) if any(values) else 1.0
