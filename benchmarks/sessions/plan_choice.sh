@@ -75,9 +75,10 @@ EOF
 fi
 store=slidedp-plan-$shape
 tag=$shape-b$batch
+drop_store() { slidedp-store destroy --force "$store" >/dev/null 2>&1 || true; }
 shared=0  # 1: the runs share one persistent store (no clipping: the norm does not set a step's time)
 python3 -c "import sys; sys.exit(float(sys.argv[1]) != 0)" "$clip" && shared=1
-[ $shared = 1 ] && [[ $parts == *auto* ]] && { slidedp-store destroy --force "$store" >/dev/null 2>&1 || true; }
+[ $shared = 1 ] && [[ $parts == *auto* ]] && drop_store
 run() {  # NAME SYSTEMS MICRO TIMEOUT: SlideDP at train.micro_batch = MICRO (0: the plan's choice)
   local limit=$4 left=$((budget - SECONDS - 25)) done=0 keep=()
   if [ "$left" -lt 60 ]; then echo "plan_choice: $left s left, not starting $1" >&2; return; fi
@@ -85,7 +86,7 @@ run() {  # NAME SYSTEMS MICRO TIMEOUT: SlideDP at train.micro_batch = MICRO (0: 
   if [ $shared = 1 ]; then  # train on from the shared store's committed step (0 while it does not exist)
     done=$(bash "$(dirname "$0")/committed_step.sh" "$store") keep=(--slidedp-set store.persist=true)
   else
-    slidedp-store destroy --force "$store" >/dev/null 2>&1 || true  # the run before's, or one a stopped run left
+    drop_store  # the run before's, or one a stopped run left
   fi
   python3 -m benchmarks.run --shape "$hshape" --batch "$batch" --seq "${SEQ:-2048}" --steps $steps --warmup $warm \
     ${DEVICE:+--device "$DEVICE"} --systems "$2" --micro-batch "$peer_micro" --max-grad-norm "$clip" --slidedp-set memory.device_budget_gib=24 \
@@ -104,7 +105,7 @@ if [[ $parts == *forced* ]]; then
   done
 fi
 # a shared store stays for the (SHAPE, BATCH)'s next call (KEEP_STORE=1), else it goes with this one
-[ $shared = 1 ] && [ "${KEEP_STORE:-0}" != 1 ] && { slidedp-store destroy --force "$store" >/dev/null 2>&1 || true; }
+[ $shared = 1 ] && [ "${KEEP_STORE:-0}" != 1 ] && drop_store
 python3 - "$out" "$tag" <<'EOF' | tee "$final/$tag-summary.txt"
 import json, pathlib, re, statistics, sys
 out, tag = pathlib.Path(sys.argv[1]), sys.argv[2]
