@@ -28,9 +28,7 @@ from slidedp.store.ephemeral import left_behind
 from slidedp.store.layout import Layout, make_layout
 from slidedp.store.manifest import Manifest
 from slidedp.store.mismatch import describe_layouts
-from slidedp.store.rings import rings_bytes
 from slidedp.store.shm import SHM_DIR, list_store_segments, segment_name, shm_free_bytes
-from slidedp.store.store import segment_sizes
 from slidedp.stepplan import StepPlan
 
 from .host_room import host_need, planned_room_problem, room_problem, size
@@ -175,40 +173,36 @@ class DryRun:
         # the plan picks an "auto" route later: until then, the host route's (larger, where ranks are summed)
         scattered = job.runtime.grad_route == "reduce_scatter"
         clip = job.train.max_grad_norm > 0
-        slots, reduce_slots, full = jobrecord.gradient_space(layout, world, "reduce_scatter" if scattered else "host", clip,
-                                                             job.store.grad_slots)
-        grads, reduce = rings_bytes(layout, world, slots, reduce_slots, full, shard_slots=scattered)
+        slots, _, full = jobrecord.gradient_space(layout, world, "reduce_scatter" if scattered else "host", clip,
+                                                  job.store.grad_slots)
         segments = dict(list_store_segments().get(name, []))
         if segments and self._left_behind(name, segments):
             segments = {}  # the run destroys it first: what it needs is a new store's space
+        self.store_exists = bool(segments)
+        # the launcher's own count and question (host_room.py), before the plan: the route it would take, no
+        # layer held on the device, no input offloaded; once planned, plan() asks it again with the plan's
+        pre_plan = StepPlan(grad_route="reduce_scatter" if scattered else "host")
+        need = host_need(job, layout, pre_plan, self.store_exists, job.store.shadow_bf16 is True)
         if segments:
-            need = grads + reduce
             try:
                 self._existing_store(name, segments)
             except _BAD_INPUT as e:  # another model or an incomplete store: its space means nothing here
                 self.problem("store", str(e))
                 return
-            self.say("", f"would attach and add gradient rings of {size(need)} ({world} rank(s) x {slots} slots"
+            self.say("", f"would attach and add gradient rings of {size(need.rings)} ({world} rank(s) x {slots} slots"
                          + (", a full-model reduction buffer for exact clipping" if full else
                             ", one per chunk: exact clipping keeps each gradient until the step's norm" if clip else "")
                          + ")")
         else:
-            state = sum(segment_sizes(layout, {}, job.store.shadow_bf16 is True).values())
-            need = state + grads + reduce
             per = ("14" if job.store.shadow_bf16 is True else
                    "12; 14 with the bf16 shadow, where the plan delivers bf16: store.shadow_bf16 = \"auto\""
                    if job.store.shadow_bf16 == "auto" and job.train.compute_dtype == "bf16" else "12")
-            self.say("store", f"would create store {name!r}: {size(state)} of state ({per} "
-                              f"bytes/parameter) + {size(grads + reduce)} of gradient rings = {size(need)}; "
+            self.say("store", f"would create store {name!r}: {size(need.state)} of state ({per} "
+                              f"bytes/parameter) + {size(need.rings)} of gradient rings = {size(need.shm_bytes)}; "
                               f"{'kept' if job.store.persist else 'destroyed'} after the job (store.persist)")
-        self.store_exists = bool(segments)
         free, avail = shm_free_bytes(), psutil.virtual_memory().available
         self.say("", f"{SHM_DIR} has {size(free)} free; the host has {size(avail)} of memory available")
-        # the launcher's own question (host_room.py), before the plan: the route it would take, no layer
-        # held on the device, no input offloaded; once planned, plan() asks it again with the plan's
-        pre_plan = StepPlan(grad_route="reduce_scatter" if scattered else "host")
-        problem = room_problem(job, host_need(job, layout, pre_plan, self.store_exists, job.store.shadow_bf16 is True),
-                               avail, free)
+        problem = room_problem(job, need, avail, free)
         self.room_flagged = problem is not None
         if problem:
             self.problem("store", problem)

@@ -38,12 +38,21 @@ PROCESS_BYTES = {"cuda": 8 * GiB, "cpu": 1 * GiB}
 
 @dataclass(frozen=True)
 class HostNeed:
-    shm: tuple[tuple[str, int], ...]  # what lives in /dev/shm (the store to create, the rings) -> bytes
+    state: int  # the store's state to create in /dev/shm (0: the store exists)
+    rings: int  # the gradient rings, in /dev/shm
     processes: int  # the job's processes' memory, beside them
     world: int
     rings_per_chunk: bool  # exact clipping's ring: a slot per host chunk
+    shadow: bool = False  # the state holds the bf16 shadow (14 B/param, not 12)
     offload: int = 0  # the ranks' page-locked buffers for offloaded layer inputs (not in /dev/shm)
     offload_layers: int = 0
+
+    @property
+    def shm(self) -> tuple[tuple[str, int], ...]:
+        """What lives in /dev/shm (the store to create, the rings) -> bytes."""
+        state = ((f"the store's state ({14 if self.shadow else 12} B/param)", self.state),) if self.state else ()
+        return state + (("gradient rings" + (" (exact clipping: a slot per host chunk)" if self.rings_per_chunk else ""),
+                         self.rings),)
 
     @property
     def items(self) -> tuple[tuple[str, int], ...]:
@@ -81,12 +90,9 @@ def host_need(job: JobConfig, layout: Layout, step: StepPlan, store_exists: bool
     slots, reduce_slots, full = gradient_space(layout, world, step.grad_route, clip, job.store.grad_slots,
                                                device_chunks)
     rings = sum(rings_bytes(layout, world, slots, reduce_slots, full, shard_slots=step.grad_route == "reduce_scatter"))
-    shm = []
-    if not store_exists:
-        shm.append((f"the store's state ({14 if shadow else 12} B/param)", sum(segment_sizes(layout, {}, shadow).values())))
+    state = 0 if store_exists else sum(segment_sizes(layout, {}, shadow).values())
     per_chunk = clip and not full and slots > ring_slots(job.store.grad_slots, layout.model.num_layers)
-    shm.append(("gradient rings" + (" (exact clipping: a slot per host chunk)" if per_chunk else ""), rings))
-    return HostNeed(tuple(shm), process_bytes(job), world, per_chunk, offload_bytes(job, layout, step),
+    return HostNeed(state, rings, process_bytes(job), world, per_chunk, shadow, offload_bytes(job, layout, step),
                     step.offloaded(layout.model.num_layers))
 
 
