@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 from slidedp.config import JobConfig, model_config
 from slidedp.jobrecord import sums_on_host
 from slidedp.planner import Calibration, Plan, Workload, costs, make_plan
+from slidedp.planner.calibration import RECENT_RUNS
 from slidedp.planner.calibration import record_training as record_training_measured
 from slidedp.planner.measure import MeasuredBlocks
 from slidedp.planner.sizes import device_work_sizes
@@ -280,13 +281,11 @@ def record_training(run_plan: JobPlan, update_busy_s: list[float], device_side_s
         if sum_rate:  # not measured: an earlier run's figure is kept
             measured.update(reduce_train_summed_gbps=sum_rate)
         log.info("beside the aggregator's sum of the ranks' gradients, the updaters ran AdamW at %.2f G params/s per "
-                 "process (bare kernel: %.2f) and the sum ran at %s; the next plan of this model on this host with a "
-                 "host sum charges them", rate / 1e9, plan.calibration.adamw_params_per_s / 1e9,
+                 "process (bare kernel: %.2f) and the sum ran at %s", rate / 1e9, plan.calibration.adamw_params_per_s / 1e9,
                  f"{sum_rate:.1f} GB/s (bare: {plan.calibration.reduce_gbps:.1f})" if sum_rate else "its bare rate")
     elif rate is not None:
         measured.update(adamw_train_params_per_s=rate, adamw_train_model_params=params)
-        log.info("updaters ran AdamW at %.2f G params/s per process in this run (bare kernel: %.2f); "
-                 "the next plan of this model on this host charges it", rate / 1e9,
+        log.info("updaters ran AdamW at %.2f G params/s per process in this run (bare kernel: %.2f)", rate / 1e9,
                  plan.calibration.adamw_params_per_s / 1e9)
     ratio = device_time_against_plan(run_plan, device_side_s)
     if ratio is not None:
@@ -297,7 +296,12 @@ def record_training(run_plan: JobPlan, update_busy_s: list[float], device_side_s
     if not measured:
         return None
     try:
-        return record_training_measured(plan.calibration, cache_dir, **measured)
+        kept = record_training_measured(plan.calibration, cache_dir, **measured)
     except OSError as e:  # the job trained; only what it taught the planner is lost
         log.warning("could not keep what this run measured with the calibration: %s", e)
         return None
+    summed = "adamw_train_summed_params_per_s" in measured
+    log.info("the next plan of this model on this host%s charges the updaters %.2f G params/s, the median "
+             "of the rates its last runs here measured (up to %d)", " with a host sum" if summed else "",
+             kept.update_params_per_s(params, summed=summed) / 1e9, RECENT_RUNS)
+    return kept

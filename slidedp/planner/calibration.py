@@ -23,6 +23,7 @@ import math
 import os
 import re
 import socket
+import statistics
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -389,8 +390,9 @@ def _learned_model(fields: Mapping[str, Any]) -> int:
 
 
 def _with_learned(calib: Calibration, fields: Mapping[str, Any]) -> Calibration:
-    """calib carrying exactly `fields` of what training runs measured (nothing else learned)."""
-    return dataclasses.replace(calib, **{**_NOTHING_LEARNED, **fields})
+    """calib carrying exactly `fields` of what training runs measured (nothing else learned; the runs
+    each figure is the median of stay in the cache file)."""
+    return dataclasses.replace(calib, **{**_NOTHING_LEARNED, **{k: v for k, v in fields.items() if k != _RECENT}})
 
 
 def _learned_of(calib: Calibration) -> dict[int, dict[str, Any]]:
@@ -404,9 +406,38 @@ def _learned_of(calib: Calibration) -> dict[int, dict[str, Any]]:
     return out
 
 
+# A model's learned rate is the median of what its last RECENT_RUNS runs on this host measured: on one
+# H200 the updaters' rate moved by up to 26% from one run of a plan to the next (2.45-3.16 G params/s in
+# five runs of one model; docs/tuning.md), and a plan that charged the last run's figure alone was 18% off.
+RECENT_RUNS = 5
+_RECENT = "recent"  # a learned entry's key for those runs' figures, per field
+
+
 def _merged(entry: Mapping[str, Any], measured: Mapping[str, Any]) -> dict[str, Any]:
-    """A model's figures updated by a run's: fields the run did not measure are kept."""
-    return {**entry, **measured}
+    """A model's figures updated by a run's: each measured rate becomes the median of the model's last
+    RECENT_RUNS runs that measured it (an entry from before the runs were kept counts as one run);
+    fields the run did not measure are kept."""
+    recent = {k: list(v) for k, v in entry.get(_RECENT, {}).items()}
+    out = {**entry, **measured}
+    for field, value in measured.items():
+        if field in LEARNED_GROUPS:  # the model's parameter count, not a rate
+            continue
+        runs = recent.get(field) or ([entry[field]] if entry.get(field) else [])
+        recent[field] = [*runs, value][-RECENT_RUNS:]
+        out[field] = statistics.median(recent[field])
+    out[_RECENT] = recent
+    return out
+
+
+def _checked_recent(recent: Any) -> dict[str, list[float]] | None:
+    """A learned entry's recent runs, or None when they are not lists of up to RECENT_RUNS positive rates."""
+    rates = set(LEARNED_FIELDS) - set(LEARNED_GROUPS)
+    if not (isinstance(recent, dict) and set(recent) <= rates and all(
+            isinstance(v, list) and 0 < len(v) <= RECENT_RUNS and all(
+                isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0 for x in v)
+            for v in recent.values())):
+        return None
+    return {k: [float(x) for x in v] for k, v in recent.items()}
 
 
 @contextlib.contextmanager
@@ -495,10 +526,20 @@ def _read(path: str | os.PathLike) -> tuple[Calibration, dict[int, dict[str, Any
             fields = {k: v for k, v in fields.items() if k not in RETIRED_FIELDS}
             if not fields:
                 continue
+        runs = fields.get(_RECENT) if isinstance(fields, dict) else None
+        if runs is not None:
+            fields = {k: v for k, v in fields.items() if k != _RECENT}
         entry = _checked_entry(calib, key, fields)
         if entry is None:
             _log.warning("%s: learned entry %r is not a model's measured fields; left out", path, key)
             continue
+        if runs is not None:
+            recent = _checked_recent(runs)
+            if recent is None:  # the figures stay; the next run starts the list anew from them
+                _log.warning("%s: learned entry %r: its recent runs are not lists of up to %d rates; left out",
+                             path, key, RECENT_RUNS)
+            else:
+                entry[_RECENT] = {k: v for k, v in recent.items() if k in entry}
         learned[int(key)] = entry
     if retired:
         _log.info("%s: %s (GPU-time factors learned from runs) ignored: plans now measure the GPU work at "
