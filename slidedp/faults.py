@@ -25,7 +25,7 @@ def hold(point: str, step: int, **what: object) -> None:
     if name != point or step < int(first or 0):
         return
     _held.add(point)
-    tmp = f"{path}.tmp"
+    tmp = f"{path}.{os.getpid()}.tmp"  # ranks that hold at one point each write their own, then one wins
     with open(tmp, "w") as f:
         json.dump({"pid": os.getpid(), "point": point, "step": step, **what}, f)
     os.rename(tmp, path)

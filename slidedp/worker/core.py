@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .. import faults
 from .. import log as slog
 from ..config import JobConfig, model_config
 from ..data import Batches, TokenStream, open_batches, rank_slice
@@ -167,6 +168,7 @@ class WorkerCore:
             if self.stop.requested:
                 log.info("stopping before step %d (SIGTERM)", step)
                 return
+            faults.hold("step", step)  # the message tests: the launcher reads garbage while the ranks wait here
             self.launcher.stats(self.step(step))
             if self.between_steps(step):
                 return

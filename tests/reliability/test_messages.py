@@ -192,23 +192,27 @@ def test_a_job_trains_through_garbage(daemons, tmp_path):
     pids = daemon_pids(store)
     run_dir = tmp_path / "run"
     marker = tmp_path / "held"
-    # the launcher holds once it has reported step 1 (slidedp/faults.py): the garbage is in every socket
-    # while the job is mid-way, whatever the machine's speed
+    # the ranks hold before step 2 (slidedp/faults.py) while the launcher goes on reading its sockets: the
+    # garbage reaches a job mid-way, and the launcher has logged it before the job may end, whatever the
+    # machine's speed (held, the launcher itself could end the job before its socket had the garbage)
     run = RunningJob.start(TINY, fast_sets(store, run_dir, "train.steps=4"), tmp_path, store,
-                           env={HOLD_ENV: f"reported@1:{marker}"})
+                           env={HOLD_ENV: f"step@2:{marker}"})
     senders = []
     try:
         wait_marker(run, marker)
         payloads = undecodable(random.Random(11))[:80]
-        for socket in ("job", "agg", "control"):  # open until the job ends: the held launcher reads them later
+        for socket in ("job", "agg", "control"):  # open until the job ends: a ROUTER drops a gone peer's messages
             senders.append(blast(store, socket, payloads, keep_open=True))
+        deadline = time.monotonic() + 120.0  # bounds a hang only: the wait ends once the launcher logs it
+        while "dropped a bad message" not in run.output:  # the launcher's job socket logged them
+            assert run.proc.poll() is None and time.monotonic() < deadline, run.output[-4000:]
+            time.sleep(0.02)
         marker.unlink()
         assert run.wait_exit(240) == 0, run.output[-4000:]
     finally:
         for s in senders:
             s.close(linger=0)
         run.cleanup()
-    assert "dropped a bad message" in run.output  # the launcher's job socket logged them too
     assert [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()] == [0, 1, 2, 3]
     st = call(store, "status", timeout_s=30)
     assert (st["committed_step"], st["torn"], st["attached_pid"]) == (4, None, 0)
