@@ -93,7 +93,10 @@ class ModelConfig:
         return out
 
     def num_parameters(self) -> int:
-        return sum(math.prod(shape) for _, shape in self.parameter_shapes())
+        """The sum over parameter_shapes(), counted from one layer's table (the planner asks it often)."""
+        layer = sum(math.prod(shape) for _, shape in self.layer_parameter_shapes())
+        embed = self.vocab_size * self.hidden_size
+        return embed + self.num_layers * layer + self.hidden_size + (0 if self.tie_word_embeddings else embed)
 
     @property
     def head_name(self) -> str:

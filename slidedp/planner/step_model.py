@@ -247,11 +247,13 @@ def _period(tasks: list[_Task], depth: int, updaters: int, clip: bool, clips: bo
     needed = {g: i for i, t in reversed(list(enumerate(tasks))) for g in t.gate} if deferred else {}
     for _ in range(_STEPS):
         released: list[tuple[_Job, float]] = []
+        released_last = 0.0  # the latest of released's times, kept as they come (a held unit waits for it)
         grads_end = 0.0  # the GPU's last gradient: device-held units' norms count in the global norm
         for t in tasks:
             if t.clip_gated:
                 grads_end = max(grads_end, device_free)
-            ready = max([done.get(g, 0.0) for g in t.gate], default=0.0)
+            gate = t.gate
+            ready = (done.get(gate[0], 0.0) if len(gate) == 1 else max([done.get(g, 0.0) for g in gate])) if gate else 0.0
             # depth + 1 slots: this copy may start once the fetch `depth` back has begun computing
             slot = fetch_starts[-depth] if len(fetch_starts) >= depth else 0.0
             h2d_end = max(h2d_free, ready, slot) + t.h2d_s
@@ -259,7 +261,7 @@ def _period(tasks: list[_Task], depth: int, updaters: int, clip: bool, clips: bo
                 h2d_free = h2d_end
             start = max(device_free, h2d_end)
             if t.clip_gated and clip and released:
-                start = max(start, max(r for _, r in released))
+                start = max(start, released_last)
             if t.h2d_s > 0:
                 fetch_starts.append(start)
             device_free = start + t.device_s
@@ -273,7 +275,8 @@ def _period(tasks: list[_Task], depth: int, updaters: int, clip: bool, clips: bo
                     released.append((j, reduce_free))
                 else:
                     released.append((j, out))
-        norm = max(max((r for _, r in released), default=0.0), grads_end or device_free)
+                released_last = max(released_last, released[-1][1])
+        norm = max(released_last, grads_end or device_free)
         norm_known = norm if deferred else 0.0
         done = {}
         # every update of a clipped step waits for the norm, then runs in forward order; otherwise as its
