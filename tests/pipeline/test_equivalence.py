@@ -78,15 +78,30 @@ def reference(sets: list[str]):
     return _reference_cache[key]
 
 
+_launched: dict = {}
+
+
+def launched(tmp_path_factory, monkeypatch, workers: int, micro: int, clip: float, shape: str, embedding: str = "host",
+             param_route: str = "replicated", grad_route: str = "host", extra: tuple[str, ...] = ()):
+    """(proc, run_dir, sets, store) of the job of these values, launched once per session with INFO logs (the
+    workers' start-up lines name their routes): the shared-memory test reads the 4-rank run that
+    test_matches_reference checks, whichever of them runs first."""
+    key = (workers, micro, clip, shape, embedding, param_route, grad_route, tuple(extra))
+    if key not in _launched:
+        monkeypatch.setenv("SLIDEDP_LOG_LEVEL", "INFO")
+        cwd = tmp_path_factory.mktemp("eq")
+        store, run_dir = unique_store("eq"), cwd / "run"
+        sets = job_sets(workers, micro, clip, shape, store, run_dir, embedding, param_route, grad_route) + list(extra)
+        _launched[key] = (launch(TINY, *sets, cwd=cwd), run_dir, sets, store)
+    return _launched[key]
+
+
 @pytest.mark.parametrize("workers,micro,clip,shape,embedding,param_route,grad_route,extra",
                          [c + ("replicated", "host", ()) for c in CASES] + ROUTE_CASES)
-def test_matches_reference(tmp_path, monkeypatch, workers, micro, clip, shape, embedding, param_route, grad_route,
-                           extra):
-    monkeypatch.setenv("SLIDEDP_LOG_LEVEL", "INFO")  # the workers' start-up lines name their routes
-    store = unique_store("eq")
-    run_dir = tmp_path / "run"
-    sets = job_sets(workers, micro, clip, shape, store, run_dir, embedding, param_route, grad_route) + list(extra)
-    proc = launch(TINY, *sets, cwd=tmp_path)
+def test_matches_reference(tmp_path_factory, monkeypatch, workers, micro, clip, shape, embedding, param_route,
+                           grad_route, extra):
+    proc, run_dir, sets, store = launched(tmp_path_factory, monkeypatch, workers, micro, clip, shape, embedding,
+                                          param_route, grad_route, extra)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for rank in range(workers):  # each rank says which routes it runs
         assert f"rank {rank}/{workers} on cpu" in proc.stderr + proc.stdout
@@ -182,20 +197,20 @@ def test_held_layers_carry_over_to_the_next_job(tmp_path, workers, shape, embedd
         unlink_store(store)
 
 
-def test_shared_memory_is_one_copy_whatever_the_ranks(tmp_path):
+def test_shared_memory_is_one_copy_whatever_the_ranks(tmp_path_factory, monkeypatch):
     """One copy of the state for any number of ranks, and on the reduce-scattered route each rank's
     gradient slots hold its shard: 4 ranks take the shared memory of 1, but for the shards' padding
-    (a chunk of n elements cut in 4 shards of ceil(n / 4): at most 3 elements per slot)."""
+    (a chunk of n elements cut in 4 shards of ceil(n / 4): at most 3 elements per slot). The 4-rank
+    run is test_matches_reference's (4 ranks, sharded, reduce-scattered, tiny-llama), launched once."""
     from slidedp.jobrecord import ring_slots
 
     shm = {}
     for workers in (1, 4):
-        run_dir = tmp_path / f"run-{workers}"
-        sets = job_sets(workers, 1, 0.0, "tiny", unique_store("one"), run_dir, "host", "sharded", "reduce_scatter")
-        proc = launch(TINY, *sets, "train.steps=2", cwd=tmp_path)
+        proc, run_dir, _, _ = launched(tmp_path_factory, monkeypatch, workers, 1, 0.0, "tiny-llama", "host", "sharded",
+                                       "reduce_scatter")
         assert proc.returncode == 0, proc.stdout + proc.stderr
         got = {m["shm_bytes"] for m in metrics(run_dir)}
         assert len(got) == 1, got  # the same through the job
         shm[workers] = got.pop()
-    slots = ring_slots(0, model_config(load_job(TINY, ['model.shape="tiny"'])).num_layers)
+    slots = ring_slots(0, model_config(load_job(TINY, ['model.shape="tiny-llama"'])).num_layers)
     assert 0 <= shm[4] - shm[1] <= slots * 3 * 4, shm
