@@ -76,6 +76,17 @@ fi
 store=slidedp-plan-$shape
 tag=$shape-b$batch
 drop_store() { slidedp-store destroy --force "$store" >/dev/null 2>&1 || true; }
+# a store that another shape's call kept (KEEP_STORE=1) holds host memory this shape's runs need: a kept
+# Qwen3-8B store (98 of 128 GB of /dev/shm) made every run of the next shape fail at once. It is kept for
+# its own shape's next call, so it is not removed here: the call stops and says how.
+for manifest in /dev/shm/slidedp.slidedp-plan-*.manifest; do
+  [ -e "$manifest" ] || continue
+  other=${manifest#/dev/shm/slidedp.}; other=${other%.manifest}
+  [ "$other" = "$store" ] && continue
+  echo "plan_choice: store $other, kept by an earlier call (KEEP_STORE=1), holds host memory these runs need;" \
+       "finish its shape's runs (PARTS=forced, without KEEP_STORE) or remove it: slidedp-store destroy --force $other" >&2
+  exit 2
+done
 shared=0  # 1: the runs share one persistent store (no clipping: the norm does not set a step's time)
 python3 -c "import sys; sys.exit(float(sys.argv[1]) != 0)" "$clip" && shared=1
 [ $shared = 1 ] && [[ $parts == *auto* ]] && drop_store
