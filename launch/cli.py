@@ -15,6 +15,7 @@ from pathlib import Path
 
 from slidedp import log as slog
 from slidedp.config import ConfigError, load_job
+from slidedp.lifetime import skip_collection_at_exit
 
 from .jobrun import run_job
 from .planning import plan_job
@@ -106,4 +107,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    skip_collection_at_exit()  # here, not in main(): tests call main() in their own process
+    sys.exit(code)

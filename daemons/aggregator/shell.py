@@ -20,6 +20,7 @@ from slidedp import log as slog
 from slidedp.daemons.aggregator.core import AggregatorCore, Outbox
 from slidedp.daemons.aggregator.handshake import JobHandshake, route
 from slidedp.daemons.loop import serve_loop, serving
+from slidedp.lifetime import skip_collection_at_exit
 from slidedp.protocol import Credit, Ready
 from slidedp.stopflag import stop_on
 from slidedp.transport import bind_router, recv_router, send
@@ -62,4 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     slog.setup("aggregator")
     torch.set_num_threads(args.threads or len(os.sched_getaffinity(0)))
-    return serve(args.store, args.timeout)
+    try:
+        return serve(args.store, args.timeout)
+    finally:
+        skip_collection_at_exit()

@@ -20,6 +20,7 @@ from slidedp import daemonlock
 from slidedp import log as slog
 from slidedp.daemons.loop import serve_loop, serving
 from slidedp.daemons.sdnotify import Watchdog, notify
+from slidedp.lifetime import skip_collection_at_exit
 from slidedp.protocol import KIND_OF, ControlRequest, Reply, Request, decode_control
 from slidedp.stopflag import stop_on
 from slidedp.store.manifest import ManifestError
@@ -103,4 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     slog.setup("hoststate")
     torch.set_num_threads(max(1, os.cpu_count() or 1))
-    return serve(args.store)
+    try:
+        return serve(args.store)
+    finally:
+        skip_collection_at_exit()

@@ -21,7 +21,7 @@ from slidedp import log as slog
 from slidedp import numa
 from slidedp.daemons.loop import serve_loop
 from slidedp.daemons.updater.core import UpdaterCore
-from slidedp.lifetime import ParentWatch
+from slidedp.lifetime import ParentWatch, skip_collection_at_exit
 from slidedp.protocol import ROLE_UPDATER, Ack, Hello, JobEnd, JobStart, Norm, Update
 from slidedp.stopflag import stop_on
 from slidedp.transport import connect_dealer, identity, recv_dealer, send
@@ -114,7 +114,10 @@ def main(argv: list[str] | None = None) -> int:
     cpus = numa.parse_cpulist(args.cpus) if args.cpus else sorted(os.sched_getaffinity(0))
     os.sched_setaffinity(0, cpus)
     torch.set_num_threads(args.threads or len(cpus))
-    return serve_member(args.store, args.member, args.pool, ready_fd=args.ready_fd)
+    try:
+        return serve_member(args.store, args.member, args.pool, ready_fd=args.ready_fd)
+    finally:
+        skip_collection_at_exit()
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ import zmq
 
 from .. import log as slog
 from ..config import load_job
+from ..lifetime import skip_collection_at_exit
 from ..numa import device_cpus, format_cpulist, parse_cpulist
 from ..protocol import ROLE_WORKER, Hello
 from ..stepplan import StepPlan
@@ -149,6 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:
         log.exception("rank %d failed: %s", args.rank, e)
         return 1
+    finally:
+        skip_collection_at_exit()
 
 
 if __name__ == "__main__":
