@@ -80,6 +80,7 @@ def calibration(gpus: int = 1, model_params: int | None = None, timeout_s: float
                          capture_output=True, text=True, timeout=timeout_s)
     if out.returncode != 0:
         raise RuntimeError(f"calibrating this host's GPU failed: {out.stderr.strip()[-2000:]}")
+    sys.stderr.write(out.stderr)  # its log lines (what it measured) belong in the job's log
     doc = json.loads(out.stdout.strip().splitlines()[-1])
     blocks = MeasuredBlocks.from_dict(doc["blocks"]) if doc.get("blocks") else None
     if blocks is not None and blocks.measured_s:

@@ -287,18 +287,96 @@ def calibrate(device: str = "cuda", quick: bool = False) -> Calibration:
     return dataclasses.replace(_calibrate(device, quick), **host_memory_fields(quick))
 
 
+def _cpu_rates(quick: bool) -> tuple[float, float]:
+    """The CPU side: the updater's fused AdamW (params/s) and the aggregator's sum (GB/s of output)."""
+    import torch
+
+    reps = 3 if quick else 10
+    cpu_sync = lambda: None  # noqa: E731
+    adamw = _adamw_rate((4 if quick else 64) << 20, "cpu", cpu_sync, reps)
+    n = (4 if quick else 32) << 20
+    a, b, c = torch.rand(n), torch.rand(n), torch.empty(n)
+    reduce_gbps = n * 4 / _median_time(lambda: torch.add(a, b, out=c), cpu_sync, reps) / 1e9
+    return adamw, reduce_gbps
+
+
+# The host's figures that a first plan of a shape measures again once its GPU blocks are measured
+# (tens of seconds after the calibration): a fresh machine's first calibration measured them at
+# 0.5-0.7x (docs/tuning.md, "A fresh machine's first minute"). Something running beside a probe
+# lowers a rate and nothing raises it, so each field keeps the better of its measurements.
+HOST_RATE_FIELDS = ("adamw_params_per_s", "reduce_gbps", "host_read_gbps", "host_write_gbps", "host_copy_gbps",
+                    "adamw_beside_copies_params_per_s", "h2d_gbps", "d2h_gbps", "bidir_gbps")
+
+
+def host_rates(device: str, threads: int, gpus: int, quick: bool = False) -> dict[str, Any]:
+    """HOST_RATE_FIELDS (and host_node_copy_gbps) measured now; PCIe and AdamW beside copies on CUDA only."""
+    adamw, reduce_gbps = _cpu_rates(quick)
+    rates: dict[str, Any] = {"adamw_params_per_s": adamw, "reduce_gbps": reduce_gbps, **host_memory_fields(quick)}
+    if device.startswith("cuda"):
+        from slidedp.planner.measure import adamw_beside_copies
+
+        rates.update(_pcie_rates(device, quick))
+        rates["adamw_beside_copies_params_per_s"] = adamw_beside_copies(threads, device, gpus)
+    return rates
+
+
+def remeasure_host(device: str = "cuda", cache_dir: str | os.PathLike | None = None, quick: bool = False,
+                   gpus: int = 1, model_params: int | None = None,
+                   measure: Callable[..., Mapping[str, Any]] | None = None) -> Calibration:
+    """The cached calibration with HOST_RATE_FIELDS measured again (`measure`, default host_rates), each
+    the better of the cached and the new figure (the cache keeps it). Needs a cached calibration
+    (load_or_calibrate first)."""
+    path = cache_path(device, cache_dir)
+    with locked(path):
+        calib, learned = _read(path)
+        again = (measure or host_rates)(device, calib.adamw_threads, max(1, calib.adamw_beside_copies_gpus or gpus), quick)
+        better = {f: float(again[f]) for f in HOST_RATE_FIELDS if again.get(f, 0) > getattr(calib, f)}
+        if "host_copy_gbps" in better:  # the nodes' rates go with the copy rate they add up to
+            better["host_node_copy_gbps"] = str(again.get("host_node_copy_gbps", ""))
+        changes = [f"{f} {getattr(calib, f):.4g} -> {again[f]:.4g}" for f in HOST_RATE_FIELDS if f in again]
+        _log.info("measured the host again after the blocks (each keeps the better): %s", "; ".join(changes))
+        if better:
+            calib = dataclasses.replace(calib, **better)
+            calib = dataclasses.replace(calib, bidir_gbps=max(calib.bidir_gbps, calib.h2d_gbps, calib.d2h_gbps))
+            save(calib, path, learned)
+    return _for_model(calib, learned, model_params)
+
+
+def _pcie_rates(device: str, quick: bool) -> dict[str, float]:
+    """Pinned host-to-device, device-to-host and both at once (the two directions' total), GB/s."""
+    import torch
+
+    reps = 3 if quick else 10
+    dev = torch.device(device)
+    sync = lambda: torch.cuda.synchronize(dev)  # noqa: E731
+    nbytes = (256 if quick else 1024) << 20
+    host_in = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    host_out = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev_in = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+    dev_out = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+    h2d = nbytes / _median_time(lambda: dev_in.copy_(host_in, non_blocking=True), sync, reps) / 1e9
+    d2h = nbytes / _median_time(lambda: host_out.copy_(dev_out, non_blocking=True), sync, reps) / 1e9
+    s_in, s_out = torch.cuda.Stream(dev), torch.cuda.Stream(dev)
+
+    def both() -> None:
+        with torch.cuda.stream(s_in):
+            dev_in.copy_(host_in, non_blocking=True)
+        with torch.cuda.stream(s_out):
+            host_out.copy_(dev_out, non_blocking=True)
+
+    bidir = 2 * nbytes / _median_time(both, sync, reps) / 1e9
+    del host_in, host_out, dev_in, dev_out
+    torch.cuda.empty_cache()
+    return {"h2d_gbps": h2d, "d2h_gbps": d2h, "bidir_gbps": max(bidir, h2d, d2h)}
+
+
 def _calibrate(device: str, quick: bool) -> Calibration:
     import psutil
     import torch
 
     reps = 3 if quick else 10
     cpu_sync = lambda: None  # noqa: E731
-    # CPU side: the updater's AdamW and the aggregator's sum
-    adamw = _adamw_rate((4 if quick else 64) << 20, "cpu", cpu_sync, reps)
-    n = (4 if quick else 32) << 20
-    a, b, c = torch.rand(n), torch.rand(n), torch.empty(n)
-    reduce_gbps = n * 4 / _median_time(lambda: torch.add(a, b, out=c), cpu_sync, reps) / 1e9
-    del a, b, c
+    adamw, reduce_gbps = _cpu_rates(quick)
 
     if device == "cpu":
         nbytes = (64 if quick else 512) << 20
@@ -321,23 +399,7 @@ def _calibrate(device: str, quick: bool) -> Calibration:
         raise CalibrationError(f"calibrate(device={device!r}) needs CUDA; use device='cpu' on a machine without a GPU")
     dev = torch.device(device)
     sync = lambda: torch.cuda.synchronize(dev)  # noqa: E731
-    nbytes = (256 if quick else 1024) << 20
-    host_in = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    host_out = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    dev_in = torch.empty(nbytes, dtype=torch.uint8, device=dev)
-    dev_out = torch.empty(nbytes, dtype=torch.uint8, device=dev)
-    h2d = nbytes / _median_time(lambda: dev_in.copy_(host_in, non_blocking=True), sync, reps) / 1e9
-    d2h = nbytes / _median_time(lambda: host_out.copy_(dev_out, non_blocking=True), sync, reps) / 1e9
-    s_in, s_out = torch.cuda.Stream(dev), torch.cuda.Stream(dev)
-
-    def both() -> None:
-        with torch.cuda.stream(s_in):
-            dev_in.copy_(host_in, non_blocking=True)
-        with torch.cuda.stream(s_out):
-            host_out.copy_(dev_out, non_blocking=True)
-
-    bidir = 2 * nbytes / _median_time(both, sync, reps) / 1e9
-    del host_in, host_out, dev_in, dev_out
+    pcie = _pcie_rates(device, quick)
     # a layer-like matmul: [tokens, H] x [H, I] at a 7B-ish shape
     t, h, i = (4096, 4096, 11008) if quick else (8192, 4096, 14336)
     x = torch.randn(t, h, device=dev, dtype=torch.bfloat16)
@@ -348,8 +410,7 @@ def _calibrate(device: str, quick: bool) -> Calibration:
     torch.cuda.empty_cache()
     return Calibration(
         host=socket.gethostname(), device_name=_device_name(device),
-        h2d_gbps=h2d, d2h_gbps=d2h, bidir_gbps=max(bidir, h2d, d2h),
-        adamw_params_per_s=adamw, adamw_threads=torch.get_num_threads(), reduce_gbps=reduce_gbps,
+        **pcie, adamw_params_per_s=adamw, adamw_threads=torch.get_num_threads(), reduce_gbps=reduce_gbps,
         device_tflops=matmul * LAYER_EFFICIENCY,
         device_mem_bytes=int(torch.cuda.get_device_properties(dev).total_memory),
         device_adamw_params_per_s=device_adamw,

@@ -13,15 +13,17 @@ import json
 import sys
 from typing import Any, Mapping
 
+from slidedp import log
 from slidedp.model.config import ModelConfig
-from slidedp.planner.calibration import load_or_calibrate
+from slidedp.planner.calibration import load_or_calibrate, remeasure_host
 from slidedp.planner.measure import measured_blocks
 
 
 def plan_inputs(spec: Mapping[str, Any], device: str = "cuda") -> dict[str, Any]:
     """The calibration (with what runs of the model of spec["model_params"] measured, and the links
     among spec["gpus"] GPUs) and, where spec names the job's shape and sizes, the GPU blocks at them
-    (from the host's cache, or measured now)."""
+    (from the host's cache, or measured now: then the host's rates are measured again, and each
+    keeps the better of its two figures, calibration.remeasure_host)."""
     calib = load_or_calibrate(device, gpus=int(spec.get("gpus", 1)), model_params=spec.get("model_params"))
     blocks = None
     if spec.get("sizes"):
@@ -29,10 +31,13 @@ def plan_inputs(spec: Mapping[str, Any], device: str = "cuda") -> dict[str, Any]
             ModelConfig.from_dict(spec["model"]), int(spec["seq_len"]), str(spec["compute_dtype"]),
             bool(spec["compiled"]), [tuple(s) for s in spec["sizes"]], int(spec["local_batch"]), calib.host,
             calib.device_name, device=device, compile_fallback=bool(spec.get("compile_fallback", True)))
+        if blocks.measured_s:  # a first plan of this shape: its blocks took tens of seconds since the calibration
+            calib = remeasure_host(device, gpus=int(spec.get("gpus", 1)), model_params=spec.get("model_params"))
     return {"calibration": calib.to_dict(), "blocks": blocks.to_dict() if blocks else None}
 
 
 def main() -> int:
+    log.setup("planner")  # what it measures goes to stderr, which the launcher writes into the job's log
     print(json.dumps(plan_inputs(json.loads(sys.stdin.read() or "{}"))))
     return 0
 

@@ -236,16 +236,31 @@ def test_the_launchers_subprocess_returns_the_calibration_and_the_blocks(tmp_pat
     from slidedp.planner.inputs import plan_inputs  # noqa: PLC0415
 
     monkeypatch.setenv("SLIDEDP_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(calibration_mod, "calibrate", lambda device, quick=False: dataclasses.replace(
-        REFERENCE_CALIBRATION, host=calibration_mod.socket.gethostname(), device_name=calibration_mod._device_name("cpu")))
+    first = dataclasses.replace(REFERENCE_CALIBRATION, host=calibration_mod.socket.gethostname(),
+                                device_name=calibration_mod._device_name("cpu"), host_read_gbps=80.0,
+                                host_write_gbps=40.0, host_copy_gbps=60.0)
+    monkeypatch.setattr(calibration_mod, "calibrate", lambda device, quick=False: first)
+    # measured again after the blocks: the AdamW and the copy faster (a first minute's slowness gone), the
+    # read slower (something beside the probe): each field keeps the better figure
+    again = {"adamw_params_per_s": 5.5e9, "reduce_gbps": 41.0, "host_read_gbps": 50.0, "host_write_gbps": 40.0,
+             "host_copy_gbps": 70.0, "host_node_copy_gbps": ""}
+    asked = []
+    monkeypatch.setattr(calibration_mod, "host_rates", lambda *a: asked.append(a) or again)
     cfg = _tiny_cfg()
     spec = {"gpus": 1, "model_params": None, "model": cfg.to_dict(), "seq_len": 16, "compute_dtype": "fp32",
             "compiled": False, "local_batch": 2, "sizes": [[1, 0, 16], [2, 0, 16]]}
     doc = json.loads(json.dumps(plan_inputs(spec, device="cpu")))
     blocks = MeasuredBlocks.from_dict(doc["blocks"])
     assert blocks.has((1, 0, 16)) and blocks.has((2, 0, 16)) and blocks.measured_s > 0
-    assert calibration_mod.Calibration.from_dict(doc["calibration"]).device_tflops == REFERENCE_CALIBRATION.device_tflops
-    assert MeasuredBlocks.from_dict(plan_inputs(spec, device="cpu")["blocks"]).measured_s == 0.0  # cached
+    calib = calibration_mod.Calibration.from_dict(doc["calibration"])
+    assert calib.device_tflops == REFERENCE_CALIBRATION.device_tflops
+    assert (calib.adamw_params_per_s, calib.host_copy_gbps, calib.host_read_gbps) == (5.5e9, 70.0, 80.0)
+    assert asked == [("cpu", REFERENCE_CALIBRATION.adamw_threads, 1, False)]
+    cached = calibration_mod.load(calibration_mod.cache_path("cpu"))
+    assert (cached.adamw_params_per_s, cached.host_copy_gbps, cached.host_read_gbps) == (5.5e9, 70.0, 80.0)
+    second = plan_inputs(spec, device="cpu")  # the blocks cached: nothing measured, the host not again
+    assert MeasuredBlocks.from_dict(second["blocks"]).measured_s == 0.0 and len(asked) == 1
+    assert second["calibration"]["adamw_params_per_s"] == 5.5e9
 
 
 # --------------------------------------------------------------------------------------
