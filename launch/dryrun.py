@@ -31,7 +31,7 @@ from slidedp.store.mismatch import describe_layouts
 from slidedp.store.shm import SHM_DIR, list_store_segments, segment_name, shm_free_bytes
 from slidedp.stepplan import StepPlan
 
-from .host_room import host_need, planned_room_problem, room_problem, size
+from .host_room import host_need, planned_room_problem, room_for_plan, room_problem, size
 
 # What a check can raise for bad input: ConfigError, DataError, ModelConfigError (ValueError);
 # CheckpointError, StoreError, ManifestError (RuntimeError); missing or unreadable files (OSError).
@@ -381,7 +381,8 @@ class DryRun:
 
         job = self.job
         store = dict(store_shadow=self.store_shadow, shadow_fits=self.store_shadow is not None
-                     or job.store.shadow_bf16 != "auto" or self.layout is None or shadow_fits(job, self.layout))
+                     or job.store.shadow_bf16 != "auto" or self.layout is None or shadow_fits(job, self.layout),
+                     host_room=None if self.layout is None else room_for_plan(job, self.layout, self.store_exists))
         if self.cfg is None:
             self.say("plan", "not made: it needs the model")
             return

@@ -16,6 +16,7 @@ import psutil
 
 from slidedp.config import JobConfig
 from slidedp.jobrecord import gradient_space, held_chunk_ids, held_unit_names, ring_slots
+from slidedp.planner import HostRoom
 from slidedp.planner.costs import activation_bytes
 from slidedp.stepplan import StepPlan
 from slidedp.store.layout import Layout
@@ -94,6 +95,16 @@ def host_need(job: JobConfig, layout: Layout, step: StepPlan, store_exists: bool
     per_chunk = clip and not full and slots > ring_slots(job.store.grad_slots, layout.model.num_layers)
     return HostNeed(state, rings, process_bytes(job), world, per_chunk, shadow, offload_bytes(job, layout, step),
                     step.offloaded(layout.model.num_layers))
+
+
+def room_for_plan(job: JobConfig, layout: Layout, store_exists: bool, available: int | None = None) -> HostRoom:
+    """What the host's memory leaves for the plan's own choices (offloaded layers' buffers, the bf16
+    shadow of a store the job creates) beyond what any plan of the job takes: the fp32 state to create,
+    the gradient rings at their largest (every chunk's on the host route) and the processes."""
+    base = host_need(job, layout, StepPlan(grad_route="host"), store_exists, shadow=False)
+    shadow = 0 if store_exists else host_need(job, layout, StepPlan(grad_route="host"), False, shadow=True).state - base.state
+    free = (psutil.virtual_memory().available if available is None else available) - base.total
+    return HostRoom(free_bytes=free, shadow_bytes=shadow)
 
 
 def room_problem(job: JobConfig, need: HostNeed, available: int, shm_free: int | None = None) -> str | None:

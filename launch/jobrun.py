@@ -40,7 +40,7 @@ from slidedp.transport import bind_router, connect_dealer, identity, recv_dealer
 
 from . import children
 from .planning import DeliveryError, plan_job, record_training, shadow_fits
-from .host_room import planned_room_problem
+from .host_room import planned_room_problem, room_for_plan
 from .preflight import cuda_probe
 from .rundir import RunDirInUse, check_run_dir, write_run_record
 from .schedule_note import schedule_note
@@ -160,7 +160,8 @@ class JobRun:
         exists = bool(status.get("exists"))
         try:
             self.plan = plan_job(job, store_shadow="shadow" in status.get("segments", {}) if exists else None,
-                                 shadow_fits=exists or job.store.shadow_bf16 != "auto" or shadow_fits(job, self.layout))
+                                 shadow_fits=exists or job.store.shadow_bf16 != "auto" or shadow_fits(job, self.layout),
+                                 host_room=room_for_plan(job, self.layout, exists))
         except DeliveryError as e:
             raise JobFailed(str(e)) from None
         step = self.plan.step

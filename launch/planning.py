@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 
 from slidedp.config import JobConfig, model_config
 from slidedp.jobrecord import sums_on_host
-from slidedp.planner import Calibration, Plan, Workload, costs, make_plan
+from slidedp.planner import Calibration, HostRoom, Plan, Workload, costs, make_plan
 from slidedp.planner.calibration import RECENT_RUNS
 from slidedp.planner.calibration import record_training as record_training_measured
 from slidedp.planner.measure import MeasuredBlocks
@@ -159,10 +159,11 @@ def _store_shadow(job: JobConfig, store_shadow: bool | None, delivery: str) -> b
 
 
 def plan_job(job: JobConfig, calib: Calibration | None = None, store_shadow: bool | None = None,
-             shadow_fits: bool = True) -> JobPlan:
+             shadow_fits: bool = True, host_room: HostRoom | None = None) -> JobPlan:
     """The job's step plan: on CUDA the planner's, with the job file's [memory] overrides (its
     inputs) applied; on CPU the job file's values, clamped to the model. store_shadow, shadow_fits:
-    what `deliveries` needs to know of the store (None: the job creates it)."""
+    what `deliveries` needs to know of the store (None: the job creates it); host_room: what the
+    host's memory leaves for offloaded layers and the shadow (host_room.room_for_plan; None: no limit)."""
     mem, t, rt = job.memory, job.train, job.runtime
     options, note = deliveries(job, store_shadow, shadow_fits)
     notes = (note,) if note else ()
@@ -183,7 +184,7 @@ def plan_job(job: JobConfig, calib: Calibration | None = None, store_shadow: boo
             shadow=_store_shadow(job, store_shadow, delivery), notes=notes)
     work = Workload(model=cfg, global_batch=t.global_batch, seq_len=t.seq_len, world=rt.workers,
                     micro_batch=t.micro_batch, compute_dtype=t.compute_dtype, clip=t.max_grad_norm > 0,
-                    updaters=max(1, rt.updaters), compiled=t.compile in ("auto", "on"))
+                    updaters=max(1, rt.updaters), compiled=t.compile in ("auto", "on"), host_room=host_room)
     budget = int(mem.device_budget_gib * GiB)
     allowed = {
         "activations": ("keep", "offload") if mem.offload_layers != 0 else ("keep",),

@@ -9,7 +9,7 @@ from slidedp.planner.calibration import (
 )
 from slidedp.planner.plan import Plan, PlanError, make_plan
 from slidedp.planner.step_model import predict_step
-from slidedp.planner.workload import Workload
+from slidedp.planner.workload import HostRoom, Workload
 
 __all__ = [
     "REFERENCE_CALIBRATION",
@@ -17,6 +17,7 @@ __all__ = [
     "CalibrationError",
     "Plan",
     "PlanError",
+    "HostRoom",
     "Workload",
     "calibrate",
     "load_or_calibrate",

@@ -163,13 +163,16 @@ def _smallest(lo: int, hi: int, ok: Callable[[int], bool]) -> int:
 
 
 def _fewest_offloaded(work: Workload, ch: StepPlan, budget: int) -> StepPlan | None:
-    """`ch` if it fits; with activations = "offload", the fewest offloaded layers (>= 1) that fit."""
+    """`ch` if it fits; with activations = "offload", the fewest offloaded layers (>= 1) that fit the
+    budget, and no more than the host has room to keep (Workload.host_room)."""
+    cap = work.host_offload_cap(ch.delivery)
+    if cap < 0:
+        return None
     if not ch.offload_layers:
         return ch if _total(work, ch) <= budget else None
-    nl = work.model.num_layers
-    if _total(work, replace(ch, offload_layers=nl)) > budget:
+    if cap < 1 or _total(work, replace(ch, offload_layers=cap)) > budget:
         return None
-    return replace(ch, offload_layers=_smallest(1, nl, lambda k: _total(work, replace(ch, offload_layers=k)) <= budget))
+    return replace(ch, offload_layers=_smallest(1, cap, lambda k: _total(work, replace(ch, offload_layers=k)) <= budget))
 
 
 def _fit_at(work: Workload, base: StepPlan, mb: int, budget: int, grow: bool) -> StepPlan | None:
@@ -243,7 +246,19 @@ def _no_fit_error(work: Workload, budget: int, allowed: dict[str, tuple] | None 
         f"prefetch_depth={smallest.prefetch_depth}, micro_batch=1, seq_tile_tokens={smallest.seq_tile_tokens}, "
         f"loss_chunk_tokens={smallest.loss_chunk_tokens}) and its largest item is "
         f"{name} ({size / GiB:.2f} GiB). Raise the budget to at least {need_gib:.2f} GiB, {knob}"
+        + _host_room_note(work)
     )
+
+
+def _host_room_note(work: Workload) -> str:
+    """Where the host's memory limited the offloaded layers: how many it has room for, and what frees more."""
+    cap = work.host_offload_cap("fp32")
+    if work.host_room is None or cap >= work.model.num_layers:
+        return ""
+    return (f". The host has room to keep the inputs of {max(cap, 0)} of {work.model.num_layers} offloaded "
+            f"layers ({max(work.host_room.free_bytes, 0) / GiB:.1f} GiB of host memory beside the store, the "
+            f"gradient rings and the job's processes): more free host memory (other stores destroyed) lets the "
+            f"plan offload more")
 
 
 def _holding(work: Workload, ch: StepPlan, d: int, budget: int) -> StepPlan | None:
@@ -482,6 +497,10 @@ def _plan(work: Workload, budget_bytes: int, calib: Calibration, allowed: dict[s
             + (f"; the fastest fp32 plan predicts {fp32:.3f} s" if fp32 is not None else
                "; no fp32 plan fits" if weighed_fp32 else "")
         )
+    if _host_room_note(work):
+        notes.append(f"offloaded layers: at most {max(work.host_offload_cap(best.delivery), 0)}, what the host has "
+                     f"room for ({work.host_room.free_bytes / GiB:.1f} GiB of host memory beside the store, the "
+                     f"gradient rings and the job's processes)")
     notes.append(_update_rate_note(work, best, calib))
     notes.append(_device_time_note(work, best, calib))
     workspace = _workspace_note(work, best, calib, dict(items)["layer workspace"])

@@ -10,6 +10,16 @@ from slidedp.planner import costs
 
 
 @dataclass(frozen=True)
+class HostRoom:
+    """Host memory left for the plan's own choices once everything any plan takes is counted (the
+    store's fp32 state where the job creates it, the gradient rings, the job's processes): the
+    ranks' buffers for offloaded layer inputs, and the bf16 shadow of a store the job creates."""
+
+    free_bytes: int  # may be negative: then no plan fits the host
+    shadow_bytes: int = 0  # what the bf16 delivery adds (0: the store exists, or has no room to grow)
+
+
+@dataclass(frozen=True)
 class Workload:
     model: ModelConfig
     global_batch: int  # sequences per optimizer step, all ranks together
@@ -20,6 +30,7 @@ class Workload:
     clip: bool = True  # exact global-norm gradient clipping (max_grad_norm > 0)
     updaters: int = 1  # CPU updater processes (K)
     compiled: bool = False  # the worker runs the layers' pointwise kernels compiled (train.compile)
+    host_room: HostRoom | None = None  # None: the host's memory does not limit the plan (CPU, replays)
 
     def __post_init__(self) -> None:
         for name in ("global_batch", "seq_len", "world", "updaters"):
@@ -48,3 +59,14 @@ class Workload:
     def tokens_per_step(self) -> int:
         return self.global_batch * self.seq_len
 
+    def host_offload_cap(self, delivery: str) -> int:
+        """The most layers whose inputs the host has room to keep offloaded at this delivery (every
+        layer where the host does not limit the plan); -1 where even none fit (the shadow does not)."""
+        nl = self.model.num_layers
+        if self.host_room is None:
+            return nl
+        free = self.host_room.free_bytes - (self.host_room.shadow_bytes if delivery == "bf16" else 0)
+        if free < 0:
+            return -1
+        per_layer = costs.activation_bytes(self.model, self.tokens_per_step, self.compute_dtype)  # every rank's
+        return min(nl, free // per_layer)

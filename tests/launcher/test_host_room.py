@@ -7,12 +7,13 @@ from __future__ import annotations
 from slidedp.config import load_job
 from slidedp.jobrecord import gradient_space
 from slidedp.model.config import named_shape
+from slidedp.planner import REFERENCE_CALIBRATION, HostRoom, Workload, make_plan
 from slidedp.stepplan import StepPlan
 from slidedp.store.layout import make_layout
 from slidedp.store.rings import rings_bytes
 from slidedp.store.store import segment_sizes
 
-from launch.host_room import GiB, PROCESS_BYTES, host_need, room_problem
+from launch.host_room import GiB, PROCESS_BYTES, host_need, room_for_plan, room_problem
 from pipeline.harness import TINY
 
 CUDA_8B = ["runtime.device=\"cuda\"", "runtime.workers=1", "train.global_batch=8", "train.micro_batch=2"]
@@ -87,3 +88,26 @@ def test_offloaded_layer_inputs_are_counted_beside_the_store():
     assert msg is not None and "offloaded inputs of 20 layer(s) 10.0 GiB" in msg and "memory.offload_layers" in msg
     # nothing offloaded: no such item
     assert "offloaded" not in " ".join(w for w, _ in host_need(job, layout, StepPlan(), True, False).items)
+
+
+def test_the_plan_is_told_what_the_host_leaves_for_offloaded_inputs_and_the_shadow():
+    # the Qwen3-8B job at 32 x 2,048, no clipping, creating its store on a host with 123.6 GiB available
+    # (a plan of the shadow and 19 offloaded layers needed 132.9 GiB of it and was refused at launch)
+    job = _job(["train.max_grad_norm=0", "train.global_batch=32", "train.micro_batch=0", "train.seq_len=2048",
+                'train.compute_dtype="bf16"'])
+    layout = make_layout(named_shape("qwen3-8b"))
+    available = int(123.6 * GiB)
+    room = room_for_plan(job, layout, store_exists=False, available=available)
+    base = host_need(job, layout, StepPlan(grad_route="host"), store_exists=False, shadow=False)
+    shadowed = host_need(job, layout, StepPlan(grad_route="host"), store_exists=False, shadow=True)
+    assert room == HostRoom(free_bytes=available - base.total, shadow_bytes=shadowed.state - base.state)
+    assert room.shadow_bytes == 2 * layout.model.num_parameters() and 15 * GiB < room.free_bytes < 16 * GiB
+    # an existing store: its state is in use already, and its shadow (or none) is what it is
+    kept = room_for_plan(job, layout, store_exists=True, available=available)
+    assert kept == HostRoom(free_bytes=available - base.total + base.state, shadow_bytes=0)
+    # what the planner makes of it at a 24 GiB budget: the plan's host need fits what is available
+    work = Workload(named_shape("qwen3-8b"), global_batch=32, seq_len=2048, world=1, micro_batch=0, clip=False,
+                    compiled=True, host_room=room)
+    plan = make_plan(work, 24 * GiB, REFERENCE_CALIBRATION, {"activations": ("keep", "offload")})
+    need = host_need(job, layout, plan.step, store_exists=False, shadow=plan.step.delivery == "bf16")
+    assert room_problem(job, need, available) is None

@@ -16,6 +16,7 @@ import pytest
 from slidedp.model.config import ModelConfig, named_shape
 from slidedp import hosttraffic
 from slidedp.planner import (
+    HostRoom,
     REFERENCE_CALIBRATION,
     Calibration,
     CalibrationError,
@@ -733,6 +734,32 @@ def test_long_sequence_plans_tile_then_offload_as_the_budget_shrinks():
         activations="offload", embedding=fewer.embedding, prefetch_depth=fewer.prefetch_depth, resident_layers=0,
         chunk_rows=fewer.chunk_rows, loss_chunk_tokens=fewer.loss_chunk_tokens, offload_layers=fewer.offload_layers,
         seq_tile_tokens=fewer.seq_tile_tokens), 1).total_bytes > 60 * GiB
+
+
+def test_the_plan_offloads_no_more_layers_than_the_host_has_room_for():
+    """Offloaded layers' inputs live in host memory beside the store: a plan the GPU takes but the host
+    cannot hold is not chosen (a Qwen3-8B plan at 32 x 2,048 chose the bf16 shadow and 19 offloaded
+    layers, 132.9 GiB of host memory on a host with 123.6 GiB available)."""
+    work = Workload(named_shape("qwen3-4b"), global_batch=1, seq_len=262144, world=1, micro_batch=1)
+    free = make_plan(work, 60 * GiB, REFERENCE_CALIBRATION)
+    k = free.step.offload_layers
+    layer = costs.activation_bytes(work.model, work.tokens_per_step, "bf16")  # 1.25 GiB a layer
+    assert k == 25 and layer == 262144 * 2560 * 2
+    room = lambda n, shadow=0: dataclasses.replace(work, host_room=HostRoom(n * layer + layer // 2, shadow))  # noqa: E731
+    assert room(k).host_offload_cap("fp32") == k and room(k, 2 * layer).host_offload_cap("bf16") == k - 2
+    roomy = make_plan(room(k), 60 * GiB, REFERENCE_CALIBRATION)
+    assert (roomy.step.offload_layers, roomy.step.delivery) == (k, free.step.delivery)
+    assert f"note: offloaded layers: at most {k}, what the host has room for (31.9 GiB of host memory" in roomy.describe()
+    # room for fewer than the GPU needs at every tile: no plan, and the error says it is the host's memory
+    with pytest.raises(PlanError, match=r"The host has room to keep the inputs of 24 of 36 offloaded layers \(30\.6 "
+                                        r"GiB of host memory beside the store"):
+        make_plan(room(k - 1), 60 * GiB, REFERENCE_CALIBRATION)
+    # the bf16 shadow takes its 2 B/param from the same room: where it leaves too little, fp32 is delivered
+    assert free.step.delivery == "bf16"
+    shadowed = make_plan(room(k, shadow=3 * layer), 60 * GiB, REFERENCE_CALIBRATION)
+    assert (shadowed.step.delivery, shadowed.step.offload_layers) == ("fp32", k)
+    with pytest.raises(PlanError, match="inputs of 0 of 36"):
+        make_plan(dataclasses.replace(work, host_room=HostRoom(-1)), 60 * GiB, REFERENCE_CALIBRATION)
 
 
 def test_a_training_run_teaches_the_planner_its_adamw_rate_for_that_model(tmp_path):
