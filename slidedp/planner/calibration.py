@@ -193,15 +193,16 @@ class Calibration:
 
     def update_params_per_s(self, model_params: int, summed: bool = False) -> float:
         """The AdamW rate the planner charges for a model: the one measured training it (beside a host
-        sum where `summed`, when a run measured that), else the rate measured beside copies, else the
-        bare kernel's times adamw_train_fraction."""
+        sum where `summed`, when a run measured that), else the larger of the rate measured beside
+        copies and the bare kernel's times adamw_train_fraction. The probe's copies never pause, and
+        training's ran a fifth to a third of the time: in five first runs of four shapes the updaters
+        reached 1.1-1.4x the probe's rate and 0.57-0.73x the bare kernel's (docs/tuning.md, "What a
+        first plan charges the updaters")."""
         if summed and self.update_rate_learned(model_params, summed=True):
             return self.adamw_train_summed_params_per_s
         if self.update_rate_learned(model_params):
             return self.adamw_train_params_per_s
-        if self.adamw_beside_copies_params_per_s:
-            return self.adamw_beside_copies_params_per_s
-        return self.adamw_params_per_s * self.adamw_train_fraction
+        return max(self.adamw_beside_copies_params_per_s, self.adamw_params_per_s * self.adamw_train_fraction)
 
     def at_lowest_share(self, model_params: int) -> "Calibration | None":
         """While the updaters' rate is a share of the bare kernel's (neither a run of this model nor the

@@ -46,9 +46,13 @@ def _update_rate_note(work: Workload, ch: StepPlan, calib: Calibration) -> str:
         return (f"update charged at {rate:.2f} G params/s per updater, measured training this model on this host"
                 + ("; the host sum of ranks' gradients beside it is not measured yet" if summed else ""))
     if calib.adamw_beside_copies_params_per_s:
-        return (f"update charged at {rate:.2f} G params/s per updater: the kernel measured beside "
-                f"{calib.adamw_beside_copies_gpus or 1} GPU(s) copying, until a run of this model on this host "
-                "measures its rate in training")
+        beside, share = calib.adamw_beside_copies_params_per_s / 1e9, calib.adamw_train_fraction
+        which = (f"the kernel measured beside {calib.adamw_beside_copies_gpus or 1} GPU(s) copying without pause "
+                 f"(above {share:g} x the bare kernel's {calib.adamw_params_per_s / 1e9:.2f})" if rate == beside else
+                 f"{share:g} x the bare kernel's {calib.adamw_params_per_s / 1e9:.2f} (above the {beside:.2f} measured "
+                 f"beside {calib.adamw_beside_copies_gpus or 1} GPU(s) copying without pause)")
+        return (f"update charged at {rate:.2f} G params/s per updater: {which}, until a run of this model on this "
+                "host measures its rate in training")
     low = calib.at_lowest_share(n)
     guard = "" if low is None else (
         f"; at {low.adamw_train_fraction:g} x, the lowest share measured in training, this plan predicts "

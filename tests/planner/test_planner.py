@@ -585,7 +585,10 @@ def test_the_cuda_calibration_measures_links_once_and_keeps_what_runs_measured(t
     one = load_or_calibrate("cuda", cache_dir=tmp_path)
     assert calls == {"calibrate": 1, "links": 0, "adamw": 1} and one.bus_gpus == 1
     assert (one.adamw_beside_copies_params_per_s, one.adamw_beside_copies_gpus) == (1e9, 1)
-    assert one.update_params_per_s(123) == 1e9 and one.at_lowest_share(123) is None  # measured: no guess to guard
+    # charged: the larger of the probe's rate (its copies never pause) and 0.6 x the bare kernel's
+    assert one.update_params_per_s(123) == pytest.approx(0.6 * one.adamw_params_per_s) == 2.64e9
+    assert dataclasses.replace(one, adamw_beside_copies_params_per_s=3e9).update_params_per_s(123) == 3e9
+    assert one.at_lowest_share(123) is None  # measured: no guess to guard
     calibration_mod.record_training(one, tmp_path, adamw_train_params_per_s=3e9, adamw_train_model_params=5)
     two = load_or_calibrate("cuda", cache_dir=tmp_path, gpus=2, model_params=5)
     assert calls == {"calibrate": 1, "links": 1, "adamw": 2}  # again, with both GPUs copying
@@ -793,11 +796,17 @@ def test_a_training_run_teaches_the_planner_its_adamw_rate_for_that_model(tmp_pa
     assert ("note: update charged at 2.20 G params/s per updater, measured training this model on this host"
             in make_plan(work, 24 * GiB, saved, {"delivery": ("fp32",)}).describe())
     assert "0.6 x the bare kernel" in make_plan(other, 24 * GiB, saved).describe()
-    # a calibration that measured the kernel beside copies charges that rate, and says so
-    beside = dataclasses.replace(cal, adamw_beside_copies_params_per_s=2.45e9, adamw_beside_copies_gpus=1)
-    assert beside.update_params_per_s(n) == 2.45e9
-    assert ("note: update charged at 2.45 G params/s per updater: the kernel measured beside 1 GPU(s) copying, until "
-            "a run of this model on this host measures its rate in training") in make_plan(work, 24 * GiB, beside).describe()
+    # a calibration that measured the kernel beside copies charges the larger of that rate and 0.6 x the
+    # bare kernel's (4.40 here), and says which
+    beside = dataclasses.replace(cal, adamw_beside_copies_params_per_s=2.85e9, adamw_beside_copies_gpus=1)
+    assert beside.update_params_per_s(n) == 2.85e9
+    assert ("note: update charged at 2.85 G params/s per updater: the kernel measured beside 1 GPU(s) copying without "
+            "pause (above 0.6 x the bare kernel's 4.40), until a run of this model on this host measures its rate in "
+            "training") in make_plan(work, 24 * GiB, beside).describe()
+    slow = dataclasses.replace(beside, adamw_beside_copies_params_per_s=2.2e9)
+    assert slow.update_params_per_s(n) == pytest.approx(2.64e9)
+    assert ("note: update charged at 2.64 G params/s per updater: 0.6 x the bare kernel's 4.40 (above the 2.20 "
+            "measured beside 1 GPU(s) copying without pause), until") in make_plan(work, 24 * GiB, slow).describe()
     # too few steps, or no plan (a CPU run): nothing learned, nothing written
     assert record_training(JobPlan(StepPlan(), plan), busy[:2], [], cache_dir=str(tmp_path / "x")) is None
     assert record_training(JobPlan(StepPlan()), busy, busy, cache_dir=str(tmp_path / "x")) is None
