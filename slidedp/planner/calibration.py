@@ -194,9 +194,8 @@ class Calibration:
     def update_params_per_s(self, model_params: int, summed: bool = False) -> float:
         """The AdamW rate the planner charges for a model: the one measured training it (beside a host
         sum where `summed`, when a run measured that), else the larger of the rate measured beside
-        copies and the bare kernel's times adamw_train_fraction. The probe's copies never pause, and
-        training's ran a fifth to a third of the time: in five first runs of four shapes the updaters
-        reached 1.1-1.4x the probe's rate and 0.57-0.73x the bare kernel's (docs/tuning.md, "What a
+        copies and the bare kernel's times adamw_train_fraction: the probe's copies never pause, and in
+        training, where they pause, the updaters ran faster than the probe (docs/tuning.md, "What a
         first plan charges the updaters")."""
         if summed and self.update_rate_learned(model_params, summed=True):
             return self.adamw_train_summed_params_per_s
@@ -302,9 +301,9 @@ def _cpu_rates(quick: bool) -> tuple[float, float]:
 
 
 # The host's figures that a first plan of a shape measures again once its GPU blocks are measured
-# (tens of seconds after the calibration): a fresh machine's first calibration measured them at
-# 0.5-0.7x (docs/tuning.md, "A fresh machine's first minute"). Something running beside a probe
-# lowers a rate and nothing raises it, so each field keeps the better of its measurements.
+# (tens of seconds after the calibration): a fresh machine's first minute can measure them slow
+# (docs/tuning.md, "A fresh machine's first minute"). Something running beside a probe lowers a
+# rate and nothing raises it, so each field keeps the better of its measurements.
 HOST_RATE_FIELDS = ("adamw_params_per_s", "reduce_gbps", "host_read_gbps", "host_write_gbps", "host_copy_gbps",
                     "adamw_beside_copies_params_per_s", "h2d_gbps", "d2h_gbps", "bidir_gbps")
 
