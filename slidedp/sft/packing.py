@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from slidedp.data import Batches, DataError
-from slidedp.worker.loss import IGNORE_INDEX
+from slidedp.worker.targets import IGNORE_INDEX
 
 from .documents import Documents
 

@@ -19,13 +19,13 @@ import shutil
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from ..model import hf
 from .manifest import CLIPPED, KEPT, SKIPPED
 from .store import STATE_KINDS, HostStore
+
+if TYPE_CHECKING:  # torch and the safetensors code are imported by the writes and the restore: the launcher
+    import torch   # lists and reads checkpoints' records without them
 
 _NAME = re.compile(r"^step-(\d{8})$")
 FORMAT = 1
@@ -69,13 +69,18 @@ def _releaser(store: HostStore, release) -> "callable":
 
 
 def write_checkpoint(store: HostStore, root: str | os.PathLike, step: int, extra: dict[str, Any] | None = None,
-                     dtype: torch.dtype = torch.bfloat16, keep: int = 3, extra_files: list[str] = (),
+                     dtype: torch.dtype | None = None, keep: int = 3, extra_files: list[str] = (),
                      release=None) -> Path:
     """Write the store's state at committed step `step` under root/step-XXXXXXXX; returns the path.
 
     The store is read once, chunk by chunk in store order, into state/ (fp32 master and moments);
     `release(chunk_id)` is called as each chunk is copied, so training may go on updating the chunks
-    already copied. model/ is then written from state/, not from the store."""
+    already copied. model/ is then written from state/, not from the store. dtype: model/'s (None: bfloat16)."""
+    import torch
+
+    from ..model import hf
+
+    dtype = torch.bfloat16 if dtype is None else dtype
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{step:08d}"
@@ -177,6 +182,8 @@ def latest_valid(root: str | os.PathLike) -> Path | None:
 
 def restore_checkpoint(store: HostStore, path: str | os.PathLike) -> dict[str, Any]:
     """Load a checkpoint into the store (same layout); the store is at the checkpoint's step afterwards."""
+    from ..model import hf
+
     path = Path(path)
     record = read_record(path)
     if record["layout_hash"] != store.layout.hash():

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # imported where a tensor is made: the launcher sizes the rings without torch
+    import torch
 
 from .layout import Chunk, Layout
 from .shm import Segment, check_space, segment_name
@@ -80,15 +82,21 @@ class GradRings:
         if numel is not None and numel > self.slot_numel:
             raise ValueError(f"{numel} elements do not fit a gradient slot of {self.slot_numel} "
                              "(slots sized for shards: only reduce-scattered gradients fit)")
+        import torch
+
         start = _HDR // 4 + (rank * self.slots + k) * self.slot_numel
         return self.grads.tensor(torch.float32, start, self.slot_numel if numel is None else numel)  # 0: an empty shard
 
     def rank_ring(self, rank: int) -> torch.Tensor:
         """All of one rank's slots as one tensor (registered with CUDA once by that rank's worker)."""
+        import torch
+
         start = _HDR // 4 + rank * self.slots * self.slot_numel
         return self.grads.tensor(torch.float32, start, self.slots * self.slot_numel)
 
     def reduce_slot(self, j: int, chunk: Chunk) -> torch.Tensor:
+        import torch
+
         if self.full_reduce:
             return self.reduce.tensor(torch.float32, _HDR // 4 + chunk.offset, chunk.numel)
         if not 0 <= j < self.reduce_slots:

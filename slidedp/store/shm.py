@@ -10,10 +10,13 @@ import mmap
 import os
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import posix_ipc
-import torch
+
+if TYPE_CHECKING:  # imported where a tensor is made: the launcher lists and sizes segments without torch
+    import torch
 
 SHM_DIR = "/dev/shm"
 PREFIX = "slidedp."
@@ -105,12 +108,16 @@ class Segment:
 
     def touch(self) -> float:
         """First-touch every page with torch's parallel fill (placement and speed); returns GB/s."""
+        import torch
+
         t0 = time.perf_counter()
         self.tensor(torch.uint8).zero_()
         return self.size / max(time.perf_counter() - t0, 1e-9) / 1e9
 
     def tensor(self, dtype: torch.dtype, offset: int = 0, count: int | None = None) -> torch.Tensor:
         """A zero-copy tensor over the segment (offset and count in elements of dtype)."""
+        import torch
+
         itemsize = torch.empty((), dtype=dtype).element_size()
         if count is None:
             count = (self.size - offset * itemsize) // itemsize
@@ -126,6 +133,8 @@ class Segment:
         return np.ndarray((count,), dtype=dtype, buffer=self.mm, offset=offset_bytes)
 
     def address(self) -> int:
+        import torch
+
         return self.tensor(torch.uint8).data_ptr() if self.size else 0
 
     def close(self) -> None:

@@ -11,9 +11,10 @@ import os
 import secrets
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
-import torch
+if TYPE_CHECKING:  # imported where a tensor is made: the launcher sizes segments without torch
+    import torch
 
 from .layout import Chunk, Layout, Member
 from .manifest import Manifest, ManifestError
@@ -120,6 +121,8 @@ class HostStore:
         return "shadow" in self.segments
 
     def flat(self, kind: str) -> torch.Tensor:
+        import torch
+
         dtype = torch.bfloat16 if kind == "shadow" else torch.float32
         return self.segments[kind].tensor(dtype, 0, self.layout.total_numel)
 

@@ -17,10 +17,10 @@ from torch import Tensor
 from .. import log as slog
 from ..model import layers
 from ..model.layers import token_slices
+from .targets import IGNORE_INDEX
 
 _log = slog.get("loss")
 
-IGNORE_INDEX = -100  # targets equal to this contribute no loss and no gradient (as in F.cross_entropy)
 
 
 class _ChunkedCrossEntropySum(torch.autograd.Function):
