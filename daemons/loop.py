@@ -18,6 +18,20 @@ from slidedp.daemons.sdnotify import Watchdog, notify
 from slidedp.stopflag import StopFlag
 
 
+def poll_or_stop(sock: zmq.Socket, stop: StopFlag, timeout_ms: int) -> bool:
+    """`sock.poll(timeout_ms)` as a bool, but returning False as soon as a signal arrives for `stop`
+    (its wake pipe), so a stop is not held up by the rest of the wait."""
+    if timeout_ms <= 0 or stop.wake_fd < 0:
+        return bool(sock.poll(timeout_ms))
+    poller = zmq.Poller()
+    poller.register(sock, zmq.POLLIN)
+    poller.register(stop.wake_fd, zmq.POLLIN)
+    ready = dict(poller.poll(timeout_ms))
+    if stop.wake_fd in ready:
+        stop.drain()
+    return sock in ready
+
+
 def serve_loop(stop: StopFlag, wait: Callable[[], bool], handle: Callable[[], bool | None],
                tick: Callable[[], None] | None = None, watchdog: Watchdog | None = None) -> None:
     """Until `stop` is set or `handle` returns True: ping, tick, wait, handle."""

@@ -1,11 +1,14 @@
 """The stop flag every process shell shares: signals set it, loops read it between messages.
 
 A signal handler only sets the flag, so whatever a process has in hand (a request, an update,
-a step) finishes before it stops.
+a step) finishes before it stops. The signal also writes a byte to the flag's wake pipe, so a
+loop that waits on it beside its socket (daemons/loop.py `poll_or_stop`) stops at once instead of
+at the end of its wait.
 """
 
 from __future__ import annotations
 
+import os
 import signal
 
 
@@ -14,6 +17,15 @@ class StopFlag:
 
     def __init__(self) -> None:
         self.requested = False
+        self.wake_fd = -1  # readable once a signal arrived (stop_on's pipe); -1: none
+
+    def drain(self) -> None:
+        """Empty the wake pipe (a loop that goes on waiting must not find it readable again)."""
+        try:
+            while os.read(self.wake_fd, 64):
+                pass
+        except (BlockingIOError, OSError):
+            pass
 
     def set(self, *_: object) -> None:
         self.requested = True
@@ -29,4 +41,11 @@ def stop_on(*signals: int, ignore: tuple[int, ...] = ()) -> StopFlag:
         signal.signal(s, flag.set)
     for s in ignore:
         signal.signal(s, signal.SIG_IGN)
+    r, w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+        flag.wake_fd = r
+    except ValueError:  # not the main thread: no wake pipe, loops wait out their timeout
+        os.close(r)
+        os.close(w)
     return flag

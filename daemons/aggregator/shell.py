@@ -19,7 +19,7 @@ from slidedp import daemonlock
 from slidedp import log as slog
 from slidedp.daemons.aggregator.core import AggregatorCore, Outbox
 from slidedp.daemons.aggregator.handshake import JobHandshake, route
-from slidedp.daemons.loop import serve_loop, serving
+from slidedp.daemons.loop import poll_or_stop, serve_loop, serving
 from slidedp.lifetime import skip_collection_at_exit
 from slidedp.protocol import Credit, Ready
 from slidedp.stopflag import stop_on
@@ -51,7 +51,7 @@ def serve(store_name: str, timeout_s: float = 120.0) -> int:
 
     log.info("aggregator for store %s up (pid %d)", store_name, os.getpid())
     with serving(store_name, "aggregator", lock_fd, ctx, sock, f"aggregating for store {store_name}", core.end_job):
-        serve_loop(stop, lambda: bool(sock.poll(100)), handle, tick=lambda: deliver(handshake.tick(time.monotonic())))
+        serve_loop(stop, lambda: poll_or_stop(sock, stop, 100), handle, tick=lambda: deliver(handshake.tick(time.monotonic())))
     return 0
 
 

@@ -18,7 +18,7 @@ import zmq
 
 from slidedp import daemonlock
 from slidedp import log as slog
-from slidedp.daemons.loop import serve_loop, serving
+from slidedp.daemons.loop import poll_or_stop, serve_loop, serving
 from slidedp.daemons.sdnotify import Watchdog, notify
 from slidedp.lifetime import skip_collection_at_exit
 from slidedp.protocol import KIND_OF, ControlRequest, Reply, Request, decode_control
@@ -89,7 +89,7 @@ def serve(store_name: str) -> int:
     log.info("serving store %s (pid %d)", store_name, os.getpid())
     try:
         with serving(store_name, "hoststate", lock_fd, ctx, sock, f"serving store {store_name}", core.close):
-            serve_loop(stop, lambda: bool(sock.poll(200)), handle, watchdog=watchdog)
+            serve_loop(stop, lambda: poll_or_stop(sock, stop, 200), handle, watchdog=watchdog)
     finally:
         if list_store_segments().get(store_name):
             log.info("stopped; store %s left in place", store_name)

@@ -19,7 +19,7 @@ import zmq
 from slidedp import adamw
 from slidedp import log as slog
 from slidedp import numa
-from slidedp.daemons.loop import serve_loop
+from slidedp.daemons.loop import poll_or_stop, serve_loop
 from slidedp.daemons.updater.core import UpdaterCore
 from slidedp.lifetime import ParentWatch, skip_collection_at_exit
 from slidedp.protocol import ROLE_UPDATER, Ack, Hello, JobEnd, JobStart, Norm, Update
@@ -67,8 +67,9 @@ def serve_member(store: str, index: int, pool: int, ready_fd: int = -1) -> int:
             log.warning("updater %d: the pool (pid %d) is gone; exiting", index, parent.parent)
             failed = True
             return True  # handle() sees it and ends the loop
-        if not sock.poll(0 if core.ready else 500) and not core.ready and core.job is None:
-            if time.monotonic() - last_hello > HELLO_EVERY_S:
+        if not poll_or_stop(sock, stop, 0 if core.ready else 500) and not core.ready and core.job is None:
+            # a member that is stopping says no hello: undelivered, it would hold the socket's close for its linger
+            if time.monotonic() - last_hello > HELLO_EVERY_S and not stop.requested:
                 send(sock, hello)
                 last_hello = time.monotonic()
         return True  # ready work runs whether or not a message came

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import select
 import signal
 import time
 
@@ -74,8 +75,11 @@ def _run(args: argparse.Namespace) -> int:
             code = 1
         return dead is not None
 
-    def nap() -> bool:  # no socket: the members' exits are polled
-        time.sleep(0.2)
+    def nap() -> bool:  # no socket: the members' exits are polled (a stop's signal ends the nap)
+        if stop.wake_fd < 0:
+            time.sleep(0.2)
+        elif select.select([stop.wake_fd], [], [], 0.2)[0]:
+            stop.drain()
         return True
 
     serve_loop(stop, nap, check)
