@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from slidedp.store.client import call
+from slidedp.store.shm import unlink_store
 
 from .harness import TINY, checkpoint_state, checkpoint_weights, launch, metrics, store_segments, unique_store
 from .test_equivalence import STEPS, job_sets
@@ -35,12 +36,15 @@ def _run(tmp_path, name: str, delivery: str, workers, micro, shape, param_route,
     sets = [s for s in sets if not s.startswith("train.compute_dtype")] + [
         'train.compute_dtype="bf16"', f'runtime.delivery="{delivery}"',
         f"store.shadow_bf16={'true' if delivery == 'bf16' else 'false'}"]
-    proc = launch(TINY, *sets, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    said = {"bf16": "weights delivered as the bf16 shadow", "fp32": "weights delivered as the fp32 master"}[delivery]
-    assert all(f"rank {r}/{workers} on cpu" in proc.stderr for r in range(workers))
-    assert proc.stderr.count(said) == workers, proc.stderr
-    assert store_segments(store) == []
+    try:
+        proc = launch(TINY, *sets, cwd=tmp_path)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        said = {"bf16": "weights delivered as the bf16 shadow", "fp32": "weights delivered as the fp32 master"}[delivery]
+        assert all(f"rank {r}/{workers} on cpu" in proc.stderr for r in range(workers))
+        assert proc.stderr.count(said) == workers, proc.stderr
+        assert store_segments(store) == []
+    finally:  # a launcher killed (a timeout, an interrupt) before its teardown leaves its store
+        unlink_store(store)
     return run_dir
 
 
@@ -87,5 +91,5 @@ def test_a_store_without_the_shadow_keeps_fp32_or_refuses_bf16(tmp_path, monkeyp
         after = call(store, "status")
         assert (after["committed_step"], after["generation"], after["torn"]) == (
             before["committed_step"], before["generation"], None)
-    finally:
-        call(store, "destroy")
+    finally:  # the segments themselves: a destroy request would wait on a daemon a failed launch left running
+        unlink_store(store)
