@@ -102,7 +102,7 @@ def room_for_plan(job: JobConfig, layout: Layout, store_exists: bool, available:
     shadow of a store the job creates) beyond what any plan of the job takes: the fp32 state to create,
     the gradient rings at their largest (every chunk's on the host route) and the processes."""
     base = host_need(job, layout, StepPlan(grad_route="host"), store_exists, shadow=False)
-    shadow = 0 if store_exists else host_need(job, layout, StepPlan(grad_route="host"), False, shadow=True).state - base.state
+    shadow = 0 if store_exists else sum(segment_sizes(layout, {}, True).values()) - base.state  # its 2 B/param
     free = (psutil.virtual_memory().available if available is None else available) - base.total
     return HostRoom(free_bytes=free, shadow_bytes=shadow)
 

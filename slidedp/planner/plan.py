@@ -254,15 +254,24 @@ def _no_fit_error(work: Workload, budget: int, allowed: dict[str, tuple] | None 
     )
 
 
+def _host_limits_offload(work: Workload) -> bool:
+    """Whether the host's memory holds fewer offloaded layers' inputs than the model has layers."""
+    return work.host_room is not None and work.host_offload_cap("fp32") < work.model.num_layers
+
+
+def _host_room_words(work: Workload) -> str:
+    assert work.host_room is not None
+    return (f"{max(work.host_room.free_bytes, 0) / GiB:.1f} GiB of host memory beside the store, the gradient "
+            "rings and the job's processes")
+
+
 def _host_room_note(work: Workload) -> str:
     """Where the host's memory limited the offloaded layers: how many it has room for, and what frees more."""
-    cap = work.host_offload_cap("fp32")
-    if work.host_room is None or cap >= work.model.num_layers:
+    if not _host_limits_offload(work):
         return ""
-    return (f". The host has room to keep the inputs of {max(cap, 0)} of {work.model.num_layers} offloaded "
-            f"layers ({max(work.host_room.free_bytes, 0) / GiB:.1f} GiB of host memory beside the store, the "
-            f"gradient rings and the job's processes): more free host memory (other stores destroyed) lets the "
-            f"plan offload more")
+    return (f". The host has room to keep the inputs of {max(work.host_offload_cap('fp32'), 0)} of "
+            f"{work.model.num_layers} offloaded layers ({_host_room_words(work)}): more free host memory "
+            "(other stores destroyed) lets the plan offload more")
 
 
 def _holding(work: Workload, ch: StepPlan, d: int, budget: int) -> StepPlan | None:
@@ -501,10 +510,9 @@ def _plan(work: Workload, budget_bytes: int, calib: Calibration, allowed: dict[s
             + (f"; the fastest fp32 plan predicts {fp32:.3f} s" if fp32 is not None else
                "; no fp32 plan fits" if weighed_fp32 else "")
         )
-    if _host_room_note(work):
+    if _host_limits_offload(work):
         notes.append(f"offloaded layers: at most {max(work.host_offload_cap(best.delivery), 0)}, what the host has "
-                     f"room for ({work.host_room.free_bytes / GiB:.1f} GiB of host memory beside the store, the "
-                     f"gradient rings and the job's processes)")
+                     f"room for ({_host_room_words(work)})")
     notes.append(_update_rate_note(work, best, calib))
     notes.append(_device_time_note(work, best, calib))
     workspace = _workspace_note(work, best, calib, dict(items)["layer workspace"])
