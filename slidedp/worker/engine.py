@@ -35,6 +35,7 @@ from ..clipping import Verdict
 from .collectives import Group
 from .delivery import GradOut, ParamDelivery, Unit, unit_tensors
 from .device_state import DeviceHeld
+from .host_rows import HostRows
 from .loss import IGNORE_INDEX, norm_head_backward
 from ..model import layers as L
 from ..model.attention import document_rope, single_segment
@@ -94,6 +95,7 @@ class Engine:
         self.scale = 1.0 / global_tokens  # loss = sum of token losses / global token count
         self._rope: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._resident: dict[int, torch.Tensor] = {}
+        self._host_rows: HostRows | None = None  # made at the first batch of a host-held embedding
         if plan.offload_layers > cfg.num_layers:
             raise ValueError(f"offload_layers ({plan.offload_layers}) exceeds the model's {cfg.num_layers} layers")
         self.saved = SavedInputs(device, plan.offload_layers)
@@ -181,14 +183,18 @@ class Engine:
             return self.held[name].tensors()[tensor]
         return unit_tensors(self.delivery.fetch(unit, step), unit)[tensor]
 
-    def host_embedding(self, ids: torch.Tensor, version: int) -> list[torch.Tensor]:
-        """The rows of ids [M, m, T] (CPU) gathered from the store's copy of the embedding (as delivered:
-        fp32 master or bf16 shadow) at `version`, on the device in the compute dtype, one per micro-batch."""
+    def host_embedding(self, ids: torch.Tensor, version: int, ids_dev: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """The rows of ids [M, m, T] (CPU; ids_dev: the same on the device) gathered from the store's copy
+        of the embedding (as delivered: fp32 master or bf16 shadow) at `version`, on the device in the
+        compute dtype, one per micro-batch (on CUDA the GPU reads the rows in place: host_rows.py)."""
         unit = self.units["embed"]
         self.link.wait_ready(unit, version)
-        table = unit_tensors(self.source[unit.offset:], unit)["model.embed_tokens.weight"]
+        if self._host_rows is None:
+            table = unit_tensors(self.source[unit.offset:], unit)["model.embed_tokens.weight"]
+            self._host_rows = HostRows(table, self.device, self.dtype)
+        table = self._host_rows.table
         self.delivery.h2d_bytes += ids.numel() * table.shape[1] * table.element_size()
-        return [L.embed(table, ids[i]).to(self.device, self.dtype) for i in range(ids.shape[0])]
+        return [self._host_rows.rows(ids[i], None if ids_dev is None else ids_dev[i]) for i in range(ids.shape[0])]
 
     def _send(self, chunk: Chunk, grad: torch.Tensor, step: int) -> None:
         for landed in self.grads.landed():
@@ -235,7 +241,7 @@ class Engine:
                 embed_w = self._weight("embed", step)
                 xs = [L.embed(embed_w, ids_dev[i]) for i in range(M)]
             else:  # gather only the batch's rows from the host copy
-                xs = self.host_embedding(ids, step)
+                xs = self.host_embedding(ids, step, ids_dev)
             if self._fetched(0, backward=False):
                 self.delivery.prefetch(self.units["layer.0"], step)
             self.saved.start(step, (M, m, T, H), self.dtype)
