@@ -117,9 +117,9 @@ class DryRun:
         with self.check("model"):
             cfg = model_config(self.job)
             if m.source == "hf":
-                from slidedp.model import hf
+                from slidedp.model import hf_folder
 
-                hf.check_folder(m.path, cfg)
+                hf_folder.check_folder(m.path, cfg)
             self.cfg, self.layout = cfg, make_layout(cfg)
             what = f"random:{m.shape}" if m.source == "random" else m.path
             self.say("model", f"{what}: {cfg.family}, {cfg.num_layers} layers, vocabulary {cfg.vocab_size:,}, "

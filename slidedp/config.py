@@ -588,6 +588,6 @@ def model_config(job: JobConfig) -> "ModelConfig":
     """The model shape: a named shape (vocab overridden) for "random", config.json for "hf"."""
     if job.model.source == "random":
         return named_shape(job.model.shape, job.model.vocab_size or None)
-    from slidedp.model import hf  # lazy: pulls in safetensors and file handling
+    from slidedp.model import hf_folder  # lazy: the folder's file handling (no torch: the launcher reads it)
 
-    return hf.read_config(job.model.path)
+    return hf_folder.read_config(job.model.path)

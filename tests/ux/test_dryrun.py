@@ -6,6 +6,8 @@ import io
 import json
 import os
 import shutil
+import subprocess
+import sys
 from collections import namedtuple
 from pathlib import Path
 
@@ -170,6 +172,28 @@ def test_hf_folder_good_and_mismatched(tmp_path):
     assert p == (f"{folder / hf.SINGLE_FILE}: tensor 'model.layers.0.mlp.gate_proj.weight' has shape (128, 64); "
                  "the config expects (136, 64)")
     assert "data       not checked: it needs the model's vocabulary" in text
+
+
+def test_the_dry_run_of_a_hugging_face_job_needs_no_torch(tmp_path):
+    """The launcher reads the folder's config and headers without torch (model/hf_folder.py): importing it
+    costs seconds on every job's path, before any daemon starts. A fresh interpreter shows what loads."""
+    folder = hf_folder(tmp_path)
+    script = (
+        "import io, sys\n"
+        "from slidedp.config import load_job\n"
+        "from slidedp.launch import dryrun\n"
+        f"job = load_job({str(TINY)!r}, ['store.name=\"{unique_store('drytorch')}\"', 'run.dir=\"{tmp_path / 'run'}\"', "
+        f"'model.source=\"hf\"', 'model.path=\"{folder}\"', 'model.vocab_size=0'])\n"
+        "out = io.StringIO()\n"
+        f"rc = dryrun.dry_run(job, {str(TINY)!r}, out)\n"
+        "print(rc, 'torch' in sys.modules)\n"
+        "print(out.getvalue())\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    first, _, report = done.stdout.partition("\n")
+    assert first == "0 False", done.stdout
+    assert f"model      {folder}: qwen3, 2 layers, vocabulary 512" in report
 
 
 def test_store_too_big_for_shared_memory(tmp_path, monkeypatch):

@@ -1,0 +1,177 @@
+"""A Hugging Face checkpoint folder read without torch: config.json and the safetensors headers.
+
+What the launcher, the dry run and the host-state daemon need before any tensor is read: the
+model's shape, and where each tensor's bytes are, every lie a file can tell (truncation, a shape
+that does not match its byte range, a missing shard) an error naming the file and the tensor.
+Reading and writing tensors is hf.py's (it imports torch).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from slidedp.model.config import _ARCHITECTURES, FAMILIES, ModelConfig, ModelConfigError
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+_MAX_HEADER = 100 * 2**20  # a header larger than this is corruption, not a model
+
+# safetensors dtype tag -> bytes per element
+ELEMENT_BYTES: dict[str, int] = {
+    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
+    "F8_E4M3": 1, "F8_E5M2": 1,
+}
+FLOAT_TAGS = ("F64", "F32", "F16", "BF16")
+
+
+class CheckpointError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    file: str  # file name inside the checkpoint folder
+    dtype: str  # safetensors tag, e.g. "BF16"
+    shape: tuple[int, ...]
+    start: int  # absolute byte offset of the data in the file
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+
+def _require_folder(folder: Path) -> None:
+    if not folder.exists():
+        raise CheckpointError(f"checkpoint folder {folder} does not exist")
+    if not folder.is_dir():
+        raise CheckpointError(f"checkpoint path {folder} is not a folder")
+
+
+def read_config(folder) -> ModelConfig:
+    folder = Path(folder)
+    _require_folder(folder)
+    path = folder / "config.json"
+    if not path.is_file():
+        raise CheckpointError(f"{folder} has no config.json (a Hugging Face checkpoint folder needs one)")
+    try:
+        hf = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(hf, dict):
+        raise CheckpointError(f"{path} must hold a JSON object, got {type(hf).__name__}")
+    archs = hf.get("architectures") or []
+    supported = tuple(_ARCHITECTURES.values())
+    if hf.get("model_type") not in FAMILIES or any(a not in supported for a in archs):
+        raise CheckpointError(
+            f"{path}: architecture {', '.join(map(str, archs)) or '(none given)'} (model_type "
+            f"{hf.get('model_type')!r}) is not supported; supported: {', '.join(supported)}"
+        )
+    try:
+        return ModelConfig.from_hf(hf)
+    except (ModelConfigError, TypeError, ValueError) as e:
+        raise CheckpointError(f"{path}: {e}") from None
+
+
+def _read_header(folder: Path, fname: str) -> dict[str, TensorInfo]:
+    path = folder / fname
+    if not path.is_file():
+        raise CheckpointError(f"{path} is missing")
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        n = int.from_bytes(raw, "little") if len(raw) == 8 else -1
+        if n < 0 or n > size - 8 or n > _MAX_HEADER:
+            raise CheckpointError(f"{path} is truncated or not a safetensors file ({size} bytes, header length {n})")
+        try:
+            header = json.loads(f.read(n))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"{path}: the safetensors header is not valid JSON: {e}") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: the safetensors header is not a JSON object")
+    base = 8 + n
+    out: dict[str, TensorInfo] = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            tag, shape, (b, e) = entry["dtype"], tuple(int(s) for s in entry["shape"]), entry["data_offsets"]
+            b, e = int(b), int(e)
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointError(f"{path}: malformed header entry for tensor {name!r}: {entry!r}") from None
+        if tag not in ELEMENT_BYTES:
+            raise CheckpointError(f"{path}: tensor {name!r} has unknown dtype {tag!r}")
+        numel = 1
+        for s in shape:
+            numel *= s
+        need = numel * ELEMENT_BYTES[tag]
+        if min(shape, default=0) < 0 or b < 0 or e - b != need:
+            raise CheckpointError(
+                f"{path}: the header of tensor {name!r} is inconsistent: dtype {tag} x shape {list(shape)} = "
+                f"{need} bytes, but data_offsets [{b}, {e}] span {e - b} bytes"
+            )
+        if base + e > size:
+            raise CheckpointError(
+                f"{path} is truncated: tensor {name!r} needs bytes up to {base + e} but the file has {size} bytes"
+            )
+        out[name] = TensorInfo(fname, tag, shape, base + b, base + e)
+    return out
+
+
+def tensor_index(folder) -> dict[str, TensorInfo]:
+    """Every tensor of the checkpoint: name -> where its bytes are, from the safetensors headers."""
+    folder = Path(folder)
+    _require_folder(folder)
+    index_path = folder / INDEX_FILE
+    if index_path.is_file():
+        try:
+            weight_map = json.loads(index_path.read_text())["weight_map"]
+            if not isinstance(weight_map, dict):
+                raise TypeError
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
+            raise CheckpointError(f"{index_path} is not valid JSON with a 'weight_map' object") from None
+        out: dict[str, TensorInfo] = {}
+        for fname in sorted(set(weight_map.values())):
+            if not isinstance(fname, str) or Path(fname).name != fname:
+                raise CheckpointError(f"{index_path} names the shard {fname!r}, which is not a file in the folder")
+            for name, info in _read_header(folder, fname).items():
+                if name in out:
+                    raise CheckpointError(f"{folder}: tensor {name!r} is in both {out[name].file} and {fname}")
+                out[name] = info
+        for name, fname in weight_map.items():
+            if name not in out or out[name].file != fname:
+                raise CheckpointError(f"{index_path} maps {name!r} to {fname}, but {fname} has no such tensor")
+        return out
+    if (folder / SINGLE_FILE).is_file():
+        return _read_header(folder, SINGLE_FILE)
+    hint = " (PyTorch .bin weights are not supported: save as safetensors)" if any(folder.glob("*.bin")) else ""
+    raise CheckpointError(f"{folder} has neither {SINGLE_FILE} nor {INDEX_FILE}{hint}")
+
+
+def check_folder(folder, cfg: ModelConfig) -> None:
+    """Every tensor `cfg` needs is present with its shape in a float dtype, and nothing unexpected is."""
+    folder = Path(folder)
+    index = tensor_index(folder)
+    expected = dict(cfg.parameter_shapes())
+    missing = [n for n in expected if n not in index]
+    if missing:
+        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        raise CheckpointError(f"{folder} is missing {len(missing)} tensor(s) the config needs: "
+                              f"{', '.join(missing[:5])}{more}")
+    if cfg.tie_word_embeddings and "lm_head.weight" in index:  # a redundant copy of the tied head
+        expected = {**expected, "lm_head.weight": expected["model.embed_tokens.weight"]}
+    for name, shape in expected.items():
+        info = index[name]
+        if info.shape != shape:
+            raise CheckpointError(f"{folder / info.file}: tensor {name!r} has shape {info.shape}; "
+                                  f"the config expects {shape}")
+        if info.dtype not in FLOAT_TAGS:
+            raise CheckpointError(f"{folder / info.file}: tensor {name!r} has dtype {info.dtype}; "
+                                  f"expected one of {', '.join(FLOAT_TAGS)}")
+    extra = [n for n in index if n not in expected and not n.endswith("rotary_emb.inv_freq")]
+    if extra:
+        more = f" and {len(extra) - 5} more" if len(extra) > 5 else ""
+        raise CheckpointError(f"{folder} has {len(extra)} tensor(s) a {cfg.family} model of this config does "
+                              f"not have: {', '.join(extra[:5])}{more}")
