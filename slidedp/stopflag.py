@@ -2,14 +2,16 @@
 
 A signal handler only sets the flag, so whatever a process has in hand (a request, an update,
 a step) finishes before it stops. The signal also writes a byte to the flag's wake pipe, so a
-loop that waits on it beside its socket (daemons/loop.py `poll_or_stop`) stops at once instead of
-at the end of its wait.
+loop that waits on it beside its socket (daemons/loop.py `poll_or_stop`), or without one
+(`StopFlag.sleep`), stops at once instead of at the end of its wait.
 """
 
 from __future__ import annotations
 
 import os
+import select
 import signal
+import time
 
 
 class StopFlag:
@@ -26,6 +28,16 @@ class StopFlag:
                 pass
         except (BlockingIOError, OSError):
             pass
+
+    def sleep(self, timeout_s: float) -> bool:
+        """Wait up to timeout_s, less if a signal arrives (its byte is drained); whether one did."""
+        if self.wake_fd < 0:
+            time.sleep(timeout_s)
+            return False
+        woken = bool(select.select([self.wake_fd], [], [], timeout_s)[0])
+        if woken:
+            self.drain()
+        return woken
 
     def set(self, *_: object) -> None:
         self.requested = True

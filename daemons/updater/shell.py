@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import select
 import signal
-import time
 
 from slidedp import daemonlock
 from slidedp import log as slog
@@ -76,10 +74,7 @@ def _run(args: argparse.Namespace) -> int:
         return dead is not None
 
     def nap() -> bool:  # no socket: the members' exits are polled (a stop's signal ends the nap)
-        if stop.wake_fd < 0:
-            time.sleep(0.2)
-        elif select.select([stop.wake_fd], [], [], 0.2)[0]:
-            stop.drain()
+        stop.sleep(0.2)
         return True
 
     serve_loop(stop, nap, check)

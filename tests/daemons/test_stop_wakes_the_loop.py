@@ -1,5 +1,6 @@
 """A daemon's wait ends at its stop signal: the signal's byte in the stop flag's wake pipe ends the poll
-(`poll_or_stop`), so a stop is not held up by the rest of the wait. Real signals to this process, a real
+(`poll_or_stop`) or the socketless nap (`StopFlag.sleep`, the updater pool's), so a stop is not held up by
+the rest of the wait. Real signals to this process, a real
 ZeroMQ socket; what proves the wake path is the pipe found and emptied, not how long the call took (a
 poll that missed it would wait out its minute and leave the byte in the pipe)."""
 
@@ -63,3 +64,11 @@ def test_a_message_is_still_reported_and_the_flag_left_alone(flag_and_socket):
     assert pull.recv() == b"x" and not stop.requested
     # a zero timeout is a plain poll (the member's turn with work in hand)
     assert poll_or_stop(pull, stop, 0) is False
+
+
+def test_a_signal_ends_a_socketless_sleep(flag_and_socket):
+    stop, _, _ = flag_and_socket
+    assert stop.sleep(0) is False and not stop.requested  # nothing arrived: a plain (zero) wait
+    os.kill(os.getpid(), signal.SIGUSR1)
+    assert stop.sleep(MINUTE_MS / 1000) is True  # the signal ended the minute
+    assert stop.requested and _pipe_is_empty(stop.wake_fd)
