@@ -71,8 +71,13 @@ def test_cpu_smoke_run_prints_one_table_and_writes_json_markdown_and_plot(tmp_pa
     assert row["max_grad_norm"] == 1.0 and "clip 1" in row["config"]
     assert "--max-grad-norm 1" in row["command"]
     assert doc["rows"][1]["vs_resident"] == pytest.approx(doc["rows"][1]["tokens_per_s"] / row["tokens_per_s"])
-    # both peers trained the same weights (the exact init on CPU) on the same batch with the same clipping
-    assert doc["rows"][1]["losses"] == pytest.approx(row["losses"], rel=1e-5)
+    # both peers trained the same weights (the exact init on CPU) on the same batch with the same clipping. Their
+    # bf16 matmuls are fused differently, and the first AdamW step moves each weight by about lr * sign(grad), so
+    # rounding in near-zero gradients moves the second loss: 1.3e-6 and 1.1e-5 relative on a host with AMX. 5e-5
+    # (3e-4 absolute) is an eighth of the one step's loss change (2.6e-3): another lr or no step would miss it.
+    eager, limit = doc["rows"][1]["losses"], row["losses"]
+    assert eager[0] == pytest.approx(limit[0], rel=1e-5)
+    assert eager[1] == pytest.approx(limit[1], rel=5e-5) and limit[1] < limit[0] - 1e-3
     assert doc["rows"][2]["status"] == "skipped: deepspeed needs CUDA" and doc["rows"][2]["vs_resident"] is None
     assert doc["rows"][3]["source"].startswith("Yang and Wen") and doc["rows"][3]["shape"] == "tiny"
     assert (tmp_path / "smoke.logs" / "gpu_resident.log").is_file()
