@@ -61,7 +61,7 @@ RETIRED_FIELDS = ("gpu_train_factors", "gpu_train_model_params")
 # AdamW rate beside the copies (measured on CUDA only), and host memory (a cache file from before it)
 _MAY_BE_ZERO = frozenset(LEARNED_FIELDS) | {"h2d_total_gbps", "adamw_beside_copies_params_per_s",
                                             "adamw_beside_copies_gpus", "host_read_gbps", "host_write_gbps",
-                                            "host_copy_gbps"}
+                                            "host_copy_gbps", "embedding_rows_gbps"}
 
 
 @dataclass(frozen=True)
@@ -113,6 +113,11 @@ class Calibration:
     host_write_gbps: float = 0.0
     host_copy_gbps: float = 0.0
     host_node_copy_gbps: str = ""  # each node's copy rate, "44.1,40.3", where there are several
+    # a host-held embedding's batch rows reaching the GPU as a worker gathers them (measure.embedding_rows_rate),
+    # GB/s of the fp32 table: "device" (the GPU reads them in place through the store's mapping) or "cpu" (no
+    # mapping: the rank's CPU threads gather them, the GPU waiting). 0 / "": not measured (CPU workers)
+    embedding_rows_gbps: float = 0.0
+    embedding_rows_gather: str = ""
     # the GPU blocks measured at plan time for the job's shape (measure.py); kept in their own cache file
     blocks: MeasuredBlocks | None = None
 
@@ -143,6 +148,13 @@ class Calibration:
         rates = self.host_rates_gbps
         return max(rates.values()) if rates else 0.0
 
+    @property
+    def embedding_rows_how(self) -> str:
+        """How a host-held embedding's rows reach the GPU on this host, in words."""
+        return {"device": "read by the GPU in place through the store's mapping",
+                "cpu": "gathered on the CPU: the store's memory is not mapped for the GPU"}.get(
+                    self.embedding_rows_gather, "not measured")
+
     def to_dict(self) -> dict[str, Any]:
         """The calibration's figures (the blocks travel apart: `blocks.to_dict()`)."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "blocks"}
@@ -172,6 +184,8 @@ class Calibration:
             f"({self.adamw_threads} threads"
             + (f"; {self.adamw_beside_copies_params_per_s / 1e9:.2f} beside copies" if self.adamw_beside_copies_params_per_s else "")
             + f"); reduce {self.reduce_gbps:.1f} GB/s; "
+            + (f"embedding rows {self.embedding_rows_gbps:.1f} GB/s ({self.embedding_rows_how}); "
+               if self.embedding_rows_gbps else "")
             + (f"GPU blocks measured for this shape ({len(self.blocks.layers)} layer and {len(self.blocks.losses)} "
                f"loss sizes)" if self.blocks else f"GPU {self.device_tflops:.1f} TFLOP/s effective")
             + (f"; GPU links {self.allreduce_gbps:.0f} GB/s among {self.bus_gpus}, H2D of all "
@@ -305,7 +319,7 @@ def _cpu_rates(quick: bool) -> tuple[float, float]:
 # (docs/tuning.md, "A fresh machine's first minute"). Something running beside a probe lowers a
 # rate and nothing raises it, so each field keeps the better of its measurements.
 HOST_RATE_FIELDS = ("adamw_params_per_s", "reduce_gbps", "host_read_gbps", "host_write_gbps", "host_copy_gbps",
-                    "adamw_beside_copies_params_per_s", "h2d_gbps", "d2h_gbps", "bidir_gbps")
+                    "adamw_beside_copies_params_per_s", "h2d_gbps", "d2h_gbps", "bidir_gbps", "embedding_rows_gbps")
 
 
 def host_rates(device: str, threads: int, gpus: int, quick: bool = False) -> dict[str, Any]:
@@ -317,7 +331,16 @@ def host_rates(device: str, threads: int, gpus: int, quick: bool = False) -> dic
 
         rates.update(_pcie_rates(device, quick))
         rates["adamw_beside_copies_params_per_s"] = adamw_beside_copies(threads, device, gpus)
+        rates.update(embedding_rows_fields(device, quick))
     return rates
+
+
+def embedding_rows_fields(device: str, quick: bool = False) -> dict[str, Any]:
+    """How and how fast a host-held embedding's rows reach the GPU, measured now (measure.embedding_rows_rate)."""
+    from slidedp.planner.measure import embedding_rows_rate
+
+    where, rate = embedding_rows_rate(device, quick)
+    return {"embedding_rows_gather": where, "embedding_rows_gbps": rate / 1e9}
 
 
 def remeasure_host(device: str = "cuda", cache_dir: str | os.PathLike | None = None, quick: bool = False,
@@ -333,6 +356,8 @@ def remeasure_host(device: str = "cuda", cache_dir: str | os.PathLike | None = N
         better = {f: float(again[f]) for f in HOST_RATE_FIELDS if again.get(f, 0) > getattr(calib, f)}
         if "host_copy_gbps" in better:  # the nodes' rates go with the copy rate they add up to
             better["host_node_copy_gbps"] = str(again.get("host_node_copy_gbps", ""))
+        if "embedding_rows_gbps" in better:  # and the way the rows were gathered with their rate
+            better["embedding_rows_gather"] = str(again.get("embedding_rows_gather", ""))
         changes = [f"{f} {getattr(calib, f):.4g} -> {again[f]:.4g}" for f in HOST_RATE_FIELDS if f in again]
         _log.info("measured the host again after the blocks (each keeps the better): %s", "; ".join(changes))
         if better:
@@ -413,7 +438,7 @@ def _calibrate(device: str, quick: bool) -> Calibration:
         **pcie, adamw_params_per_s=adamw, adamw_threads=torch.get_num_threads(), reduce_gbps=reduce_gbps,
         device_tflops=matmul * LAYER_EFFICIENCY,
         device_mem_bytes=int(torch.cuda.get_device_properties(dev).total_memory),
-        device_adamw_params_per_s=device_adamw,
+        device_adamw_params_per_s=device_adamw, **embedding_rows_fields(device, quick),
     )
 
 
@@ -653,6 +678,11 @@ def load_or_calibrate(
             calib = dataclasses.replace(calib, **host_memory_fields(quick))
             _log.info("measured this host's memory: copy %.1f GB/s (read %.1f, write %.1f)", calib.host_copy_gbps,
                       calib.host_read_gbps, calib.host_write_gbps)
+            changed = True
+        if device.startswith("cuda") and not calib.embedding_rows_gbps:  # a cache file from before it
+            calib = dataclasses.replace(calib, **embedding_rows_fields(device, quick))
+            _log.info("a host-held embedding's rows reach the GPU at %.1f GB/s (%s)", calib.embedding_rows_gbps,
+                      calib.embedding_rows_how)
             changed = True
         if device.startswith("cuda") and calib.adamw_beside_copies_gpus < gpus:
             from slidedp.planner.measure import adamw_beside_copies

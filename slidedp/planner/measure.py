@@ -15,7 +15,8 @@ them; a plan that weighs a size not measured yet measures only that size.
 
 `adamw_beside_copies` measures the updaters' rate in training: the fused CPU AdamW on the updater's
 threads while pinned H2D and D2H copies run on every GPU of the job (the DMA shares host memory
-with it), which calibration.load_or_calibrate keeps with the calibration.
+with it), and `embedding_rows_rate` how a host-held embedding's rows reach the GPU; both are kept
+with the calibration (calibration.load_or_calibrate).
 
 No torch at import: the planner's arithmetic runs anywhere; measuring imports it.
 """
@@ -369,6 +370,40 @@ def adamw_beside_copies(threads: int, device: str = "cuda", gpus: int = 1, param
     if errors:
         raise MeasureError(f"the copies beside the AdamW measurement failed: {errors[0]}") from errors[0]
     return params / seconds
+
+
+def embedding_rows_rate(device: str = "cuda", quick: bool = False, repeat: int = 5) -> tuple[str, float]:
+    """How a GPU rank gets a batch's rows of a host-held embedding to the GPU, and how fast (bytes of
+    the fp32 table per second): through the worker's own HostRows, on a table registered as a worker
+    registers the store. Where the driver maps that memory for the GPU, the GPU reads the rows in
+    place ("device"); else the rank's RANK_THREADS CPU threads gather them and copy them from pageable
+    memory ("cpu"), the GPU waiting. Random ids over a 512 MiB table: a batch's tokens touch rows all
+    over a vocabulary's table, far past the host's caches."""
+    import torch
+
+    from slidedp.worker.host_rows import RANK_THREADS, HostRows
+    from slidedp.worker.hostmem import HostRegisterError, Registration
+
+    dev = torch.device(device)
+    rows_n, hidden, tokens = (8192, 1024, 2048) if quick else (32768, 4096, 16384)
+    table = torch.randn(rows_n, hidden)
+    ids = torch.randint(0, rows_n, (tokens,))
+    registration = Registration()
+    before = torch.get_num_threads()
+    try:
+        try:
+            registration.register(table, "the calibration's embedding table")
+        except HostRegisterError as e:  # the workers will say so too; the unmapped way is measured
+            _log.warning("%s", e)
+        torch.set_num_threads(RANK_THREADS)
+        gather = HostRows(table, dev, torch.bfloat16)
+        ids_dev = ids.to(dev)
+        sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
+        seconds = timed(lambda: gather.rows(ids, ids_dev), sync, max(1, repeat), warmup=1)
+    finally:
+        torch.set_num_threads(before)
+        registration.unregister()
+    return ("device" if gather.on_device else "cpu"), tokens * hidden * 4 / seconds
 
 
 # --------------------------------------------------------------------------------------

@@ -4,8 +4,9 @@ The model replays one rank's schedule (docs/pipeline.md, "The step on one rank")
 simulation over five resources, each a FIFO server:
 
   h2d     the copy-in stream: parameter chunks (prefetched `prefetch_depth` chunks ahead),
-          embedding rows, offloaded activations
-  gpu     compute: forward, loss, recompute + backward, the device AdamW of a device-held embedding
+          offloaded activations
+  gpu     compute: forward, loss, recompute + backward, the device AdamW of a device-held embedding,
+          and the batch's rows of a host-held embedding (the forward waits for them: `embedding_rows_s`)
   d2h     the copy-out stream: fp32 chunk gradients, offloaded activations
   reduce  the aggregator summing the ranks' gradients of a chunk (nothing to do with one rank)
   update  the updater pool: K processes running the fused CPU AdamW, one chunk at a time each
@@ -125,7 +126,7 @@ def _tasks(work: Workload, ch: StepPlan, calib: Calibration) -> list[_Task]:
     tasks: list[_Task] = []
     # ---- forward
     if host_emb:
-        tasks.append(_Task("embedding rows", h2d_s=tokens * h * db / fwd_in, gate=("embedding:next",)))
+        tasks.append(_Task("embedding rows", device_s=embedding_rows_s(work, ch, calib), gate=("embedding:next",)))
     for c in range(nl):
         tasks.append(_Task(
             f"layer {c} fwd", h2d_s=params_in(p_layer, fwd_in) if c >= held else 0.0, device_s=g_fwd,
@@ -172,6 +173,15 @@ def _tasks(work: Workload, ch: StepPlan, calib: Calibration) -> list[_Task]:
         tasks.append(_Task("device-held AdamW (GPU)", device_s=device_held / calib.device_adamw_params_per_s + allreduce,
                            clip_gated=True))
     return tasks
+
+
+def embedding_rows_s(work: Workload, ch: StepPlan, calib: Calibration) -> float:
+    """Seconds per step of the batch's rows of a host-held embedding reaching the GPU, at the rate the
+    calibration measured gathering them as a worker does (Calibration.embedding_rows_gbps; per byte of
+    the table as delivered), or, not measured, at the copy-in rate. Charged on the GPU either way: the
+    GPU reads the rows itself on its compute stream, or (no mapping) waits while the CPU gathers them."""
+    rate = calib.embedding_rows_gbps * 1e9 or _rates(calib, both=False, ranks=work.world)[0]
+    return work.local_tokens * work.model.hidden_size * costs.delivery_bytes(ch.delivery) / rate
 
 
 def micro_batch_of(work: Workload, ch: StepPlan) -> int:

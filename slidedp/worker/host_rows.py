@@ -20,6 +20,9 @@ import torch.nn.functional as F
 log = logging.getLogger(__name__)
 
 GATHER_PIECE_BYTES = 32 << 20  # fp32 rows gathered per piece before their cast: the piece's device buffer
+# A GPU rank's CPU threads (worker/shell.py): it launches kernels and, without a mapping, gathers the
+# rows; few, so that the updaters keep the host's cores
+RANK_THREADS = 2
 
 
 class _Mapped:

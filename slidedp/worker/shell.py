@@ -34,6 +34,7 @@ from ..store.store import HostStore
 from ..transport import connect_dealer, identity, send
 from .collectives import join
 from .core import WorkerCore, needs_group
+from .host_rows import RANK_THREADS
 from .hostmem import Registration
 from .link import LauncherLink, WorkerLink, WorkerStopped
 
@@ -60,7 +61,7 @@ def pin(args: argparse.Namespace, device: torch.device, world: int) -> None:
         os.sched_setaffinity(0, cpus)
         log.info("rank %d runs on CPUs %s%s", args.rank, format_cpulist(cpus), f" (near GPU {bus})" if bus else "")
     cores = len(os.sched_getaffinity(0))
-    torch.set_num_threads(max(1, cores // world) if device.type == "cpu" else min(2, cores))
+    torch.set_num_threads(max(1, cores // world) if device.type == "cpu" else min(RANK_THREADS, cores))
 
 
 def run(args: argparse.Namespace) -> int:

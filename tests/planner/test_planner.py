@@ -155,15 +155,54 @@ def test_toy_prediction_embedding_on_host():
     need_u = 64 * 64 / 1e5  # the next batch's rows (<= 64 distinct tokens), updated first
     rest_u = 256 * 64 * (1 - 64 / 256) / 1e5
     assert busy == pytest.approx({
-        "device": 8 + G_LOSS,
-        "h2d": 4 * H + NORM_IO + rows_in + head_in,
+        "device": 8 + G_LOSS + rows_in,  # the rows' gather holds up the GPU (not measured: at the copy-in rate)
+        "h2d": 4 * H + NORM_IO + head_in,
         "d2h": 2 * H + NORM_IO + head_in,  # the whole embedding gradient comes back
         "reduce": 0.0,
         "update": 2 * U + NORM_U + need_u + rest_u, "host": 0.0,
     }, rel=1e-12)
-    # tail: layer 0 out (H), its update (U), then the needed rows' update, their gather, layer 0's H2D
-    assert step == pytest.approx(8 + G_LOSS + H + U + need_u + rows_in + H, rel=1e-12)
-    assert exposed == pytest.approx(H + U + need_u + rows_in + H, rel=1e-9)
+    # tail: layer 0 out (H), its update (U), then layer 0's H2D; the needed rows' update and their gather
+    # (need_u + rows_in = 0.057 s) fit beside that copy (0.148 s)
+    assert step == pytest.approx(8 + G_LOSS + H + U + H, rel=1e-12)
+    assert exposed == pytest.approx(H + U + H - rows_in, rel=1e-9)
+    # gathered at a measured 1 kB/s instead (a CPU gather, say), the rows outlast the copy and the GPU waits
+    slow = dataclasses.replace(TOY_CAL, embedding_rows_gbps=1e-6, embedding_rows_gather="cpu")
+    busy, _, step = predict_step(toy(), StepPlan(embedding="host"), slow)
+    assert busy["device"] == pytest.approx(8 + G_LOSS + 64 * 64 * 4 / 1e3, rel=1e-12)
+    assert step == pytest.approx(8 + G_LOSS + H + U + need_u + 64 * 64 * 4 / 1e3, rel=1e-12)
+
+
+def test_the_plan_charges_a_host_embeddings_rows_as_this_host_gathers_them():
+    """Qwen3-8B at 24 GiB keeps its embedding on the host: its 8 x 2,048 rows (268 MB of fp32) cost the GPU's
+    time at the rate the calibration measured gathering them, read in place by the GPU or, where the store is
+    not mapped for it, gathered on the CPU while the GPU waits (the plan says which, and what to change)."""
+    work = Workload(named_shape("qwen3-8b"), global_batch=8, seq_len=2048, world=1, micro_batch=2)
+    mapped = dataclasses.replace(REFERENCE_CALIBRATION, embedding_rows_gbps=40.0, embedding_rows_gather="device")
+    unmapped = dataclasses.replace(mapped, embedding_rows_gbps=1.0, embedding_rows_gather="cpu")
+    fast, slow = make_plan(work, 24 * GiB, mapped), make_plan(work, 24 * GiB, unmapped)
+    assert fast.step.embedding == slow.step.embedding == "host"
+    nbytes = 8 * 2048 * 4096 * 4
+
+    def rows_note(plan) -> str:
+        (note,) = [n for n in plan.notes if n.startswith("embedding rows:")]
+        return note
+
+    assert rows_note(fast) == ("embedding rows: 268 MB per step (read by the GPU in place through the store's mapping, "
+                               f"at the measured 40.0 GB/s): {nbytes / 40e9:.3f} s of the GPU's time")
+    assert rows_note(slow).startswith("embedding rows: 268 MB per step (gathered on the CPU: the store's memory is not "
+                                      f"mapped for the GPU, at the measured 1.0 GB/s): {nbytes / 1e9:.3f} s")
+    assert rows_note(slow).endswith('memory.embedding = "device" holds the embedding on the GPU instead, where the '
+                                    'budget allows')
+    # the forward waits for the rows: the slower gather is the slower step by as much
+    assert dict(slow.busy_s)["device"] - dict(fast.busy_s)["device"] == pytest.approx(nbytes / 1e9 - nbytes / 40e9)
+    assert slow.step.predicted_step_s - fast.step.predicted_step_s == pytest.approx(nbytes / 1e9 - nbytes / 40e9,
+                                                                                   rel=1e-3)
+    # not measured (a cache from before): the copy-in rate, and the plan says so
+    old = make_plan(work, 24 * GiB, REFERENCE_CALIBRATION)
+    assert "at the copy-in rate: how this host gathers them was not measured" in rows_note(old)
+    # with the budget for it the embedding stays on the GPU: no rows to gather, no note
+    held = make_plan(work, 60 * GiB, unmapped)
+    assert held.step.embedding == "device" and not [n for n in held.notes if n.startswith("embedding rows:")]
 
 
 def test_a_step_under_the_clipping_threshold_keeps_the_overlap():
@@ -266,7 +305,9 @@ def test_busy_matches_transfer_formula():
                 busy, _, step = predict_step(work, ch, cal)
                 b = costs.transfer_bytes(work.model, tokens=work.local_tokens, delivery="fp32", activations=act,
                                          embedding=emb, resident_layers=k)
-                assert busy["h2d"] == pytest.approx(b["h2d"] / 55e9, rel=1e-12)
+                # the batch's rows of a host-held embedding cross PCIe too, read by the GPU itself (on its clock)
+                rows = work.local_tokens * work.model.hidden_size * 4 if emb == "host" else 0
+                assert busy["h2d"] == pytest.approx((b["h2d"] - rows) / 55e9, rel=1e-12)
                 assert busy["d2h"] == pytest.approx(b["d2h"] / 55e9, rel=1e-12)
                 assert step >= max(busy.values()) * (1 - 1e-12)
 
@@ -582,8 +623,18 @@ def test_the_cuda_calibration_measures_links_once_and_keeps_what_runs_measured(t
         return 1e9 * gpus  # params/s: the GPUs that copied beside it, for the check below
 
     monkeypatch.setattr(measure_mod, "adamw_beside_copies", fake_adamw)
+    calls["rows"] = 0
+
+    def fake_rows(device, quick=False):
+        calls["rows"] += 1
+        return "device", 37.5e9
+
+    monkeypatch.setattr(measure_mod, "embedding_rows_rate", fake_rows)
     one = load_or_calibrate("cuda", cache_dir=tmp_path)
-    assert calls == {"calibrate": 1, "links": 0, "adamw": 1} and one.bus_gpus == 1
+    # the fake calibration lacks the embedding's rows (as a cache file from before them): measured once, kept
+    assert calls == {"calibrate": 1, "links": 0, "adamw": 1, "rows": 1} and one.bus_gpus == 1
+    assert (one.embedding_rows_gather, one.embedding_rows_gbps) == ("device", 37.5)
+    assert "embedding rows 37.5 GB/s (read by the GPU in place through the store's mapping)" in one.summary()
     assert (one.adamw_beside_copies_params_per_s, one.adamw_beside_copies_gpus) == (1e9, 1)
     # charged: the larger of the probe's rate (its copies never pause) and 0.6 x the bare kernel's
     assert one.update_params_per_s(123) == pytest.approx(0.6 * one.adamw_params_per_s) == 2.64e9
@@ -591,14 +642,14 @@ def test_the_cuda_calibration_measures_links_once_and_keeps_what_runs_measured(t
     assert one.at_lowest_share(123) is None  # measured: no guess to guard
     calibration_mod.record_training(one, tmp_path, adamw_train_params_per_s=3e9, adamw_train_model_params=5)
     two = load_or_calibrate("cuda", cache_dir=tmp_path, gpus=2, model_params=5)
-    assert calls == {"calibrate": 1, "links": 1, "adamw": 2}  # again, with both GPUs copying
+    assert calls == {"calibrate": 1, "links": 1, "adamw": 2, "rows": 1}  # again, with both GPUs copying
     assert two.adamw_beside_copies_params_per_s == 2e9
     assert two.update_params_per_s(5) == 3e9  # what a run of the model measured comes first
     assert (two.bus_gpus, two.allreduce_gbps, two.h2d_total_gbps, two.adamw_train_params_per_s) == (2, 240.0, 109.0, 3e9)
     path = calibration_mod.cache_path("cuda", tmp_path)
     before = path.read_text()
     assert load_or_calibrate("cuda", cache_dir=tmp_path, gpus=4, model_params=5) == two  # 2 visible: nothing new
-    assert calls == {"calibrate": 1, "links": 1, "adamw": 2} and path.read_text() == before
+    assert calls == {"calibrate": 1, "links": 1, "adamw": 2, "rows": 1} and path.read_text() == before
 
 
 def test_cpu_calibration_round_trips_through_the_json_cache(tmp_path, monkeypatch):

@@ -115,3 +115,37 @@ def test_the_gpu_reads_the_rows_in_place_from_the_registered_store(store, monkey
     finally:
         torch.cuda.synchronize()
         reg.unregister()
+
+
+def test_the_calibration_times_the_cpu_gather_on_a_ranks_threads_where_nothing_is_mapped(monkeypatch):
+    """No device mapping (a CPU device here): the calibration's probe times the CPU's gather, on a GPU rank's
+    RANK_THREADS threads, and gives the caller its thread count back."""
+    from slidedp.planner.measure import embedding_rows_rate
+
+    seen = []
+    real_rows = HostRows.rows
+
+    def rows(self, ids, ids_dev=None):
+        seen.append((torch.get_num_threads(), self.on_device, ids.numel()))
+        return real_rows(self, ids, ids_dev)
+
+    monkeypatch.setattr(HostRows, "rows", rows)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1 if before != 1 else 2)
+    try:
+        threads = torch.get_num_threads()
+        where, rate = embedding_rows_rate("cpu", quick=True, repeat=2)
+        assert torch.get_num_threads() == threads
+    finally:
+        torch.set_num_threads(before)
+    assert where == "cpu" and rate > 0
+    assert seen == [(host_rows.RANK_THREADS, False, 2048)] * 3  # one warm-up, two timed
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_calibration_times_the_gpu_reading_the_rows_in_place():
+    from slidedp.planner.measure import embedding_rows_rate
+
+    where, rate = embedding_rows_rate("cuda", quick=True, repeat=2)
+    assert where == "device" and rate > 0  # the worker's mapping is what was timed, not the CPU's gather
