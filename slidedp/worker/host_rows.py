@@ -47,15 +47,26 @@ def _device_pointer(host_pointer: int) -> int | None:
     return pointer.value
 
 
+def device_of(device: torch.device) -> torch.device:
+    """`device` with its index: "cuda" is the current CUDA device (a tensor's device always has one)."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def mapped_view(host: torch.Tensor, device: torch.device) -> torch.Tensor | None:
     """A tensor on `device` aliasing the registered host tensor `host` (contiguous), or None where the
     memory is not mapped for the device. Reading it reads host memory over PCIe; nothing is copied."""
     if device.type != "cuda" or not host.is_contiguous() or host.numel() == 0:
         return None
+    device = device_of(device)
     pointer = _device_pointer(host.data_ptr())
     if pointer is None:
         return None
     nbytes = host.numel() * host.element_size()
+    # the store is registered in pieces (hostmem.py): one alias needs the whole range mapped as one
+    if _device_pointer(host.data_ptr() + nbytes - 1) != pointer + nbytes - 1:
+        return None
     try:
         raw = torch.as_tensor(_Mapped(pointer, nbytes), device=device)
     except (RuntimeError, TypeError, ValueError):
@@ -72,6 +83,7 @@ class HostRows:
     whichever the plan delivers)."""
 
     def __init__(self, table: torch.Tensor, device: torch.device, dtype: torch.dtype) -> None:
+        device = device_of(device)
         self.table, self.device, self.dtype = table, device, dtype
         self.mapped = mapped_view(table, device)
         if self.mapped is not None and not self._reads_the_table():
@@ -79,8 +91,8 @@ class HostRows:
                         "store's; gathering them on the CPU instead")
             self.mapped = None
         if device.type == "cuda" and self.mapped is None:
-            log.warning("the embedding's rows are gathered on the CPU: the store's memory is not mapped for %s "
-                        "(no device pointer from the driver); each micro-batch's rows cost CPU time", device)
+            log.warning("the embedding's rows are gathered on the CPU: the driver maps no device range for %s over "
+                        "the whole table in the store; each micro-batch's rows cost CPU time", device)
 
     def _reads_the_table(self) -> bool:
         """Whether rows read through the mapping are the table's (first, middle and last), bit for bit."""
