@@ -339,7 +339,7 @@ def embedding_rows_fields(device: str, quick: bool = False) -> dict[str, Any]:
     """How and how fast a host-held embedding's rows reach the GPU, measured now (measure.embedding_rows_rate)."""
     from slidedp.planner.measure import embedding_rows_rate
 
-    where, rate = embedding_rows_rate(device, quick)
+    where, rate = embedding_rows_rate(device, quick)  # ("", 0.0): not measured; the plan charges the copy-in rate
     return {"embedding_rows_gather": where, "embedding_rows_gbps": rate / 1e9}
 
 
@@ -679,11 +679,12 @@ def load_or_calibrate(
             _log.info("measured this host's memory: copy %.1f GB/s (read %.1f, write %.1f)", calib.host_copy_gbps,
                       calib.host_read_gbps, calib.host_write_gbps)
             changed = True
-        if device.startswith("cuda") and not calib.embedding_rows_gbps:  # a cache file from before it
+        if device.startswith("cuda") and not fresh and not calib.embedding_rows_gbps:  # a cache from before it
             calib = dataclasses.replace(calib, **embedding_rows_fields(device, quick))
-            _log.info("a host-held embedding's rows reach the GPU at %.1f GB/s (%s)", calib.embedding_rows_gbps,
-                      calib.embedding_rows_how)
-            changed = True
+            if calib.embedding_rows_gbps:
+                _log.info("a host-held embedding's rows reach the GPU at %.1f GB/s (%s)", calib.embedding_rows_gbps,
+                          calib.embedding_rows_how)
+                changed = True
         if device.startswith("cuda") and calib.adamw_beside_copies_gpus < gpus:
             from slidedp.planner.measure import adamw_beside_copies
 

@@ -372,13 +372,22 @@ def adamw_beside_copies(threads: int, device: str = "cuda", gpus: int = 1, param
     return params / seconds
 
 
+def lockable_bytes() -> int | None:
+    """This process's locked-memory limit (RLIMIT_MEMLOCK, what cudaHostRegister may pin), None: unlimited."""
+    import resource
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    return None if soft == resource.RLIM_INFINITY else soft
+
+
 def embedding_rows_rate(device: str = "cuda", quick: bool = False, repeat: int = 5) -> tuple[str, float]:
     """How a GPU rank gets a batch's rows of a host-held embedding to the GPU, and how fast (bytes of
     the fp32 table per second): through the worker's own HostRows, on a table registered as a worker
     registers the store. Where the driver maps that memory for the GPU, the GPU reads the rows in
     place ("device"); else the rank's RANK_THREADS CPU threads gather them and copy them from pageable
     memory ("cpu"), the GPU waiting. Random ids over a 512 MiB table: a batch's tokens touch rows all
-    over a vocabulary's table, far past the host's caches."""
+    over a vocabulary's table, far past the host's caches. ("", 0.0): not measured, the table could not
+    be registered (the locked-memory limit: a worker's store could not be either, and the worker says so)."""
     import torch
 
     from slidedp.worker.host_rows import RANK_THREADS, HostRows
@@ -386,6 +395,12 @@ def embedding_rows_rate(device: str = "cuda", quick: bool = False, repeat: int =
 
     dev = torch.device(device)
     rows_n, hidden, tokens = (8192, 1024, 2048) if quick else (32768, 4096, 16384)
+    limit = lockable_bytes()
+    if dev.type == "cuda" and limit is not None and limit < rows_n * hidden * 4:
+        # registering would fail, and a failed cudaHostRegister leaves an error for the next kernel launch
+        _log.warning("the embedding's rows were not measured: the locked-memory limit (%d bytes) is below the "
+                     "probe's table; raise it (`ulimit -l unlimited`, LimitMEMLOCK=infinity)", limit)
+        return "", 0.0
     table = torch.randn(rows_n, hidden)
     ids = torch.randint(0, rows_n, (tokens,))
     registration = Registration()
@@ -393,8 +408,9 @@ def embedding_rows_rate(device: str = "cuda", quick: bool = False, repeat: int =
     try:
         try:
             registration.register(table, "the calibration's embedding table")
-        except HostRegisterError as e:  # the workers will say so too; the unmapped way is measured
-            _log.warning("%s", e)
+        except HostRegisterError as e:  # a worker could not register the store either: nothing to measure
+            _log.warning("the embedding's rows were not measured: %s", e)
+            return "", 0.0
         torch.set_num_threads(RANK_THREADS)
         gather = HostRows(table, dev, torch.bfloat16)
         ids_dev = ids.to(dev)

@@ -631,10 +631,9 @@ def test_the_cuda_calibration_measures_links_once_and_keeps_what_runs_measured(t
 
     monkeypatch.setattr(measure_mod, "embedding_rows_rate", fake_rows)
     one = load_or_calibrate("cuda", cache_dir=tmp_path)
-    # the fake calibration lacks the embedding's rows (as a cache file from before them): measured once, kept
-    assert calls == {"calibrate": 1, "links": 0, "adamw": 1, "rows": 1} and one.bus_gpus == 1
-    assert (one.embedding_rows_gather, one.embedding_rows_gbps) == ("device", 37.5)
-    assert "embedding rows 37.5 GB/s (read by the GPU in place through the store's mapping)" in one.summary()
+    # a fresh calibration measures the embedding's rows itself (this fake one did not: nothing more is measured)
+    assert calls == {"calibrate": 1, "links": 0, "adamw": 1, "rows": 0} and one.bus_gpus == 1
+    assert (one.embedding_rows_gather, one.embedding_rows_gbps) == ("", 0.0)
     assert (one.adamw_beside_copies_params_per_s, one.adamw_beside_copies_gpus) == (1e9, 1)
     # charged: the larger of the probe's rate (its copies never pause) and 0.6 x the bare kernel's
     assert one.update_params_per_s(123) == pytest.approx(0.6 * one.adamw_params_per_s) == 2.64e9
@@ -643,6 +642,9 @@ def test_the_cuda_calibration_measures_links_once_and_keeps_what_runs_measured(t
     calibration_mod.record_training(one, tmp_path, adamw_train_params_per_s=3e9, adamw_train_model_params=5)
     two = load_or_calibrate("cuda", cache_dir=tmp_path, gpus=2, model_params=5)
     assert calls == {"calibrate": 1, "links": 1, "adamw": 2, "rows": 1}  # again, with both GPUs copying
+    # the cache lacked the embedding's rows (as one from before them): measured once, kept
+    assert (two.embedding_rows_gather, two.embedding_rows_gbps) == ("device", 37.5)
+    assert "embedding rows 37.5 GB/s (read by the GPU in place through the store's mapping)" in two.summary()
     assert two.adamw_beside_copies_params_per_s == 2e9
     assert two.update_params_per_s(5) == 3e9  # what a run of the model measured comes first
     assert (two.bus_gpus, two.allreduce_gbps, two.h2d_total_gbps, two.adamw_train_params_per_s) == (2, 240.0, 109.0, 3e9)

@@ -149,3 +149,17 @@ def test_the_calibration_times_the_gpu_reading_the_rows_in_place():
 
     where, rate = embedding_rows_rate("cuda", quick=True, repeat=2)
     assert where == "device" and rate > 0  # the worker's mapping is what was timed, not the CPU's gather
+
+
+def test_a_locked_memory_limit_below_the_probe_leaves_the_rows_unmeasured(monkeypatch, caplog):
+    """cudaHostRegister would fail (and leave an error for the next kernel launch): the probe registers nothing,
+    says which limit to raise, and the calibration records the rows as not measured."""
+    from slidedp.planner import measure
+    from slidedp.planner.calibration import embedding_rows_fields
+
+    monkeypatch.setattr(measure, "lockable_bytes", lambda: 64 << 10)
+    monkeypatch.setattr(Registration, "register", lambda *a, **k: pytest.fail("registered past the limit"))
+    with caplog.at_level("WARNING", logger="slidedp.planner"):
+        assert measure.embedding_rows_rate("cuda") == ("", 0.0)
+        assert embedding_rows_fields("cuda") == {"embedding_rows_gather": "", "embedding_rows_gbps": 0.0}
+    assert "the locked-memory limit (65536 bytes) is below the probe's table; raise it (`ulimit -l unlimited`" in caplog.text
