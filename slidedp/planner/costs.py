@@ -160,7 +160,8 @@ def host_traffic(
     grads = (streamed * p_layer + h) * hosttraffic.FP32 * writers
     if embedding == "host":
         vh = embedding_params(model)
-        fetch += tokens * world * h * fb + vh * fb * readers  # the batch's rows, the head's matrix (tied: the embedding)
+        rows = 0 if model.tie_word_embeddings else tokens * world * h * fb  # tied: gathered from the matrix on the GPU
+        fetch += rows + vh * fb * readers  # the batch's rows, the head's matrix (tied: the embedding)
         grads += (vh + head_params(model)) * hosttraffic.FP32 * writers
     updated = host_updated_params(model, embedding, device_layers)
     return {
@@ -209,7 +210,8 @@ def transfer_bytes(
         d2h += k * act
     if embedding == "host":
         vh = embedding_params(model)
-        h2d += tokens * h * db  # forward gathers only the batch's rows
+        if not model.tie_word_embeddings:  # forward gathers only the batch's rows (tied: from the matrix, below)
+            h2d += tokens * h * db
         h2d += int(vh * db * p_in)  # the head for the loss (tied: the embedding matrix; untied: lm_head)
         d2h += int(vh * GRAD_BYTES * g_out)  # the embedding's (tied: shared) gradient, whole matrix
         d2h += int(head_params(model) * GRAD_BYTES * g_out)  # untied head's gradient

@@ -4,9 +4,9 @@ The model replays one rank's schedule (docs/pipeline.md, "The step on one rank")
 simulation over five resources, each a FIFO server:
 
   h2d     the copy-in stream: parameter chunks (prefetched `prefetch_depth` chunks ahead),
-          offloaded activations
-  gpu     compute: forward, loss, recompute + backward, the device AdamW of a device-held embedding,
-          and the batch's rows of a host-held embedding (the forward waits for them: `embedding_rows_s`)
+          offloaded activations, a host-held embedding: an untied one's batch rows (`embedding_rows_s`),
+          a tied one's whole matrix (the head's too)
+  gpu     compute: forward, loss, recompute + backward, the device AdamW of a device-held embedding
   d2h     the copy-out stream: fp32 chunk gradients, offloaded activations
   reduce  the aggregator summing the ranks' gradients of a chunk (nothing to do with one rank)
   update  the updater pool: K processes running the fused CPU AdamW, one chunk at a time each
@@ -125,28 +125,30 @@ def _tasks(work: Workload, ch: StepPlan, calib: Calibration) -> list[_Task]:
     rows = costs.row_blocks(v, ch.chunk_rows or costs.default_chunk_rows(m))
     tasks: list[_Task] = []
     # ---- forward
-    if host_emb:
-        tasks.append(_Task("embedding rows", device_s=embedding_rows_s(work, ch, calib), gate=("embedding:next",)))
+    if gathers_rows(work, ch):
+        tasks.append(_Task("embedding rows", h2d_s=embedding_rows_s(work, ch, calib), gate=("embedding:next",)))
+    elif host_emb:  # tied: the engine fetches the whole matrix (the head's) once all of it is updated
+        every = ("embedding:next",) + tuple(f"embedding:{j}" for j in range(len(rows)))
+        tasks.append(_Task("embedding in", h2d_s=params_in(v * h, fwd_in), gate=every))
     for c in range(nl):
         tasks.append(_Task(
             f"layer {c} fwd", h2d_s=params_in(p_layer, fwd_in) if c >= held else 0.0, device_s=g_fwd,
             d2h_s=act / fwd_out if c < off else 0.0, gate=(f"layer {c}",) if c >= held else (),
         ))
-    # ---- loss: the final norm and the head (fetched in row blocks when it lives on the host)
+    # ---- loss: the final norm and the head (an untied host-held head fetched in row blocks)
     norm_in, norm_job = params_in(h, fwd_in), job("norm", h)
-    if host_emb:
+    if gathers_rows(work, ch):
         for j, r in enumerate(rows):
-            gate = ("embedding:next", f"embedding:{j}") if m.tie_word_embeddings else (f"head:{j}",)
             tasks.append(_Task(
                 f"head block {j} in", h2d_s=params_in(r * h, fwd_in) + (norm_in if j == 0 else 0.0),
-                gate=gate + (("norm",) if j == 0 else ()),
+                gate=(f"head:{j}",) + (("norm",) if j == 0 else ()),
             ))
         tasks.append(_Task("loss", device_s=g_loss, d2h_s=grads_out(h, bwd_out), jobs=(norm_job,)))
-        if not m.tie_word_embeddings:  # an untied head's gradient is complete now: out it goes
-            tasks += [
-                _Task(f"head block {j} grad", d2h_s=grads_out(r * h, bwd_out), jobs=(job(f"head:{j}", r * h),))
-                for j, r in enumerate(rows)
-            ]
+        # the untied head's gradient is complete now: out it goes
+        tasks += [
+            _Task(f"head block {j} grad", d2h_s=grads_out(r * h, bwd_out), jobs=(job(f"head:{j}", r * h),))
+            for j, r in enumerate(rows)
+        ]
     else:
         tasks.append(_Task("loss", h2d_s=norm_in, device_s=g_loss, d2h_s=grads_out(h, bwd_out), gate=("norm",), jobs=(norm_job,)))
     # ---- backward
@@ -175,11 +177,18 @@ def _tasks(work: Workload, ch: StepPlan, calib: Calibration) -> list[_Task]:
     return tasks
 
 
+def gathers_rows(work: Workload, ch: StepPlan) -> bool:
+    """Whether a step gathers its batch's embedding rows from the host: an untied embedding on the host
+    (a tied one comes to the GPU whole, for the head, and its rows are gathered there)."""
+    return ch.embedding == "host" and not work.model.tie_word_embeddings
+
+
 def embedding_rows_s(work: Workload, ch: StepPlan, calib: Calibration) -> float:
-    """Seconds per step of the batch's rows of a host-held embedding reaching the GPU, at the rate the
-    calibration measured gathering them as a worker does (Calibration.embedding_rows_gbps; per byte of
-    the table as delivered), or, not measured, at the copy-in rate. Charged on the GPU either way: the
-    GPU reads the rows itself on its compute stream, or (no mapping) waits while the CPU gathers them."""
+    """Seconds per step of the batch's rows of an untied host-held embedding reaching the GPU, at the
+    rate the calibration measured gathering them as a worker does (Calibration.embedding_rows_gbps; per
+    byte of the table as delivered), or, not measured, at the copy-in rate. Charged on the copy-in
+    stream ahead of layer 0's copy: the GPU's reads of the mapped store share PCIe with it, and the
+    CPU's gather (no mapping) ends before the worker issues it; the forward waits for the rows."""
     rate = calib.embedding_rows_gbps * 1e9 or _rates(calib, both=False, ranks=work.world)[0]
     return work.local_tokens * work.model.hidden_size * costs.delivery_bytes(ch.delivery) / rate
 
