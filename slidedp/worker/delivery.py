@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -217,16 +217,16 @@ class GradOut:
         grad.record_stream(self.stream)
         self.pending.append(_PendingGrad(chunk, slot, sq_host, done, part))
 
-    def landed(self, block: bool = False) -> list[tuple[Chunk, int, float]]:
-        """(chunk, slot, squared norm) of every gradient now in host memory, in issue order."""
-        out = []
+    def landed(self, block: bool = False) -> Iterator[tuple[Chunk, int, float]]:
+        """(chunk, slot, squared norm) of each gradient in host memory, in issue order, as it lands: with
+        block, waiting for each in turn, so that the caller announces each as soon as it is in (the
+        updaters start on it) rather than all of them once the last is."""
         while self.pending:
             p = self.pending[0]
             if p.event is not None:
                 if block:
                     p.event.synchronize()
                 elif not p.event.query():
-                    break
-            out.append((p.chunk, p.slot, float(p.sq)))
+                    return
             self.pending.pop(0)
-        return out
+            yield p.chunk, p.slot, float(p.sq)
