@@ -135,14 +135,12 @@ def _tasks(work: Workload, ch: StepPlan, calib: Calibration) -> list[_Task]:
             f"layer {c} fwd", h2d_s=params_in(p_layer, fwd_in) if c >= held else 0.0, device_s=g_fwd,
             d2h_s=act / fwd_out if c < off else 0.0, gate=(f"layer {c}",) if c >= held else (),
         ))
-    # ---- loss: the final norm and the head (an untied host-held head fetched in row blocks)
+    # ---- loss: the final norm and the head (an untied host-held head: fetched as one unit, once all of
+    # its row blocks are updated, as the engine fetches it)
     norm_in, norm_job = params_in(h, fwd_in), job("norm", h)
     if gathers_rows(work, ch):
-        for j, r in enumerate(rows):
-            tasks.append(_Task(
-                f"head block {j} in", h2d_s=params_in(r * h, fwd_in) + (norm_in if j == 0 else 0.0),
-                gate=(f"head:{j}",) + (("norm",) if j == 0 else ()),
-            ))
+        head_gate = ("norm",) + tuple(f"head:{j}" for j in range(len(rows)))
+        tasks.append(_Task("norm and head in", h2d_s=norm_in + params_in(v * h, fwd_in), gate=head_gate))
         tasks.append(_Task("loss", device_s=g_loss, d2h_s=grads_out(h, bwd_out), jobs=(norm_job,)))
         # the untied head's gradient is complete now: out it goes
         tasks += [
