@@ -39,6 +39,12 @@ def head_params(model: ModelConfig) -> int:
     return 0 if model.tie_word_embeddings else model.vocab_size * model.hidden_size
 
 
+def gathers_rows(model: ModelConfig, embedding: str) -> bool:
+    """Whether a step gathers its batch's embedding rows from the host: an untied embedding on the host
+    (a tied one comes to the GPU whole, for the head, and its rows are gathered there)."""
+    return embedding == "host" and not model.tie_word_embeddings
+
+
 def default_chunk_rows(model: ModelConfig) -> int:
     """Rows per embedding/head block: as many as fit in one decoder layer's parameter count."""
     return max(1, min(model.vocab_size, layer_params(model) // model.hidden_size))
@@ -160,7 +166,7 @@ def host_traffic(
     grads = (streamed * p_layer + h) * hosttraffic.FP32 * writers
     if embedding == "host":
         vh = embedding_params(model)
-        rows = 0 if model.tie_word_embeddings else tokens * world * h * fb  # tied: gathered from the matrix on the GPU
+        rows = tokens * world * h * fb if gathers_rows(model, embedding) else 0
         fetch += rows + vh * fb * readers  # the batch's rows, the head's matrix (tied: the embedding)
         grads += (vh + head_params(model)) * hosttraffic.FP32 * writers
     updated = host_updated_params(model, embedding, device_layers)
@@ -210,7 +216,7 @@ def transfer_bytes(
         d2h += k * act
     if embedding == "host":
         vh = embedding_params(model)
-        if not model.tie_word_embeddings:  # forward gathers only the batch's rows (tied: from the matrix, below)
+        if gathers_rows(model, embedding):  # forward gathers only the batch's rows (tied: from the matrix, below)
             h2d += tokens * h * db
         h2d += int(vh * db * p_in)  # the head for the loss (tied: the embedding matrix; untied: lm_head)
         d2h += int(vh * GRAD_BYTES * g_out)  # the embedding's (tied: shared) gradient, whole matrix

@@ -15,7 +15,7 @@ from slidedp.jobrecord import sums_on_host
 from slidedp.planner import costs
 from slidedp.planner.calibration import Calibration
 from slidedp.planner.costs import GiB
-from slidedp.planner.step_model import (RESOURCES, device_time_source, embedding_rows_s, gathers_rows, measured,
+from slidedp.planner.step_model import (RESOURCES, device_time_source, embedding_rows_bytes, embedding_rows_s, measured,
                                         micro_batch_of, predict_step)
 from slidedp.planner.plan_record import Plan, Weighed
 from slidedp.planner.workload import Workload
@@ -434,7 +434,7 @@ def _device_time_note(work: Workload, ch: StepPlan, calib: Calibration) -> str:
 
 def _embedding_rows_note(work: Workload, ch: StepPlan, calib: Calibration) -> str:
     """What the batch's rows of an untied host-held embedding cost the step, and how they reach the GPU."""
-    nbytes = work.local_tokens * work.model.hidden_size * costs.delivery_bytes(ch.delivery)
+    nbytes = embedding_rows_bytes(work, ch)
     how = (f"{calib.embedding_rows_how}, at the measured {calib.embedding_rows_gbps:.1f} GB/s" if calib.embedding_rows_gbps
            else "at the copy-in rate: how this host gathers them was not measured")
     note = f"embedding rows: {nbytes / 1e6:,.0f} MB per step ({how}): {embedding_rows_s(work, ch, calib):.3f} s before layer 0"
@@ -528,7 +528,7 @@ def _plan(work: Workload, budget_bytes: int, calib: Calibration, allowed: dict[s
                      f"room for ({_host_room_words(work)})")
     notes.append(_update_rate_note(work, best, calib))
     notes.append(_device_time_note(work, best, calib))
-    if gathers_rows(work, best):
+    if costs.gathers_rows(work.model, best.embedding):
         notes.append(_embedding_rows_note(work, best, calib))
     workspace = _workspace_note(work, best, calib, dict(items)["layer workspace"])
     if workspace:

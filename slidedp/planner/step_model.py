@@ -125,7 +125,7 @@ def _tasks(work: Workload, ch: StepPlan, calib: Calibration) -> list[_Task]:
     rows = costs.row_blocks(v, ch.chunk_rows or costs.default_chunk_rows(m))
     tasks: list[_Task] = []
     # ---- forward
-    if gathers_rows(work, ch):
+    if costs.gathers_rows(m, ch.embedding):
         tasks.append(_Task("embedding rows", h2d_s=embedding_rows_s(work, ch, calib), gate=("embedding:next",)))
     elif host_emb:  # tied: the engine fetches the whole matrix (the head's) once all of it is updated
         every = ("embedding:next",) + tuple(f"embedding:{j}" for j in range(len(rows)))
@@ -138,7 +138,7 @@ def _tasks(work: Workload, ch: StepPlan, calib: Calibration) -> list[_Task]:
     # ---- loss: the final norm and the head (an untied host-held head: fetched as one unit, once all of
     # its row blocks are updated, as the engine fetches it)
     norm_in, norm_job = params_in(h, fwd_in), job("norm", h)
-    if gathers_rows(work, ch):
+    if costs.gathers_rows(m, ch.embedding):
         head_gate = ("norm",) + tuple(f"head:{j}" for j in range(len(rows)))
         tasks.append(_Task("norm and head in", h2d_s=norm_in + params_in(v * h, fwd_in), gate=head_gate))
         tasks.append(_Task("loss", device_s=g_loss, d2h_s=grads_out(h, bwd_out), jobs=(norm_job,)))
@@ -175,10 +175,9 @@ def _tasks(work: Workload, ch: StepPlan, calib: Calibration) -> list[_Task]:
     return tasks
 
 
-def gathers_rows(work: Workload, ch: StepPlan) -> bool:
-    """Whether a step gathers its batch's embedding rows from the host: an untied embedding on the host
-    (a tied one comes to the GPU whole, for the head, and its rows are gathered there)."""
-    return ch.embedding == "host" and not work.model.tie_word_embeddings
+def embedding_rows_bytes(work: Workload, ch: StepPlan) -> int:
+    """One rank's batch rows of an untied host-held embedding per step, in the delivered dtype."""
+    return work.local_tokens * work.model.hidden_size * costs.delivery_bytes(ch.delivery)
 
 
 def embedding_rows_s(work: Workload, ch: StepPlan, calib: Calibration) -> float:
@@ -188,7 +187,7 @@ def embedding_rows_s(work: Workload, ch: StepPlan, calib: Calibration) -> float:
     stream ahead of layer 0's copy: the GPU's reads of the mapped store share PCIe with it, and the
     CPU's gather (no mapping) ends before the worker issues it; the forward waits for the rows."""
     rate = calib.embedding_rows_gbps * 1e9 or _rates(calib, both=False, ranks=work.world)[0]
-    return work.local_tokens * work.model.hidden_size * costs.delivery_bytes(ch.delivery) / rate
+    return embedding_rows_bytes(work, ch) / rate
 
 
 def micro_batch_of(work: Workload, ch: StepPlan) -> int:
