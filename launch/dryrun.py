@@ -29,9 +29,8 @@ from slidedp.store.layout import Layout, make_layout
 from slidedp.store.manifest import Manifest
 from slidedp.store.mismatch import describe_layouts
 from slidedp.store.shm import SHM_DIR, list_store_segments, segment_name, shm_free_bytes
-from slidedp.stepplan import StepPlan
 
-from .host_room import host_need, planned_room_problem, room_for_plan, room_problem, size
+from .host_room import planned_room_problem, room_for_plan, room_problem, size, unplanned_need
 
 # What a check can raise for bad input: ConfigError, DataError, ModelConfigError (ValueError);
 # CheckpointError, StoreError, ManifestError (RuntimeError); missing or unreadable files (OSError).
@@ -179,10 +178,9 @@ class DryRun:
         if segments and self._left_behind(name, segments):
             segments = {}  # the run destroys it first: what it needs is a new store's space
         self.store_exists = bool(segments)
-        # the launcher's own count and question (host_room.py), before the plan: the route it would take, no
-        # layer held on the device, no input offloaded; once planned, plan() asks it again with the plan's
-        pre_plan = StepPlan(grad_route="reduce_scatter" if scattered else "host")
-        need = host_need(job, layout, pre_plan, self.store_exists, job.store.shadow_bf16 is True)
+        # the launcher's own count and question (host_room.py), before the plan; once planned, plan() asks
+        # it again with the plan's
+        need = unplanned_need(job, layout, self.store_exists)
         if segments:
             try:
                 self._existing_store(name, segments)

@@ -97,6 +97,22 @@ def host_need(job: JobConfig, layout: Layout, step: StepPlan, store_exists: bool
                     step.offloaded(layout.model.num_layers))
 
 
+def unplanned_need(job: JobConfig, layout: Layout, store_exists: bool) -> HostNeed:
+    """What any plan of the job takes of the host's memory, asked before the plan: the state to create
+    (with the shadow where the job asks for it), the gradient rings of the job's route with no layer
+    held on the device, the processes; nothing offloaded."""
+    route = "reduce_scatter" if job.runtime.grad_route == "reduce_scatter" else "host"
+    return host_need(job, layout, StepPlan(grad_route=route), store_exists, job.store.shadow_bf16 is True)
+
+
+def unplanned_room_problem(job: JobConfig, layout: Layout, store_exists: bool) -> str | None:
+    """The launcher's check before it plans (the dry run asks the same): None where this host has room
+    now for what any plan of the job takes; else what it needs and what would help. Where it has not,
+    no plan fits, and the planner would only say which plan is smallest on the GPU."""
+    return room_problem(job, unplanned_need(job, layout, store_exists), psutil.virtual_memory().available,
+                        shm_free_bytes())
+
+
 def room_for_plan(job: JobConfig, layout: Layout, store_exists: bool, available: int | None = None) -> HostRoom:
     """What the host's memory leaves for the plan's own choices (offloaded layers' buffers, the bf16
     shadow of a store the job creates) beyond what any plan of the job takes: the fp32 state to create,

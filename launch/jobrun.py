@@ -40,7 +40,7 @@ from slidedp.transport import bind_router, connect_dealer, identity, recv_dealer
 
 from . import children
 from .planning import DeliveryError, plan_job, record_training, shadow_fits
-from .host_room import planned_room_problem, room_for_plan
+from .host_room import planned_room_problem, room_for_plan, unplanned_room_problem
 from .preflight import cuda_probe
 from .rundir import RunDirInUse, check_run_dir, write_run_record
 from .schedule_note import schedule_note
@@ -158,6 +158,9 @@ class JobRun:
         self._write_data(job)
         # planned before the store is made: the plan says whether it wants the bf16 shadow (store.shadow_bf16 = "auto")
         exists = bool(status.get("exists"))
+        room = unplanned_room_problem(job, self.layout, exists)
+        if room:
+            raise JobFailed(room)
         try:
             self.plan = plan_job(job, store_shadow="shadow" in status.get("segments", {}) if exists else None,
                                  shadow_fits=exists or job.store.shadow_bf16 != "auto" or shadow_fits(job, self.layout),

@@ -229,7 +229,13 @@ def _least_memory(work: Workload, mb: int, allowed: dict[str, tuple] | None) -> 
 
 def _no_fit_error(work: Workload, budget: int, allowed: dict[str, tuple] | None = None) -> PlanError:
     """The smallest plan among the options `allowed` (a job's forced prefetch depth or embedding
-    stays forced), its memory and what to change."""
+    stays forced), its memory and what to change. Where the host's memory has no room for what every
+    plan takes (the store, the rings, the processes), the GPU is not what to change: that is said instead."""
+    if work.host_room is not None and work.host_room.free_bytes < 0:
+        return PlanError(
+            f"no plan fits this host's memory: the store's state, the gradient rings and the job's processes take "
+            f"{-work.host_room.free_bytes / GiB:.1f} GiB more than the host has available, whatever the GPU budget "
+            "(`slidedp-launch --dry-run` lists what the job needs and what would help)")
     smallest = _least_memory(work, 1, allowed)
     items = _memory(work, smallest)
     peak = costs.device_memory_peak(items, work.world)

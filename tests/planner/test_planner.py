@@ -837,8 +837,14 @@ def test_the_plan_offloads_no_more_layers_than_the_host_has_room_for():
     assert free.step.delivery == "bf16"
     shadowed = make_plan(room(k, shadow=3 * layer), 60 * GiB, REFERENCE_CALIBRATION)
     assert (shadowed.step.delivery, shadowed.step.offload_layers) == ("fp32", k)
-    with pytest.raises(PlanError, match="inputs of 0 of 36"):
-        make_plan(dataclasses.replace(work, host_room=HostRoom(-1)), 60 * GiB, REFERENCE_CALIBRATION)
+    # no room for even the store, rings and processes: the host is named, not a GPU budget (a Qwen3-8B job
+    # with clipping on the 125 GiB H200 host was told to raise its 24 GiB budget to 7.20 GiB)
+    with pytest.raises(PlanError) as short:
+        make_plan(dataclasses.replace(work, host_room=HostRoom(-3 * GiB)), 60 * GiB, REFERENCE_CALIBRATION)
+    assert str(short.value) == (
+        "no plan fits this host's memory: the store's state, the gradient rings and the job's processes take 3.0 GiB "
+        "more than the host has available, whatever the GPU budget (`slidedp-launch --dry-run` lists what the job "
+        "needs and what would help)")
 
 
 def test_a_training_run_teaches_the_planner_its_adamw_rate_for_that_model(tmp_path):

@@ -212,3 +212,39 @@ def test_a_run_continued_on_its_store_or_resumed_is_not_refused(store, tmp_path,
     (run_dir / "run.json").write_text(json.dumps({"store": store, "generation": 12345}))
     rc, logs = launch(store, run_dir, caplog, 'checkpoint.resume="latest"')
     assert rc == 0 and "nothing to train" in logs, logs
+
+
+# ---- the host's memory: a job it has no room for is refused before the plan, and nothing is made ------------
+def test_a_job_the_host_has_no_room_for_is_refused_in_the_launchers_words(store, tmp_path, caplog, monkeypatch):
+    """Before it plans, the launcher asks whether the host has room for what any plan takes (host_room.py);
+    the planner, asked first, blamed the GPU: a Qwen3-8B job with clipping on the 125 GiB H200 host was told
+    "no plan fits the GPU memory budget of 24.00 GiB: the smallest plan needs 7.20 GiB"."""
+    from types import SimpleNamespace
+
+    from slidedp.launch import host_room
+    from slidedp.store.layout import make_layout
+    from slidedp.model.config import named_shape
+
+    fresh(store)
+    st = HostStore.attach(store)
+    try:
+        before = master_bits(st)
+    finally:
+        st.close()
+    available = 3 * 2**29  # 1.5 GiB: the existing store's rings fit, its two CPU ranks' 2 GiB do not
+    monkeypatch.setattr(host_room.psutil, "virtual_memory", lambda: SimpleNamespace(available=available))
+    rc, logs = launch(store, tmp_path / "run", caplog, "train.steps=2")
+    assert rc == 1, logs
+    job = load_job(TINY, fast_sets(store, tmp_path / "run", "train.steps=2"))
+    need = host_room.unplanned_need(job, make_layout(named_shape("tiny", 512)), store_exists=True)
+    assert [what for what, _ in need.items] == ["gradient rings", "the job's processes (2 rank(s))"]  # the store exists
+    assert f"job failed: {host_room.room_problem(job, need, available)}" in logs, logs
+    assert "no plan fits" not in logs and "calibrat" not in logs
+    status = call(store, "status", timeout_s=60)
+    assert status["committed_step"] == 1 and not status["job"]  # never attached, nothing trained
+    st = HostStore.attach(store)
+    try:
+        got = master_bits(st)
+        assert got.keys() == before.keys() and all(torch.equal(got[n], before[n]) for n in before)
+    finally:
+        st.close()
