@@ -668,3 +668,52 @@ def test_the_headline_session_runs_each_system_in_its_own_command_within_its_bud
     merge = [line for line in text.splitlines() if line.startswith("-m benchmarks.run --merge")]
     assert len(merge) == 1 and merge[0].endswith(f"--out {tmp_path / 'out' / 'offload-b8.json'}")
     assert (tmp_path / "out" / "offload-b8-logs.tgz").is_file()
+
+
+def test_the_headline_session_runs_only_the_systems_named(tmp_path):
+    """ONLY=SYSTEM,...: the rows an earlier call of a PART could not finish, with the time that PART gives
+    the systems still to come reckoned for those alone (DeepSpeed timed out at 60 s beside three others)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python3").write_text(FAKE_PYTHON)
+    (bin_dir / "python3").chmod(0o755)
+    calls = tmp_path / "calls"
+    env = {**__import__("os").environ, "PATH": f"{bin_dir}:/usr/bin:/bin", "FAKE_CALLS": str(calls),
+           "BUDGET_S": "300", "ONLY": "deepspeed,zenflow"}
+    done = subprocess.run(["bash", str(ROOT / "benchmarks/sessions/headline.sh"), str(tmp_path / "out"), "offload-b32"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    runs = [line for line in calls.read_text().splitlines() if line.startswith("-m benchmarks.run --shape")]
+    assert [r.split("--systems ")[1].split()[0] for r in runs] == ["deepspeed", "zenflow"]
+    # the first gets its PART's limit (160 s), not 300 - 3 x 60 as it would beside the two it does not run
+    assert "--timeout 160" in runs[0] and "--shape qwen3-4b --batch 32" in runs[0]
+
+
+def test_drop_store_removes_a_store_and_says_when_one_stays(tmp_path):
+    """sessions/drop_store.sh: through the installed package (the device's install could lack the
+    console script, and its failed destroy went unseen); a store still there afterwards is said, rc 1."""
+    from slidedp.store.client import call
+    from slidedp.store.shm import SHM_DIR, unlink_store
+
+    name = f"drop-{__import__('uuid').uuid4().hex[:8]}"
+    manifest = Path(SHM_DIR) / f"slidedp.{name}.manifest"
+    script = str(ROOT / "benchmarks/sessions/drop_store.sh")
+    real, broken = tmp_path / "real", tmp_path / "broken"
+    real.mkdir(), broken.mkdir()
+    (real / "python3").write_text(f'#!/usr/bin/env bash\nexec {sys.executable} "$@"\n')  # this venv's python
+    (real / "python3").chmod(0o755)
+    (broken / "python3").write_text("#!/usr/bin/env bash\necho 'No module named slidedp' >&2\nexit 1\n")
+    (broken / "python3").chmod(0o755)
+    path = lambda d: {**__import__("os").environ, "PATH": f"{d}:/usr/bin:/bin"}  # noqa: E731
+    try:
+        call(name, "create", source="random", shape="tiny", vocab_size=512, init_seed=0)
+        assert manifest.exists()
+        failed = subprocess.run(["bash", script, name], env=path(broken), capture_output=True, text=True, timeout=60)
+        assert failed.returncode == 1 and manifest.exists()
+        assert failed.stderr == f"drop_store: store {name} is still there: No module named slidedp\n"
+        done = subprocess.run(["bash", script, name, "no-such-store"], env=path(real), cwd=ROOT,
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0 and done.stderr == "", done.stderr
+        assert not manifest.exists() and not list(Path(SHM_DIR).glob(f"slidedp.{name}.*"))
+    finally:
+        unlink_store(name)

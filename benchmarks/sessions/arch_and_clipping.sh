@@ -32,6 +32,6 @@ old base-clip "$steps" 1.0 120
 new new-noclip 0 0 170 slidedp
 new new-never "$steps" 1000 120 slidedp
 new new-clip $((2 * steps)) 1.0 150 slidedp,gpu_resident
-slidedp-store destroy --force arch-new >/dev/null 2>&1 || true
+bash "$(dirname "$0")/drop_store.sh" arch-new
 tar -czf "$out/arch-logs.tgz" -C /tmp arch-logs --exclude='*.npy' --exclude='*.safetensors' --exclude='state' 2>/dev/null
 ls -la "$out"

@@ -27,7 +27,7 @@ run b32-clip 32 1.0 slidedp 110 --slidedp-micro-batch 2
 run limit 8 1.0 resident_same_kernels 80
 run limit32 32 1.0 resident_same_kernels 90
 run b8-default 8 1.0 slidedp 200 --slidedp-micro-batch plan
-slidedp-store destroy --force $store >/dev/null 2>&1 || true
+bash "$(dirname "$0")/drop_store.sh" "$store"
 python3 -m benchmarks.run --merge /tmp/regimes/*.json --out "$out/clipping-regimes.json"
 tar czf "$out/regimes-logs.tgz" -C /tmp regimes --exclude='*.npy' --exclude='*.safetensors' --exclude='state' \
   --exclude='profile-*.json' 2>/dev/null || true

@@ -60,16 +60,16 @@ case $part in
   8b)
     run default 1.0 slidedp 150
     run off 0 slidedp 240
-    slidedp-store destroy --force "$store" >/dev/null 2>&1 || true  # the resident peers need the host's memory
+    bash "$(dirname "$0")/drop_store.sh" "$store"  # the resident peers need the host's memory
     run limit 1.0 resident_same_kernels,gpu_resident_chunked 150 ;;
   8b-host)
     run off 0 slidedp 170
     BATCH=32 run off32 0 slidedp 150
-    slidedp-store destroy --force "$store" >/dev/null 2>&1 || true
+    bash "$(dirname "$0")/drop_store.sh" "$store"
     run limit 0 gpu_resident_chunked 60
     BATCH=32 run limit32 0 gpu_resident_chunked 110 --micro-batch 8 ;;
 esac
-slidedp-store destroy --force "$store" >/dev/null 2>&1 || true
+bash "$(dirname "$0")/drop_store.sh" "$store"
 runs=("$work"/*.json)
 [ -f "${runs[0]}" ] && python3 -m benchmarks.run --merge "${runs[@]}" --out "$out/$part.json"
 tar czf "$out/$part-logs.tgz" -C "$work" --exclude='*.npy' --exclude='*.safetensors' --exclude='state' \

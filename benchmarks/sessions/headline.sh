@@ -36,6 +36,9 @@
 # that would get under a minute is not started (the merged table lacks its row; stderr says so).
 # SlideDP's micro-batch: the plan's where this SlideDP lets the plan choose it (train.micro_batch = 0),
 # else the peers' (the whole batch); MICRO=N names it instead (say so beside the figure: it is forced).
+# ONLY=SYSTEM,... runs just those systems of the PART (the rows an earlier call of it could not finish);
+# merge its table with that call's. Every PART starts by removing the headline stores a PART before it
+# left on the same machine (a kept Qwen3-8B store got the next PART's peers killed for host memory).
 set -u
 out=$1 part=$2 budget=${BUDGET_S:-480}
 work=/tmp/headline/$part   # the harness's logs stay here; only the merged files go to $OUT
@@ -47,6 +50,7 @@ run() {  # TAG SHAPE BATCH SYSTEMS LIMIT [harness args]: each system in its own 
   local tag=$1 shape=$2 batch=$3 systems=$4 limit=$5 system committed left timeout
   shift 5
   for system in ${systems//,/ }; do
+    [ -z "${ONLY:-}" ] || [[ ",$ONLY," == *",$system,"* ]] || continue
     # at most LIMIT s, and never so much that the systems still to come get under a minute each
     [ "$system" = slideformer ] || pending=$((pending - 1))
     left=$((budget - SECONDS)) timeout=$((budget - SECONDS - 60 * pending))
@@ -66,12 +70,17 @@ run() {  # TAG SHAPE BATCH SYSTEMS LIMIT [harness args]: each system in its own 
 }
 
 drop_store() {  # the persistent store holds 50-130 GiB of host memory that the next systems need
-  slidedp-store destroy --force "headline-$1" >/dev/null 2>&1 || true
+  bash "$(dirname "$0")/drop_store.sh" "headline-$1"
 }
 
 case $part in  # pending: the systems the PART runs (slideformer is a row, not a run)
-  limit | resident) pending=6 ;; offload-b8 | offload-b32) pending=4 ;; 8b) pending=5 ;;
+  limit | resident) pending=6 per=2 ;; offload-b8 | offload-b32) pending=4 per=1 ;; 8b) pending=5 per=1 ;;
 esac
+if [ -n "${ONLY:-}" ]; then  # each system of a PART runs once per workload (twice in limit and resident)
+  only=${ONLY//,/ } only=(${only//slideformer/})
+  pending=$((${#only[@]} * ${per:-1}))
+fi
+bash "$(dirname "$0")/drop_store.sh" headline-qwen3-4b headline-qwen3-8b
 case $part in
   limit)
     run 4b-b8 qwen3-4b 8 slidedp,slidedp_noclip,resident_same_kernels 170

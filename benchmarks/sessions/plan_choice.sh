@@ -75,7 +75,7 @@ EOF
 fi
 store=slidedp-plan-$shape
 tag=$shape-b$batch
-drop_store() { slidedp-store destroy --force "$store" >/dev/null 2>&1 || true; }
+drop_store() { bash "$(dirname "$0")/drop_store.sh" "$store"; }
 # a store that another shape's call kept (KEEP_STORE=1) holds host memory this shape's runs need: a kept
 # Qwen3-8B store (98 of 128 GB of /dev/shm) made every run of the next shape fail at once. It is kept for
 # its own shape's next call, so it is not removed here: the call stops and says how.
