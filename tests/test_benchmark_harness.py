@@ -657,7 +657,8 @@ def test_the_headline_session_runs_each_system_in_its_own_command_within_its_bud
     text = calls.read_text() if calls.exists() else ""
     runs = [line for line in text.splitlines() if line.startswith("-m benchmarks.run --shape")]
     if budget == "0":
-        assert runs == [] and "not starting 4b-b8 fsdp2_offload" in done.stderr and "--merge" not in text
+        assert runs == [] and "not starting 4b-b8 fsdp2_offload (it needs 60 s)" in done.stderr
+        assert "--merge" not in text
         return
     systems = [r.split("--systems ")[1].split()[0] for r in runs]
     assert systems == ["fsdp2_offload", "deepspeed", "zenflow", "megatrain", "slideformer"]
@@ -717,3 +718,23 @@ def test_drop_store_removes_a_store_and_says_when_one_stays(tmp_path):
         assert not manifest.exists() and not list(Path(SHM_DIR).glob(f"slidedp.{name}.*"))
     finally:
         unlink_store(name)
+
+
+def test_the_headline_session_starts_deepspeed_only_with_time_to_compile_its_adam(tmp_path):
+    """DeepSpeed's first use compiles DeepSpeedCPUAdam: given 60 s it timed out compiling. A PART gives it
+    and ZenFlow 120 s or starts neither, and the systems after them still run."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python3").write_text(FAKE_PYTHON)
+    (bin_dir / "python3").chmod(0o755)
+    calls = tmp_path / "calls"
+    # 170 s for three systems, a minute kept for each one still to come: DeepSpeed would get 50 s, ZenFlow 110
+    env = {**__import__("os").environ, "PATH": f"{bin_dir}:/usr/bin:/bin", "FAKE_CALLS": str(calls),
+           "BUDGET_S": "170", "ONLY": "deepspeed,zenflow,megatrain"}
+    done = subprocess.run(["bash", str(ROOT / "benchmarks/sessions/headline.sh"), str(tmp_path / "out"), "offload-b32"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    runs = [line for line in calls.read_text().splitlines() if line.startswith("-m benchmarks.run --shape")]
+    assert [r.split("--systems ")[1].split()[0] for r in runs] == ["megatrain"] and "--timeout 160" in runs[0]
+    assert "not starting 4b-b32 deepspeed (it needs 120 s)" in done.stderr
+    assert "not starting 4b-b32 zenflow (it needs 120 s)" in done.stderr

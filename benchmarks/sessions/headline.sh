@@ -33,7 +33,8 @@
 # command may drop the third install line.) The script keeps to BUDGET_S seconds (default 480, so the
 # installs and the merge fit in the command's 600): each system's --timeout is its share of what is
 # left after a minute is kept for each system still to come (at most its LIMIT below), and a system
-# that would get under a minute is not started (the merged table lacks its row; stderr says so).
+# that would get under a minute (DeepSpeed and ZenFlow: two, for compiling DeepSpeedCPUAdam) is not started (the
+# merged table lacks its row; stderr says so).
 # SlideDP's micro-batch: the plan's where this SlideDP lets the plan choose it (train.micro_batch = 0),
 # else the peers' (the whole batch); MICRO=N names it instead (say so beside the figure: it is forced).
 # ONLY=SYSTEM,... runs just those systems of the PART (the rows an earlier call of it could not finish);
@@ -47,7 +48,7 @@ steps=6 warm=2
 parts=()
 
 run() {  # TAG SHAPE BATCH SYSTEMS LIMIT [harness args]: each system in its own harness command
-  local tag=$1 shape=$2 batch=$3 systems=$4 limit=$5 system committed left timeout
+  local tag=$1 shape=$2 batch=$3 systems=$4 limit=$5 system committed left timeout need
   shift 5
   for system in ${systems//,/ }; do
     [ -z "${ONLY:-}" ] || [[ ",$ONLY," == *",$system,"* ]] || continue
@@ -55,8 +56,11 @@ run() {  # TAG SHAPE BATCH SYSTEMS LIMIT [harness args]: each system in its own 
     [ "$system" = slideformer ] || pending=$((pending - 1))
     left=$((budget - SECONDS)) timeout=$((budget - SECONDS - 60 * pending))
     [ "$timeout" -gt "$limit" ] && timeout=$limit
-    if [ "$timeout" -lt 60 ]; then
-      echo "headline: $left s left, not starting $tag $system" >&2
+    # DeepSpeed's first use compiles DeepSpeedCPUAdam: at 60 s it timed out compiling (one H200, 2026-12-02)
+    need=60
+    [ "$system" = deepspeed ] || [ "$system" = zenflow ] && need=120
+    if [ "$timeout" -lt "$need" ]; then
+      echo "headline: $left s left, not starting $tag $system (it needs $need s)" >&2
       continue
     fi
     committed=$(bash "$(dirname "$0")/committed_step.sh" "headline-$shape")
