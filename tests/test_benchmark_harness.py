@@ -8,8 +8,10 @@ real job schema, and DecoderLM (what every peer trains) equal to slidedp.model.l
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
@@ -639,23 +641,27 @@ exit 0
 '''
 
 
+def _headline(tmp_path: Path, part: str, **env: str) -> tuple[subprocess.CompletedProcess, str, list[str]]:
+    """sessions/headline.sh PART with a fake python3 that records each command (and writes an empty table):
+    its result, every command, and the harness runs among them."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python3").write_text(FAKE_PYTHON)
+    (bin_dir / "python3").chmod(0o755)
+    calls = tmp_path / "calls"
+    full = {**os.environ, "PATH": f"{bin_dir}:/usr/bin:/bin", "FAKE_CALLS": str(calls), **env}
+    done = subprocess.run(["bash", str(ROOT / "benchmarks/sessions/headline.sh"), str(tmp_path / "out"), part],
+                          cwd=ROOT, env=full, capture_output=True, text=True, timeout=60)
+    text = calls.read_text() if calls.exists() else ""
+    return done, text, [line for line in text.splitlines() if line.startswith("-m benchmarks.run --shape")]
+
+
 @pytest.mark.parametrize("budget", ["10000", "0"])
 def test_the_headline_session_runs_each_system_in_its_own_command_within_its_budget(tmp_path, budget):
     """sessions/headline.sh PART: one harness command per system with the headline's settings, merged
     into OUT/PART.json; with no time left it starts nothing (and says so) rather than overrun the call."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    for name in ("python3", "slidedp-store"):
-        (bin_dir / name).write_text(FAKE_PYTHON)
-        (bin_dir / name).chmod(0o755)
-    calls = tmp_path / "calls"
-    env = {**__import__("os").environ, "PATH": f"{bin_dir}:/usr/bin:/bin", "FAKE_CALLS": str(calls),
-           "BUDGET_S": budget}
-    done = subprocess.run(["bash", str(ROOT / "benchmarks/sessions/headline.sh"), str(tmp_path / "out"), "offload-b8"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    done, text, runs = _headline(tmp_path, "offload-b8", BUDGET_S=budget)
     assert done.returncode == 0, done.stderr
-    text = calls.read_text() if calls.exists() else ""
-    runs = [line for line in text.splitlines() if line.startswith("-m benchmarks.run --shape")]
     if budget == "0":
         assert runs == [] and "not starting 4b-b8 fsdp2_offload (it needs 60 s)" in done.stderr
         assert "--merge" not in text
@@ -674,17 +680,8 @@ def test_the_headline_session_runs_each_system_in_its_own_command_within_its_bud
 def test_the_headline_session_runs_only_the_systems_named(tmp_path):
     """ONLY=SYSTEM,...: the rows an earlier call of a PART could not finish, with the time that PART gives
     the systems still to come reckoned for those alone (DeepSpeed timed out at 60 s beside three others)."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "python3").write_text(FAKE_PYTHON)
-    (bin_dir / "python3").chmod(0o755)
-    calls = tmp_path / "calls"
-    env = {**__import__("os").environ, "PATH": f"{bin_dir}:/usr/bin:/bin", "FAKE_CALLS": str(calls),
-           "BUDGET_S": "300", "ONLY": "deepspeed,zenflow"}
-    done = subprocess.run(["bash", str(ROOT / "benchmarks/sessions/headline.sh"), str(tmp_path / "out"), "offload-b32"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    done, _, runs = _headline(tmp_path, "offload-b32", BUDGET_S="300", ONLY="deepspeed,zenflow")
     assert done.returncode == 0, done.stderr
-    runs = [line for line in calls.read_text().splitlines() if line.startswith("-m benchmarks.run --shape")]
     assert [r.split("--systems ")[1].split()[0] for r in runs] == ["deepspeed", "zenflow"]
     # the first gets its PART's limit (160 s), not 300 - 3 x 60 as it would beside the two it does not run
     assert "--timeout 160" in runs[0] and "--shape qwen3-4b --batch 32" in runs[0]
@@ -696,7 +693,7 @@ def test_drop_store_removes_a_store_and_says_when_one_stays(tmp_path):
     from slidedp.store.client import call
     from slidedp.store.shm import SHM_DIR, unlink_store
 
-    name = f"drop-{__import__('uuid').uuid4().hex[:8]}"
+    name = f"drop-{uuid.uuid4().hex[:8]}"
     manifest = Path(SHM_DIR) / f"slidedp.{name}.manifest"
     script = str(ROOT / "benchmarks/sessions/drop_store.sh")
     real, broken = tmp_path / "real", tmp_path / "broken"
@@ -705,7 +702,7 @@ def test_drop_store_removes_a_store_and_says_when_one_stays(tmp_path):
     (real / "python3").chmod(0o755)
     (broken / "python3").write_text("#!/usr/bin/env bash\necho 'No module named slidedp' >&2\nexit 1\n")
     (broken / "python3").chmod(0o755)
-    path = lambda d: {**__import__("os").environ, "PATH": f"{d}:/usr/bin:/bin"}  # noqa: E731
+    path = lambda d: {**os.environ, "PATH": f"{d}:/usr/bin:/bin"}  # noqa: E731
     try:
         call(name, "create", source="random", shape="tiny", vocab_size=512, init_seed=0)
         assert manifest.exists()
@@ -723,18 +720,9 @@ def test_drop_store_removes_a_store_and_says_when_one_stays(tmp_path):
 def test_the_headline_session_starts_deepspeed_only_with_time_to_compile_its_adam(tmp_path):
     """DeepSpeed's first use compiles DeepSpeedCPUAdam: given 60 s it timed out compiling. A PART gives it
     and ZenFlow 120 s or starts neither, and the systems after them still run."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "python3").write_text(FAKE_PYTHON)
-    (bin_dir / "python3").chmod(0o755)
-    calls = tmp_path / "calls"
     # 170 s for three systems, a minute kept for each one still to come: DeepSpeed would get 50 s, ZenFlow 110
-    env = {**__import__("os").environ, "PATH": f"{bin_dir}:/usr/bin:/bin", "FAKE_CALLS": str(calls),
-           "BUDGET_S": "170", "ONLY": "deepspeed,zenflow,megatrain"}
-    done = subprocess.run(["bash", str(ROOT / "benchmarks/sessions/headline.sh"), str(tmp_path / "out"), "offload-b32"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    done, _, runs = _headline(tmp_path, "offload-b32", BUDGET_S="170", ONLY="deepspeed,zenflow,megatrain")
     assert done.returncode == 0, done.stderr
-    runs = [line for line in calls.read_text().splitlines() if line.startswith("-m benchmarks.run --shape")]
     assert [r.split("--systems ")[1].split()[0] for r in runs] == ["megatrain"] and "--timeout 160" in runs[0]
     assert "not starting 4b-b32 deepspeed (it needs 120 s)" in done.stderr
     assert "not starting 4b-b32 zenflow (it needs 120 s)" in done.stderr
