@@ -97,12 +97,21 @@ def host_need(job: JobConfig, layout: Layout, step: StepPlan, store_exists: bool
                     step.offloaded(layout.model.num_layers))
 
 
+def held_by_the_job(job: JobConfig, layout: Layout, grad_route: str) -> tuple[StepPlan, tuple[int, ...]]:
+    """What every plan of the job holds on the devices, on `grad_route`: the layers and the embedding the
+    job file puts there (memory.device_layers, memory.embedding = "device"; none where the plan decides),
+    and their chunks, whose gradients stay on the devices and take no ring slot."""
+    step = StepPlan(grad_route=grad_route, device_layers=min(max(job.memory.device_layers, 0), layout.model.num_layers),
+                    embedding="device" if job.memory.embedding == "device" else "host")
+    return step, held_chunk_ids(layout, held_unit_names(layout.model, step))
+
+
 def unplanned_need(job: JobConfig, layout: Layout, store_exists: bool) -> HostNeed:
     """What any plan of the job takes of the host's memory, asked before the plan: the state to create
-    (with the shadow where the job asks for it), the gradient rings of the job's route with no layer
-    held on the device, the processes; nothing offloaded."""
-    route = "reduce_scatter" if job.runtime.grad_route == "reduce_scatter" else "host"
-    return host_need(job, layout, StepPlan(grad_route=route), store_exists, job.store.shadow_bf16 is True)
+    (with the shadow where the job asks for it), the gradient rings of the job's route beside what the
+    job file holds on the devices, the processes; nothing offloaded."""
+    step, held = held_by_the_job(job, layout, "reduce_scatter" if job.runtime.grad_route == "reduce_scatter" else "host")
+    return host_need(job, layout, step, store_exists, job.store.shadow_bf16 is True, held)
 
 
 def unplanned_room_problem(job: JobConfig, layout: Layout, store_exists: bool) -> str | None:
@@ -116,8 +125,10 @@ def unplanned_room_problem(job: JobConfig, layout: Layout, store_exists: bool) -
 def room_for_plan(job: JobConfig, layout: Layout, store_exists: bool, available: int | None = None) -> HostRoom:
     """What the host's memory leaves for the plan's own choices (offloaded layers' buffers, the bf16
     shadow of a store the job creates) beyond what any plan of the job takes: the fp32 state to create,
-    the gradient rings at their largest (every chunk's on the host route) and the processes."""
-    base = host_need(job, layout, StepPlan(grad_route="host"), store_exists, shadow=False)
+    the gradient rings at their largest (every chunk's on the host route, but for those of what the job
+    file holds on the devices) and the processes."""
+    step, held = held_by_the_job(job, layout, "host")
+    base = host_need(job, layout, step, store_exists, shadow=False, device_chunks=held)
     shadow = 0 if store_exists else sum(segment_sizes(layout, {}, True).values()) - base.state  # its 2 B/param
     free = (psutil.virtual_memory().available if available is None else available) - base.total
     return HostRoom(free_bytes=free, shadow_bytes=shadow)

@@ -111,3 +111,26 @@ def test_the_plan_is_told_what_the_host_leaves_for_offloaded_inputs_and_the_shad
     plan = make_plan(work, 24 * GiB, REFERENCE_CALIBRATION, {"activations": ("keep", "offload")})
     need = host_need(job, layout, plan.step, store_exists=False, shadow=plan.step.delivery == "bf16")
     assert room_problem(job, need, available) is None
+
+
+def test_what_the_job_file_holds_on_the_devices_takes_no_ring_slot_before_the_plan():
+    """The refusal's advice names memory.device_layers (their gradients stay on the device): the check
+    before the plan and the room the planner is told count the rings without the slots of what the job
+    file holds there, so following the advice can lift the refusal. The Qwen3-8B job with clipping on a
+    host with 124 GiB available: refused as it is; 12 layers held take 12 of its 45 slots off and fit."""
+    from launch.host_room import unplanned_need
+
+    layout = make_layout(named_shape("qwen3-8b"))
+    slot = layout.max_chunk_numel * 4  # a chunk's fp32 gradient
+    plain, held = _job(), _job(["memory.device_layers=12"])
+    embed = _job(['memory.embedding="device"'])
+    need, need_held, need_embed = (unplanned_need(j, layout, store_exists=False) for j in (plain, held, embed))
+    assert need == host_need(plain, layout, StepPlan(grad_route="host"), store_exists=False, shadow=False)
+    assert need.total - need_held.total == 12 * slot  # one chunk a layer
+    assert need.total - need_embed.total == 8 * slot  # the untied embedding's and head's row chunks
+    available = 124 * GiB
+    assert "memory.device_layers" in room_problem(plain, need, available)
+    assert room_problem(held, need_held, available) is None
+    # the planner is told the same room: what the held layers' slots free is room for its own choices
+    assert (room_for_plan(held, layout, False, available).free_bytes
+            - room_for_plan(plain, layout, False, available).free_bytes) == 12 * slot
