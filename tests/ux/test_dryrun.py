@@ -353,3 +353,24 @@ def test_traced_steps_outside_the_run_warn(tmp_path):
     assert "would trace step(s) 3, 70 into" in text
     assert "warning: run.trace_steps [70] are outside the steps this run trains (0..59): nothing is traced for them" in text
     assert text.splitlines()[-1].startswith("dry run: no problems found, 1 warning(s) (")
+
+
+def test_an_existing_stores_rings_leave_out_what_the_job_file_holds_on_the_devices(tmp_path, made_store):
+    """With exact clipping on one rank the rings keep a slot per chunk on the host: a layer the job file
+    holds on the device (memory.device_layers) keeps its gradient there, and the dry run counts it so,
+    in slots and in bytes, as the launcher does (host_room.unplanned_need)."""
+    from slidedp.launch import host_room
+
+    st = made_store("tiny")
+    name = st.name
+    st.close()
+    texts = {}
+    for held in (0, 1):
+        sets = (f'store.name="{name}"', "runtime.workers=1", f"memory.device_layers={held}")
+        rc, texts[held] = dry(tmp_path, *sets, store=name)
+        assert rc == 0, texts[held]
+        job = load_job(TINY, list(sets))
+        need = host_room.unplanned_need(job, make_layout(named_shape("tiny", 512)), store_exists=True)
+        slots = 4 - held  # the tiny model's 4 chunks, one a layer's
+        assert (f"would attach and add gradient rings of {host_room.size(need.rings)} (1 rank(s) x {slots} slots, one "
+                f"per chunk: exact clipping keeps each gradient until the step's norm)") in texts[held], texts[held]
