@@ -30,7 +30,7 @@ from slidedp.store.manifest import Manifest
 from slidedp.store.mismatch import describe_layouts
 from slidedp.store.shm import SHM_DIR, list_store_segments, segment_name, shm_free_bytes
 
-from .host_room import held_by_the_job, planned_room_problem, room_for_plan, room_problem, size, unplanned_need
+from .host_room import planned_room_problem, room_for_plan, room_problem, size, unplanned_need, unplanned_step
 
 # What a check can raise for bad input: ConfigError, DataError, ModelConfigError (ValueError);
 # CheckpointError, StoreError, ManifestError (RuntimeError); missing or unreadable files (OSError).
@@ -169,12 +169,10 @@ class DryRun:
             return
         name = job.store_name
         world = job.runtime.workers
-        # the plan picks an "auto" route later: until then, the host route's (larger, where ranks are summed),
-        # beside what the job file holds on the devices (their gradients stay there), as unplanned_need counts
-        route = "reduce_scatter" if job.runtime.grad_route == "reduce_scatter" else "host"
+        # the slots of the step unplanned_need counts (the plan picks an "auto" route later)
+        step, held = unplanned_step(job, layout)
         clip = job.train.max_grad_norm > 0
-        slots, _, full = jobrecord.gradient_space(layout, world, route, clip, job.store.grad_slots,
-                                                  held_by_the_job(job, layout, route)[1])
+        slots, _, full = jobrecord.gradient_space(layout, world, step.grad_route, clip, job.store.grad_slots, held)
         segments = dict(list_store_segments().get(name, []))
         if segments and self._left_behind(name, segments):
             segments = {}  # the run destroys it first: what it needs is a new store's space

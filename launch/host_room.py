@@ -106,11 +106,18 @@ def held_by_the_job(job: JobConfig, layout: Layout, grad_route: str) -> tuple[St
     return step, held_chunk_ids(layout, held_unit_names(layout.model, step))
 
 
+def unplanned_step(job: JobConfig, layout: Layout) -> tuple[StepPlan, tuple[int, ...]]:
+    """The step asked about before the plan, with its held chunks: the job's route (an "auto" route is
+    the plan's to pick: until then the host route, whose rings are the larger) and what the job file
+    holds on the devices."""
+    return held_by_the_job(job, layout, "reduce_scatter" if job.runtime.grad_route == "reduce_scatter" else "host")
+
+
 def unplanned_need(job: JobConfig, layout: Layout, store_exists: bool) -> HostNeed:
     """What any plan of the job takes of the host's memory, asked before the plan: the state to create
-    (with the shadow where the job asks for it), the gradient rings of the job's route beside what the
-    job file holds on the devices, the processes; nothing offloaded."""
-    step, held = held_by_the_job(job, layout, "reduce_scatter" if job.runtime.grad_route == "reduce_scatter" else "host")
+    (with the shadow where the job asks for it), the gradient rings of `unplanned_step`, the processes;
+    nothing offloaded."""
+    step, held = unplanned_step(job, layout)
     return host_need(job, layout, step, store_exists, job.store.shadow_bf16 is True, held)
 
 
