@@ -169,7 +169,10 @@ def run_system(name: str, system: System, args: argparse.Namespace, log_dir: Pat
     tail = "".join(lines)
     wall = time.monotonic() - t0
     row = _read_row(json_path)
-    if row is None or timed_out:  # it wrote no row, or one from when it was stopped
+    if timed_out and row is not None and row.get("status") == "ok":
+        # it wrote its finished row; the limit only cut its exit (DeepSpeed's NCCL teardown)
+        row["note"] = f"its {args.timeout:.0f} s limit stopped it after it wrote this row"
+    elif row is None or timed_out:  # it wrote no row, or one from when it was stopped
         error = row["error"] if timed_out and row and row.get("error") else _last_line(tail)
         row = {**(row or {}), "status": _failure_status(rc, timed_out, args.timeout, tail), "error": error,
                "output_tail": tail[-4000:]}

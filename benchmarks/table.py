@@ -90,6 +90,8 @@ def status_text(row: dict[str, Any]) -> str:
     status = str(row.get("status", "?"))
     if status != "ok" and not status.startswith(("skipped", "not run")) and row.get("error"):
         status += " -- " + str(row["error"]).strip().splitlines()[0]
+    elif status == "ok" and row.get("note"):
+        status += " -- " + str(row["note"])
     status = " ".join(status.split())
     return status if len(status) <= 140 else status[:137] + "..."
 

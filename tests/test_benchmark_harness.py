@@ -152,6 +152,30 @@ def test_failed_killed_and_hung_systems_become_rows(tmp_path, monkeypatch, capsy
     assert all((r["shape"], r["batch"], r["seq"], r["gpus"]) == ("tiny", 8, 2048, 1) for r in rows.values())
 
 
+def test_a_peer_stopped_after_it_wrote_its_row_keeps_its_figures(tmp_path, monkeypatch, capsys):
+    """DeepSpeed at 32 x 2,048 wrote its finished row a second before its limit and was stopped in
+    its NCCL teardown: its figures stand, and the table says the limit stopped it."""
+    mods = tmp_path / "mods"
+    mods.mkdir()
+    _write_module(mods, "peer_slow_exit", "import json, sys, time\n"
+                  "path = sys.argv[sys.argv.index('--json') + 1]\n"
+                  "row = {'system': 'slow_exit', 'status': 'ok', 'tokens_per_s': 8734.7, 'step_s': 7.5029}\n"
+                  "open(path, 'w').write(json.dumps(row))\n"
+                  "print('RESULT ' + json.dumps(row), flush=True)\n"
+                  "time.sleep(60)\n")
+    monkeypatch.setenv("PYTHONPATH", str(mods))
+    monkeypatch.setattr(bench, "SYSTEMS", {**bench.SYSTEMS, "slow_exit": bench.System("peer_slow_exit")})
+    out = tmp_path / "slow.json"
+    assert bench.main(["--device", "cpu", "--shape", "tiny", "--steps", "2", "--warmup", "1", "--quiet",
+                       "--systems", "slow_exit", "--timeout", "2", "--out", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert (row["status"], row["tokens_per_s"], row["step_s"]) == ("ok", 8734.7, 7.5029)
+    assert row["note"] == "its 2 s limit stopped it after it wrote this row"
+    table = capsys.readouterr().out.strip().splitlines()
+    assert _header_cells(table[2])[-1] == "ok -- its 2 s limit stopped it after it wrote this row"
+    assert "8,735" in table[2]
+
+
 def test_a_workload_label_names_the_rows_of_a_model_from_elsewhere(tmp_path, monkeypatch):
     """plan_choice.sh's unseen shape: an HF folder trained on qwen3-4b's token data. Its rows (a peer's, which
     names --shape itself, and the harness's own) carry the label, so no report files it under qwen3-4b."""
