@@ -275,7 +275,8 @@ def timed_steps(step: Callable[[Stopwatch], float | None], steps: int, device: s
         losses.append(float("nan") if loss is None else float(loss))
         if log:
             extra = "".join(f" {k} {v:.3f} s" for k, v in watch.totals.items())
-            log(f"step {i}: {times[-1]:.3f} s loss {losses[-1]:.4f}{extra}")
+            # the host's memory in use, so a peer the kernel kills for memory leaves its climb in the log
+            log(f"step {i}: {times[-1]:.3f} s loss {losses[-1]:.4f}{extra} host {host_used() / GIB:.1f} GiB in use")
     return times, sections, losses
 
 
