@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -39,3 +40,31 @@ def test_the_probe_runs_for_real_on_a_cpu(tmp_path):
                                "--device", "cpu"]) == 0
     [row] = json.loads(out.read_text())["rows"]
     assert row["params"] == 1_000_000 and row["bare_params_per_s"] > 0 and row["beside_copies_params_per_s"] > 0
+
+
+def test_the_shm_rows_update_tensors_in_a_segment_made_as_the_stores_and_remove_it(tmp_path, monkeypatch):
+    seen = []
+
+    def fake_probe(threads, device, gpus, repeat, state):
+        p, g, m, v = state
+        segments = [f.stat().st_size for f in Path("/dev/shm").glob("slidedp.updater-probe-*")]
+        seen.append((p.numel(), [t.data_ptr() - p.data_ptr() for t in (g, m, v)], segments))
+        return 2.0e8
+
+    monkeypatch.setattr(measure, "adamw_beside_copies", fake_probe)
+    out = tmp_path / "probe.json"
+    assert updater_probe.main(["--out", str(out), "--params", "1", "--threads", "1", "--repeat", "1",
+                               "--device", "cpu", "--memory", "shm"]) == 0
+    # one 16 MB segment holds the four tensors back to back
+    assert seen == [(1_000_000, [4_000_000, 8_000_000, 12_000_000], [16_000_000])]
+    doc = json.loads(out.read_text())
+    [row] = doc["rows"]
+    assert row["memory"] == "shm" and row["beside_copies_params_per_s"] == 2.0e8 and row["bare_params_per_s"] > 0
+    assert "AnonHugePages" in row["huge_pages_kib"] and isinstance(doc["transparent_hugepage"], dict)
+    assert not list(Path("/dev/shm").glob("slidedp.updater-probe-*"))
+
+
+def test_an_unknown_memory_kind_is_refused_by_name(tmp_path):
+    with pytest.raises(ValueError, match="--memory takes anon or shm, not 'numa'"):
+        updater_probe.main(["--out", str(tmp_path / "p.json"), "--params", "1", "--threads", "1", "--repeat", "1",
+                            "--device", "cpu", "--memory", "numa"])

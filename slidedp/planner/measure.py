@@ -300,10 +300,12 @@ def measure_blocks(model: ModelConfig, seq_len: int, compute_dtype: str, compile
 
 
 def adamw_beside_copies(threads: int, device: str = "cuda", gpus: int = 1, params: int = 64 << 20,
-                        copy_mib: int = 256, repeat: int = 5) -> float:
+                        copy_mib: int = 256, repeat: int = 5, state: tuple | None = None) -> float:
     """The fused CPU AdamW's rate (params/s) on `threads` threads while every one of `gpus` GPUs copies
     pinned host memory in and out without pause: the updaters' rate in training, where the DMA
-    shares host memory with them. On CPU (device="cpu") the copies are memcpys."""
+    shares host memory with them. On CPU (device="cpu") the copies are memcpys. `state`: the
+    (param, grad, exp_avg, exp_avg_sq) tensors to update (e.g. in shared memory, as the store's are);
+    else `params` fresh ones."""
     import torch
 
     from slidedp.planner.calibration import fused_adamw
@@ -351,8 +353,12 @@ def adamw_beside_copies(threads: int, device: str = "cuda", gpus: int = 1, param
 
     before = torch.get_num_threads()
     torch.set_num_threads(max(1, threads))
-    p, g = torch.rand(params), torch.rand(params)
-    m, v = torch.zeros(params), torch.zeros(params)
+    if state is None:
+        p, g = torch.rand(params), torch.rand(params)
+        m, v = torch.zeros(params), torch.zeros(params)
+    else:
+        p, g, m, v = state
+        params = p.numel()
     step = torch.ones(())
     workers = [threading.Thread(target=copies, args=(i,), daemon=True) for i in range(max(1, gpus) if cuda else 1)]
     try:
