@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import report
-from benchmarks.table import COLUMNS, add_ratios, format_table, table_rows
+from benchmarks.table import COLUMNS, add_ratios, format_table, ran, table_rows, workload_key
 from benchmarks.teed import run_teed
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -260,6 +260,19 @@ def environment(rows: list[dict[str, Any]]) -> dict[str, Any]:
 ENVIRONMENT_KEYS = ("torch", "gpu", "host", "cpus", "host_ram_gib", "python", "platform", "git_commit")
 
 
+def merged_rows(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every row of the files in order, one per system and workload: a later file's row replaces an
+    earlier one of the same system and workload (a call that ran again the rows an earlier call could
+    not finish, `ONLY=...`), unless the earlier ran and the later did not."""
+    kept: dict[tuple[Any, ...], dict[str, Any]] = {}
+    for row in (r for d in docs for r in d["rows"]):
+        key = (row.get("system"), *workload_key(row))
+        if key not in kept or not ran(kept[key]) or ran(row):
+            kept.pop(key, None)  # the replacement takes the later file's place in the order
+            kept[key] = row
+    return list(kept.values())
+
+
 def merged_environment(docs: list[dict[str, Any]]) -> dict[str, Any]:
     """Where merged runs ran, not where they were merged: each key as its sources agree on it, or the
     list of what each source says where they differ (runs on two machines, or of two commits)."""
@@ -346,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
     command = shlex.join([Path(sys.executable).name, "-m", "benchmarks.run", *(sys.argv[1:] if argv is None else argv)])
     if args.merge:
         docs = [json.loads(Path(path).read_text()) for path in args.merge]
-        rows = [r for d in docs for r in d["rows"]]
+        rows = merged_rows(docs)
         if args.out:
             sources = [{"file": path, "date": d.get("date"), "command": d.get("command"), "host": d.get("host"),
                         "git_commit": d.get("git_commit")} for path, d in zip(args.merge, docs)]

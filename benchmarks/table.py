@@ -57,19 +57,19 @@ def group_rows(rows: list[dict[str, Any]]) -> dict[tuple[Any, ...], list[dict[st
     return groups
 
 
-def _ran(r: dict[str, Any]) -> bool:
+def ran(r: dict[str, Any]) -> bool:
     return r.get("status") == "ok" and bool(r.get("tokens_per_s"))
 
 
 def add_ratios(rows: list[dict[str, Any]]) -> None:
     """Set vs_resident, baseline and slidedp_ratio on every row (None where a side did not run)."""
     for group in group_rows(rows).values():
-        base = next((r for name in BASELINES for r in group if r.get("system") == name and _ran(r)), None)
-        head = next((r for r in group if r.get("system") == HEADLINE and _ran(r)), None)
+        base = next((r for name in BASELINES for r in group if r.get("system") == name and ran(r)), None)
+        head = next((r for r in group if r.get("system") == HEADLINE and ran(r)), None)
         for r in group:
-            r["vs_resident"] = r["tokens_per_s"] / base["tokens_per_s"] if base and _ran(r) else None
+            r["vs_resident"] = r["tokens_per_s"] / base["tokens_per_s"] if base and ran(r) else None
             r["baseline"] = base["system"] if base else None
-            r["slidedp_ratio"] = head["tokens_per_s"] / r["tokens_per_s"] if head and _ran(r) else None
+            r["slidedp_ratio"] = head["tokens_per_s"] / r["tokens_per_s"] if head and ran(r) else None
             r.pop("vs_gpu_resident", None)  # the old name, in files written before the baseline changed
 
 

@@ -176,6 +176,26 @@ def test_a_peer_stopped_after_it_wrote_its_row_keeps_its_figures(tmp_path, monke
     assert "8,735" in table[2]
 
 
+def test_a_later_calls_row_replaces_an_earlier_failed_one_of_the_same_system_and_workload(tmp_path):
+    """headline.sh's ONLY=...: a second call runs the rows the first could not finish; the merged
+    table has one row per system and workload, the one that ran."""
+    w32 = {"shape": "qwen3-4b", "batch": 32, "seq": 2048, "gpus": 1}
+    first = [{**w32, "system": "fsdp2_offload", "status": "ok", "tokens_per_s": 6680.0},
+             {**w32, "system": "deepspeed", "status": "timeout after 60 s"},
+             {**w32, "system": "megatrain", "status": "ok", "tokens_per_s": 6473.0}]
+    second = [{**w32, "system": "deepspeed", "status": "ok", "tokens_per_s": 8735.0},
+              {**w32, "system": "megatrain", "status": "failed: killed by SIGKILL (host out of memory?)"},
+              {**w32, "batch": 8, "system": "deepspeed", "status": "ok", "tokens_per_s": 4854.0}]
+    for name, rows in (("a", first), ("b", second)):
+        (tmp_path / f"{name}.json").write_text(json.dumps({"rows": rows}))
+    assert bench.main(["--merge", str(tmp_path / "a.json"), str(tmp_path / "b.json"),
+                       "--out", str(tmp_path / "c.json")]) == 0
+    rows = json.loads((tmp_path / "c.json").read_text())["rows"]
+    assert [(r["system"], r["batch"], r["status"], r.get("tokens_per_s")) for r in rows] == [
+        ("fsdp2_offload", 32, "ok", 6680.0), ("megatrain", 32, "ok", 6473.0), ("deepspeed", 32, "ok", 8735.0),
+        ("deepspeed", 8, "ok", 4854.0)]
+
+
 def test_a_workload_label_names_the_rows_of_a_model_from_elsewhere(tmp_path, monkeypatch):
     """plan_choice.sh's unseen shape: an HF folder trained on qwen3-4b's token data. Its rows (a peer's, which
     names --shape itself, and the harness's own) carry the label, so no report files it under qwen3-4b."""
