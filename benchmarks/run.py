@@ -261,16 +261,27 @@ ENVIRONMENT_KEYS = ("torch", "gpu", "host", "cpus", "host_ram_gib", "python", "p
 
 
 def merged_rows(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Every row of the files in order, one per system and workload: a later file's row replaces an
-    earlier one of the same system and workload (a call that ran again the rows an earlier call could
-    not finish, `ONLY=...`), unless the earlier ran and the later did not."""
-    kept: dict[tuple[Any, ...], dict[str, Any]] = {}
-    for row in (r for d in docs for r in d["rows"]):
-        key = (row.get("system"), *workload_key(row))
-        if key not in kept or not ran(kept[key]) or ran(row):
-            kept.pop(key, None)  # the replacement takes the later file's place in the order
-            kept[key] = row
-    return list(kept.values())
+    """Every row of the files in order, except that a later file's row of a system and workload takes
+    the place of an earlier file's that did not run (a call that ran again the rows an earlier call
+    could not finish, `ONLY=...` in sessions/headline.sh), and a later row that did not run gives way
+    to an earlier one that did. Rows of one system that differ in clipping (SlideDP at 1.0 and off)
+    are different rows; a failed row that never read its clipping matches either."""
+    kept: list[dict[str, Any]] = []
+    for doc in docs:
+        earlier = len(kept)
+        for row in doc["rows"]:
+            same = [i for i in range(earlier) if _same_run(kept[i], row)]
+            if same and not ran(kept[same[0]]):
+                kept[same[0]] = row
+            elif not (same and not ran(row)):
+                kept.append(row)
+    return kept
+
+
+def _same_run(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    clips = a.get("max_grad_norm"), b.get("max_grad_norm")
+    return ((a.get("system"), *workload_key(a)) == (b.get("system"), *workload_key(b))
+            and (None in clips or clips[0] == clips[1]))
 
 
 def merged_environment(docs: list[dict[str, Any]]) -> dict[str, Any]:

@@ -185,15 +185,18 @@ def test_a_later_calls_row_replaces_an_earlier_failed_one_of_the_same_system_and
              {**w32, "system": "megatrain", "status": "ok", "tokens_per_s": 6473.0}]
     second = [{**w32, "system": "deepspeed", "status": "ok", "tokens_per_s": 8735.0},
               {**w32, "system": "megatrain", "status": "failed: killed by SIGKILL (host out of memory?)"},
-              {**w32, "batch": 8, "system": "deepspeed", "status": "ok", "tokens_per_s": 4854.0}]
+              {**w32, "batch": 8, "system": "deepspeed", "status": "ok", "tokens_per_s": 4854.0},
+              # SlideDP clipped and not: two rows of one system, and neither replaces the other
+              {**w32, "system": "slidedp", "status": "ok", "tokens_per_s": 13795.0, "max_grad_norm": 1.0},
+              {**w32, "system": "slidedp", "status": "ok", "tokens_per_s": 15085.0, "max_grad_norm": 0.0}]
     for name, rows in (("a", first), ("b", second)):
         (tmp_path / f"{name}.json").write_text(json.dumps({"rows": rows}))
     assert bench.main(["--merge", str(tmp_path / "a.json"), str(tmp_path / "b.json"),
                        "--out", str(tmp_path / "c.json")]) == 0
     rows = json.loads((tmp_path / "c.json").read_text())["rows"]
     assert [(r["system"], r["batch"], r["status"], r.get("tokens_per_s")) for r in rows] == [
-        ("fsdp2_offload", 32, "ok", 6680.0), ("megatrain", 32, "ok", 6473.0), ("deepspeed", 32, "ok", 8735.0),
-        ("deepspeed", 8, "ok", 4854.0)]
+        ("fsdp2_offload", 32, "ok", 6680.0), ("deepspeed", 32, "ok", 8735.0), ("megatrain", 32, "ok", 6473.0),
+        ("deepspeed", 8, "ok", 4854.0), ("slidedp", 32, "ok", 13795.0), ("slidedp", 32, "ok", 15085.0)]
 
 
 def test_a_workload_label_names_the_rows_of_a_model_from_elsewhere(tmp_path, monkeypatch):
