@@ -9,6 +9,7 @@ messages that accompany them are only wake-ups.
 
 from __future__ import annotations
 
+import functools
 import json
 import struct
 import time
@@ -108,8 +109,15 @@ class Manifest:
 
     def _array(self, index: int) -> np.ndarray:
         c = len(self.layout.chunks)
-        start = PAGE + _round_up(len(_body(self.layout, self.meta)))
-        return self.seg.array(np.int64, start + index * 8 * c, c)
+        return self.seg.array(np.int64, self._arrays_at + index * 8 * c, c)
+
+    @functools.cached_property
+    def _arrays_at(self) -> int:
+        """Where the int64 arrays start: past the layout's JSON, whose length the header holds. Read once:
+        the updater reads a field several times per chunk, and serializing the layout again each time
+        cost ~1.5 ms (Qwen3-8B's 45 chunks), ~5 ms per chunk update in training."""
+        body_len = _FIXED.unpack_from(self.seg.mm, 0)[5]
+        return PAGE + _round_up(body_len)
 
     @property
     def versions(self) -> np.ndarray:
