@@ -125,16 +125,24 @@ def _write_module(folder: Path, name: str, code: str) -> None:
     (folder / f"{name}.py").write_text(code)
 
 
-def test_failed_killed_and_hung_systems_become_rows(tmp_path, monkeypatch, capsys):
+def _fake_peers(tmp_path: Path, monkeypatch, **code: str) -> None:
+    """Each keyword a system of the harness: a module of its own running that code (as `peer_NAME`)."""
     mods = tmp_path / "mods"
-    mods.mkdir()
-    _write_module(mods, "peer_raises", "raise RuntimeError('CUDA error: an illegal memory access')\n")
-    _write_module(mods, "peer_killed", "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n")
-    _write_module(mods, "peer_hangs", "import time\nprint('working', flush=True)\ntime.sleep(60)\n")
+    mods.mkdir(exist_ok=True)
+    for name, text in code.items():
+        _write_module(mods, f"peer_{name}", text)
     monkeypatch.setenv("PYTHONPATH", str(mods))
-    systems = {"raises": bench.System("peer_raises"), "killed": bench.System("peer_killed"),
-               "hangs": bench.System("peer_hangs")}
-    monkeypatch.setattr(bench, "SYSTEMS", {**bench.SYSTEMS, **systems})
+    monkeypatch.setattr(bench, "SYSTEMS", {**bench.SYSTEMS, **{n: bench.System(f"peer_{n}") for n in code}})
+
+
+# a fake peer's first line: where the harness wants its row (--json)
+_JSON_PATH = "import json, sys, time\npath = sys.argv[sys.argv.index('--json') + 1]\n"
+
+
+def test_failed_killed_and_hung_systems_become_rows(tmp_path, monkeypatch, capsys):
+    _fake_peers(tmp_path, monkeypatch, raises="raise RuntimeError('CUDA error: an illegal memory access')\n",
+                killed="import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n",
+                hangs="import time\nprint('working', flush=True)\ntime.sleep(60)\n")
     out = tmp_path / "fail.json"
     rc = bench.main(["--device", "cpu", "--shape", "tiny", "--steps", "2", "--warmup", "1", "--quiet",
                      "--systems", "raises,killed,hangs", "--timeout", "2", "--out", str(out)])
@@ -155,16 +163,11 @@ def test_failed_killed_and_hung_systems_become_rows(tmp_path, monkeypatch, capsy
 def test_a_peer_stopped_after_it_wrote_its_row_keeps_its_figures(tmp_path, monkeypatch, capsys):
     """DeepSpeed at 32 x 2,048 wrote its finished row a second before its limit and was stopped in
     its NCCL teardown: its figures stand, and the table says the limit stopped it."""
-    mods = tmp_path / "mods"
-    mods.mkdir()
-    _write_module(mods, "peer_slow_exit", "import json, sys, time\n"
-                  "path = sys.argv[sys.argv.index('--json') + 1]\n"
-                  "row = {'system': 'slow_exit', 'status': 'ok', 'tokens_per_s': 8734.7, 'step_s': 7.5029}\n"
+    _fake_peers(tmp_path, monkeypatch, slow_exit=_JSON_PATH
+                + "row = {'system': 'slow_exit', 'status': 'ok', 'tokens_per_s': 8734.7, 'step_s': 7.5029}\n"
                   "open(path, 'w').write(json.dumps(row))\n"
                   "print('RESULT ' + json.dumps(row), flush=True)\n"
                   "time.sleep(60)\n")
-    monkeypatch.setenv("PYTHONPATH", str(mods))
-    monkeypatch.setattr(bench, "SYSTEMS", {**bench.SYSTEMS, "slow_exit": bench.System("peer_slow_exit")})
     out = tmp_path / "slow.json"
     assert bench.main(["--device", "cpu", "--shape", "tiny", "--steps", "2", "--warmup", "1", "--quiet",
                        "--systems", "slow_exit", "--timeout", "2", "--out", str(out)]) == 0
@@ -202,14 +205,9 @@ def test_a_later_calls_row_replaces_an_earlier_failed_one_of_the_same_system_and
 def test_a_workload_label_names_the_rows_of_a_model_from_elsewhere(tmp_path, monkeypatch):
     """plan_choice.sh's unseen shape: an HF folder trained on qwen3-4b's token data. Its rows (a peer's, which
     names --shape itself, and the harness's own) carry the label, so no report files it under qwen3-4b."""
-    mods = tmp_path / "mods"
-    mods.mkdir()
-    _write_module(mods, "peer_names_its_shape", "import json, sys\n"
-                  "path = sys.argv[sys.argv.index('--json') + 1]\n"
-                  "open(path, 'w').write(json.dumps({'system': 'x', 'shape': 'tiny', 'status': 'ok', 'step_s': 1.0,"
+    _fake_peers(tmp_path, monkeypatch, named=_JSON_PATH
+                + "open(path, 'w').write(json.dumps({'system': 'x', 'shape': 'tiny', 'status': 'ok', 'step_s': 1.0,"
                   " 'tokens_per_s': 1.0}))\n")
-    monkeypatch.setenv("PYTHONPATH", str(mods))
-    monkeypatch.setattr(bench, "SYSTEMS", {**bench.SYSTEMS, "named": bench.System("peer_names_its_shape")})
     out = tmp_path / "label.json"
     assert bench.main(["--device", "cpu", "--shape", "tiny", "--steps", "2", "--warmup", "1", "--quiet",
                        "--systems", "named,slideformer", "--workload-label", "llama-unseen", "--out", str(out)]) == 0
