@@ -56,6 +56,9 @@ _NOTHING_LEARNED: dict[str, Any] = {k: 0 for k in LEARNED_FIELDS}
 # Fields of older cache files that nothing reads now: runs' GPU-time factors per model and shape of
 # GPU work, replaced by the GPU blocks measured at plan time (measure.py). Dropped on reading, with a note.
 RETIRED_FIELDS = ("gpu_train_factors", "gpu_train_model_params")
+# The step model's shares of the bare AdamW rate: constants of this checkout, not measurements of the
+# host. A cache does not keep them (one written with them charges this checkout's, not its own).
+MODEL_SHARES = ("adamw_train_fraction", "adamw_train_fraction_low")
 
 # 0 = not measured yet: what training runs measure, the host's copy-in with every GPU at once, the
 # AdamW rate beside the copies (measured on CUDA only), and host memory (a cache file from before it)
@@ -101,10 +104,12 @@ class Calibration:
     adamw_beside_copies_params_per_s: float = 0.0
     adamw_beside_copies_gpus: int = 0  # how many GPUs copied beside it
     # until a run or the measurement above gives the updaters' rate, the share of the bare kernel's rate
-    # the planner charges (measured in training runs; docs/tuning.md). 1.0 charges the bare rate.
-    adamw_train_fraction: float = 0.6
-    # the lowest share measured in training; a first plan's device-held layers also hold at it
-    adamw_train_fraction_low: float = 0.38
+    # the planner charges: the median of first runs on one H200 at 971adae, 0.78-0.85 (docs/tuning.md,
+    # "The updaters' share after the manifest fix"). 1.0 charges the bare rate.
+    adamw_train_fraction: float = 0.8
+    # the lowest share measured in training (0.46, a calibration whose bare kernel read 6.65 G params/s, the
+    # manifest's per-chunk cost taken out); a first plan's device-held layers also hold at it
+    adamw_train_fraction_low: float = 0.46
     # host memory, GB/s of bytes moved (planner/host_bandwidth.py): reading, writing, copying (read + write), every
     # NUMA node on its own memory, added up; with the bare AdamW's bytes, the largest bounds a step's host traffic
     # (host_peak_gbps, step_model.host_bound_s). 0: not measured (a cache file from before it: load_or_calibrate
@@ -568,7 +573,8 @@ def save(calib: Calibration, path: str | os.PathLike, learned: Mapping[int, Mapp
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".tmp{os.getpid()}")
-    doc: dict[str, Any] = {"schema": SCHEMA, "calibration": _with_learned(calib, {}).to_dict()}
+    figures = {k: v for k, v in _with_learned(calib, {}).to_dict().items() if k not in MODEL_SHARES}
+    doc: dict[str, Any] = {"schema": SCHEMA, "calibration": figures}
     if learned:
         doc["learned"] = {str(k): dict(v) for k, v in sorted(learned.items())}
     tmp.write_text(json.dumps(doc, indent=1) + "\n")
@@ -601,7 +607,8 @@ def _read(path: str | os.PathLike) -> tuple[Calibration, dict[int, dict[str, Any
         raise CalibrationError(f"calibration {path} is not a schema-{SCHEMA} calibration file")
     retired = sorted(set(doc["calibration"]) & set(RETIRED_FIELDS))
     try:
-        calib = Calibration.from_dict({k: v for k, v in doc["calibration"].items() if k not in RETIRED_FIELDS})
+        calib = Calibration.from_dict({k: v for k, v in doc["calibration"].items()
+                                       if k not in RETIRED_FIELDS and k not in MODEL_SHARES})
     except (TypeError, ValueError) as e:
         raise CalibrationError(f"calibration {path}: {e}") from None
     learned = _learned_of(calib)  # a file from before the per-model figures

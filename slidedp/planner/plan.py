@@ -317,7 +317,7 @@ def _with_device_layers(work: Workload, ch: StepPlan, budget: int, calib: Calibr
     fastest step are kept, with the fewest resident layers that predict the same. Until a run of
     the model has measured its updaters' rate, a step is judged by the slower of its predictions
     at the charged share of the bare AdamW and at the lowest share measured: the share is what a
-    first plan is most often wrong by (0.38 to 0.69 measured), and a held layer too few leaves the
+    first plan is most often wrong by (0.46 to 1.01 measured), and a held layer too few leaves the
     step bound by the host where one too many costs a little GPU memory."""
     low = calib.at_lowest_share(work.model.num_parameters())
     best, best_step = ch, _guarded_step(work, ch, calib, low)

@@ -410,7 +410,8 @@ def test_a_first_plan_holds_layers_for_the_lowest_measured_adamw_share():
     machine_b = Calibration(
         host="b", device_name="NVIDIA H200", h2d_gbps=54.8, d2h_gbps=54.2, bidir_gbps=89.2, adamw_params_per_s=7.28e9,
         adamw_threads=32, reduce_gbps=43.3, device_tflops=352.9, device_mem_bytes=143_771 * (1 << 20), allreduce_gbps=238.0,
-        bus_gpus=2, h2d_total_gbps=101.0)
+        bus_gpus=2, h2d_total_gbps=101.0,
+        adamw_train_fraction=0.6, adamw_train_fraction_low=0.38)  # the shares charged and known then
     work = Workload(named_shape("qwen3-4b"), global_batch=16, seq_len=2048, world=2, micro_batch=2, clip=False,
                     compiled=True)  # the job's train.compile = "auto"
     n = work.model.num_parameters()
@@ -552,6 +553,15 @@ def test_what_runs_measured_is_kept_per_model(tmp_path, caplog):
         assert calibration_mod.load(old, model_params=q4).adamw_train_params_per_s == 2.5e9
     assert "gpu_train_factors, gpu_train_model_params (GPU-time factors learned from runs) ignored" in caplog.text
     assert calibration_mod.load(old, model_params=q14) == cal
+    # the shares of the bare AdamW rate are the step model's, not the host's: a file holding an older
+    # checkout's (0.6 and 0.38) charges this one's, and a file written now holds none
+    assert not set(calibration_mod.MODEL_SHARES) & set(mixed["calibration"])
+    older = dict(mixed, calibration={**mixed["calibration"], "adamw_train_fraction": 0.6,
+                                     "adamw_train_fraction_low": 0.38})
+    old.write_text(json.dumps(older))
+    read = calibration_mod.load(old, model_params=q14)
+    assert (read.adamw_train_fraction, read.adamw_train_fraction_low) == (
+        Calibration.adamw_train_fraction, Calibration.adamw_train_fraction_low) == (0.8, 0.46)
     # a file from before "device" replaced "gpu" in the device's fields (old_names.RENAMED)
     renamed = {("gpu" + k[len("device"):] if k.startswith("device_") and k != "device_name" else k): v
                for k, v in mixed["calibration"].items()}
@@ -658,9 +668,9 @@ def test_the_cuda_calibration_measures_links_once_and_keeps_what_runs_measured(t
     assert calls == {"calibrate": 1, "links": 0, "adamw": 1, "rows": 0} and one.bus_gpus == 1
     assert (one.embedding_rows_gather, one.embedding_rows_gbps) == ("", 0.0)
     assert (one.adamw_beside_copies_params_per_s, one.adamw_beside_copies_gpus) == (1e9, 1)
-    # charged: the larger of the probe's rate (its copies never pause) and 0.6 x the bare kernel's
-    assert one.update_params_per_s(123) == pytest.approx(0.6 * one.adamw_params_per_s) == 2.64e9
-    assert dataclasses.replace(one, adamw_beside_copies_params_per_s=3e9).update_params_per_s(123) == 3e9
+    # charged: the larger of the probe's rate (its copies never pause) and 0.8 x the bare kernel's
+    assert one.update_params_per_s(123) == pytest.approx(0.8 * one.adamw_params_per_s) == 3.52e9
+    assert dataclasses.replace(one, adamw_beside_copies_params_per_s=3.6e9).update_params_per_s(123) == 3.6e9
     assert one.at_lowest_share(123) is None  # measured: no guess to guard
     calibration_mod.record_training(one, tmp_path, adamw_train_params_per_s=3e9, adamw_train_model_params=5)
     two = load_or_calibrate("cuda", cache_dir=tmp_path, gpus=2, model_params=5)
@@ -709,7 +719,8 @@ def test_cpu_calibration_round_trips_through_the_json_cache(tmp_path, monkeypatc
     files[0].write_text("{not json")
     monkeypatch.setattr(calibration_mod, "calibrate", lambda device, quick=False: TOY_CAL)
     assert load_or_calibrate("cpu", cache_dir=tmp_path) == TOY_CAL
-    assert calibration_mod.load(files[0]) == TOY_CAL
+    # (the file holds TOY_CAL's figures; the share of the bare AdamW rate it charges is this checkout's)
+    assert calibration_mod.load(files[0]) == dataclasses.replace(TOY_CAL, adamw_train_fraction=0.8)
     # refresh measures again and forgets what runs measured (after a hardware change)
     calibration_mod.record_training(cal, tmp_path, adamw_train_params_per_s=1.5e9, adamw_train_model_params=777)
     assert load_or_calibrate("cpu", cache_dir=tmp_path, model_params=777).adamw_train_params_per_s == 1.5e9
@@ -873,21 +884,21 @@ def test_a_training_run_teaches_the_planner_its_adamw_rate_for_that_model(tmp_pa
     assert f"AdamW in training 2.20 G params/s (measured training a {n:,}-param model)" in saved.summary()
     # the plan says which rate it charged: the discounted bare kernel before the run, the measured one after
     bare = cal.adamw_params_per_s * cal.adamw_train_fraction / 1e9
-    assert (f"note: update charged at {bare:.2f} G params/s per updater: 0.6 x the bare kernel until a run of "
+    assert (f"note: update charged at {bare:.2f} G params/s per updater: 0.8 x the bare kernel until a run of "
             "this model on this host measures its rate in training") in plan.describe()
     assert ("note: update charged at 2.20 G params/s per updater, measured training this model on this host"
             in make_plan(work, 24 * GiB, saved, {"delivery": ("fp32",)}).describe())
-    assert "0.6 x the bare kernel" in make_plan(other, 24 * GiB, saved).describe()
-    # a calibration that measured the kernel beside copies charges the larger of that rate and 0.6 x the
+    assert "0.8 x the bare kernel" in make_plan(other, 24 * GiB, saved).describe()
+    # a calibration that measured the kernel beside copies charges the larger of that rate and 0.8 x the
     # bare kernel's (4.40 here), and says which
-    beside = dataclasses.replace(cal, adamw_beside_copies_params_per_s=2.85e9, adamw_beside_copies_gpus=1)
-    assert beside.update_params_per_s(n) == 2.85e9
-    assert ("note: update charged at 2.85 G params/s per updater: the kernel measured beside 1 GPU(s) copying without "
-            "pause (above 0.6 x the bare kernel's 4.40), until a run of this model on this host measures its rate in "
+    beside = dataclasses.replace(cal, adamw_beside_copies_params_per_s=3.85e9, adamw_beside_copies_gpus=1)
+    assert beside.update_params_per_s(n) == 3.85e9
+    assert ("note: update charged at 3.85 G params/s per updater: the kernel measured beside 1 GPU(s) copying without "
+            "pause (above 0.8 x the bare kernel's 4.40), until a run of this model on this host measures its rate in "
             "training") in make_plan(work, 24 * GiB, beside).describe()
     slow = dataclasses.replace(beside, adamw_beside_copies_params_per_s=2.2e9)
-    assert slow.update_params_per_s(n) == pytest.approx(2.64e9)
-    assert ("note: update charged at 2.64 G params/s per updater: 0.6 x the bare kernel's 4.40 (above the 2.20 "
+    assert slow.update_params_per_s(n) == pytest.approx(3.52e9)
+    assert ("note: update charged at 3.52 G params/s per updater: 0.8 x the bare kernel's 4.40 (above the 2.20 "
             "measured beside 1 GPU(s) copying without pause), until") in make_plan(work, 24 * GiB, slow).describe()
     # too few steps, or no plan (a CPU run): nothing learned, nothing written
     assert record_training(JobPlan(StepPlan(), plan), busy[:2], [], cache_dir=str(tmp_path / "x")) is None
