@@ -61,13 +61,14 @@ def initial_master(layout: Layout) -> torch.Tensor:
     return master
 
 
-def make_engine(cfg: ModelConfig, policy: StepPlan, link: FakeLink, held_layers: int = 0) -> Engine:
+def make_engine(cfg: ModelConfig, policy: StepPlan, link: FakeLink, held_layers: int = 0,
+                held_kind: type | None = None) -> Engine:
     """An fp32 CPU engine over a fresh master, with one gradient slot per chunk (none reused in a step)
-    and its first `held_layers` layers held (HeldStandIn)."""
+    and its first `held_layers` layers held (`held_kind`, by default HeldStandIn)."""
     layout = make_layout(cfg)
     master = initial_master(layout)
     units = units_of(layout)
-    held = {f"layer.{i}": HeldStandIn(master, units[f"layer.{i}"]) for i in range(held_layers)}
+    held = {f"layer.{i}": (held_kind or HeldStandIn)(master, units[f"layer.{i}"]) for i in range(held_layers)}
     slots = torch.zeros(len(layout.chunks), layout.max_chunk_numel)
     return Engine(cfg, layout, master, torch.device("cpu"), torch.float32, link,
                   lambda slot, numel: slots[slot, :numel], M * MB * T, policy, held=held)
@@ -256,6 +257,35 @@ def test_held_layers_are_queued_before_the_wait_for_the_first_fetched_layer(monk
     engine.run_step(0, seqs[..., :-1], seqs[..., 1:])
     first_wait = events.index(("issue", f"layer.{held}", 0))
     assert sum(1 for e in events[:first_wait] if e[0] == "compute") == (held + 1 - depth) * M
+
+
+def test_host_gradients_are_announced_before_the_held_layers_norms_wait_for_their_backward():
+    """A held layer's norm waits for the GPU's backward of every held layer (on CUDA, a float of a
+    device tensor). Every gradient sent to the host before then is announced before that wait, so the
+    updaters start on the last fetched layers while the held layers' backward runs, not after it."""
+    cfg, held = replace(NAMED_SHAPES["tiny"], num_layers=6), 3
+    order: list[str] = []
+
+    class OrderLink(HeldLink):
+        def grad_landed(self, chunk: Chunk, slot: int, sqnorm: float, step: int) -> None:
+            super().grad_landed(chunk, slot, sqnorm, step)
+            order.append(f"landed {chunk.id}")
+
+    class WaitingHeld(HeldStandIn):
+        def reduce(self, grad: torch.Tensor) -> float:
+            order.append("norm")
+            return super().reduce(grad)
+
+    layout = make_layout(cfg)
+    engine = make_engine(cfg, StepPlan(), OrderLink(len(layout.chunks)), held, WaitingHeld)
+    units = units_of(layout)
+    seqs = torch.randint(0, cfg.vocab_size, (M, MB, T + 1), generator=torch.Generator().manual_seed(5))
+    engine.run_step(0, seqs[..., :-1], seqs[..., 1:])
+    held_ids = {c.id for i in range(held) for c in units[f"layer.{i}"].chunks}
+    host_ids = sorted(c.id for c in layout.chunks if c.id not in held_ids)
+    first_norm = order.index("norm")
+    assert sorted(int(e.split()[1]) for e in order[:first_norm]) == host_ids
+    assert order[first_norm:] == ["norm"] * held
 
 
 def test_a_skipped_step_leaves_no_copy_behind():
