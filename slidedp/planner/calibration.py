@@ -104,11 +104,11 @@ class Calibration:
     adamw_beside_copies_params_per_s: float = 0.0
     adamw_beside_copies_gpus: int = 0  # how many GPUs copied beside it
     # until a run or the measurement above gives the updaters' rate, the share of the bare kernel's rate
-    # the planner charges: the median of first runs on one H200 at 971adae, 0.78-0.85 (docs/tuning.md,
+    # the planner charges: about the median of first runs on one H200 since the manifest fix (docs/tuning.md,
     # "The updaters' share after the manifest fix"). 1.0 charges the bare rate.
     adamw_train_fraction: float = 0.8
-    # the lowest share measured in training (0.46, a calibration whose bare kernel read 6.65 G params/s, the
-    # manifest's per-chunk cost taken out); a first plan's device-held layers also hold at it
+    # the lowest share measured in training (the manifest's per-chunk cost taken out; docs/tuning.md, "The
+    # planner's constants"); a first plan's device-held layers also hold at it
     adamw_train_fraction_low: float = 0.46
     # host memory, GB/s of bytes moved (planner/host_bandwidth.py): reading, writing, copying (read + write), every
     # NUMA node on its own memory, added up; with the bare AdamW's bytes, the largest bounds a step's host traffic

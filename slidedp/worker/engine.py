@@ -342,8 +342,8 @@ class Engine:
         if not grads:
             return
         # the norms below wait for the held layers' backward: announce each host gradient as it lands
-        # first, or the updaters start the last fetched layers' updates only after that backward (on
-        # Qwen3-1.7B with 13 held layers, 150 ms later, and the next forward waited for them)
+        # first, or the updaters start the last fetched layers only after that backward, and the next
+        # forward waits for them
         self._flush(step, block=True)
         for name, g in grads.items():
             sq = self.held[name].reduce(g)  # of the summed gradient: every rank has it; rank 0 reports it
