@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from slidedp.planner import measure
-from slidedp.planner.calibration import _adamw_rate, _median_time, fused_adamw
+from slidedp.planner.calibration import _adamw_rate
 
 
 def probe(params: int, threads: int, device: str, repeat: int, memory: str = "anon") -> dict[str, Any]:
@@ -39,19 +39,11 @@ def probe(params: int, threads: int, device: str, repeat: int, memory: str = "an
         before = torch.get_num_threads()
         torch.set_num_threads(threads)
         try:
-            if state is None:
-                bare = _adamw_rate(params, "cpu", lambda: None, repeat)
-            else:
-                p, g, m, v = state
-                step = torch.ones(())
-                bare = params / _median_time(lambda: fused_adamw([p], [g], [m], [v], [step]), lambda: None, repeat)
+            bare = _adamw_rate(params, "cpu", lambda: None, repeat, state)
             huge = _huge_pages_kib()
         finally:
             torch.set_num_threads(before)
-        if state is None:
-            beside = measure.adamw_beside_copies(threads, device, 1, params=params, repeat=repeat)
-        else:
-            beside = measure.adamw_beside_copies(threads, device, 1, repeat=repeat, state=state)
+        beside = measure.adamw_beside_copies(threads, device, 1, params=params, repeat=repeat, state=state)
     return {"params": params, "threads": threads, "memory": memory, "bare_params_per_s": bare,
             "beside_copies_params_per_s": beside, "beside_over_bare": beside / bare, "huge_pages_kib": huge}
 

@@ -15,7 +15,8 @@ from slidedp.planner import measure
 def test_each_row_is_the_calibrations_probe_at_that_size_and_thread_count(tmp_path, monkeypatch):
     calls = []
 
-    def fake_probe(threads, device, gpus, params, repeat):
+    def fake_probe(threads, device, gpus, params, repeat, state):
+        assert state is None  # the process's own memory: the probe makes its tensors
         calls.append((threads, device, gpus, params, repeat))
         return 1.5e8 * threads
 
@@ -45,7 +46,7 @@ def test_the_probe_runs_for_real_on_a_cpu(tmp_path):
 def test_the_shm_rows_update_tensors_in_a_segment_made_as_the_stores_and_remove_it(tmp_path, monkeypatch):
     seen = []
 
-    def fake_probe(threads, device, gpus, repeat, state):
+    def fake_probe(threads, device, gpus, params, repeat, state):
         p, g, m, v = state
         segments = [f.stat().st_size for f in Path("/dev/shm").glob("slidedp.updater-probe-*")]
         seen.append((p.numel(), [t.data_ptr() - p.data_ptr() for t in (g, m, v)], segments))

@@ -273,11 +273,17 @@ def fused_adamw(params: list, grads: list, m: list, v: list, steps: list) -> Non
     )
 
 
-def _adamw_rate(n: int, device: str, sync: Callable[[], None], reps: int) -> float:
+def _adamw_rate(n: int, device: str, sync: Callable[[], None], reps: int, state: tuple | None = None) -> float:
+    """The fused AdamW's rate (params/s) over `n` fresh parameters, or over `state`'s (param, grad,
+    exp_avg, exp_avg_sq) tensors where given (e.g. in shared memory, as the store's are)."""
     import torch
 
-    p, g = torch.rand(n, device=device), torch.rand(n, device=device)
-    m, v = torch.zeros(n, device=device), torch.zeros(n, device=device)
+    if state is None:
+        p, g = torch.rand(n, device=device), torch.rand(n, device=device)
+        m, v = torch.zeros(n, device=device), torch.zeros(n, device=device)
+    else:
+        p, g, m, v = state
+        n = p.numel()
     step = torch.ones((), device=device)
     return n / _median_time(lambda: fused_adamw([p], [g], [m], [v], [step]), sync, reps)
 
