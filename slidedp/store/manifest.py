@@ -114,8 +114,8 @@ class Manifest:
     @functools.cached_property
     def _arrays_at(self) -> int:
         """Where the int64 arrays start: past the layout's JSON, whose length the header holds. Read once:
-        the updater reads a field several times per chunk, and serializing the layout again each time
-        cost ~1.5 ms (Qwen3-8B's 45 chunks), ~5 ms per chunk update in training."""
+        the updater reads a field several times per chunk update, and serializing the layout to find it
+        each time slowed every update (docs/tuning.md, "The updater's per-chunk cost found in a trace")."""
         body_len = _FIXED.unpack_from(self.seg.mm, 0)[5]
         return PAGE + _round_up(body_len)
 
