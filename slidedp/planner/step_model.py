@@ -1,7 +1,8 @@
 """The step-time model: one rank's step as an event simulation over five resources.
 
 The model replays one rank's schedule (docs/pipeline.md, "The step on one rank") as a small event
-simulation over five resources, each a FIFO server:
+simulation over five resources: the copy streams and the GPU are FIFO servers, the updaters a queue
+that runs the most urgent waiting update first, as the updater does (the next forward's order):
 
   h2d     the copy-in stream: parameter chunks (prefetched `prefetch_depth` chunks ahead),
           offloaded activations, a host-held embedding: an untied one's batch rows (`embedding_rows_s`),
@@ -12,8 +13,10 @@ simulation over five resources, each a FIFO server:
   update  the updater pool: K processes running the fused CPU AdamW, one chunk at a time each
 
 A chunk's H2D in step s+1 waits for its update in step s (the version gate), so whatever the
-CPU has not finished when the GPU wants a chunk back is exposed: the tail (layer 0 and the
-embedding rows the next batch needs). With exact gradient clipping the model predicts two
+CPU has not finished when the GPU wants a chunk back is exposed: the tail (layer 0, and a
+host-held embedding, whose rows the worker gathers once every block of it is updated). An updater
+behind the backward runs the waiting updates in forward order, so the next forward follows the
+queue instead of waiting for it to empty. With exact gradient clipping the model predicts two
 steps: one whose norm stays under max_grad_norm keeps its speculative updates, overlapped with
 the backward as without clipping (device-held units wait for the norm); one after a clipped
 step (slidedp/clipping: it does not speculate) has every update wait for the global norm, i.e.
@@ -34,8 +37,10 @@ messages, version polling and the Python between the blocks.
 
 from __future__ import annotations
 
+import heapq
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 from slidedp.jobrecord import sums_on_host
 from slidedp.planner import costs
@@ -123,13 +128,14 @@ def _tasks(work: Workload, ch: StepPlan, calib: Calibration) -> list[_Task]:
 
     host_emb = ch.embedding == "host"
     rows = costs.row_blocks(v, ch.chunk_rows or costs.default_chunk_rows(m))
+    embedding_blocks = tuple(f"embedding:{j}" for j in range(len(rows)))
     tasks: list[_Task] = []
     # ---- forward
     if costs.gathers_rows(m, ch.embedding):
-        tasks.append(_Task("embedding rows", h2d_s=embedding_rows_s(work, ch, calib), gate=("embedding:next",)))
+        # the worker gathers the rows once every block of the embedding is updated (Engine.host_embedding)
+        tasks.append(_Task("embedding rows", h2d_s=embedding_rows_s(work, ch, calib), gate=embedding_blocks))
     elif host_emb:  # tied: the engine fetches the whole matrix (the head's) once all of it is updated
-        every = ("embedding:next",) + tuple(f"embedding:{j}" for j in range(len(rows)))
-        tasks.append(_Task("embedding in", h2d_s=params_in(v * h, fwd_in), gate=every))
+        tasks.append(_Task("embedding in", h2d_s=params_in(v * h, fwd_in), gate=embedding_blocks))
     for c in range(nl):
         tasks.append(_Task(
             f"layer {c} fwd", h2d_s=params_in(p_layer, fwd_in) if c >= held else 0.0, device_s=g_fwd,
@@ -156,13 +162,8 @@ def _tasks(work: Workload, ch: StepPlan, calib: Calibration) -> list[_Task]:
             f"layer {c} bwd", h2d_s=fetch, device_s=g_bwd, d2h_s=grads_out(p_layer, bwd_out) if c >= held else 0.0,
             jobs=(job(f"layer {c}", p_layer),) if c >= held else (),
         ))
-    if host_emb:
-        # the whole embedding gradient leaves the GPU; the updater first updates the rows the
-        # next batch needs (at most one per token of the global batch), then the rest by block
-        need = min(v, work.tokens_per_step)
-        emb_jobs = (job("embedding:next", need * h),) + tuple(
-            job(f"embedding:{j}", r * h * (1 - need / v)) for j, r in enumerate(rows)
-        )
+    if host_emb:  # the whole embedding gradient leaves the GPU, then the updaters update it block by block
+        emb_jobs = tuple(job(f"embedding:{j}", r * h) for j, r in enumerate(rows))
         tasks += [
             _Task(f"embedding block {j} grad", d2h_s=grads_out(r * h, bwd_out), jobs=emb_jobs if j == len(rows) - 1 else ())
             for j, r in enumerate(rows)
@@ -257,10 +258,10 @@ def _period(tasks: list[_Task], depth: int, updaters: int, clip: bool, clips: bo
     fetch_starts: list[float] = []  # compute start of each task that copies in, in order
     done: dict[str, float] = {}  # job -> time its update finished in the previous step
     ends: list[float] = []
-    # where the next step's schedule first needs each job's update: the updaters run waiting work in that
-    # order (daemons/updater/core.py: the oldest step, then forward order)
+    # where the next step's schedule first needs each job's update: the updaters run the waiting work
+    # that is needed first (daemons/updater/core.py: the oldest step, then forward order)
     deferred = clip and clips and not corrected
-    needed = {g: i for i, t in reversed(list(enumerate(tasks))) for g in t.gate} if deferred else {}
+    needed = {g: i for i, t in reversed(list(enumerate(tasks))) for g in t.gate}
     for _ in range(_STEPS):
         released: list[tuple[_Job, float]] = []
         released_last = 0.0  # the latest of released's times, kept as they come (a held unit waits for it)
@@ -294,14 +295,8 @@ def _period(tasks: list[_Task], depth: int, updaters: int, clip: bool, clips: bo
                 released_last = max(released_last, released[-1][1])
         norm = max(released_last, grads_end or device_free)
         norm_known = norm if deferred else 0.0
-        done = {}
-        # every update of a clipped step waits for the norm, then runs in forward order; otherwise as its
-        # gradient comes
-        order = sorted(released, key=lambda jr: needed.get(jr[0].name, len(tasks))) if norm_known else released
-        for j, r in order:
-            s = min(range(updaters), key=servers.__getitem__)
-            servers[s] = max(servers[s], r, norm_known) + j.update_s
-            done[j.name] = servers[s]
+        # every update of a clipped step waits for the norm; otherwise each may run once its gradient is in
+        done = _serve(released, servers, norm_known, lambda j: needed.get(j.name, len(tasks)))
         if clip and corrected:  # the corrections, in forward order: the next forward wants layer 0 first
             for j, _ in reversed(released):
                 s = min(range(updaters), key=servers.__getitem__)
@@ -309,6 +304,30 @@ def _period(tasks: list[_Task], depth: int, updaters: int, clip: bool, clips: bo
                 done[j.name] = servers[s]
         ends.append(device_free)
     return (ends[-1] - ends[-1 - _AVERAGE]) / _AVERAGE
+
+
+def _serve(released: list[tuple[_Job, float]], servers: list[float], floor: float,
+           urgency: Callable[[_Job], int]) -> dict[str, float]:
+    """Run one step's host updates on the updaters (`servers`: when each is next free, advanced in place),
+    as the updater does: whenever one is free, the most urgent (lowest `urgency`) of the jobs whose
+    gradient is in by then and not before `floor`, else the next to come in. Returns job -> its end."""
+    coming = sorted(range(len(released)), key=lambda i: released[i][1])
+    waiting: list[tuple[int, int]] = []  # (urgency, index) of the released jobs not yet run
+    done: dict[str, float] = {}
+    nxt = 0
+    while nxt < len(coming) or waiting:
+        s = min(range(len(servers)), key=servers.__getitem__)
+        now = max(servers[s], floor)
+        if not waiting:
+            now = max(now, released[coming[nxt]][1])
+        while nxt < len(coming) and released[coming[nxt]][1] <= now:
+            i = coming[nxt]
+            heapq.heappush(waiting, (urgency(released[i][0]), i))
+            nxt += 1
+        job = released[heapq.heappop(waiting)[1]][0]
+        servers[s] = now + job.update_s
+        done[job.name] = servers[s]
+    return done
 
 
 def host_traffic(work: Workload, ch: StepPlan) -> dict[str, int]:

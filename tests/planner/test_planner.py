@@ -31,6 +31,7 @@ from slidedp.planner import calibration as calibration_mod
 from slidedp.planner import measure as measure_mod
 from slidedp.stepplan import StepPlan
 from slidedp.planner import costs
+from slidedp.planner import step_model
 from slidedp.planner import plan as plan_mod
 from slidedp.planner.plan import judged_step
 from slidedp.planner.costs import GiB
@@ -154,18 +155,48 @@ def test_toy_prediction_embedding_on_host():
     the engine gathers the batch's rows from it there), once the updater has updated all of it."""
     busy, exposed, step = predict_step(toy(), StepPlan(embedding="host"), TOY_CAL)
     matrix_in = 256 * 64 * 4 / 1e6  # the tied matrix, fp32: in for the forward and the loss, its gradient out
-    need_u = 64 * 64 / 1e5  # the next batch's rows (<= 64 distinct tokens), updated first
-    rest_u = 256 * 64 * (1 - 64 / 256) / 1e5
+    emb_u = 256 * 64 / 1e5  # the whole embedding's update
     assert busy == pytest.approx({
         "device": 8 + G_LOSS,
         "h2d": 4 * H + NORM_IO + matrix_in,
         "d2h": 2 * H + NORM_IO + matrix_in,  # the whole embedding gradient comes back
         "reduce": 0.0,
-        "update": 2 * U + NORM_U + need_u + rest_u, "host": 0.0,
+        "update": 2 * U + NORM_U + emb_u, "host": 0.0,
     }, rel=1e-12)
     # tail: layer 0 out (H), its update (U), the whole embedding's update, its copy in, then layer 0's
-    assert step == pytest.approx(8 + G_LOSS + H + U + need_u + rest_u + matrix_in + H, rel=1e-12)
-    assert exposed == pytest.approx(H + U + need_u + rest_u + matrix_in + H, rel=1e-9)
+    assert step == pytest.approx(8 + G_LOSS + H + U + emb_u + matrix_in + H, rel=1e-12)
+    assert exposed == pytest.approx(H + U + emb_u + matrix_in + H, rel=1e-9)
+
+
+def test_backlogged_updaters_run_the_next_forwards_layers_first():
+    """The updaters take the waiting update the next forward needs first (daemons/updater/core.py), so
+    the next forward chases the queue: 4 layers, AdamW 10x slower than the toy's and a 100x faster GPU,
+    the backward's gradients all wait while layer 3's update runs; then layers 0, 1, 2 go in that order,
+    and the step is the updaters' work plus what layer 2's update leaves to do before layer 3's next
+    gradient: layers 2 and 3 in, layer 3's forward (layer 2's hides under layer 3's copy), the loss
+    (under layer 3's copy back in), its backward and its gradient out."""
+    four = dataclasses.replace(toy(), model=dataclasses.replace(TOY, num_layers=4))
+    fast_gpu = dataclasses.replace(TOY_CAL, adamw_params_per_s=1e4, device_tflops=TOY_CAL.device_tflops * 100,
+                                   device_adamw_params_per_s=TOY_CAL.device_adamw_params_per_s * 100)
+    u, fwd, bwd = P / 1e4, 0.01, 0.03  # one layer's AdamW; its forward and recompute + backward on the GPU
+    busy, _, step = predict_step(four, StepPlan(embedding="device"), fast_gpu)
+    assert busy["update"] == pytest.approx(4 * u + 64 / 1e4, rel=1e-12)  # and the final norm's, in a gap
+    assert step == pytest.approx(4 * u + 4 * H + fwd + bwd, rel=1e-9)
+
+
+def test_the_updaters_queue_runs_the_most_urgent_released_update():
+    """One updater: each time it is free it runs the most urgent update whose gradient is in, else the
+    next to come in; a floor (the norm of a clipped step) holds every update until then."""
+    jobs = [step_model._Job(name, 0.0, 1.0) for name in ("layer 3", "layer 2", "layer 1", "layer 0", "embedding")]
+    released = list(zip(jobs, (0.0, 0.1, 0.2, 0.3, 2.5)))
+    urgency = {"embedding": 0, "layer 0": 1, "layer 1": 2, "layer 2": 3, "layer 3": 4}
+    done = step_model._serve(released, [0.0], 0.0, lambda j: urgency[j.name])
+    # layer 3 alone at 0; at 1 layers 2, 1, 0 wait: 0 first; at 2 the embedding is not in yet: layer 1;
+    # at 3 the embedding (in at 2.5) goes before layer 2
+    assert done == {"layer 3": 1.0, "layer 0": 2.0, "layer 1": 3.0, "embedding": 4.0, "layer 2": 5.0}
+    # two updaters, and a floor at 10: all in by then, most urgent first, two at a time
+    done = step_model._serve(released, [0.0, 0.5], 10.0, lambda j: urgency[j.name])
+    assert done == {"embedding": 11.0, "layer 0": 11.0, "layer 1": 12.0, "layer 2": 12.0, "layer 3": 13.0}
 
 
 def test_toy_prediction_untied_embedding_rows_on_host():
@@ -174,17 +205,18 @@ def test_toy_prediction_untied_embedding_rows_on_host():
     untied = dataclasses.replace(toy(), model=dataclasses.replace(TOY, tie_word_embeddings=False))
     rows_in = 64 * 64 * 4 / 1e6  # the batch's 64 rows, fp32
     head_in = 256 * 64 * 4 / 1e6  # the head's matrix, in row blocks for the loss; its gradient out
-    need_u = 64 * 64 / 1e5
+    emb_u = 256 * 64 / 1e5  # the whole embedding's update: the worker gathers rows once all of it is updated
     busy, exposed, step = predict_step(untied, StepPlan(embedding="host"), TOY_CAL)
     assert busy["h2d"] == pytest.approx(4 * H + NORM_IO + rows_in + head_in, rel=1e-12)
     assert busy["d2h"] == pytest.approx(2 * H + NORM_IO + 2 * head_in, rel=1e-12)  # the head's and the embedding's
-    # tail: layer 0 out (H), its update (U), the needed rows' update, their gather, layer 0's copy
-    assert step == pytest.approx(busy["device"] + H + U + need_u + rows_in + H, rel=1e-12)
+    # tail: layer 0 out (H), its update (U; the embedding's gradient comes out meanwhile), the whole
+    # embedding's update, the rows' gather, layer 0's copy
+    assert step == pytest.approx(busy["device"] + H + U + emb_u + rows_in + H, rel=1e-12)
     # gathered at a measured 1 kB/s instead (a CPU gather, say): the rows take 16.4 s before layer 0's copy
     slow = dataclasses.replace(TOY_CAL, embedding_rows_gbps=1e-6, embedding_rows_gather="cpu")
     busy_slow, _, step_slow = predict_step(untied, StepPlan(embedding="host"), slow)
     assert busy_slow["h2d"] - busy["h2d"] == pytest.approx(64 * 64 * 4 / 1e3 - rows_in, rel=1e-12)
-    assert step_slow == pytest.approx(busy["device"] + H + U + need_u + 64 * 64 * 4 / 1e3 + H, rel=1e-12)
+    assert step_slow == pytest.approx(busy["device"] + H + U + emb_u + 64 * 64 * 4 / 1e3 + H, rel=1e-12)
     # the tied toy gathers nothing from the host: the measured rate changes nothing there
     assert predict_step(toy(), StepPlan(embedding="host"), slow) == predict_step(toy(), StepPlan(embedding="host"), TOY_CAL)
 
@@ -422,7 +454,9 @@ def test_a_first_plan_holds_layers_for_the_lowest_measured_adamw_share():
     unguarded = dataclasses.replace(machine_b, adamw_train_fraction_low=0.6)  # no lower share known
     assert unguarded.at_lowest_share(n) is None
     before = make_plan(work, 24 * GiB, unguarded, allowed)
-    assert before.step.device_layers == 3  # what machine B ran
+    # at 0.6 x unguarded: fewer held layers (machine B's plan held 3; the model with the updaters'
+    # forward-order queue holds 2) than a plan charging the measured rate, which the first plan holds too
+    assert before.step.device_layers == 2
     assert first.step.device_layers == after.step.device_layers == 5
     low = machine_b.at_lowest_share(n)
     assert low is not None and low.update_params_per_s(n) == pytest.approx(0.38 * 7.28e9)
