@@ -16,12 +16,14 @@
 #   bash benchmarks/sessions/plan_choice.sh OUT SHAPE BATCH     # SHAPE: qwen3-1.7b | qwen3-4b | qwen3-8b
 #   bash benchmarks/sessions/plan_choice.sh OUT unseen BATCH    # a Llama-family HF folder (below)
 #
-# Device calls of at most ~9 minutes: one per (SHAPE, BATCH) for the small shapes, two or three for
-# Qwen3-8B (CLIP=0 KEEP_STORE=1 PARTS=auto, then CLIP=0 PARTS=forced with FORCED="8 4" and "2 1", the
-# first of them with KEEP_STORE=1 too; the same OUT and PLAN_CHOICE_WORK each time, back to back):
-#   qwen3-1.7b 8 | qwen3-1.7b 32 | qwen3-4b 8 | qwen3-4b 32 | qwen3-8b 8 (auto; forced) |
-#   qwen3-8b 32 (auto; forced 1 2; forced 4 8) | unseen 8
-# About 10-11 calls; each prints its summary, and the last call of a (SHAPE, BATCH) the comparison.
+# Device calls of at most ~9 minutes: one per (SHAPE, BATCH) for the small shapes, two for each
+# Qwen3-8B one with CLIP=0 FRESH_STORE=1 (the same OUT and PLAN_CHOICE_WORK, back to back on a warm
+# machine; the second with PARTS=forced). On one H200 (2026-12-03) the 8B runs took: at 8 x 2,048 the
+# first 189 s, each forced ~70 s plus its store; at 32 x 2,048 the first 224 s, forced 8 and 4 125
+# and 119 s with their stores. So FORCED="4 8" then "2 1" at 8, FORCED="8 4" then "2 1" at 32:
+#   qwen3-1.7b 8 | qwen3-1.7b 32 | qwen3-4b 8 | qwen3-4b 32 | qwen3-8b 8 (auto, 4, 8; 2, 1) |
+#   qwen3-8b 32 (auto, 8, 4; 2, 1) | unseen 8
+# About 9 calls; each prints its summary, and the last call of a (SHAPE, BATCH) the comparison.
 # On one H200 (2026-12-01) Qwen3-1.7B at 8 x 2,048 took 438 s with STEPS=7 WARM=2, Qwen3-4B 570 s with
 # STEPS=8 (its last forced run stopped by the budget): every run makes its store (Qwen3-4B ~10 s,
 # Qwen3-8B 18-27 s), and a run's start and step 0 take ~45 s more; the first run also calibrates and
