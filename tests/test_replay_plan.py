@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 
 import pytest
 
 from benchmarks import replay_plan
-from slidedp.model.config import named_shape
+from slidedp.model.config import NAMED_SHAPES, ModelConfig, named_shape
 from slidedp.planner import REFERENCE_CALIBRATION, calibration, measure
 from slidedp.planner.measure import LayerTime, LossTime, MeasuredBlocks
 
@@ -68,3 +70,31 @@ def test_a_replay_reads_the_blocks_a_run_was_planned_with_where_a_plan_measures_
     assert list(measure.read_blocks(blocks_path, measure.READABLE_SCHEMAS)) == list(doc["shapes"])
     assert replay_plan.main([str(cal_path), str(blocks_path), "--shape", SHAPE, "--batch", "8", "--json"]) == 0
     assert len(json.loads(capsys.readouterr().out)) == 5
+
+
+RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
+# issue 23's first runs on one H200: (results tag, shape, batch, clipping); the unseen shape is the Llama
+# config plan_choice.sh writes
+FIRST_RUNS = [("qwen3-1.7b-b8-30e0c3a", "qwen3-1.7b", 8, True), ("qwen3-4b-b8-30e0c3a", "qwen3-4b", 8, True),
+              ("qwen3-1.7b-b32-30e0c3a", "qwen3-1.7b", 32, True), ("qwen3-4b-b32-30e0c3a", "qwen3-4b", 32, True),
+              ("unseen-b8-30e0c3a", "llama-unseen", 8, True), ("qwen3-8b-b8-4d8ab4f", "qwen3-8b", 8, False),
+              ("qwen3-8b-b32-42997f9", "qwen3-8b", 32, False)]
+
+
+@pytest.mark.parametrize("tag, shape, batch, clip", FIRST_RUNS)
+def test_recorded_first_runs_replay_their_choice_within_10_percent_of_the_measured_step(tag, shape, batch, clip,
+                                                                                       monkeypatch):
+    """From the calibration and blocks each first run measured, this checkout's planner makes the choice
+    the run made and predicts its step within 10% of the run's measured median (its summary's line)."""
+    monkeypatch.setitem(NAMED_SHAPES, "llama-unseen", ModelConfig(
+        family="llama", vocab_size=151936, hidden_size=3072, intermediate_size=8192, num_layers=26, num_heads=24,
+        num_kv_heads=8, head_dim=128, rope_theta=500000.0, max_position_embeddings=8192))
+    summary = (RESULTS / f"plan-choice-{tag}-summary.txt").read_text()
+    ran = re.search(r"-auto\s+micro_batch (\d+): predicted [0-9.]+ s, measured median ([0-9.]+) s", summary)
+    chose, measured = int(ran[1]), float(ran[2])
+    params = named_shape(shape).num_parameters()
+    calib, shapes = replay_plan.load(RESULTS / f"plan-choice-{tag}-calibration.json",
+                                     RESULTS / f"plan-choice-{tag}-measured.json", params, learned=False)
+    plan = replay_plan.replay(calib, shapes, shape, batch, [0], clip=clip)[0]
+    assert plan["micro_batch"] == chose
+    assert abs(plan["judged_s"] / measured - 1) < 0.10, (plan["judged_s"], measured)
