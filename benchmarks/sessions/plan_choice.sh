@@ -92,7 +92,7 @@ done
 shared=0  # 1: the runs share one persistent store (no clipping: the norm does not set a step's time)
 python3 -c "import sys; sys.exit(float(sys.argv[1]) != 0)" "$clip" && shared=1
 # FRESH_STORE=1: every run makes its own store without clipping too. Trained on one batch, a shared
-# store's loss reaches 0.00 within two runs, its gradients vanish, and their squares and then the
+# store's loss falls below 0.01 within two runs, its gradients vanish, and their squares and then the
 # moments fall to subnormal floats, on which the CPU's AdamW runs several times slower: a later run
 # may time that, not its micro-batch, and every run of a fresh store starts where the others did.
 [ "${FRESH_STORE:-0}" = 1 ] && shared=0
