@@ -7,10 +7,11 @@
 # best forced one. With clipping on, every run starts from a store of its own, made from the same
 # seed: trained on one batch, a store's gradient norm falls below max_grad_norm within ~20 steps, and
 # a run that inherited a trained store would time the unclipped step against the others' clipped one.
-# With CLIP=0 no step's time depends on its norm, and the runs share one persistent store (each
+# With CLIP=0 no step's time depends on its norm, and the runs may share one persistent store (each
 # trains on from its committed step): Qwen3-8B's store takes 18-27 s to make, once instead of per run.
 # A call with PARTS=auto makes it anew, and a call removes it at its end unless KEEP_STORE=1 (the
-# (SHAPE, BATCH)'s next call, PARTS=forced on the same machine, then trains on from it).
+# (SHAPE, BATCH)'s next call, PARTS=forced on the same machine, then trains on from it). FRESH_STORE=1
+# (below) gives every run its own store all the same: the proof's Qwen3-8B calls use it.
 # DEVICE=cpu runs the script on a CPU: SHAPE tiny, or unseen with UNSEEN_DIMS="64 2 4 2 128" SEQ=64.
 #
 #   bash benchmarks/sessions/plan_choice.sh OUT SHAPE BATCH     # SHAPE: qwen3-1.7b | qwen3-4b | qwen3-8b
