@@ -25,6 +25,13 @@
 #   qwen3-1.7b 8 | qwen3-1.7b 32 | qwen3-4b 8 | qwen3-4b 32 | qwen3-8b 8 (auto, 4, 8; 2, 1) |
 #   qwen3-8b 32 (auto, 8, 4; 2, 1) | unseen 8
 # About 9 calls; each prints its summary, and the last call of a (SHAPE, BATCH) the comparison.
+# FORCED may name a micro-batch again ("2 1 2 1"): each time is a run of its own (TAG-m2, TAG-m2-r2),
+# and the summary (benchmarks.plan_choice_summary) also compares the micro-batches on all their runs'
+# timed steps pooled. Qwen3-8B at 8 x 2,048 needs that: the host's AdamW bounds its step, and two runs
+# of one plan differed by 13% on one machine, more than the candidates' predictions do. CHOSEN=MB
+# names the plan's choice for a call of forced runs only (no TAG-auto run in its work folder). On one
+# H200 (2026-12-03, sixteenth session) a forced 8B run took 123-176 s with its store at 8 x 2,048 (9
+# steps) and 147-169 s at 32 x 2,048 (6 steps): three or four runs to a call.
 # On one H200 (2026-12-01) Qwen3-1.7B at 8 x 2,048 took 438 s with STEPS=7 WARM=2, Qwen3-4B 570 s with
 # STEPS=8 (its last forced run stopped by the budget): every run makes its store (Qwen3-4B ~10 s,
 # Qwen3-8B 18-27 s), and a run's start and step 0 take ~45 s more; the first run also calibrates and
@@ -120,46 +127,16 @@ if [[ $parts == *auto* ]]; then
   [ "$shape" = unseen ] || [ "$resident" = none ] || run "$tag-resident" "$resident" 0 150
 fi
 if [[ $parts == *forced* ]]; then
-  for m in ${FORCED:-1 2 4 8}; do
-    [ $((batch % m)) -eq 0 ] && run "$tag-m$m" slidedp "$m" 240
+  for m in ${FORCED:-1 2 4 8}; do  # a micro-batch named again runs again: TAG-mM-r2, -r3 (in this work folder)
+    [ $((batch % m)) -eq 0 ] || continue
+    name=$tag-m$m n=1
+    while [ -e "$out/$name.json" ]; do n=$((n + 1)) name=$tag-m$m-r$n; done
+    run "$name" slidedp "$m" 240
   done
 fi
 # a shared store stays for the (SHAPE, BATCH)'s next call (KEEP_STORE=1), else it goes with this one
 [ $shared = 1 ] && [ "${KEEP_STORE:-0}" != 1 ] && drop_store
-python3 - "$out" "$tag" <<'EOF' | tee "$final/$tag-summary.txt"
-import json, pathlib, re, statistics, sys
-out, tag = pathlib.Path(sys.argv[1]), sys.argv[2]
-rows = {}
-for f in sorted(out.glob(f"{tag}-*.json")):
-    for r in json.loads(f.read_text()).get("rows", []):
-        if r.get("system") != "slidedp":
-            print(f"{f.stem}: {r.get('system')} {r.get('status')} {r.get('step_s')} s/step")
-            continue
-        if not r.get("step_s") or not r.get("run_dir"):  # failed, or stopped before a timed step
-            print(f"{f.stem}: slidedp {r.get('status')}")
-            continue
-        if r.get("status") != "ok":  # stopped by its limit, with its timed steps committed
-            print(f"{f.stem}: slidedp {r.get('status')}; its {len(r.get('step_times_s', []))} committed steps count")
-        plan = json.loads((pathlib.Path(r["run_dir"]) / "plan.json").read_text())
-        log = pathlib.Path(r["log"]).read_text() if r.get("log") else ""
-        measuring = re.findall(r"measuring one decoder layer .*?: ([0-9.]+) s", log)
-        rows[f.stem] = (plan["micro_batch"], r.get("predicted_step_s"), r["step_s"], measuring)  # none on a CPU
-        if f.stem.endswith("-auto") and "micro-batches weighed" in log:
-            for line in log[log.find("micro-batches weighed"):].splitlines():
-                if not line.strip():
-                    break
-                print(line.strip())
-for name, (mb, pred, meas, measuring) in rows.items():
-    err = 100 * (pred / meas - 1) if pred and meas else float("nan")
-    print(f"{name:28s} micro_batch {mb}: predicted {pred or float('nan'):.3f} s, measured median {meas:.3f} s, error {err:+.1f}%"
-          + (f"; measured the blocks in {measuring[0]} s" if measuring else ""))
-forced = {mb: meas for name, (mb, _, meas, _) in rows.items() if not name.endswith("-auto")}
-auto = next((v for k, v in rows.items() if k.endswith("-auto")), None)
-if auto and forced:
-    best = min(forced, key=forced.get)
-    print(f"chosen micro_batch {auto[0]} ran {auto[2]:.3f} s; best forced {best} ran {forced[best]:.3f} s: "
-          f"{100 * (auto[2] / forced[best] - 1):+.1f}%")
-EOF
+python3 -m benchmarks.plan_choice_summary ${CHOSEN:+--chosen "$CHOSEN"} "$out/$tag"-*.json | tee "$final/$tag-summary.txt"
 # the calibration and the measured blocks, so that a plan can be replayed off the machine
 for f in "$SLIDEDP_CACHE_DIR"/*.json; do [ -f "$f" ] && cp "$f" "$final/cache-$(basename "$f")"; done
 runs=("$out/$tag"-*.json)
