@@ -42,6 +42,7 @@ class Run:
     updaters_gps: float | None  # the rate the launcher measured the updaters' AdamW at in this run
     blocks_measured_s: float | None  # a first plan of the shape measured its blocks in this long
     finished: str
+    weighed: tuple[str, ...] = ()  # a first run's table of the candidates, as its launcher printed it
 
     @property
     def median_s(self) -> float:
@@ -60,12 +61,23 @@ def _here(recorded: str, run_json: Path) -> Path:
     return run_json.parent / f"{run_json.stem}.logs" / Path(*parts[at + 1:])
 
 
+def _weighed(log: str) -> tuple[str, ...]:
+    """A first plan's table of candidates, as its launcher printed it: up to the (blank) line after it."""
+    at = log.find("micro-batches weighed")
+    lines: list[str] = []
+    for line in log[at:].splitlines() if at >= 0 else ():
+        if not line.strip():
+            break
+        lines.append(line.strip())
+    return tuple(lines)
+
+
 def load(run_json: Path) -> tuple[list[Run], list[str]]:
     """The SlideDP runs of one output file, and a line for each row that is not one (a peer's, a failure)."""
     doc = json.loads(run_json.read_text())
     runs, other = [], []
+    name = run_json.stem
     for row in doc.get("rows", []):
-        name = run_json.stem
         if row.get("system") != "slidedp":
             step = f"{row['step_s']:.3f} s/step" if row.get("step_s") else "no step"
             other.append(f"{name}: {row.get('system')} {row.get('status')}, {step}")
@@ -84,7 +96,8 @@ def load(run_json: Path) -> tuple[list[Run], list[str]]:
                         timed_s=tuple(float(r["step_s"]) for r in timed), status=str(row.get("status")),
                         updaters_gps=float(updaters[-1]) if updaters else None,
                         blocks_measured_s=float(measuring[0]) if measuring else None,
-                        finished=str(doc.get("date", ""))))
+                        finished=str(doc.get("date", "")),
+                        weighed=_weighed(log) if name.endswith("-auto") else ()))
     return runs, other
 
 
@@ -113,7 +126,7 @@ def _run_line(i: int, run: Run) -> str:
 def summary(runs: list[Run], other: list[str], chosen: int | None = None) -> list[str]:
     """The lines plan_choice.sh prints: each run, then the choice against the forced micro-batches."""
     runs = sorted(runs, key=lambda r: (r.finished, r.name))
-    lines = list(other)
+    lines = [line for run in runs for line in run.weighed] + other
     lines += [_run_line(i, run) for i, run in enumerate(runs, 1)]
     first = next((r for r in runs if r.first_run), None)
     chosen = first.micro_batch if first else chosen
@@ -150,15 +163,6 @@ def main(argv: list[str] | None = None) -> int:
         found, rest = load(path)
         runs += found
         other += rest
-    first_logs = [_here(r["log"], path) for path in args.runs if path.stem.endswith("-auto") and path.exists()
-                  for r in json.loads(path.read_text()).get("rows", []) if r.get("log")]
-    for log_path in first_logs:  # the candidates the first plan weighed, as its launcher printed them
-        log = log_path.read_text() if log_path.exists() else ""
-        if "micro-batches weighed" in log:
-            for line in log[log.find("micro-batches weighed"):].splitlines():
-                if not line.strip():
-                    break
-                print(line.strip())
     print("\n".join(summary(runs, other, args.chosen)))
     return 0
 

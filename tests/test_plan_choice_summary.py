@@ -84,7 +84,7 @@ def test_a_first_run_is_the_choice_and_is_also_compared_run_by_run(tmp_path, cap
     log = tmp_path / "q-b32-auto.logs" / "slidedp.log"
     log.write_text("  measuring one decoder layer at micro-batches 1, 2, 4, 8: 92.9 s\n"
                    "    micro-batches weighed (train.micro_batch = 0)\n"
-                   "      8   7.254 s  chosen\n      4   7.361 s\n\n  after\n" + log.read_text())
+                   "      8   7.254 s  chosen\n      4   7.361 s\n    \n  after\n" + log.read_text())
     assert pcs.main([str(p) for p in sorted(tmp_path.glob("q-b32-*.json"))] + [str(tmp_path / "q-b32-m2.json")]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[:3] == ["micro-batches weighed (train.micro_batch = 0)", "8   7.254 s  chosen", "4   7.361 s"]
