@@ -54,6 +54,25 @@ out=${PLAN_CHOICE_WORK:-/tmp/plan_choice}
 mkdir -p "$out" "$final"
 export SLIDEDP_CACHE_DIR=${SLIDEDP_CACHE_DIR:-$out/cache}
 mkdir -p "$SLIDEDP_CACHE_DIR"
+# SEED_CACHE=benchmarks/results/plan-choice-TAG-SHA: the plans read that earlier first run's calibration
+# and blocks (its -calibration.json and -measured.json, filed under the host and GPU they name) instead
+# of measuring them; for forced runs compared with the first run of an earlier call, not for a first run
+if [ -n "${SEED_CACHE:-}" ]; then
+  python3 - "$SEED_CACHE" "$SLIDEDP_CACHE_DIR" <<'EOF' || exit 2
+import json, shutil, sys
+from pathlib import Path
+from slidedp.planner.calibration import slug
+prefix, cache = sys.argv[1], Path(sys.argv[2])
+missing = [f"{prefix}-{kind}.json" for kind in ("calibration", "measured") if not Path(f"{prefix}-{kind}.json").is_file()]
+if missing:
+    sys.exit(f"plan_choice: SEED_CACHE={prefix}: no {' or '.join(missing)} (name a first run's files without the suffix)")
+cal = json.loads(Path(f"{prefix}-calibration.json").read_text())["calibration"]
+name = f"{slug(cal['host'])}-{slug(cal['device_name'])}.json"
+for kind in ("calibration", "measured"):
+    shutil.copyfile(f"{prefix}-{kind}.json", cache / f"{kind}-{name}")
+print(f"plan_choice: the cache now holds {prefix}'s calibration and blocks for host {cal['host']}, {cal['device_name']}")
+EOF
+fi
 echo "cache $SLIDEDP_CACHE_DIR holds: $(ls "$SLIDEDP_CACHE_DIR" | tr '\n' ' ')"
 steps=${STEPS:-8} warm=${WARM:-3} budget=${BUDGET_S:-560}  # BUDGET_S: seconds this call keeps to
 clip=${CLIP:-1.0}  # max_grad_norm; CLIP=0 for Qwen3-8B on a 125 GiB host (clipped, its job needs ~130 GiB)
