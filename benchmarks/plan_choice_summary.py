@@ -35,14 +35,18 @@ class Run:
     name: str
     micro_batch: int
     device_layers: int
-    first_run: bool  # train.micro_batch = 0: the plan chose
     predicted_s: float | None
     timed_s: tuple[float, ...]
     status: str
     updaters_gps: float | None  # the rate the launcher measured the updaters' AdamW at in this run
     blocks_measured_s: float | None  # a first plan of the shape measured its blocks in this long
     finished: str
-    weighed: tuple[str, ...] = ()  # a first run's table of the candidates, as its launcher printed it
+    weighed: tuple[str, ...] = ()  # the plan's table of candidates, as the launcher printed it
+
+    @property
+    def first_run(self) -> bool:
+        """train.micro_batch = 0 (TAG-auto): the plan chose."""
+        return self.name.endswith("-auto")
 
     @property
     def median_s(self) -> float:
@@ -92,12 +96,12 @@ def load(run_json: Path) -> tuple[list[Run], list[str]]:
         log = log_path.read_text() if log_path and log_path.exists() else ""
         updaters, measuring = _UPDATERS.findall(log), _MEASURING.findall(log)
         runs.append(Run(name=name, micro_batch=int(plan["micro_batch"]), device_layers=int(plan.get("device_layers", 0)),
-                        first_run=name.endswith("-auto"), predicted_s=row.get("predicted_step_s"),
+                        predicted_s=row.get("predicted_step_s"),
                         timed_s=tuple(float(r["step_s"]) for r in timed), status=str(row.get("status")),
                         updaters_gps=float(updaters[-1]) if updaters else None,
                         blocks_measured_s=float(measuring[0]) if measuring else None,
                         finished=str(doc.get("date", "")),
-                        weighed=_weighed(log) if name.endswith("-auto") else ()))
+                        weighed=_weighed(log)))
     return runs, other
 
 
@@ -126,7 +130,7 @@ def _run_line(i: int, run: Run) -> str:
 def summary(runs: list[Run], other: list[str], chosen: int | None = None) -> list[str]:
     """The lines plan_choice.sh prints: each run, then the choice against the forced micro-batches."""
     runs = sorted(runs, key=lambda r: (r.finished, r.name))
-    lines = [line for run in runs for line in run.weighed] + other
+    lines = [line for run in runs if run.first_run for line in run.weighed] + other
     lines += [_run_line(i, run) for i, run in enumerate(runs, 1)]
     first = next((r for r in runs if r.first_run), None)
     chosen = first.micro_batch if first else chosen

@@ -85,9 +85,13 @@ def test_a_first_run_is_the_choice_and_is_also_compared_run_by_run(tmp_path, cap
     log.write_text("  measuring one decoder layer at micro-batches 1, 2, 4, 8: 92.9 s\n"
                    "    micro-batches weighed (train.micro_batch = 0)\n"
                    "      8   7.254 s  chosen\n      4   7.361 s\n    \n  after\n" + log.read_text())
+    forced_log = tmp_path / "q-b32-m4.logs" / "slidedp.log"  # a forced plan prints its one candidate too
+    forced_log.write_text("    micro-batches weighed (train.micro_batch set in the job file)\n      4   7.398 s  chosen\n"
+                          + forced_log.read_text())
     assert pcs.main([str(p) for p in sorted(tmp_path.glob("q-b32-*.json"))] + [str(tmp_path / "q-b32-m2.json")]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[:3] == ["micro-batches weighed (train.micro_batch = 0)", "8   7.254 s  chosen", "4   7.361 s"]
+    assert "micro-batches weighed (train.micro_batch set in the job file)" not in out
     assert "q-b32-m1: slidedp timeout after 60 s, no timed step" in out
     assert "q-b32-resident: gpu_resident_chunked out of memory, no step" in out
     assert f"{tmp_path / 'q-b32-m2.json'}: no such file" in out

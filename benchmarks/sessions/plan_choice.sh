@@ -27,11 +27,10 @@
 # About 9 calls; each prints its summary, and the last call of a (SHAPE, BATCH) the comparison.
 # FORCED may name a micro-batch again ("2 1 2 1"): each time is a run of its own (TAG-m2, TAG-m2-r2),
 # and the summary (benchmarks.plan_choice_summary) also compares the micro-batches on all their runs'
-# timed steps pooled. Qwen3-8B at 8 x 2,048 needs that: the host's AdamW bounds its step, and two runs
-# of one plan differed by 13% on one machine, more than the candidates' predictions do. CHOSEN=MB
-# names the plan's choice for a call of forced runs only (no TAG-auto run in its work folder). On one
-# H200 (2026-12-03, sixteenth session) a forced 8B run took 123-176 s with its store at 8 x 2,048 (9
-# steps) and 147-169 s at 32 x 2,048 (6 steps): three or four runs to a call.
+# timed steps pooled. Qwen3-8B at 8 x 2,048 needs that: the host's AdamW bounds its step, and runs of
+# one plan there differ by more than the candidates' predictions do (docs/tuning.md, "Qwen3-8B's forced
+# micro-batches at the fixed model", which also has the runs' times: three forced 8B runs to a call).
+# CHOSEN=MB names the plan's choice for a call of forced runs only (no TAG-auto run in its work folder).
 # On one H200 (2026-12-01) Qwen3-1.7B at 8 x 2,048 took 438 s with STEPS=7 WARM=2, Qwen3-4B 570 s with
 # STEPS=8 (its last forced run stopped by the budget): every run makes its store (Qwen3-4B ~10 s,
 # Qwen3-8B 18-27 s), and a run's start and step 0 take ~45 s more; the first run also calibrates and
