@@ -20,7 +20,6 @@ import statistics
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from benchmarks.peers.slidedp_run import read_metrics
 from slidedp.step_records import timed_steps
@@ -66,7 +65,7 @@ def _here(recorded: str, run_json: Path) -> Path:
 
 
 def _weighed(log: str) -> tuple[str, ...]:
-    """A first plan's table of candidates, as its launcher printed it: up to the (blank) line after it."""
+    """A plan's table of candidates, as its launcher printed it: up to the (blank) line after it."""
     at = log.find("micro-batches weighed")
     lines: list[str] = []
     for line in log[at:].splitlines() if at >= 0 else ():
