@@ -37,6 +37,7 @@ messages, version polling and the Python between the blocks.
 
 from __future__ import annotations
 
+import functools
 import heapq
 import math
 from dataclasses import dataclass
@@ -249,6 +250,13 @@ def device_time_source(work: Workload, ch: StepPlan, calib: Calibration) -> str:
 
 
 def _period(tasks: list[_Task], depth: int, updaters: int, clip: bool, clips: bool, corrected: bool = False) -> float:
+    """Steady-state step time of the schedule (cached: a plan weighs many candidates with the same tasks)."""
+    return _simulated_period(tuple(tasks), depth, updaters, clip, clips, corrected)
+
+
+@functools.lru_cache(maxsize=4096)
+def _simulated_period(tasks: tuple[_Task, ...], depth: int, updaters: int, clip: bool, clips: bool,
+                      corrected: bool) -> float:
     """Steady-state step time of the schedule: simulate a few steps, average the last ones.
     clip: exact clipping (device-held units wait for the norm); clips: every step clips, the host
     updates deferred until the norm; corrected: every step clips after speculating, each host update
