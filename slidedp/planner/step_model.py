@@ -249,14 +249,8 @@ def device_time_source(work: Workload, ch: StepPlan, calib: Calibration) -> str:
     return "nearby" if None not in measured(work, ch, calib, nearest=True) else "FLOPs"
 
 
-def _period(tasks: list[_Task], depth: int, updaters: int, clip: bool, clips: bool, corrected: bool = False) -> float:
-    """Steady-state step time of the schedule (cached: a plan weighs many candidates with the same tasks)."""
-    return _simulated_period(tuple(tasks), depth, updaters, clip, clips, corrected)
-
-
-@functools.lru_cache(maxsize=4096)
-def _simulated_period(tasks: tuple[_Task, ...], depth: int, updaters: int, clip: bool, clips: bool,
-                      corrected: bool) -> float:
+@functools.lru_cache(maxsize=4096)  # a plan weighs many candidates whose schedules are the same tasks
+def _period(tasks: tuple[_Task, ...], depth: int, updaters: int, clip: bool, clips: bool, corrected: bool = False) -> float:
     """Steady-state step time of the schedule: simulate a few steps, average the last ones.
     clip: exact clipping (device-held units wait for the norm); clips: every step clips, the host
     updates deferred until the norm; corrected: every step clips after speculating, each host update
@@ -376,5 +370,5 @@ def predict_step(work: Workload, choices: StepPlan, calib: Calibration, clips: b
         "host": host_bound_s(work, choices, calib),
     }
     # the schedule's period, and never less than host memory needs to move the step's bytes
-    step = max(_period(tasks, choices.prefetch_depth, work.updaters, work.clip, clips, corrected), busy["host"])
+    step = max(_period(tuple(tasks), choices.prefetch_depth, work.updaters, work.clip, clips, corrected), busy["host"])
     return busy, step - busy["device"], step
