@@ -1,38 +1,199 @@
-"""Attention inside documents: per-token rope positions and a block-diagonal causal mask for packed rows.
+"""Attention backends: how one micro-batch's rows reach the attention kernel, chosen explicitly.
 
-A row that holds several documents gives each token its position in its own document (rope tables
-gathered per token) and lets it attend only to earlier tokens of the same document. `DocumentRope`
-carries both to `layers._attention` in place of the plain (cos, sin) tables; rows that hold one
-document (or one document and its padding) keep the plain tables and SDPA's is_causal kernel.
+The engine builds one `Attention` per micro-batch (`plain_rows` or `packed_rows`) and hands it to every
+layer's forward, recompute and backward; `Attention.at_window` gives the view of one layer (its sliding
+window). The backend is chosen once, by the caller (`choose_backend`), never guessed from the tensors:
 
-The mask is a boolean [rows, 1, T, T] for `scaled_dot_product_attention`, on CPU and CUDA: exact (the
-same softmax over the same keys as the document run alone, to float rounding). It costs T^2 bytes per
-row while a layer runs, 4 MiB per row at T = 2048.
+causal  every row is one sequence (one document, perhaps followed by its padding) and the layer has no
+        window shorter than the row: SDPA's is_causal kernel (flash on CUDA) over the plain rope tables.
+varlen  CUDA with a bf16/fp16 flash kernel: the micro-batch's rows flatten into one list of documents
+        (cumulative lengths `cu_seqlens`, the longest `max_seqlen`) for torch's variable-length flash
+        kernel (`torch.nn.attention.varlen.varlen_attn`); a window of W tokens is the kernel's (W - 1, 0).
+        Each document costs the square of its length, not the row's; no mask exists, so padding costs
+        nothing. Grouped-query K/V go in with their own head count (the kernel shares them).
+mask    CPU, fp32 on CUDA, or where no kernel covers the shape: a boolean [rows, 1, T, T] mask for SDPA,
+        block-diagonal over documents and banded by the window. Exact, and T^2 bytes per row.
+
+Every backend computes the same softmax over the same keys as each document run alone (to float rounding):
+a token sees the tokens of its own document at most `window - 1` positions back, itself included.
+A sliding window counts as in transformers (`kv_idx > q_idx - sliding_window`).
+
+Rope: plain rows use the tables at positions 0..T-1; packed rows gather each token's table at its position
+in its own document (so a document's tokens see the same rotations as the document alone).
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import inspect
+from dataclasses import dataclass, field, replace
+from functools import lru_cache
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
+BACKENDS = ("causal", "varlen", "mask")
+_VARLEN_HEAD_DIM_MAX = 256  # FlashAttention-2's largest head dimension
 
-class DocumentRope(NamedTuple):
-    cos: Tensor  # [rows, 1, T, head_dim]: the table at each token's position in its document
+
+@lru_cache(maxsize=1)
+def _varlen_kernel():
+    """torch's variable-length flash attention and the keywords this torch takes, or None where it has none."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn, frozenset(inspect.signature(varlen_attn).parameters)
+
+
+def varlen_available(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether the varlen backend runs here: CUDA (compute capability 8.0 or newer), half precision, a head
+    dimension the flash kernel takes, and a torch that ships the kernel."""
+    if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16) or head_dim > _VARLEN_HEAD_DIM_MAX:
+        return False
+    if _varlen_kernel() is None:
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 8
+
+
+def choose_backend(device: torch.device, dtype: torch.dtype, head_dim: int, packed: bool, windowed: bool) -> str:
+    """The backend for a micro-batch: plain causal where it suffices, else the variable-length kernel where
+    it runs, else the dense mask. packed: some row holds several documents; windowed: some layer's sliding
+    window is shorter than the rows."""
+    if not packed and not windowed:
+        return "causal"
+    return "varlen" if varlen_available(device, dtype, head_dim) else "mask"
+
+
+@dataclass(frozen=True, eq=False)
+class Attention:
+    """One micro-batch's attention: the backend and its per-token data, built once, shared by every layer.
+
+    cos, sin: [T, 1, head_dim] (plain rows) or [rows, T, 1, head_dim] (each token's table in its document),
+    laid out for q and k as [rows, T, heads, head_dim]. documents: [rows, T] the document number of each
+    token (None: each row is one). cu_seqlens: int32 [documents + 1], the documents' bounds over the rows
+    flattened (varlen). window: this layer's sliding window in tokens (None: full causal attention).
+    """
+
+    backend: str
+    cos: Tensor
     sin: Tensor
-    mask: Tensor  # [rows, 1, T, T] bool: True where the query may attend to the key
+    rows: int
+    seq_len: int
+    documents: Tensor | None = None
+    cu_seqlens: Tensor | None = None
+    max_seqlen: int = 0
+    window: int | None = None
+    _masks: dict = field(default_factory=dict, repr=False)  # window -> dense mask, shared by at_window views
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"attention backend {self.backend!r}; known: {', '.join(BACKENDS)}")
+
+    def at_window(self, window: int | None) -> "Attention":
+        """This micro-batch's attention for a layer with this sliding window (None: full). A window that
+        spans the whole row is no window; a window on plain rows leaves the causal kernel for the
+        variable-length one (each row a document) or the mask."""
+        if window is not None and window >= self.seq_len:
+            window = None
+        if window == self.window:
+            return self
+        if window is not None and self.backend == "causal":
+            backend = "varlen" if varlen_available(self.cos.device, self.cos.dtype, self.cos.shape[-1]) else "mask"
+            return replace(self, backend=backend, window=window, cu_seqlens=_row_bounds(self.rows, self.seq_len,
+                                                                                           self.cos.device),
+                           max_seqlen=self.seq_len)
+        return replace(self, window=window)
+
+    def mask(self) -> Tensor:
+        """The dense [rows, 1, T, T] boolean mask of this layer (made once per window per micro-batch)."""
+        if self.window not in self._masks:
+            t, dev = self.seq_len, self.cos.device
+            i = torch.arange(t, device=dev)
+            allowed = i[:, None] >= i[None, :]
+            if self.window is not None:
+                allowed = allowed & (i[:, None] - i[None, :] < self.window)
+            if self.documents is None:
+                mask = allowed.expand(self.rows, t, t)
+            else:
+                mask = (self.documents[:, :, None] == self.documents[:, None, :]) & allowed
+            self._masks[self.window] = mask.unsqueeze(1)
+        return self._masks[self.window]
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """Attention of q [rows, T, heads, d] over k, v [rows, T, kv_heads, d] (rope applied): [rows, T, heads * d]."""
+        b, t, nh, d = q.shape
+        if self.backend == "varlen":
+            return _varlen(q, k, v, self).view(b, t, nh * d)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        kw = dict(is_causal=True) if self.backend == "causal" else dict(attn_mask=self.mask())
+        nkv = k.shape[1]
+        if nkv != nh and (_SDPA_GQA and not (self.backend == "mask" and q.is_cuda)):
+            o = F.scaled_dot_product_attention(q, k, v, scale=d**-0.5, enable_gqa=True, **kw)
+        else:  # CUDA's kernel for a mask takes whole heads
+            if nkv != nh:
+                k, v = k.repeat_interleave(nh // nkv, dim=1), v.repeat_interleave(nh // nkv, dim=1)
+            o = F.scaled_dot_product_attention(q, k, v, scale=d**-0.5, **kw)
+        return o.transpose(1, 2).reshape(b, t, nh * d)
 
 
-def single_segment(segments: Tensor) -> bool:
-    """Every row of [rows, T] holds one segment (one document, perhaps followed by its padding)."""
-    return bool((segments == segments[:, :1]).all())
+# enable_gqa (torch >= 2.5) lets SDPA read the shared k/v heads without materializing copies.
+_SDPA_GQA = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 5)
 
 
-def document_rope(tables: tuple[Tensor, Tensor], positions: Tensor, segments: Tensor) -> DocumentRope:
-    """From the plain tables [>= T, d] and per-token positions, segments [rows, T] (on the tables' device)."""
-    cos, sin = tables[0][positions].unsqueeze(1), tables[1][positions].unsqueeze(1)
-    t = segments.shape[-1]
-    causal = torch.ones(t, t, dtype=torch.bool, device=segments.device).tril()
-    mask = (segments[:, :, None] == segments[:, None, :]) & causal
-    return DocumentRope(cos, sin, mask.unsqueeze(1))
+def _varlen(q: Tensor, k: Tensor, v: Tensor, a: Attention) -> Tensor:
+    b, t, nh, d = q.shape
+    kernel, takes = _varlen_kernel()
+    kw: dict = {"scale": d**-0.5}
+    # causal: torch 2.11 has no is_causal and reads window_size (-1, 0) as causal; later ones may take either
+    kw["window_size"] = (-1 if a.window is None else a.window - 1, 0)
+    if "is_causal" in takes:
+        kw["is_causal"] = True
+    if k.shape[2] != nh and "enable_gqa" in takes:
+        kw["enable_gqa"] = True
+    flat = (x.reshape(b * t, x.shape[2], d) for x in (q, k, v))
+    return kernel(*flat, a.cu_seqlens, a.cu_seqlens, a.max_seqlen, a.max_seqlen, **kw)
+
+
+def _row_bounds(rows: int, seq_len: int, device) -> Tensor:
+    return torch.arange(0, (rows + 1) * seq_len, seq_len, dtype=torch.int32, device=device)
+
+
+def plain_rows(tables: tuple[Tensor, Tensor], rows: int, seq_len: int, backend: str = "causal") -> Attention:
+    """Rows of one sequence each, from the rope tables [>= seq_len, d] (on the compute device)."""
+    cos, sin = (x[:seq_len].unsqueeze(1) for x in tables)
+    if backend == "causal":
+        return Attention("causal", cos, sin, rows, seq_len)
+    return Attention(backend, cos, sin, rows, seq_len, cu_seqlens=_row_bounds(rows, seq_len, cos.device),
+                     max_seqlen=seq_len)
+
+
+def document_bounds(documents: Tensor) -> tuple[Tensor, int]:
+    """(cu_seqlens int64 [n + 1], longest) of the documents of [rows, T] (CPU): a document ends where the
+    number changes or the row ends."""
+    rows, t = documents.shape
+    starts = torch.ones(rows, t, dtype=torch.bool)
+    starts[:, 1:] = documents[:, 1:] != documents[:, :-1]
+    at = torch.nonzero(starts.reshape(-1)).squeeze(1)
+    cu = torch.cat([at, torch.tensor([rows * t])])
+    return cu, int((cu[1:] - cu[:-1]).max())
+
+
+def single_document(documents: Tensor) -> bool:
+    """Every row of [rows, T] holds one document (perhaps followed by its padding)."""
+    return bool((documents == documents[:, :1]).all())
+
+
+def packed_rows(tables: tuple[Tensor, Tensor], positions: Tensor, documents: Tensor, backend: str) -> Attention:
+    """Rows of packed documents: positions, documents [rows, T] on the CPU (each token's position in its
+    document and the document's number in the row); the tables on the compute device."""
+    rows, t = documents.shape
+    dev = tables[0].device
+    pos = positions.to(dev, non_blocking=True)
+    cos, sin = (x[pos].unsqueeze(2) for x in tables)
+    if backend == "varlen":
+        cu, longest = document_bounds(documents)
+        return Attention("varlen", cos, sin, rows, t, cu_seqlens=cu.to(dev, torch.int32), max_seqlen=longest)
+    if backend != "mask":
+        raise ValueError(f"packed rows need the varlen or mask backend, not {backend!r}")
+    return Attention("mask", cos, sin, rows, t, documents=documents.to(dev))

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+LAYER_TYPES = ("full_attention", "sliding_attention")
 _ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
@@ -44,6 +45,10 @@ class ModelConfig:
     rope_scaling: tuple[tuple[str, Any], ...] = ()
     bos_token_id: int | None = None
     eos_token_id: int | None = None
+    # Sliding-window attention: a "sliding_attention" layer's token sees itself and the sliding_window - 1
+    # tokens before it; layer_types names each layer's kind, () for every layer full (transformers' keys)
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
@@ -55,6 +60,28 @@ class ModelConfig:
             raise ModelConfigError(
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
             )
+        if self.sliding_window is not None and int(self.sliding_window) <= 0:
+            raise ModelConfigError(f"sliding_window must be a positive integer, got {self.sliding_window!r}")
+        if self.layer_types:
+            if len(self.layer_types) != self.num_layers:
+                raise ModelConfigError(f"layer_types names {len(self.layer_types)} layers; the model has "
+                                       f"{self.num_layers}")
+            unknown = sorted(set(self.layer_types) - set(LAYER_TYPES))
+            if unknown:
+                raise ModelConfigError(f"layer_types {unknown} are not supported; supported: {', '.join(LAYER_TYPES)}")
+            if "sliding_attention" in self.layer_types and self.sliding_window is None:
+                raise ModelConfigError("layer_types has sliding_attention layers and sliding_window is not set")
+
+    def window_of(self, layer: int) -> int | None:
+        """The layer's sliding window in tokens, None for full causal attention."""
+        if self.layer_types and self.layer_types[layer] == "sliding_attention":
+            return self.sliding_window
+        return None
+
+    @property
+    def windowed(self) -> bool:
+        """Whether some layer attends through a sliding window."""
+        return "sliding_attention" in self.layer_types
 
     # ---- parameter table -------------------------------------------------------------
     def layer_parameter_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
@@ -143,8 +170,10 @@ class ModelConfig:
                 raise ModelConfigError(f"config.json attention_bias=true is not supported for {model_type}")
             if hf.get("mlp_bias"):
                 raise ModelConfigError("config.json mlp_bias=true is not supported")
-            if hf.get("use_sliding_window"):
-                raise ModelConfigError("config.json use_sliding_window=true is not supported")
+            window, layer_types = _windows(model_type, hf, int(hf["num_hidden_layers"]))
+            if float(hf.get("attention_dropout") or 0.0) != 0.0:  # transformers would drop attention weights in training
+                raise ModelConfigError(f"config.json attention_dropout={hf['attention_dropout']} is not supported "
+                                       "(SlideDP trains without dropout); set it to 0.0")
             if hf.get("hidden_act", "silu") != "silu":
                 raise ModelConfigError(f"config.json hidden_act {hf['hidden_act']!r} is not supported; supported: silu")
             return cls(
@@ -165,6 +194,8 @@ class ModelConfig:
                 rope_scaling=tuple(sorted(scaling.items())),
                 bos_token_id=hf.get("bos_token_id"),
                 eos_token_id=hf.get("eos_token_id") if not isinstance(hf.get("eos_token_id"), list) else hf["eos_token_id"][0],
+                sliding_window=window,
+                layer_types=layer_types,
             )
         except KeyError as e:
             raise ModelConfigError(f"config.json is missing the key {e.args[0]!r}") from None
@@ -196,23 +227,51 @@ class ModelConfig:
             hf["mlp_bias"] = False
         if self.family == "qwen3":
             hf["attention_bias"] = False
-        if self.family == "mistral":
-            hf["sliding_window"] = None
+        if self.family == "mistral":  # every layer slides, or none
+            hf["sliding_window"] = self.sliding_window if self.windowed else None
         if self.family in ("qwen2", "qwen3"):
-            hf["use_sliding_window"] = False
-            hf["sliding_window"] = None
+            hf["use_sliding_window"] = self.windowed
+            hf["sliding_window"] = self.sliding_window if self.windowed else None
+            if self.windowed:
+                hf["layer_types"] = list(self.layer_types)
+                hf["max_window_layers"] = self.layer_types.index("sliding_attention")
         return hf
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["rope_scaling"] = [list(kv) for kv in self.rope_scaling]
+        d["layer_types"] = list(self.layer_types)
         return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
         d = dict(d)
         d["rope_scaling"] = tuple(tuple(kv) for kv in d.get("rope_scaling", ()))
+        d["layer_types"] = tuple(d.get("layer_types", ()))
         return cls(**d)
+
+
+def _windows(model_type: str, hf: dict[str, Any], num_layers: int) -> tuple[int | None, tuple[str, ...]]:
+    """(sliding_window, layer_types) as transformers reads them: Mistral slides every layer when
+    sliding_window is set; Qwen2/Qwen3 only with use_sliding_window, the layers that layer_types names
+    (else those from max_window_layers on); Llama has no windows."""
+    if model_type == "llama":
+        return None, ()
+    window = hf.get("sliding_window")
+    if model_type in ("qwen2", "qwen3") and not hf.get("use_sliding_window"):
+        window = None
+    if window is None:
+        return None, ()
+    if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
+        raise ModelConfigError(f"config.json sliding_window must be a positive integer or null, got {window!r}")
+    if model_type == "mistral":
+        return window, ("sliding_attention",) * num_layers
+    types = hf.get("layer_types")
+    if types is None:
+        first = int(hf.get("max_window_layers", num_layers))
+        types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
+    types = tuple(types)
+    return (window, types) if "sliding_attention" in types else (None, ())
 
 
 def _qwen3(hidden: int, layers: int, inter: int, heads: int, tied: bool) -> ModelConfig:

@@ -20,10 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from slidedp.model.attention import Attention, plain_rows
 from slidedp.model.config import ModelConfig
-
-# enable_gqa (torch >= 2.5) lets SDPA read the shared k/v heads without materializing copies.
-_SDPA_GQA = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 5)
 
 
 # Fused projection names: one [rows, hidden] matrix over neighbouring weights (fuse_projections).
@@ -100,6 +98,11 @@ def rope_tables(cfg: ModelConfig, seq_len: int, device, dtype=torch.float32) -> 
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
+def causal_attention(cfg: ModelConfig, rows: int, seq_len: int, device, dtype=torch.float32) -> Attention:
+    """The attention of plain rows (one sequence each, positions 0..seq_len-1), for one-off calls."""
+    return plain_rows(rope_tables(cfg, seq_len, device, dtype), rows, seq_len)
+
+
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     dtype = x.dtype
     h = x.to(torch.float32)
@@ -120,7 +123,7 @@ def _apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + _rotate_half(x) * sin
 
 
-def _attention(cfg: ModelConfig, p: Mapping[str, Tensor], h: Tensor, rope: tuple[Tensor, Tensor]) -> Tensor:
+def _attention(cfg: ModelConfig, p: Mapping[str, Tensor], h: Tensor, attn: Attention) -> Tensor:
     b, t, _ = h.shape
     nh, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
 
@@ -136,20 +139,8 @@ def _attention(cfg: ModelConfig, p: Mapping[str, Tensor], h: Tensor, rope: tuple
     if cfg.qk_norm:  # Qwen3: per-head RMSNorm before rope
         q = rms_norm(q, p["self_attn.q_norm.weight"], cfg.rms_norm_eps)
         k = rms_norm(k, p["self_attn.k_norm.weight"], cfg.rms_norm_eps)
-    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-    mask = getattr(rope, "mask", None)  # a DocumentRope (packed documents): per-token tables, block-diagonal mask
-    cos, sin = (rope[0], rope[1]) if mask is not None else (rope[0][:t], rope[1][:t])
-    q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
-    causal = dict(is_causal=True) if mask is None else dict(attn_mask=mask)
-    if nkv == nh:
-        o = F.scaled_dot_product_attention(q, k, v, scale=d**-0.5, **causal)
-    elif _SDPA_GQA and not (mask is not None and q.is_cuda):  # CUDA's kernel for a mask takes whole heads
-        o = F.scaled_dot_product_attention(q, k, v, scale=d**-0.5, enable_gqa=True, **causal)
-    else:
-        k, v = k.repeat_interleave(nh // nkv, dim=1), v.repeat_interleave(nh // nkv, dim=1)
-        o = F.scaled_dot_product_attention(q, k, v, scale=d**-0.5, **causal)
-    o = o.transpose(1, 2).reshape(b, t, nh * d)
-    return F.linear(o, p["self_attn.o_proj.weight"])
+    q, k = _apply_rope(q, attn.cos, attn.sin), _apply_rope(k, attn.cos, attn.sin)
+    return F.linear(attn(q, k, v), p["self_attn.o_proj.weight"])
 
 
 def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
@@ -165,9 +156,9 @@ def _mlp(p: Mapping[str, Tensor], h: Tensor) -> Tensor:
     return F.linear(silu_mul(gate, up), p["mlp.down_proj.weight"])
 
 
-def attention_half(cfg: ModelConfig, p: Mapping[str, Tensor], x: Tensor, rope: tuple[Tensor, Tensor]) -> Tensor:
+def attention_half(cfg: ModelConfig, p: Mapping[str, Tensor], x: Tensor, attn: Attention) -> Tensor:
     """x + attention(norm(x)): the first residual block of a decoder layer."""
-    return x + _attention(cfg, p, rms_norm(x, p["input_layernorm.weight"], cfg.rms_norm_eps), rope)
+    return x + _attention(cfg, p, rms_norm(x, p["input_layernorm.weight"], cfg.rms_norm_eps), attn)
 
 
 def mlp_half(cfg: ModelConfig, p: Mapping[str, Tensor], x: Tensor) -> Tensor:
@@ -179,9 +170,9 @@ MLP_HALF_PARAMS = ("post_attention_layernorm.weight", "mlp.gate_proj.weight", "m
                    "mlp.down_proj.weight")
 
 
-def decoder_layer(cfg: ModelConfig, p: Mapping[str, Tensor], x: Tensor, rope: tuple[Tensor, Tensor]) -> Tensor:
+def decoder_layer(cfg: ModelConfig, p: Mapping[str, Tensor], x: Tensor, attn: Attention) -> Tensor:
     """One pre-norm decoder layer. x [B, T, H]; p keyed by local names, on x's device and dtype."""
-    return mlp_half(cfg, p, attention_half(cfg, p, x, rope))
+    return mlp_half(cfg, p, attention_half(cfg, p, x, attn))
 
 
 def token_slices(n: int, size: int) -> Iterator[slice]:
@@ -190,13 +181,13 @@ def token_slices(n: int, size: int) -> Iterator[slice]:
         yield slice(start, min(start + size, n))
 
 
-def layer_forward(cfg: ModelConfig, p: Mapping[str, Tensor], x: Tensor, rope: tuple[Tensor, Tensor],
+def layer_forward(cfg: ModelConfig, p: Mapping[str, Tensor], x: Tensor, attn: Attention,
                   tile_tokens: int) -> Tensor:
     """`decoder_layer` without autograd (call under torch.no_grad), the MLP half `tile_tokens` tokens
     at a time (0: the whole input at once). Tiles run over the flattened [B * T] tokens."""
     if tile_tokens <= 0:
-        return decoder_layer(cfg, p, x, rope)
-    y = attention_half(cfg, p, x, rope)
+        return decoder_layer(cfg, p, x, attn)
+    y = attention_half(cfg, p, x, attn)
     flat = y.view(-1, y.shape[-1])
     w = p["post_attention_layernorm.weight"]
     for s in token_slices(flat.shape[0], tile_tokens):  # in place: the residual stream becomes the output
@@ -209,7 +200,7 @@ def _add_into(grad_acc: Mapping[str, Tensor], names: list[str], grads: tuple[Ten
         grad_acc[name].add_(g)
 
 
-def layer_backward(cfg: ModelConfig, p: Mapping[str, Tensor], x: Tensor, rope: tuple[Tensor, Tensor],
+def layer_backward(cfg: ModelConfig, p: Mapping[str, Tensor], x: Tensor, attn: Attention,
                    grad_y: Tensor, tile_tokens: int, grad_acc: Mapping[str, Tensor]) -> Tensor:
     """Recompute one layer from its input x and backpropagate grad_y; returns the gradient of x.
 
@@ -223,10 +214,10 @@ def layer_backward(cfg: ModelConfig, p: Mapping[str, Tensor], x: Tensor, rope: t
     p = {k: v.detach().requires_grad_(True) for k, v in p.items()}
     if tile_tokens <= 0:
         names = list(p)
-        got = torch.autograd.grad(decoder_layer(cfg, p, x, rope), [x] + [p[n] for n in names], grad_y)
+        got = torch.autograd.grad(decoder_layer(cfg, p, x, attn), [x] + [p[n] for n in names], grad_y)
         _add_into(grad_acc, names, got[1:])
         return got[0]
-    mid = attention_half(cfg, p, x, rope)  # the attention graph stays alive through the MLP tiles
+    mid = attention_half(cfg, p, x, attn)  # the attention graph stays alive through the MLP tiles
     grad_mid = grad_y.contiguous()
     _mlp_backward_tiled(cfg, p, mid.detach(), grad_mid, tile_tokens, grad_acc)
     names = [n for n in p if n not in MLP_HALF_PARAMS]
@@ -261,9 +252,9 @@ def layer_params(params: Mapping[str, Tensor], layer: int) -> dict[str, Tensor]:
 def forward_hidden(cfg: ModelConfig, params: Mapping[str, Tensor], ids: Tensor) -> Tensor:
     """The whole model up to and including the final norm: [B, T] ids -> [B, T, H]."""
     x = embed(params["model.embed_tokens.weight"], ids)
-    rope = rope_tables(cfg, ids.shape[-1], x.device, x.dtype)
+    attn = causal_attention(cfg, *ids.shape, x.device, x.dtype)
     for layer in range(cfg.num_layers):
-        x = decoder_layer(cfg, layer_params(params, layer), x, rope)
+        x = decoder_layer(cfg, layer_params(params, layer), x, attn.at_window(cfg.window_of(layer)))
     return final_norm(cfg, params["model.norm.weight"], x)
 
 

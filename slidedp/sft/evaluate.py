@@ -25,7 +25,7 @@ def eval_loss(engine, version: int, ids: torch.Tensor, targets: torch.Tensor, po
     """(sum of token losses, trained targets) of rows [M, m, T] (on the CPU) at weights version `version`."""
     cfg, H = engine.cfg, engine.cfg.hidden_size
     M, m, T = ids.shape
-    ropes = engine.micro_ropes(T, positions, segments)
+    attns = engine.micro_attention(M, m, T, positions, segments)
     ids_dev = ids.to(engine.device)
     tied, held = cfg.tie_word_embeddings, engine.held
     if tied or "embed" in held:
@@ -44,7 +44,8 @@ def eval_loss(engine, version: int, ids: torch.Tensor, targets: torch.Tensor, po
             if layer + 1 < cfg.num_layers and nxt not in held:
                 engine.delivery.prefetch(engine.units[nxt], version)
         p = L.fuse_projections(p)
-        xs = [L.layer_forward(cfg, p, x, r, engine.plan.seq_tile_tokens) for x, r in zip(xs, ropes)]
+        window = cfg.window_of(layer)
+        xs = [L.layer_forward(cfg, p, x, a.at_window(window), engine.plan.seq_tile_tokens) for x, a in zip(xs, attns)]
         del p
     norm_unit = engine.units["norm"]
     norm_w = unit_tensors(engine.delivery.fetch(norm_unit, version), norm_unit)["model.norm.weight"]

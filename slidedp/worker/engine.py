@@ -38,7 +38,7 @@ from .device_state import DeviceHeld
 from .host_rows import HostRows
 from .loss import IGNORE_INDEX, norm_head_backward
 from ..model import layers as L
-from ..model.attention import document_rope, single_segment
+from ..model.attention import Attention, choose_backend, packed_rows, plain_rows, single_document
 from ..model.config import ModelConfig
 from ..stepplan import StepPlan
 from ..tracing import NULL, Tracer
@@ -207,15 +207,21 @@ class Engine:
             self.link.grad_landed(*landed, step)
 
     # ---- the step --------------------------------------------------------------------------
-    def micro_ropes(self, T: int, positions: torch.Tensor | None, segments: torch.Tensor | None) -> list:
-        """Each micro-batch's rope (and, for rows of packed documents, the mask keeping attention inside
-        each document); positions, segments: [M, m, T] on the CPU, or None for plain causal rows."""
-        rope = self.rope(T)
-        if positions is None or segments is None:
-            return [rope]
-        return [rope if single_segment(segments[i]) else
-                document_rope(rope, positions[i].to(self.device), segments[i].to(self.device))
-                for i in range(positions.shape[0])]
+    def micro_attention(self, M: int, m: int, T: int, positions: torch.Tensor | None = None,
+                        segments: torch.Tensor | None = None) -> list[Attention]:
+        """Each micro-batch's attention (attention.py), built once for every layer's forward, recompute and
+        backward: plain causal rows, or rows of packed documents (positions, segments [M, m, T] on the CPU:
+        each token's position in its document and the document's number in its row), through the variable-
+        length kernel on CUDA and the dense mask elsewhere."""
+        rope, cfg = self.rope(T), self.cfg
+        windowed = any(w is not None and w < T for w in map(cfg.window_of, range(cfg.num_layers)))
+        out = []
+        for i in range(M):
+            packed = positions is not None and segments is not None and not single_document(segments[i])
+            backend = choose_backend(self.device, self.dtype, cfg.head_dim, packed, windowed)
+            out.append(packed_rows(rope, positions[i], segments[i], backend) if packed else
+                       plain_rows(rope, m, T, "causal" if backend == "causal" else backend))
+        return out
 
     def run_step(self, step: int, ids: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor | None = None,
                  segments: torch.Tensor | None = None, scale: float | None = None) -> StepTimes:
@@ -227,8 +233,7 @@ class Engine:
         t0 = time.perf_counter()
         cfg, H, tile = self.cfg, self.cfg.hidden_size, self.plan.seq_tile_tokens
         M, m, T = ids.shape
-        rope = self.rope(T)
-        ropes = self.micro_ropes(T, positions, segments) if positions is not None else [rope] * M
+        attns = self.micro_attention(M, m, T, positions, segments)
         scale = self.scale if scale is None else scale
         ids_dev = ids.to(self.device)
         targets_dev = targets.to(self.device)
@@ -252,8 +257,9 @@ class Engine:
                 p = self._layer_params(layer, step, backward=False, prefetch=not held)
                 for i, x in enumerate(xs):
                     self.saved.save(layer, i, x)
+                window = cfg.window_of(layer)
                 with self._span(f"forward layer {layer}", step, layer=layer):
-                    xs = [L.layer_forward(cfg, p, x, r, tile) for x, r in zip(xs, ropes)]
+                    xs = [L.layer_forward(cfg, p, x, a.at_window(window), tile) for x, a in zip(xs, attns)]
                 self._prefetch_ahead(layer, step, backward=False)
                 del p
             self.delivery.prefetch(self.units["norm"], step)
@@ -306,10 +312,11 @@ class Engine:
                 self.saved.prefetch(layer - 1)  # one layer ahead of the compute that needs it
             acc = torch.zeros(chunk.numel, dtype=torch.float32, device=self.device)
             acc_views = L.fuse_projections(unit_tensors(acc, self.units[f"layer.{layer}"], strip=f"model.layers.{layer}."))
+            window = cfg.window_of(layer)
             with self._span(f"backward layer {layer}", step, layer=layer):
                 for i in range(M):
-                    grads_out[i] = L.layer_backward(cfg, p, self.saved.get(layer, i), ropes[i], grads_out[i], tile,
-                                                    acc_views)
+                    grads_out[i] = L.layer_backward(cfg, p, self.saved.get(layer, i), attns[i].at_window(window),
+                                                    grads_out[i], tile, acc_views)
             self._prefetch_ahead(layer, step, backward=True)
             self.saved.release(layer)
             del p, acc_views

@@ -72,7 +72,7 @@ def test_fused_layer_equals_the_unfused_layer_forward_and_backward(cfg, tile):
     b, t = 2, 19
     x = torch.randn(b, t, cfg.hidden_size, generator=gen)
     grad_y = torch.randn(b, t, cfg.hidden_size, generator=gen)
-    rope = layers.rope_tables(cfg, t, "cpu")
+    rope = layers.causal_attention(cfg, b, t, "cpu")
     with torch.no_grad():
         ref_y = layers.layer_forward(cfg, views, x.clone(), rope, tile)
         got_y = layers.layer_forward(cfg, layers.fuse_projections(views), x.clone(), rope, tile)
@@ -101,7 +101,7 @@ def test_compiled_kernels_give_the_eager_layer(monkeypatch):
     gen = torch.Generator().manual_seed(2)
     x = torch.randn(2, 11, QWEN3.hidden_size, generator=gen)
     gy = torch.randn(2, 11, QWEN3.hidden_size, generator=gen)
-    rope = layers.rope_tables(QWEN3, 11, "cpu")
+    rope = layers.causal_attention(QWEN3, 2, 11, "cpu")
 
     def run():
         acc_flat = torch.zeros_like(flat)

@@ -85,7 +85,7 @@ def test_decoder_layer_is_differentiable_and_matches_hf_layer():
     cfg = ModelConfig.from_hf(model.config.to_dict())
     params = {n: p.detach().clone().requires_grad_(True) for n, p in model.named_parameters()}
     x = torch.randn(2, 10, 64, generator=torch.Generator().manual_seed(3), requires_grad=True)
-    rope = layers.rope_tables(cfg, 16, x.device)  # longer tables than the sequence are fine
+    rope = layers.causal_attention(cfg, 2, 10, x.device)
     out = layers.decoder_layer(cfg, layers.layer_params(params, 1), x, rope)
     out.square().sum().backward()
     local = layers.layer_params(params, 1)

@@ -31,7 +31,7 @@ def layer_inputs(cfg: ModelConfig):
             t.add_(0.2 * torch.randn(t.shape, generator=gen))
     x = torch.randn(B, T, cfg.hidden_size, generator=gen)
     grad_y = torch.randn(B, T, cfg.hidden_size, generator=gen)
-    return p, x, grad_y, layers.rope_tables(cfg, T, "cpu")
+    return p, x, grad_y, layers.causal_attention(cfg, B, T, "cpu")
 
 
 def reference_backward(cfg, p, x, rope, grad_y):

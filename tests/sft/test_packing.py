@@ -9,7 +9,7 @@ import torch
 from slidedp.data import DataError
 from slidedp.worker.loss import IGNORE_INDEX
 from slidedp.model import layers
-from slidedp.model.attention import document_rope, single_segment
+from slidedp.model.attention import packed_rows, single_document
 from slidedp.model.config import named_shape
 from slidedp.model.init import init_params
 from slidedp.sft.documents import Documents
@@ -72,8 +72,8 @@ def test_a_packed_row_computes_each_document_as_if_alone(shape, tile):
     assert rows.num_sequences(32) == 1
     ids, _, positions, segments = (torch.from_numpy(a)[None] for a in rows.row(0))
     rope = layers.rope_tables(cfg, 32, "cpu")
-    assert not single_segment(segments)
-    doc_rope = document_rope(rope, positions, segments)
+    assert not single_document(segments)
+    doc_rope = packed_rows(rope, positions, segments, "mask")
     x = layers.embed(params["model.embed_tokens.weight"], ids)
     grad = torch.randn(x.shape, generator=torch.Generator().manual_seed(0))
     grad[:, rows.positions_used:] = 0  # padding has no target: its gradient is 0 from the loss down
@@ -88,7 +88,7 @@ def test_a_packed_row_computes_each_document_as_if_alone(shape, tile):
         for d in range(len(docs)):
             n = len(docs.document(d)[0]) - 1
             alone = h[:, at:at + n].detach().clone().requires_grad_(True)
-            out = layers.decoder_layer(cfg, p, alone, layers.rope_tables(cfg, n, "cpu"))
+            out = layers.decoder_layer(cfg, p, alone, layers.causal_attention(cfg, 1, n, "cpu"))
             out.backward(g[:, at:at + n])
             assert torch.allclose(y[:, at:at + n], out.detach(), atol=1e-5, rtol=1e-5)
             assert torch.allclose(gx[:, at:at + n], alone.grad, atol=1e-5, rtol=1e-5)
