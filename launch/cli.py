@@ -18,7 +18,7 @@ from slidedp.config import ConfigError, load_job
 from slidedp.lifetime import skip_collection_at_exit
 
 from .jobrun import run_job
-from .planning import plan_job
+from .planning import document_load, plan_job
 from .preflight import cuda_problem
 from .progress import Progress
 
@@ -58,8 +58,14 @@ def print_plan(job) -> int:
     from slidedp.planner import PlanError
 
     try:
-        run_plan = plan_job(job)
-    except (PlanError, RuntimeError) as e:
+        documents = None
+        if job.runtime.device == "cuda":  # the planner charges rows of packed documents by their lengths
+            from slidedp.config import model_config
+            from slidedp.sft.setup import open_training
+
+            documents = document_load(open_training(job, model_config(job).vocab_size))
+        run_plan = plan_job(job, documents=documents)
+    except (PlanError, RuntimeError, ValueError) as e:  # ValueError: the data (DataError)
         print(f"slidedp-launch: no plan: {e}", file=sys.stderr)
         return 1
     if run_plan.plan is None:

@@ -76,6 +76,7 @@ class DryRun:
     store_shadow: bool | None = None  # whether the existing store has the bf16 shadow (None: a run creates the store)
     store_exists: bool = False
     room_flagged: bool = True  # the store's host-memory check spoke, or never ran: the plan's check stays quiet
+    batches: object = None  # the training data as read (Batches or DocBatches), None until read
 
     _topic: str = ""  # the topic whose lines are being printed
 
@@ -137,6 +138,7 @@ class DryRun:
         before = len(self.problems)
         with self.check("data"):
             batches = sft_setup.open_training(job, self.cfg.vocab_size)  # every id < vocab, every record read
+            self.batches = batches  # the plan charges rows of packed documents by their lengths
             epochs = t.steps * t.global_batch / batches.num_sequences
             took = f"(read in {time.perf_counter() - t0:.2f} s)"
             if isinstance(batches, DocBatches):
@@ -374,12 +376,13 @@ class DryRun:
             self.say("daemons" if not running else "", f"would start {', '.join(start)} as child processes")
 
     def plan(self) -> None:
-        from .planning import DeliveryError, plan_job, shadow_fits
+        from .planning import DeliveryError, document_load, plan_job, shadow_fits
 
         job = self.job
         store = dict(store_shadow=self.store_shadow, shadow_fits=self.store_shadow is not None
                      or job.store.shadow_bf16 != "auto" or self.layout is None or shadow_fits(job, self.layout),
-                     host_room=None if self.layout is None else room_for_plan(job, self.layout, self.store_exists))
+                     host_room=None if self.layout is None else room_for_plan(job, self.layout, self.store_exists),
+                     documents=document_load(self.batches))
         if self.cfg is None:
             self.say("plan", "not made: it needs the model")
             return

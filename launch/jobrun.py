@@ -39,7 +39,7 @@ from slidedp.store.mismatch import describe as describe_mismatch
 from slidedp.transport import bind_router, connect_dealer, identity, recv_dealer, recv_router, send
 
 from . import children
-from .planning import DeliveryError, plan_job, record_training, shadow_fits
+from .planning import DeliveryError, document_load, plan_job, record_training, shadow_fits
 from .host_room import planned_room_problem, room_for_plan, unplanned_room_problem
 from .preflight import cuda_probe
 from .rundir import RunDirInUse, check_run_dir, write_run_record
@@ -164,7 +164,8 @@ class JobRun:
         try:
             self.plan = plan_job(job, store_shadow="shadow" in status.get("segments", {}) if exists else None,
                                  shadow_fits=exists or job.store.shadow_bf16 != "auto" or shadow_fits(job, self.layout),
-                                 host_room=room_for_plan(job, self.layout, exists))
+                                 host_room=room_for_plan(job, self.layout, exists),
+                                 documents=document_load(self.batches))
         except DeliveryError as e:
             raise JobFailed(str(e)) from None
         step = self.plan.step

@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 from slidedp.config import JobConfig, model_config
 from slidedp.jobrecord import sums_on_host
 from slidedp.planner import Calibration, HostRoom, Plan, Workload, costs, make_plan
+from slidedp.planner.workload import DocumentLoad
 from slidedp.planner.calibration import RECENT_RUNS
 from slidedp.planner.calibration import record_training as record_training_measured
 from slidedp.planner.measure import MeasuredBlocks
@@ -158,12 +159,27 @@ def _store_shadow(job: JobConfig, store_shadow: bool | None, delivery: str) -> b
     return job.store.shadow_bf16 is True or (job.store.shadow_bf16 == "auto" and delivery == "bf16")
 
 
+def document_load(batches) -> DocumentLoad | None:
+    """What the job's rows of documents cost attention (None: token windows, each row one sequence, or rows
+    of one document each, which attend as plain causal rows)."""
+    from slidedp.sft.packing import DocBatches
+
+    if not isinstance(batches, DocBatches):
+        return None
+    lengths, row_offsets = batches.stream.document_lengths()
+    if len(lengths) == len(row_offsets) - 1:  # one document per row: plain causal attention
+        return None
+    return DocumentLoad.of(lengths.tolist(), row_offsets.tolist())
+
+
 def plan_job(job: JobConfig, calib: Calibration | None = None, store_shadow: bool | None = None,
-             shadow_fits: bool = True, host_room: HostRoom | None = None) -> JobPlan:
+             shadow_fits: bool = True, host_room: HostRoom | None = None,
+             documents: DocumentLoad | None = None) -> JobPlan:
     """The job's step plan: on CUDA the planner's, with the job file's [memory] overrides (its
     inputs) applied; on CPU the job file's values, clamped to the model. store_shadow, shadow_fits:
     what `deliveries` needs to know of the store (None: the job creates it); host_room: what the
-    host's memory leaves for offloaded layers and the shadow (host_room.room_for_plan; None: no limit)."""
+    host's memory leaves for offloaded layers and the shadow (host_room.room_for_plan; None: no limit);
+    documents: what the job's rows of packed documents cost attention (document_load; None: plain rows)."""
     mem, t, rt = job.memory, job.train, job.runtime
     options, note = deliveries(job, store_shadow, shadow_fits)
     notes = (note,) if note else ()
@@ -184,7 +200,8 @@ def plan_job(job: JobConfig, calib: Calibration | None = None, store_shadow: boo
             shadow=_store_shadow(job, store_shadow, delivery), notes=notes)
     work = Workload(model=cfg, global_batch=t.global_batch, seq_len=t.seq_len, world=rt.workers,
                     micro_batch=t.micro_batch, compute_dtype=t.compute_dtype, clip=t.max_grad_norm > 0,
-                    updaters=max(1, rt.updaters), compiled=t.compile in ("auto", "on"), host_room=host_room)
+                    updaters=max(1, rt.updaters), compiled=t.compile in ("auto", "on"), host_room=host_room,
+                    documents=documents)
     budget = int(mem.device_budget_gib * GiB)
     allowed = {
         "activations": ("keep", "offload") if mem.offload_layers != 0 else ("keep",),
@@ -197,7 +214,8 @@ def plan_job(job: JobConfig, calib: Calibration | None = None, store_shadow: boo
         calib = calibration(rt.workers, work.model.num_parameters(), measure={
             "model": cfg.to_dict(), "seq_len": t.seq_len, "compute_dtype": t.compute_dtype,
             "compiled": work.compiled, "compile_fallback": t.compile == "auto", "local_batch": work.local_batch,
-            "sizes": device_work_sizes(work, budget, allowed)})
+            "sizes": device_work_sizes(work, budget, allowed),
+            **({"documents": documents.to_dict()} if documents is not None else {})})
     allowed.update(_routes(job, calib))
     plan = make_plan(work, budget, calib, allowed,
                      device_layers=None if mem.device_layers < 0 else mem.device_layers)

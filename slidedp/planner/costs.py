@@ -59,11 +59,13 @@ def row_blocks(rows: int, chunk_rows: int) -> list[int]:
 # --------------------------------------------------------------------------------------
 # FLOPs
 
-def layer_forward_flops_per_token(model: ModelConfig, seq_len: int) -> float:
+def layer_forward_flops_per_token(model: ModelConfig, seq_len: float) -> float:
     """Forward matmul FLOPs of one decoder layer per token.
 
     Projections 2*H*(q + 2*kv) + o_proj 2*q*H; causal SDPA: QK^T and AV are 2*L*q each per
     token over the full square, halved by the causal mask -> 2*L*q; SwiGLU MLP 3 * 2*H*I.
+    seq_len: L, or for rows of packed documents the sum of their squared lengths per token
+    (Workload.attended_len), since each document attends only to itself.
     (Qwen3-4B, L=2048: 218.6 MFLOP/token; x3 for forward+backward on 16,384 tokens = 10.7 TFLOP,
     which at the prototype's measured 26.5 ms is its 405 TFLOP/s.)
     """

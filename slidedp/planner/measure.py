@@ -23,6 +23,7 @@ No torch at import: the planner's arithmetic runs anywhere; measuring imports it
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -35,6 +36,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 from slidedp import log
 from slidedp.model.config import ModelConfig
+from slidedp.planner.workload import DocumentLoad
 
 _log = log.get("planner")
 
@@ -125,13 +127,18 @@ class MeasuredBlocks:
         return blocks
 
 
-def shape_key(model: ModelConfig, seq_len: int, compute_dtype: str, compiled: bool) -> str:
+def shape_key(model: ModelConfig, seq_len: int, compute_dtype: str, compiled: bool,
+              documents: DocumentLoad | None = None) -> str:
     """What a layer's and the loss's GPU time depend on: the layer's and the head's dimensions, the
-    sequence length, the compute dtype and whether the pointwise pieces are compiled."""
+    sequence length (and, for rows of packed documents, their lengths), the compute dtype and whether
+    the pointwise pieces are compiled."""
     m = model
+    window = m.window_of(0)
     return (f"{m.family} h{m.hidden_size} i{m.intermediate_size} heads {m.num_heads}/{m.num_kv_heads}x{m.head_dim}"
             f"{' qk-norm' if m.qk_norm else ''}{' bias' if m.attention_bias else ''} vocab {m.vocab_size}; "
-            f"seq {seq_len}; {compute_dtype}; {'compiled' if compiled else 'eager'}")
+            f"seq {seq_len}{f' window {window}' if window is not None and window < seq_len else ''}"
+            f"{f', {documents.key}' if documents is not None else ''}; {compute_dtype}; "
+            f"{'compiled' if compiled else 'eager'}")
 
 
 # --------------------------------------------------------------------------------------
@@ -180,8 +187,40 @@ def flat_layer(cfg: ModelConfig, dtype, device) -> tuple[Any, Any, dict[str, Any
     return flat, unit, views
 
 
+def pass_attention(cfg: ModelConfig, micro_batch: int, seq_len: int, passes: int, device, dtype,
+                   documents: DocumentLoad | None = None) -> list:
+    """Each pass's attention as the engine builds it: plain causal rows, or the sampled rows of packed
+    documents in turn (layer 0's window, if it has one)."""
+    import torch
+
+    from slidedp.model import attention as A
+    from slidedp.model import layers as L
+
+    tables = L.rope_tables(cfg, seq_len, torch.device(device), dtype)
+    window = cfg.window_of(0)
+    windowed = window is not None and window < seq_len
+    if documents is None:
+        backend = A.choose_backend(torch.device(device), dtype, cfg.head_dim, False, windowed)
+        return [A.plain_rows(tables, micro_batch, seq_len, backend).at_window(window)] * passes
+    if any(sum(lengths) != seq_len for lengths in documents.sample):
+        raise MeasureError(f"the sampled rows of documents do not fill rows of {seq_len} positions")
+    out, rows = [], itertools.cycle(documents.sample)
+    for _ in range(passes):
+        positions = torch.empty(micro_batch, seq_len, dtype=torch.long)
+        numbers = torch.empty(micro_batch, seq_len, dtype=torch.long)
+        for r in range(micro_batch):
+            lengths = next(rows)
+            at = 0
+            for d, n in enumerate(lengths):
+                positions[r, at:at + n], numbers[r, at:at + n] = torch.arange(n), d
+                at += n
+        backend = A.choose_backend(torch.device(device), dtype, cfg.head_dim, True, windowed)
+        out.append(A.packed_rows(tables, positions, numbers, backend).at_window(window))
+    return out
+
+
 def layer_work(cfg: ModelConfig, micro_batch: int, seq_len: int, passes: int, tile: int, device, dtype,
-               fuse: bool = True) -> tuple[Callable[[], None], Callable[[], None]]:
+               fuse: bool = True, documents: DocumentLoad | None = None) -> tuple[Callable[[], None], Callable[[], None]]:
     """The engine's work of one layer for `passes` micro-batches of `micro_batch` x `seq_len` tokens:
     (the forward without grad, the recompute + backward into an fp32 gradient)."""
     import torch
@@ -193,18 +232,18 @@ def layer_work(cfg: ModelConfig, micro_batch: int, seq_len: int, passes: int, ti
     p = L.fuse_projections(views) if fuse else views
     acc = unit_tensors(torch.zeros(unit.numel, dtype=torch.float32, device=device), unit, strip="model.layers.0.")
     acc = L.fuse_projections(acc) if fuse else acc
-    rope = L.rope_tables(cfg, seq_len, device, dtype)
+    attns = pass_attention(cfg, micro_batch, seq_len, passes, device, dtype, documents)
     xs = [torch.randn(micro_batch, seq_len, cfg.hidden_size, device=device, dtype=dtype) for _ in range(passes)]
     gys = [torch.randn_like(x) * 1e-3 for x in xs]
 
     def forward() -> None:
         with torch.no_grad():
-            for x in xs:
-                L.layer_forward(cfg, p, x, rope, tile)
+            for x, attn in zip(xs, attns):
+                L.layer_forward(cfg, p, x, attn, tile)
 
     def backward() -> None:
-        for x, gy in zip(xs, gys):
-            L.layer_backward(cfg, p, x, rope, gy.clone(), tile, acc)
+        for x, gy, attn in zip(xs, gys, attns):
+            L.layer_backward(cfg, p, x, attn, gy.clone(), tile, acc)
 
     return forward, backward
 
@@ -260,7 +299,7 @@ def _device_tools(device: str) -> tuple[Callable[[], None], Callable[[Callable[[
 
 def measure_blocks(model: ModelConfig, seq_len: int, compute_dtype: str, compiled: bool, sizes: Iterable[Size],
                    local_batch: int, device: str = "cuda", repeat: int = 5, compile_fallback: bool = True,
-                   device_name: str = "") -> MeasuredBlocks:
+                   device_name: str = "", documents: DocumentLoad | None = None) -> MeasuredBlocks:
     """Time one layer's forward, its recompute + backward and the loss at each size, on `device`, with
     the engine's code (compiled pointwise pieces where `compiled`). Each time is per micro-batch pass,
     averaged over the passes of one rank's step (local_batch / micro_batch of them)."""
@@ -281,7 +320,7 @@ def measure_blocks(model: ModelConfig, seq_len: int, compute_dtype: str, compile
                 raise MeasureError(f"micro_batch {m} does not divide the {local_batch} sequences per rank")
             passes = local_batch // m
             if (m, tile) not in layers:
-                forward, backward = layer_work(model, m, seq_len, passes, tile, device, dtype)
+                forward, backward = layer_work(model, m, seq_len, passes, tile, device, dtype, documents=documents)
                 fwd = timed(forward, sync, repeat, min_window_s=BLOCK_WINDOW_S)
                 bwd = timed(backward, sync, repeat, min_window_s=BLOCK_WINDOW_S)
                 layers[(m, tile)] = LayerTime(m, tile, fwd / passes, bwd / passes, peak_of(backward))
@@ -295,7 +334,7 @@ def measure_blocks(model: ModelConfig, seq_len: int, compute_dtype: str, compile
     finally:
         if compiled:
             L.compile_kernels(False)
-    return MeasuredBlocks(shape_key(model, seq_len, compute_dtype, compiled), device_name or device,
+    return MeasuredBlocks(shape_key(model, seq_len, compute_dtype, compiled, documents), device_name or device,
                           tuple(layers[k] for k in sorted(layers)), tuple(losses))
 
 
@@ -476,12 +515,12 @@ def _write(path: Path, shapes: Mapping[str, MeasuredBlocks]) -> None:
 def measured_blocks(model: ModelConfig, seq_len: int, compute_dtype: str, compiled: bool, sizes: Iterable[Size],
                     local_batch: int, host: str, device_name: str, device: str = "cuda",
                     cache_dir: str | os.PathLike | None = None, measure: Callable[..., MeasuredBlocks] = measure_blocks,
-                    compile_fallback: bool = True) -> MeasuredBlocks:
+                    compile_fallback: bool = True, documents: DocumentLoad | None = None) -> MeasuredBlocks:
     """The blocks of this shape at `sizes`: from the host's cache, measuring (and keeping) the sizes it
     lacks. `measured_s` says how long that took (0: nothing measured)."""
     from slidedp.planner.calibration import locked
 
-    key = shape_key(model, seq_len, compute_dtype, compiled)
+    key = shape_key(model, seq_len, compute_dtype, compiled, documents)
     sizes = sorted({(m, normalized(m, seq_len, tile), chunk) for m, tile, chunk in sizes})
     path = cache_file(host, device_name, cache_dir)
     with locked(path):  # one job measures at a time: two at once would measure each other
@@ -492,7 +531,8 @@ def measured_blocks(model: ModelConfig, seq_len: int, compute_dtype: str, compil
             return have
         t0 = time.perf_counter()
         new = measure(model, seq_len, compute_dtype, compiled, missing, local_batch, device=device,
-                      compile_fallback=compile_fallback, device_name=device_name)
+                      compile_fallback=compile_fallback, device_name=device_name,
+                      **({"documents": documents} if documents is not None else {}))
         if new.shape != key:
             raise MeasureError(f"measured blocks of {new.shape!r}, wanted {key!r}")
         shapes[key] = have.merged(new)

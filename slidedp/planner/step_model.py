@@ -212,7 +212,7 @@ def device_times(work: Workload, ch: StepPlan, calib: Calibration) -> tuple[floa
         per_seq = work.local_batch / layer.micro_batch  # passes, or as many of the nearest size's
         fwd, bwd = layer.forward_s * per_seq, layer.backward_s * per_seq
     else:
-        fwd = work.local_tokens * costs.layer_forward_flops_per_token(work.model, work.seq_len) / flops
+        fwd = work.local_tokens * costs.layer_forward_flops_per_token(work.model, work.attended_len) / flops
         fwd /= costs.COMPILED_LAYER_SPEEDUP if work.compiled else 1.0
         bwd = 3.0 * fwd
     g_loss = loss.seconds * work.local_batch / loss.micro_batch if loss is not None else (
@@ -226,7 +226,8 @@ def measured(work: Workload, ch: StepPlan, calib: Calibration,
     another job's shape are not this one's); nearest: else the measured sizes nearest to them (the
     closest micro-batch, then the same tile and loss chunk)."""
     blocks = calib.blocks
-    if blocks is None or blocks.shape != shape_key(work.model, work.seq_len, work.compute_dtype, work.compiled):
+    if blocks is None or blocks.shape != shape_key(work.model, work.seq_len, work.compute_dtype, work.compiled,
+                                                   work.documents):
         return None, None
     m = micro_batch_of(work, ch)
     tile = normalized(m, work.seq_len, ch.seq_tile_tokens)

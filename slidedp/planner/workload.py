@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
 
 from slidedp.model.config import ModelConfig
 from slidedp.planner import costs
@@ -20,6 +22,48 @@ class HostRoom:
 
 
 @dataclass(frozen=True)
+class DocumentLoad:
+    """What rows of packed documents cost attention (from the job's data, read at launch). A token attends
+    to the earlier tokens of its own document, so a row's attention costs the sum of its documents' squared
+    lengths, not the row's square (the variable-length kernel computes nothing else).
+
+    attended_len: that sum over the data's rows, per token (seq_len where each row is one document);
+    sample: the documents' lengths in some rows spread over the data, the rows the planner times the layer on.
+    A row's padding counts to its last document (attention.py)."""
+
+    attended_len: float
+    sample: tuple[tuple[int, ...], ...]
+
+    SAMPLE_ROWS = 32
+
+    @classmethod
+    def of(cls, lengths: Sequence[int], row_offsets: Sequence[int], sample_rows: int = SAMPLE_ROWS) -> "DocumentLoad":
+        """From every row's document lengths in row order (row r: lengths[row_offsets[r]:row_offsets[r + 1]])."""
+        rows = len(row_offsets) - 1
+        if rows < 1:
+            raise ValueError("no rows")
+        square = sum(float(n) * n for n in lengths)
+        tokens = sum(int(n) for n in lengths)
+        k = min(rows, sample_rows)
+        picks = sorted({round(i * (rows - 1) / max(1, k - 1)) for i in range(k)})
+        sample = tuple(tuple(int(n) for n in lengths[row_offsets[r]:row_offsets[r + 1]]) for r in picks)
+        return cls(square / tokens, sample)
+
+    @property
+    def key(self) -> str:
+        """What the measured layer depends on (two significant figures: the same data's jobs share blocks)."""
+        rounded = round(self.attended_len, 1 - int(math.floor(math.log10(max(self.attended_len, 1.0)))))
+        return f"packed documents, {rounded:g} attended"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"attended_len": self.attended_len, "sample": [list(r) for r in self.sample]}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "DocumentLoad":
+        return cls(float(d["attended_len"]), tuple(tuple(int(n) for n in r) for r in d["sample"]))
+
+
+@dataclass(frozen=True)
 class Workload:
     model: ModelConfig
     global_batch: int  # sequences per optimizer step, all ranks together
@@ -31,6 +75,7 @@ class Workload:
     updaters: int = 1  # CPU updater processes (K)
     compiled: bool = False  # the worker runs the layers' pointwise kernels compiled (train.compile)
     host_room: HostRoom | None = None  # None: the host's memory does not limit the plan (CPU, replays)
+    documents: DocumentLoad | None = None  # rows of packed documents (None: each row is one sequence)
 
     def __post_init__(self) -> None:
         for name in ("global_batch", "seq_len", "world", "updaters"):
@@ -50,6 +95,11 @@ class Workload:
     @property
     def local_batch(self) -> int:
         return self.global_batch // self.world
+
+    @property
+    def attended_len(self) -> float:
+        """Twice the mean number of keys a token attends to: seq_len for plain causal rows."""
+        return self.documents.attended_len if self.documents is not None else float(self.seq_len)
 
     @property
     def local_tokens(self) -> int:

@@ -103,6 +103,15 @@ class PackedRows:
         """Input positions holding a document (the rest of the rows is padding)."""
         return int((self.docs.lengths() - 1).sum())
 
+    def document_lengths(self) -> tuple[np.ndarray, np.ndarray]:
+        """(lengths, row_offsets): the positions each row's documents take, in row order, a row's padding
+        counted to its last document (it continues that document: see row()); row r's documents are
+        lengths[row_offsets[r]:row_offsets[r + 1]]."""
+        lengths = (self.docs.lengths() - 1)[self.row_docs].astype(np.int64)
+        used = np.add.reduceat(lengths, self.row_offsets[:-1]) if len(lengths) else lengths
+        lengths[self.row_offsets[1:] - 1] += self.seq_len - used
+        return lengths, np.asarray(self.row_offsets)
+
     def fingerprint(self) -> str:
         """What the rows hold: a resume is refused when the data or its packing changed."""
         h = hashlib.sha256()
