@@ -50,13 +50,13 @@ def peer_layer_case(cfg, micro: int, seq: int, tokens: int, repeat: int) -> floa
     for prm in layer.parameters():
         torch.nn.init.normal_(prm, 0, 0.02) if prm.dim() > 1 else torch.nn.init.ones_(prm)
     n = tokens // (micro * seq)
-    cos, sin = L.rope_tables(cfg, seq, "cuda", torch.float32)
+    attn = L.causal_attention(cfg, micro, seq, "cuda", torch.float32)
     xs = [torch.randn(micro, seq, cfg.hidden_size, device="cuda", requires_grad=True) for _ in range(n)]
 
     def run() -> None:
         for x in xs:
             with torch.autocast("cuda", dtype=torch.bfloat16):
-                y = layer(x, cos, sin)
+                y = layer(x, attn)
             y.backward(torch.ones_like(y) * 1e-3)
 
     return timed(run, repeat)

@@ -80,6 +80,9 @@ SYSTEMS: dict[str, System] = {
     "gpu_resident": System("benchmarks.peers.gpu_resident", ("--loss", "full")),
     "gpu_resident_chunked": System("benchmarks.peers.gpu_resident", ("--loss", "chunked")),
     "hf_liger": System("benchmarks.peers.hf_liger", ("--liger",)),
+    # rows of packed chat conversations (--chat DIR): each document attends only to itself
+    "slidedp_packed": System("benchmarks.peers.slidedp_run"),
+    "hf_liger_packed": System("benchmarks.peers.hf_liger", ("--liger", "--attn", "flex_attention")),
     "hf": System("benchmarks.peers.hf_liger", ("--no-liger",)),
     "fsdp2_offload": System("benchmarks.peers.fsdp2_offload", ("--fused",)),
     "fsdp2_offload_foreach": System("benchmarks.peers.fsdp2_offload", ("--no-fused",)),
@@ -107,6 +110,8 @@ def peer_argv(args: argparse.Namespace, json_path: Path) -> list[str]:
         argv += ["--budget-gib", str(args.budget_gib)]
     if args.exact_init:
         argv += ["--exact-init"]
+    if args.vocab:
+        argv += ["--vocab", str(args.vocab)]
     return argv
 
 
@@ -136,6 +141,10 @@ def system_argv(name: str, system: System, args: argparse.Namespace, log_dir: Pa
     else:
         launcher = [sys.executable, "-m"]
     extra = slidedp_argv(name, args, log_dir) if system.module == SYSTEMS["slidedp"].module else []
+    if name.endswith("_packed"):
+        if not args.chat:
+            raise SystemExit(f"{name} trains packed chat rows: give --chat DIR (python -m benchmarks.chat_data DIR)")
+        extra += ["--chat", args.chat]
     return [*launcher, system.module, *peer_argv(args, json_path), *system.args, *extra]
 
 
@@ -340,6 +349,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "choose it (else the peers'), peers = --micro-batch, N = that many sequences")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: the smoke version (--shape tiny)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--vocab", type=int, default=0, help="the shape with this vocabulary size (0: the shape's own)")
+    p.add_argument("--chat", default="", metavar="DIR",
+                   help="the packed chat conversations (python -m benchmarks.chat_data DIR) the *_packed systems "
+                        "train on; they need --vocab 512")
     p.add_argument("--workload-label", default="", metavar="NAME",
                    help="the rows' shape as tables and reports name it (default --shape): a model SlideDP reads "
                         "from --slidedp-set model.path, trained on --shape's token data")

@@ -33,6 +33,7 @@ from torch.utils.checkpoint import checkpoint
 from slidedp.data import rank_slice
 from slidedp.worker.loss import chunked_cross_entropy_sum
 from slidedp.model import layers
+from slidedp.model.attention import Attention
 from slidedp.model.config import ModelConfig, named_shape
 from slidedp.model.init import INIT_STD, init_tensor_
 
@@ -66,13 +67,13 @@ class DecoderLayer(nn.Module):
     def params(self) -> dict[str, torch.Tensor]:
         return {name: getattr(self, _attr(name)) for name in self.local_names}
 
-    def _run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        return layers.decoder_layer(self.cfg, self.params(), x, (cos, sin))
+    def _run(self, x: torch.Tensor, attn: Attention) -> torch.Tensor:
+        return layers.decoder_layer(self.cfg, self.params(), x, attn)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, attn: Attention) -> torch.Tensor:
         if self.checkpointing and torch.is_grad_enabled():
-            return checkpoint(self._run, x, cos, sin, use_reentrant=False)
-        return self._run(x, cos, sin)
+            return checkpoint(self._run, x, attn, use_reentrant=False)
+        return self._run(x, attn)
 
 
 class DecoderLM(nn.Module):
@@ -112,9 +113,9 @@ class DecoderLM(nn.Module):
 
     def forward(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         x = layers.embed(self.embed_tokens, ids)
-        cos, sin = layers.rope_tables(self.cfg, ids.shape[-1], x.device, x.dtype)
+        attn = layers.causal_attention(self.cfg, *ids.shape, x.device, x.dtype)
         for layer in self.layers:
-            x = layer(x, cos, sin)
+            x = layer(x, attn)
         x = layers.final_norm(self.cfg, self.norm, x)
         head = self.embed_tokens if self.lm_head is None else self.lm_head
         dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
@@ -189,6 +190,10 @@ def parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--max-grad-norm", type=float, default=1.0,
                    help="clip the global gradient norm to this (one norm per step, as SlideDP's default); 0 = off")
     p.add_argument("--json", default="", help="write the result row here")
+    p.add_argument("--vocab", type=int, default=0, help="the shape with this vocabulary size (0: the shape's own)")
+    p.add_argument("--chat", default="", metavar="DIR",
+                   help="train on rows of packed chat conversations from DIR (benchmarks.chat_data) instead of "
+                        "random tokens; needs --vocab 512, the conversations' tokenizer")
     return p
 
 
@@ -208,7 +213,20 @@ def check_args(args: argparse.Namespace) -> None:
 
 
 def shape_of(args: argparse.Namespace) -> ModelConfig:
-    return named_shape(args.shape)
+    return named_shape(args.shape, getattr(args, "vocab", 0) or None)
+
+
+def chat_batches(args: argparse.Namespace, cfg: ModelConfig):
+    """The packed chat rows of --chat as SlideDP's launcher makes them for this job (the same conversations,
+    tokenizer, truncation at seq_len + 1 tokens, best-fit packing, no shuffle): DocBatches of --batch rows."""
+    from slidedp.sft.documents import DocumentSpec, TokenizerBundle, read_documents
+    from slidedp.sft.packing import DocBatches, PackedRows
+
+    folder = Path(args.chat)
+    bundle = TokenizerBundle.load(folder / "tokenizer.json", "")
+    spec = DocumentSpec("chat", overlong="truncate")
+    docs = read_documents([str(folder / "chat.jsonl")], "jsonl", spec, bundle, args.seq, cfg.vocab_size)
+    return DocBatches(PackedRows.build(docs, args.seq, packed=True, source=str(folder)), args.batch)
 
 
 def init_on(args: argparse.Namespace) -> str:

@@ -12,6 +12,11 @@ targets as every peer (`shift_labels`).
 --no-liger: the same model and loop without Liger (transformers' own kernels); it runs on the
 CPU too, which is how the tests check that this peer trains the harness's model.
 
+--chat DIR: padding-free packed SFT as transformers does it: the rows of packed conversations that
+SlideDP trains (common.chat_batches), each with its position ids, which restart at every document;
+transformers turns them into a per-document mask for the attention implementation --attn
+(flex_attention: a block mask, nothing computed across documents; sdpa: a dense mask).
+
     python -m benchmarks.peers.hf_liger --shape qwen3-4b --batch 8 --seq 2048 --steps 6 --warmup 2 --json OUT
 """
 
@@ -55,7 +60,7 @@ def measure(args: argparse.Namespace, row: dict[str, Any], host: common.HostMemo
     import transformers
 
     row["transformers"] = transformers.__version__
-    model = hf_model.build(cfg, device, torch.float32, args.seed, common.init_on(args))
+    model = hf_model.build(cfg, device, torch.float32, args.seed, common.init_on(args), args.attn)
     if hasattr(model, "activation_checkpointing_enable"):  # newer transformers' name (the old one warns)
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     else:
@@ -69,7 +74,47 @@ def measure(args: argparse.Namespace, row: dict[str, Any], host: common.HostMemo
         # the sum of the token losses over the step's count: the step's token-mean, as every peer
         return model(input_ids=ids, labels=targets, shift_labels=targets, num_items_in_batch=step_tokens).loss
 
-    common.train_resident(args, row, host, model, loss_of, opt, autocast=args.dtype == "bf16")
+    if args.chat:
+        train_packed(args, row, host, model, opt)
+    else:
+        common.train_resident(args, row, host, model, loss_of, opt, autocast=args.dtype == "bf16")
+
+
+def train_packed(args: argparse.Namespace, row: dict[str, Any], host: common.HostMemory, model: torch.nn.Module,
+                 opt: Any) -> None:
+    """Step s trains SlideDP's rows of step s: each micro-batch's rows with their position ids, the loss the
+    sum of the trained targets' losses over the step's count (as SlideDP's loss scale)."""
+    device = args.device
+    batches = common.chat_batches(args, common.shape_of(args))
+    steps = []
+    for s in range(args.steps):
+        b = batches.batch(s)
+        ids, targets, positions = (torch.from_numpy(a).to(device) for a in (b.ids, b.targets, b.positions))
+        micro = [(ids[i:i + args.micro_batch], targets[i:i + args.micro_batch], positions[i:i + args.micro_batch])
+                 for i in range(0, args.batch, args.micro_batch)]
+        steps.append((micro, b.trained_tokens))
+    amp = torch.autocast(device, dtype=torch.bfloat16, enabled=args.dtype == "bf16")
+    row["parameters"] = sum(p.numel() for p in model.parameters())
+    row["trained_tokens"] = [n for _, n in steps]
+    at = iter(range(args.steps))
+
+    def step(watch: common.Stopwatch) -> float:
+        micro, trained = steps[next(at)]
+        total = torch.zeros((), device=device)
+        for mb_ids, mb_targets, mb_positions in micro:
+            with amp:
+                loss = model(input_ids=mb_ids, position_ids=mb_positions, labels=mb_targets,
+                             shift_labels=mb_targets, num_items_in_batch=trained).loss
+            loss.backward()
+            total += loss.detach().float()
+        common.clip_gradients(model.parameters(), args.max_grad_norm)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return total.item()
+
+    times, sections, losses = common.timed_steps(step, args.steps, device, common.log)
+    common.fill_measurements(row, times, sections, losses, args.warmup)
+    common.fill_memory(row, device, host)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -77,11 +122,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--liger", action=argparse.BooleanOptionalAction, default=True,
                    help="patch the model with Liger's kernels (default); --no-liger: transformers' own")
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="autocast dtype (fp32: no autocast)")
+    p.add_argument("--attn", default="sdpa", help="transformers' attention implementation (sdpa, flex_attention, eager)")
     args = p.parse_args(argv)
     common.check_args(args)
     kernels = "Liger RMSNorm/RoPE/SwiGLU + fused linear CE" if args.liger else "transformers' kernels, full-logits CE"
     amp = "bf16 autocast" if args.dtype == "bf16" else "fp32 compute"
-    config = (f"{common.batch_text(args)}, transformers, {kernels}, fp32 params/grads/moments on "
+    rows = f", packed chat rows with position ids, {args.attn}" if args.chat else f", {args.attn}"
+    config = (f"{common.batch_text(args)}{rows}, transformers, {kernels}, fp32 params/grads/moments on "
               f"{args.device.upper()}, {amp}, gradient checkpointing, fused AdamW, {common.clip_text(args.max_grad_norm)}")
     system = "hf_liger" if args.liger else "hf"
     return common.run_peer(system, config, args, lambda row, host: measure(args, row, host),

@@ -35,6 +35,7 @@ import torch
 from benchmarks.peers import common
 from slidedp.worker.loss import norm_head_backward
 from slidedp.model import layers as L
+from slidedp.model.attention import Attention
 from slidedp.model.config import ModelConfig
 
 SYSTEM = "resident_same_kernels"
@@ -68,7 +69,7 @@ class ResidentSameKernels:
             t.grad = torch.zeros_like(t)
         self.opt = torch.optim.AdamW(list(self.master.values()), lr=common.LR, betas=common.BETAS, eps=common.EPS,
                                      weight_decay=common.WEIGHT_DECAY, fused=True)
-        self._rope: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._rope: dict[tuple[int, int], Attention] = {}
 
     def named_tensors(self, which: str = "master") -> Iterator[tuple[str, torch.Tensor]]:
         """(Hugging Face name, view) of every parameter (which="master") or its gradient ("grad")."""
@@ -85,10 +86,11 @@ class ResidentSameKernels:
     def init_weights(self, seed: int, on: str) -> None:
         common.init_named_(self.named_tensors(), seed, on)
 
-    def _rope_for(self, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if seq not in self._rope:
-            self._rope[seq] = L.rope_tables(self.cfg, seq, self.device, self.dtype)
-        return self._rope[seq]
+    def _attention_for(self, rows: int, seq: int) -> Attention:
+        """Plain causal rows' attention (the engine's for rows of one sequence each)."""
+        if (rows, seq) not in self._rope:
+            self._rope[(rows, seq)] = L.causal_attention(self.cfg, rows, seq, self.device, self.dtype)
+        return self._rope[(rows, seq)]
 
     def _layer(self, i: int, which: str = "master") -> dict[str, torch.Tensor]:
         """Layer i's weights in the compute dtype (one cast of its flat, as the engine's delivery),
@@ -113,7 +115,7 @@ class ResidentSameKernels:
         cfg, h, tile = self.cfg, self.cfg.hidden_size, self.tile_tokens
         scale = 1.0 / targets.numel()
         ids_mb, targets_mb = ids.split(micro_batch), targets.split(micro_batch)
-        rope = self._rope_for(ids.shape[-1])
+        rope = self._attention_for(micro_batch, ids.shape[-1])
         embed_w = self._matrix("embed")
         saved: list[list[torch.Tensor]] = []
         with torch.no_grad():

@@ -61,8 +61,9 @@ def job_dict(args: argparse.Namespace, data: Path, run_dir: Path, name: str) -> 
     """The job file as sections (slidedp/config.py's schema), before --set overrides."""
     dtype = args.compute_dtype or ("bf16" if args.device == "cuda" else "fp32")
     job: dict[str, dict[str, Any]] = {
-        "model": {"source": "random", "shape": args.shape, "init_seed": args.seed},
-        "data": {"path": str(data), "format": "npy"},
+        "model": {"source": "random", "shape": args.shape, "init_seed": args.seed,
+                  **({"vocab_size": args.vocab} if args.vocab else {})},
+        "data": chat_data(args) if args.chat else {"path": str(data), "format": "npy"},
         # The peers' optimizer: constant lr, no weight decay, the peers' clipping (--max-grad-norm).
         "train": {"steps": args.steps, "global_batch": args.batch, "micro_batch": job_micro_batch(args),
                   "seq_len": args.seq, "lr": common.LR, "schedule": "constant", "weight_decay": common.WEIGHT_DECAY,
@@ -86,6 +87,13 @@ def job_dict(args: argparse.Namespace, data: Path, run_dir: Path, name: str) -> 
             value = raw.strip()
         job.setdefault(section, {})[field] = value
     return job
+
+
+def chat_data(args: argparse.Namespace) -> dict[str, Any]:
+    """The [data] section of the packed chat workload (common.chat_batches makes the peers' rows the same way)."""
+    folder = Path(args.chat).resolve()
+    return {"path": str(folder / "chat.jsonl"), "format": "jsonl", "tokenizer": str(folder / "tokenizer.json"),
+            "kind": "chat", "packing": "packed", "overlong": "truncate", "shuffle": False}
 
 
 def to_toml(job: dict[str, dict[str, Any]]) -> str:
@@ -184,7 +192,8 @@ def measure(args: argparse.Namespace, row: dict[str, Any], host: common.HostMemo
     name = f"bench-{os.getpid()}"  # unique: never attaches to a stale store of an earlier run
     # A fresh run dir per run: the launcher appends to metrics.jsonl, and a reused --workdir must not mix runs.
     data, run_dir, job_path = work / "tokens.npy", work / name, work / f"{name}.toml"
-    write_tokens(data, cfg, args.batch, args.seq, args.seed)
+    if not args.chat:
+        write_tokens(data, cfg, args.batch, args.seq, args.seed)
     job_path.write_text(to_toml(job_dict(args, data, run_dir, name)))
     row.update(job_file=str(job_path), run_dir=str(run_dir), init=f"SlideDP store (random, seed {args.seed})")
     # Run from the work dir with the repo root LAST on the path: an installed slidedp (with its

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# The packed-chat table (issue 45): Qwen3-4B shape with a 512-token vocabulary, clipping 1.0; SlideDP at a
+# 24 GiB budget with the plan's own micro-batch and every other choice, the peer uncapped (all on the GPU).
+# For each layout of the same tokens per step:
+#   slidedp           random tokens, one document per row (plain causal rows)
+#   slidedp_packed    rows of packed multi-turn chat conversations (benchmarks.chat_data: median 885
+#                     tokens, 10% under 300), each attending only to itself
+#   hf_liger_packed   transformers + Liger with the same rows and their position ids (padding-free
+#                     packing), flex_attention's block mask, everything on the GPU
+# One persistent store serves every SlideDP run (built by the first, attached by the next; train.steps
+# counts on from its committed step). Each layout writes OUT/packed-BxT.json (+ .md, .png).
+#   bash benchmarks/sessions/packed_chat.sh OUT PART
+# PART: a (4 x 8,192 and 2 x 16,384), b (16 x 2,048 and 1 x 65,536). SYSTEMS=... runs only those.
+# The device command (carry [".whl"]; wheels from ../shared/device/prep liger-kernel==0.8.5):
+#   <the prep script's install header>; SLIDEDP_CODE_COMMIT=SHA bash benchmarks/sessions/packed_chat.sh $OUT a
+set -u
+out=$1 part=$2
+systems=${SYSTEMS:-slidedp,slidedp_packed,hf_liger_packed}
+store=slidedp-packed
+chat=${CHAT_DIR:-/tmp/packed-chat}
+here=$(dirname "$0")
+[ -f "$chat/chat.jsonl" ] || python3 -m benchmarks.chat_data "$chat" --conversations 2000 | tee "$out/chat-data.txt"
+case $part in
+  a) layouts="4:8192 2:16384" ;;
+  b) layouts="16:2048 1:65536" ;;
+  *) echo "PART must be a or b" >&2; exit 2 ;;
+esac
+for layout in $layouts; do
+  B=${layout%%:*} T=${layout##*:}
+  steps=${STEPS:-6} warm=2
+  total=$(( $(bash "$here/committed_step.sh" "$store") + steps ))
+  python3 -m benchmarks.run --shape qwen3-4b --vocab 512 --workload-label "qwen3-4b, vocab 512" --batch "$B" \
+    --seq "$T" --steps "$steps" --warmup $warm --systems "$systems" --chat "$chat" \
+    --slidedp-set memory.device_budget_gib=24 \
+    --slidedp-set store.persist=true --slidedp-set "store.name=\"$store\"" --slidedp-set train.steps=$total \
+    --timeout "${TIMEOUT:-280}" --out "$out/packed-${B}x${T}.json" --quiet
+done
