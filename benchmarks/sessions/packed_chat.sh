@@ -8,24 +8,20 @@
 #   hf_liger_packed   transformers + Liger with the same rows and their position ids (padding-free
 #                     packing), flex_attention's block mask, everything on the GPU
 # One persistent store serves every SlideDP run (built by the first, attached by the next; train.steps
-# counts on from its committed step). Each layout writes OUT/packed-BxT.json (+ .md, .png).
-#   bash benchmarks/sessions/packed_chat.sh OUT PART
-# PART: a (4 x 8,192 and 2 x 16,384), b (16 x 2,048 and 1 x 65,536). SYSTEMS=... runs only those.
+# counts on from its committed step). Each layout B:T writes OUT/packed-BxT.json (+ .md, .png).
+#   bash benchmarks/sessions/packed_chat.sh OUT B:T [B:T ...]     e.g. OUT 4:8192 2:16384
+# SYSTEMS=... runs only those; STEPS (default 6, 2 of warm-up) and TIMEOUT (per system, default 280 s).
 # The device command (carry [".whl"]; wheels from ../shared/device/prep liger-kernel==0.8.5):
-#   <the prep script's install header>; SLIDEDP_CODE_COMMIT=SHA bash benchmarks/sessions/packed_chat.sh $OUT a
+#   <the prep script's install header>; SLIDEDP_CODE_COMMIT=SHA bash benchmarks/sessions/packed_chat.sh $OUT 4:8192
 set -u
-out=$1 part=$2
+out=$1
+shift
 systems=${SYSTEMS:-slidedp,slidedp_packed,hf_liger_packed}
 store=slidedp-packed
 chat=${CHAT_DIR:-/tmp/packed-chat}
 here=$(dirname "$0")
 [ -f "$chat/chat.jsonl" ] || python3 -m benchmarks.chat_data "$chat" --conversations 2000 | tee "$out/chat-data.txt"
-case $part in
-  a) layouts="4:8192 2:16384" ;;
-  b) layouts="16:2048 1:65536" ;;
-  *) echo "PART must be a or b" >&2; exit 2 ;;
-esac
-for layout in $layouts; do
+for layout in "$@"; do
   B=${layout%%:*} T=${layout##*:}
   steps=${STEPS:-6} warm=2
   total=$(( $(bash "$here/committed_step.sh" "$store") + steps ))
