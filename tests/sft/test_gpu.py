@@ -74,6 +74,6 @@ def test_packed_rows_on_cuda_match_documents_alone(cfg, backend, dtype, tol, win
             assert (y[r, at:at + n] - out[0].detach()).norm() <= tol * out.norm()
             assert (gx[r, at:at + n] - alone.grad[0]).norm() <= tol * alone.grad.norm()
             at += n
-        assert gx[r, at:].abs().max() == 0  # padding's gradient stays 0
+        assert not gx[r, at:].any()  # padding's gradient stays 0
     for name, leaf in cpu_leaves.items():  # the weights' gradients: the sum over every document
         assert (acc[name].cpu() - leaf.grad).norm() <= tol * leaf.grad.norm(), name
