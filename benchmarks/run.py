@@ -141,9 +141,7 @@ def system_argv(name: str, system: System, args: argparse.Namespace, log_dir: Pa
     else:
         launcher = [sys.executable, "-m"]
     extra = slidedp_argv(name, args, log_dir) if system.module == SYSTEMS["slidedp"].module else []
-    if name.endswith("_packed"):
-        if not args.chat:
-            raise SystemExit(f"{name} trains packed chat rows: give --chat DIR (python -m benchmarks.chat_data DIR)")
+    if name.endswith("_packed") and args.chat:
         extra += ["--chat", args.chat]
     return [*launcher, system.module, *peer_argv(args, json_path), *system.args, *extra]
 
@@ -371,6 +369,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         if unknown or not names:
             p.error(f"unknown system(s) {', '.join(unknown) or '(none given)'}; known: {', '.join(SYSTEMS)}")
         args.system_names = names
+        packed = [s for s in names if s.endswith("_packed")]
+        if packed and not args.chat:
+            p.error(f"{', '.join(packed)} train packed chat rows: give --chat DIR (python -m benchmarks.chat_data DIR)")
         if args.steps <= args.warmup:
             p.error(f"--steps ({args.steps}) must exceed --warmup ({args.warmup})")
         if args.slidedp_micro_batch not in ("plan", "peers") and not args.slidedp_micro_batch.isdigit():

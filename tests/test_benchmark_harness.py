@@ -659,6 +659,12 @@ def test_each_systems_command_line(tmp_path):
         "torch.distributed.run", "--standalone"]
     with pytest.raises(SystemExit):
         bench.parse_args(["--slidedp-micro-batch", "some"])
+    with pytest.raises(SystemExit):  # a packed system needs the chat data
+        bench.parse_args(["--systems", "slidedp,slidedp_packed"])
+    chat = bench.parse_args(["--systems", "slidedp_packed,hf_liger_packed", "--chat", str(tmp_path / "chat")])
+    for name in ("slidedp_packed", "hf_liger_packed"):
+        cmd = bench.system_argv(name, bench.SYSTEMS[name], chat, tmp_path, tmp_path / "p.json")
+        assert cmd[cmd.index("--chat") + 1] == str(tmp_path / "chat"), name
 
 
 def test_slidedp_job_lets_the_plan_choose_the_micro_batch_only_where_slidedp_accepts_it(tmp_path, monkeypatch):
