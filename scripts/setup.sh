@@ -18,3 +18,6 @@ fi
 echo "setup: installing slidedp and its test extras"
 "$VPY" -m pip install -q --disable-pip-version-check -e ".[test,report]" 2>&1 | grep -v "^WARNING: Location" || true
 "$VPY" -c "import slidedp, torch, zmq, posix_ipc, transformers; print('setup: ok (torch', torch.__version__ + ')')"
+if git rev-parse --is-inside-work-tree >/dev/null 2>&1; then
+  git config core.hooksPath .githooks   # .githooks/commit-msg: subjects of at most 72 characters
+fi
