@@ -3,7 +3,9 @@
 It reads what a run reads (job file, model folder, data, an existing store's manifest, the
 resume checkpoint, on CUDA the plan) but starts no daemon and creates no segment, run
 directory or checkpoint. It prints what the run would do and every problem found, each
-naming what to fix; exit status 0 when a run would start cleanly, 1 otherwise.
+naming what to fix; exit status 0 when a run would start cleanly, 1 otherwise. What the
+launcher decides (store, room, shadow, plan, resume point) it decides with the launcher's
+own `admission.admit`, and prints that decision in its sections.
 """
 
 from __future__ import annotations
@@ -27,10 +29,12 @@ from slidedp.store import checkpoint as ckpt
 from slidedp.store.ephemeral import left_behind
 from slidedp.store.layout import Layout, make_layout
 from slidedp.store.manifest import Manifest
-from slidedp.store.mismatch import describe_layouts
 from slidedp.store.shm import SHM_DIR, list_store_segments, segment_name, shm_free_bytes
 
-from .host_room import planned_room_problem, room_for_plan, room_problem, size, unplanned_need, unplanned_step
+from .admission import Admission, AdmissionFacts, CheckpointFacts, HostFacts, StoreFacts, admit
+from .host_room import size, unplanned_need, unplanned_step
+from .planning import document_load
+from .preflight import cuda_probe
 
 # What a check can raise for bad input: ConfigError, DataError, ModelConfigError (ValueError);
 # CheckpointError, StoreError, ManifestError (RuntimeError); missing or unreadable files (OSError).
@@ -70,13 +74,16 @@ class DryRun:
     warnings: list[str] = field(default_factory=list)
     cfg: ModelConfig | None = None
     layout: Layout | None = None
-    start: int = 0
-    torn: str | None = None  # why the existing store cannot be trained from as it is
     store_status: dict = field(default_factory=dict)  # the existing store as a run would find it (exists, ...)
-    store_shadow: bool | None = None  # whether the existing store has the bf16 shadow (None: a run creates the store)
-    store_exists: bool = False
-    room_flagged: bool = True  # the store's host-memory check spoke, or never ran: the plan's check stays quiet
     batches: object = None  # the training data as read (Batches or DocBatches), None until read
+    # the facts a run gathers, and the launcher's decision on them (admission.py); None: not made
+    store_facts: StoreFacts = field(default_factory=StoreFacts)
+    checkpoint: CheckpointFacts | None = None  # the resume checkpoint, read and verified
+    admission: Admission | None = None
+    resume_error: str = ""  # why the resume checkpoint could not be read
+    plan_error: str = ""  # why no decision was made: the plan's calibration failed
+    host: HostFacts = field(default_factory=lambda: HostFacts(0, 0))  # read by store()
+    _attached: tuple[int, bool, str] = (0, False, "")  # the store's attachment: launcher pid, alive, its job
 
     _topic: str = ""  # the topic whose lines are being printed
 
@@ -164,30 +171,50 @@ class DryRun:
             if why:
                 self.problem("run", why)
 
+    @property
+    def start(self) -> int:
+        """The step a run would start at: the admission's, or where it was not made, what is known of it."""
+        if self.admission is not None:
+            return self.admission.start
+        return self.checkpoint.step if self.checkpoint else self.store_facts.committed_step
+
     def store(self) -> None:
+        """The store as a run would find it, and the launcher's decision (admission.py), made here once all
+        its facts are read: the store's section says its store and room parts."""
         job, layout = self.job, self.layout
+        self._read_checkpoint()  # said by resume()
         if layout is None or self.cfg is None:
             self.say("store", "not checked: it needs the model (see the model's problem)")
             return
         name = job.store_name
         world = job.runtime.workers
-        # the slots of the step unplanned_need counts (the plan picks an "auto" route later)
-        step, held = unplanned_step(job, layout)
-        clip = job.train.max_grad_norm > 0
-        slots, _, full = jobrecord.gradient_space(layout, world, step.grad_route, clip, job.store.grad_slots, held)
+        self.host = HostFacts(psutil.virtual_memory().available, shm_free_bytes())
         segments = dict(list_store_segments().get(name, []))
         if segments and self._left_behind(name, segments):
             segments = {}  # the run destroys it first: what it needs is a new store's space
-        self.store_exists = bool(segments)
-        # the launcher's own count and question (host_room.py), before the plan; once planned, plan() asks
-        # it again with the plan's
-        need = unplanned_need(job, layout, self.store_exists)
         if segments:
             try:
-                self._existing_store(name, segments)
-            except _BAD_INPUT as e:  # another model or an incomplete store: its space means nothing here
+                self.store_facts = self._existing_store(name, segments)
+            except _BAD_INPUT as e:  # an incomplete or unreadable store: nothing is decided on it
                 self.problem("store", str(e))
                 return
+        self._admit()
+        adm = self.admission
+        if adm is not None and not adm.matches:
+            self.problem("store", adm.problems[0].text)  # another model: its space means nothing here
+            return
+        # what any plan takes (host_room.py), as the admission counted it before the plan; the slots of its
+        # step (the plan picks an "auto" route later)
+        need = unplanned_need(job, layout, bool(segments))
+        step, held = unplanned_step(job, layout)
+        clip = job.train.max_grad_norm > 0
+        slots, _, full = jobrecord.gradient_space(layout, world, step.grad_route, clip, job.store.grad_slots, held)
+        if segments:
+            self.say("store", f"store {name!r} exists ({size(sum(segments.values()))}, same model), "
+                              f"committed step {self.store_facts.committed_step}")
+            if self._attachment(name) and adm is not None:
+                for text in adm.of("store")[1]:
+                    self.warn("store", text)
             self.say("", f"would attach and add gradient rings of {size(need.rings)} ({world} rank(s) x {slots} slots"
                          + (", a full-model reduction buffer for exact clipping" if full else
                             ", one per chunk: exact clipping keeps each gradient until the step's norm" if clip else "")
@@ -199,12 +226,22 @@ class DryRun:
             self.say("store", f"would create store {name!r}: {size(need.state)} of state ({per} "
                               f"bytes/parameter) + {size(need.rings)} of gradient rings = {size(need.shm_bytes)}; "
                               f"{'kept' if job.store.persist else 'destroyed'} after the job (store.persist)")
-        free, avail = shm_free_bytes(), psutil.virtual_memory().available
-        self.say("", f"{SHM_DIR} has {size(free)} free; the host has {size(avail)} of memory available")
-        problem = room_problem(job, need, avail, free)
-        self.room_flagged = problem is not None
-        if problem:
-            self.problem("store", problem)
+        self.say("", f"{SHM_DIR} has {size(self.host.shm_free)} free; the host has {size(self.host.available)} of "
+                     f"memory available")
+        for text in adm.of("store")[0] if adm is not None else ():
+            self.problem("store", text)
+
+    def _admit(self) -> None:
+        """The launcher's decision on the facts read so far (admission.py)."""
+        job = self.job
+        assert self.cfg is not None
+        gpus = cuda_probe()[0] if job.runtime.device == "cuda" else None
+        facts = AdmissionFacts(job, self.cfg, self.store_facts, self.host, self.checkpoint,
+                               document_load(self.batches), gpus)
+        try:
+            self.admission = admit(facts)
+        except _BAD_INPUT as e:  # the plan's calibration failed (CUDA): said in the plan's place
+            self.plan_error = str(e) or type(e).__name__
 
     def _left_behind(self, name: str, segments: dict[str, int]) -> bool:
         """A store that a dead job made for itself (store.persist = false): a run destroys it, never adopts it."""
@@ -223,74 +260,82 @@ class DryRun:
                               f"and is gone: a run would destroy it and create it anew")
         return dead is not None
 
-    def _existing_store(self, name: str, segments: dict[str, int]) -> None:
+    def _existing_store(self, name: str, segments: dict[str, int]) -> StoreFacts:
+        """The store as a run would find it, read from its manifest; what the host-state daemon would
+        refuse at attach (another job attached) is kept for `_attachment` to say."""
         if "manifest" not in segments:
             raise RuntimeError(f"store {name!r} exists without a manifest segment (incomplete); "
                                f"destroy it with `slidedp-store destroy {name}`")
         m = Manifest.open(segment_name(name, "manifest"))
         try:
-            held, mine = m.layout, self.layout
-            assert mine is not None
-            if held.hash() != mine.hash():
-                raise RuntimeError(
-                    f"store {name!r} holds another model ({m.meta.get('source', '?')}, {held.model.family}, "
-                    f"{held.num_parameters:,} parameters) than this job ({mine.model.family}, {mine.num_parameters:,}): "
-                    f"{describe_layouts(held, mine)}; set store.name to another store, or destroy it with `slidedp-store destroy {name}`")
-            self.start = m.committed_step
-            self.store_shadow = bool(m.meta.get("shadow"))
+            held, pid = m.layout, m.attached_pid
+            live = bool(pid) and _alive(pid)
+            self._attached = (pid, live, m.job().get("job", "?") if live else "")
             self.store_status = {"exists": True, "generation": m.generation, "committed_step": m.committed_step,
-                                 "attached_pid": m.attached_pid if _alive(m.attached_pid) else 0}
-            self.say("store", f"store {name!r} exists ({size(sum(segments.values()))}, same model), "
-                              f"committed step {m.committed_step}")
-            pid = m.attached_pid
-            if pid and _alive(pid):
-                job = m.job().get("job", "?")
-                # a running job's store is mid-step (chunk versions mixed, layers leased), not torn: say it is in use
-                self.problem("store", f"store {name!r} has a job attached: {job!r} (launcher pid {pid}); wait for it to "
-                                      f"finish or stop it")
-                return
-            if pid:
-                self.say("", f"a job of pid {pid} left without detaching; its attachment would be cleared")
-            torn = self.torn = m.torn_reason(allow_leased=False)
-            if torn and not self.job.checkpoint.resume:
-                self.problem("store", f"store {name!r} is torn ({torn}); set checkpoint.resume = \"latest\" or a "
-                                      f"checkpoint path (or `slidedp-store restore {name} CHECKPOINT`)")
-            elif torn:
-                self.say("", f"store is torn ({torn}); the resume checkpoint would restore it")
-            if self.job.store.shadow_bf16 != "auto" and bool(m.meta.get("shadow")) != self.job.store.shadow_bf16:
-                self.warn("store", f"store.shadow_bf16 = {str(self.job.store.shadow_bf16).lower()} but the existing store "
-                                   f"was made {'with' if m.meta.get('shadow') else 'without'} the bf16 shadow; the store's wins")
+                                 "attached_pid": pid if live else 0}
+            # a running job's store is mid-step (chunk versions mixed, layers leased), not torn
+            torn = None if live else m.torn_reason(allow_leased=False)
+            return StoreFacts(True, m.meta.get("source", "?"), held.num_parameters, held.hash(), held.model.to_dict(),
+                              held.chunk_rows, bool(m.meta.get("shadow")), m.committed_step, torn)
         finally:
             m.close()
 
-    def resume(self) -> None:
+    def _attachment(self, name: str) -> bool:
+        """What the host-state daemon says of the store at attach, which the dry run asks no daemon: a job
+        attached, a torn store. False where the store is in use."""
+        pid, live, job = self._attached
+        if live:
+            self.problem("store", f"store {name!r} has a job attached: {job!r} (launcher pid {pid}); wait for it to "
+                                  f"finish or stop it")
+            return False
+        if pid:
+            self.say("", f"a job of pid {pid} left without detaching; its attachment would be cleared")
+        torn = self.store_facts.torn
+        if torn and not self.job.checkpoint.resume:
+            self.problem("store", f"store {name!r} is torn ({torn}); set checkpoint.resume = \"latest\" or a "
+                                  f"checkpoint path (or `slidedp-store restore {name} CHECKPOINT`)")
+        elif torn:
+            self.say("", f"store is torn ({torn}); the resume checkpoint would restore it")
+        return True
+
+    def _read_checkpoint(self) -> None:
+        """The resume checkpoint's record, every file verified (a run verifies it when it restores it)."""
         job = self.job
         want = job.checkpoint.resume
         if not want:
+            return
+        try:
+            path = ckpt.latest_valid(job.checkpoint_dir) if want == "latest" else Path(want)
+            if path is not None:
+                self.checkpoint = CheckpointFacts.of(path, ckpt.read_record(path, verify=True), self.batches)
+        except _BAD_INPUT as e:
+            self.resume_error = str(e) or type(e).__name__
+
+    def resume(self) -> None:
+        job = self.job
+        if not job.checkpoint.resume:
             self.say("resume", "none (checkpoint.resume = \"\")")
             return
-        with self.check("resume"):
-            if want == "latest":
-                path = ckpt.latest_valid(job.checkpoint_dir)
-                if path is None and self.torn:
-                    raise ckpt.CheckpointError(f"store {job.store_name!r} is torn ({self.torn}) and {job.checkpoint_dir} "
-                                               f"holds no valid checkpoint to restore; destroy the store or name a "
-                                               f"checkpoint in checkpoint.resume")
-                if path is None:
-                    found = len(ckpt.list_checkpoints(job.checkpoint_dir))
-                    self.say("resume", f"latest: no valid checkpoint under {job.checkpoint_dir}"
-                                       f"{f' ({found} invalid ones skipped)' if found else ''}; would start from the "
-                                       f"store's step {self.start}")
-                    return
-            else:
-                path = Path(want)
-            record = ckpt.read_record(path, verify=True)  # every file's sha256
-            if self.layout is not None and record.get("layout_hash") != self.layout.hash():
-                raise ckpt.CheckpointError(f"checkpoint {path} was taken from another model or chunking than this job's "
-                                           f"({record.get('model', {}).get('family', '?')}); choose a checkpoint of this model")
-            self.start = int(record["step"])
-            self.say("resume", f"{path}: step {self.start}, files verified; would restore it into the store")
-            self._data_position(record)
+        if self.resume_error:
+            self.problem("resume", self.resume_error)
+            return
+        adm, ck = self.admission, self.checkpoint
+        found = adm.of("resume")[0] if adm is not None else []
+        if ck is None:
+            if found:  # a torn store and nothing to restore
+                self.problem("resume", found[0])
+                return
+            skipped = len(ckpt.list_checkpoints(job.checkpoint_dir))
+            self.say("resume", f"latest: no valid checkpoint under {job.checkpoint_dir}"
+                               f"{f' ({skipped} invalid ones skipped)' if skipped else ''}; would start from the "
+                               f"store's step {self.start}")
+            return
+        if adm is not None and adm.resume is None:  # another model's checkpoint
+            self.problem("resume", found[0])
+            return
+        self.say("resume", f"{ck.path}: step {ck.step}, files verified; would restore it into the store")
+        for text in found:  # its data position
+            self.problem("resume", text)
 
     def history(self) -> None:
         """What the run directory holds of another run, as the launcher decides it (launch/rundir.py)."""
@@ -304,18 +349,6 @@ class DryRun:
             if past is not None:
                 self.say("job", f"run.overwrite = true: would remove the previous run from {self.job.run_dir} "
                                 f"({past.describe()})")
-
-    def _data_position(self, record: dict) -> None:
-        state = (record.get("extra") or {}).get("data")
-        if not state or self.cfg is None:
-            return
-        from slidedp.data import DataError
-        from slidedp.sft.setup import open_training
-
-        try:
-            open_training(self.job, self.cfg.vocab_size).check_state(self.start, state)
-        except DataError as e:
-            self.warn("resume", str(e))
 
     def steps(self) -> None:
         job, t = self.job, self.job.train
@@ -376,60 +409,42 @@ class DryRun:
             self.say("daemons" if not running else "", f"would start {', '.join(start)} as child processes")
 
     def plan(self) -> None:
-        from .planning import DeliveryError, document_load, plan_job, shadow_fits
-
-        job = self.job
-        store = dict(store_shadow=self.store_shadow, shadow_fits=self.store_shadow is not None
-                     or job.store.shadow_bf16 != "auto" or self.layout is None or shadow_fits(job, self.layout),
-                     host_room=None if self.layout is None else room_for_plan(job, self.layout, self.store_exists),
-                     documents=document_load(self.batches))
+        job, adm = self.job, self.admission
         if self.cfg is None:
             self.say("plan", "not made: it needs the model")
             return
-        with self.check("plan"):
-            if job.runtime.device != "cuda":
-                try:
-                    p = plan_job(job, **store)
-                except DeliveryError as e:
-                    raise RuntimeError(str(e)) from None
-                step = p.step
-                self.say("plan", f"CPU run: no plan needed (resident_layers={step.resident_layers}, "
-                                 f"embedding={step.embedding}, micro_batch={step.micro_batch}, "
-                                 f"delivery={step.delivery})")
-                for n in p.notes:
-                    self.say("", f"note: {n}")
-                self._planned_room(p)
-                return
-            from slidedp.planner import PlanError
-
-            from .jobrun import cuda_device_count
-
-            count = cuda_device_count()
-            if count == 0:
-                raise RuntimeError("runtime.device = \"cuda\" but no CUDA device is visible to this process")
-            if job.runtime.workers > count:
-                self.warn("plan", f"{job.runtime.workers} ranks share {count} GPU(s)")
-            try:
-                p = plan_job(job, **store)
-            except PlanError as e:
-                raise RuntimeError(f"no plan fits: {e}") from None
-            except DeliveryError as e:
-                raise RuntimeError(str(e)) from None
-            assert p.plan is not None
+        if self.plan_error:
+            self.problem("plan", self.plan_error)
+            return
+        if adm is None:
+            self.say("plan", "not made: it needs the store (see the store's problem)")
+            return
+        problems, warnings = adm.of("plan")
+        for text in warnings:
+            self.warn("plan", text)
+        p = adm.plan
+        if p is None:
+            if problems:
+                self.problem("plan", problems[0])
+            else:
+                self.say("plan", "not made: a run stops at the store's problem above")
+            return
+        if job.runtime.device != "cuda":
+            step = p.step
+            self.say("plan", f"CPU run: no plan needed (resident_layers={step.resident_layers}, "
+                             f"embedding={step.embedding}, micro_batch={step.micro_batch}, "
+                             f"delivery={step.delivery})")
+            for n in p.notes:
+                self.say("", f"note: {n}")
+        else:
             self.say("plan", p.describe().replace("\n", "\n" + " " * 11))
-            if self.store_shadow is None and p.shadow and job.store.shadow_bf16 == "auto":
+            if not adm.store_exists and adm.shadow and job.store.shadow_bf16 == "auto":
                 self.say("", "the plan delivers bf16: a run would create the store with the bf16 shadow "
                              "(2 B/param more host memory; store.shadow_bf16 = false keeps 12 B/param)")
-            self._planned_room(p)
-
-    def _planned_room(self, p) -> None:
-        """The launcher's host check with the plan's own choices (its offloaded layers' buffers, its held
-        layers' rings, the shadow), in its words: what the store's check above could not yet count."""
-        if self.layout is None or self.room_flagged:
-            return  # the store's check said it already
-        room = planned_room_problem(self.job, self.layout, p.step, self.store_exists, p.shadow)
-        if room:
-            self.problem("host", room)
+        # the launcher's host check with the plan's own choices (its offloaded layers' buffers, its held
+        # layers' rings, the shadow), in its words: what the store's check above could not yet count
+        for text in adm.of("host")[0]:
+            self.problem("host", text)
 
     def run(self) -> int:
         t0 = time.perf_counter()

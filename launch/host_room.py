@@ -6,13 +6,14 @@ the step's norm), the buffers its ranks keep offloaded layer inputs in, and its 
 store refuses a state it has no room for, but the rest came after it: on the H200 host (125 GiB)
 a Qwen3-8B job with clipping created its 91.5 GiB store and 30.9 GiB of rings, and the host-state
 daemon was killed for memory in step 0.
+
+Here is the arithmetic of it, on the numbers the caller read from the host; admission.py asks it
+before the plan and once planned, for the launcher and the dry run alike.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import psutil
 
 from slidedp.config import JobConfig
 from slidedp.jobrecord import gradient_space, held_chunk_ids, held_unit_names, ring_slots
@@ -21,7 +22,7 @@ from slidedp.planner.costs import activation_bytes
 from slidedp.stepplan import StepPlan
 from slidedp.store.layout import Layout
 from slidedp.store.rings import rings_bytes
-from slidedp.store.shm import SHM_DIR, shm_free_bytes
+from slidedp.store.shm import SHM_DIR
 from slidedp.store.store import segment_sizes
 
 GiB = 1 << 30
@@ -121,15 +122,7 @@ def unplanned_need(job: JobConfig, layout: Layout, store_exists: bool) -> HostNe
     return host_need(job, layout, step, store_exists, job.store.shadow_bf16 is True, held)
 
 
-def unplanned_room_problem(job: JobConfig, layout: Layout, store_exists: bool) -> str | None:
-    """The launcher's check before it plans (the dry run asks the same): None where this host has room
-    now for what any plan of the job takes; else what it needs and what would help. Where it has not,
-    no plan fits, and the planner would only say which plan is smallest on the GPU."""
-    return room_problem(job, unplanned_need(job, layout, store_exists), psutil.virtual_memory().available,
-                        shm_free_bytes())
-
-
-def room_for_plan(job: JobConfig, layout: Layout, store_exists: bool, available: int | None = None) -> HostRoom:
+def room_for_plan(job: JobConfig, layout: Layout, store_exists: bool, available: int) -> HostRoom:
     """What the host's memory leaves for the plan's own choices (offloaded layers' buffers, the bf16
     shadow of a store the job creates) beyond what any plan of the job takes: the fp32 state to create,
     the gradient rings at their largest (every chunk's on the host route, but for those of what the job
@@ -137,8 +130,14 @@ def room_for_plan(job: JobConfig, layout: Layout, store_exists: bool, available:
     step, held = held_by_the_job(job, layout, "host")
     base = host_need(job, layout, step, store_exists, shadow=False, device_chunks=held)
     shadow = 0 if store_exists else sum(segment_sizes(layout, {}, True).values()) - base.state  # its 2 B/param
-    free = (psutil.virtual_memory().available if available is None else available) - base.total
-    return HostRoom(free_bytes=free, shadow_bytes=shadow)
+    return HostRoom(free_bytes=available - base.total, shadow_bytes=shadow)
+
+
+def shadow_fits(job: JobConfig, layout: Layout, available: int, shm_free: int) -> bool:
+    """Whether the host has room for a store this job creates with the bf16 shadow (14 B/param) and the
+    job's gradient rings (on the host route: the larger), in /dev/shm and in the memory available."""
+    need = host_need(job, layout, StepPlan(grad_route="host"), store_exists=False, shadow=True).shm_bytes
+    return need <= min(shm_free, available)
 
 
 def room_problem(job: JobConfig, need: HostNeed, available: int, shm_free: int | None = None) -> str | None:
@@ -162,14 +161,3 @@ def room_problem(job: JobConfig, need: HostNeed, available: int, shm_free: int |
     return (f"the job needs {size(need.total)} of host memory ({need.describe()}) but the host has "
             f"{size(available)} available: started, it would be killed for memory. What would help: "
             + "; ".join(helps))
-
-
-def planned_room_problem(job: JobConfig, layout: Layout, step: StepPlan, store_exists: bool, shadow: bool,
-                         device_chunks: tuple[int, ...] | None = None) -> str | None:
-    """The launcher's check once the job is planned, before anything is made (the dry run asks the same):
-    None where this host has room now for everything the planned job takes of its memory. device_chunks:
-    the chunks the plan holds on the devices (None: found from the plan)."""
-    if device_chunks is None:
-        device_chunks = held_chunk_ids(layout, held_unit_names(layout.model, step))
-    return room_problem(job, host_need(job, layout, step, store_exists, shadow, device_chunks),
-                        psutil.virtual_memory().available, shm_free_bytes())

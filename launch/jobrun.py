@@ -18,12 +18,13 @@ import time
 from pathlib import Path
 
 import numpy as np
+import psutil
 import zmq
 
 from slidedp import daemonlock, numa
 from slidedp.config import JobConfig, job_to_dict, job_to_toml, model_config
-from slidedp.data import DataError
-from slidedp.jobrecord import JobRecord, gradient_space, held_chunk_ids, held_unit_names
+from slidedp.jobrecord import JobRecord, gradient_space
+from slidedp.model.config import ModelConfig
 from slidedp.sft import setup as sft_setup
 from slidedp.sft.packing import DocBatches
 from slidedp.sft.serve import stage_serve_files
@@ -34,13 +35,12 @@ from slidedp.stepplan import PLAN_FILE
 from slidedp.store import checkpoint as ckpt
 from slidedp.store.client import StoreRequestError, call, daemon_running
 from slidedp.store.ephemeral import creator_record, left_behind
-from slidedp.store.layout import make_layout
-from slidedp.store.mismatch import describe as describe_mismatch
+from slidedp.store.shm import shm_free_bytes
 from slidedp.transport import bind_router, connect_dealer, identity, recv_dealer, recv_router, send
 
 from . import children
-from .planning import DeliveryError, document_load, plan_job, record_training, shadow_fits
-from .host_room import planned_room_problem, room_for_plan, unplanned_room_problem
+from .admission import AdmissionFacts, CheckpointFacts, HostFacts, StoreFacts, admit
+from .planning import document_load, record_training
 from .preflight import cuda_probe
 from .rundir import RunDirInUse, check_run_dir, write_run_record
 from .schedule_note import schedule_note
@@ -98,6 +98,7 @@ class JobRun:
         self.external: dict[str, int] = {}  # role -> pid of the daemons this launcher found running
         self._gone: dict[str, str] = {}  # role -> how a daemon of the store died
         self._next_lock_check = 0.0
+        self.gpus = 0  # CUDA devices the workers see (counted before the plan, for a CUDA job)
         # GPU workers get cores of their own (an OpenMP updater thread that shares a core with a busy
         # worker stalls every parallel region of the fused AdamW); CPU workers compute on every
         # core, so nothing is set aside for them.
@@ -106,26 +107,13 @@ class JobRun:
 
     # ---- setup ---------------------------------------------------------------------------------
     def prepare(self) -> tuple[int, int]:
+        """Everything before the first step: the data, the daemons, the launcher's decision on the job
+        (admission.py) and what it says to do, the job started on the daemons. Returns (the step training
+        starts at, train.steps)."""
         job = self.job
         self.run_dir.mkdir(parents=True, exist_ok=True)
         cfg = model_config(job)
-        self.layout = make_layout(cfg)
-        t0 = time.perf_counter()
-        self.batches = sft_setup.open_training(job, cfg.vocab_size)
-        if isinstance(self.batches, DocBatches):  # rows of documents, mapped by the workers
-            rows = self.batches.stream
-            log.info("data: %s: %s", ", ".join(job.data.paths), rows.docs.stats.describe(job.train.seq_len))
-            log.info("data: %s (%.2f s)", sft_setup.describe(rows), time.perf_counter() - t0)
-        else:
-            log.info("data: %s, %d tokens, %d sequences of %d (%.2f s)", ", ".join(job.data.paths),
-                     len(self.batches.stream), self.batches.num_sequences, job.train.seq_len, time.perf_counter() - t0)
-        self.eval_rows = sft_setup.open_eval(job, cfg.vocab_size)
-        if self.eval_rows is not None:
-            when = f"every {job.train.eval_every} steps and " if job.train.eval_every else ""
-            log.info("eval data: %s: %s; the eval loss after %sthe last step", ", ".join(job.data.paths_of_eval),
-                     sft_setup.describe(self.eval_rows), when)
-        self.tokens_path = self.run_dir / "tokens.npy"
-        self.docs_path = self.eval_path = None
+        self._open_data(cfg.vocab_size)
         self.daemons = children.ensure_daemons(self.store, job.runtime.updaters, job.runtime.updater_threads, self.timeout,
                                                reserve_cpus=self.reserved_cpus)
         started = {c.name.removeprefix("slidedp-") for c in self.daemons}
@@ -141,52 +129,64 @@ class JobRun:
                         self.store, dead_owner)
             self._call("destroy", self.timeout)
             status = self._call("status", self.timeout)
-        if status.get("exists") and status["layout_hash"] != self.layout.hash():
-            raise JobFailed(
-                f"store {self.store!r} holds another model ({status['model']}, {status['parameters']:,} parameters) "
-                f"than this job ({job.model.source}:{job.model.shape or job.model.path}): "
-                f"{describe_mismatch(status.get('model_config') or {}, status.get('chunk_rows'), status['layout_hash'], self.layout)}; "
-                f"set store.name to another store, or destroy it with `slidedp-store destroy {self.store}`"
-            )
+        # the launcher's decision (admission.py), before anything is cleared, created, restored or written
+        self.admission = adm = admit(self._facts(cfg, status))
+        if adm.problem:
+            raise JobFailed(adm.problem)
+        for w in adm.warnings:
+            log.warning("%s", w.text)
+        self.layout, self.plan = adm.layout, adm.plan
+        assert self.plan is not None  # a plan is made where nothing refused the job
         try:
-            cleared = check_run_dir(job, status)  # before anything is created, restored or written
+            cleared = check_run_dir(job, status)
         except RunDirInUse as e:
             raise JobFailed(str(e)) from None
         if cleared:
             log.warning("%s", cleared)
         _write_atomic(self.run_dir / "job.resolved.toml", job_to_toml(job).encode())
         self._write_data(job)
-        # planned before the store is made: the plan says whether it wants the bf16 shadow (store.shadow_bf16 = "auto")
-        exists = bool(status.get("exists"))
-        room = unplanned_room_problem(job, self.layout, exists)
-        if room:
-            raise JobFailed(room)
-        try:
-            self.plan = plan_job(job, store_shadow="shadow" in status.get("segments", {}) if exists else None,
-                                 shadow_fits=exists or job.store.shadow_bf16 != "auto" or shadow_fits(job, self.layout),
-                                 host_room=room_for_plan(job, self.layout, exists),
-                                 documents=document_load(self.batches))
-        except DeliveryError as e:
-            raise JobFailed(str(e)) from None
-        step = self.plan.step
-        device_chunks = held_chunk_ids(self.layout, held_unit_names(cfg, step))
-        room = planned_room_problem(job, self.layout, step, exists, self.plan.shadow, device_chunks)
-        if room:
-            raise JobFailed(room)
-        if not exists:
+        if not adm.store_exists:
             log.info("creating store %s from %s%s", self.store, model_source(job),
-                     " with the bf16 shadow of the weights" if self.plan.shadow else "")
+                     " with the bf16 shadow of the weights" if adm.shadow else "")
             t0 = time.perf_counter()
-            st = self._call("create", max(self.timeout, 3600), shadow_bf16=self.plan.shadow,
+            st = self._call("create", max(self.timeout, 3600), shadow_bf16=adm.shadow,
                             persist=job.store.persist, creator=creator_record(job.run.name), **model_source(job))
             self.created_store = True
             log.info("store %s created: %.3f B parameters, %.2f bytes/parameter, in %.2f s", self.store,
                      st["parameters"] / 1e9, st["bytes_per_parameter"], time.perf_counter() - t0)
             status = st
-        self._maybe_resume(status)
+        self._resume(adm.resume, status)
         write_run_record(job, status)
+        return self._start_job(cfg, adm.device_chunks, previous_train), job.train.steps
+
+    def _open_data(self, vocab_size: int) -> None:
+        """The training data (and the eval set's), read and checked against the vocabulary."""
+        job = self.job
+        t0 = time.perf_counter()
+        self.batches = sft_setup.open_training(job, vocab_size)
+        if isinstance(self.batches, DocBatches):  # rows of documents, mapped by the workers
+            rows = self.batches.stream
+            log.info("data: %s: %s", ", ".join(job.data.paths), rows.docs.stats.describe(job.train.seq_len))
+            log.info("data: %s (%.2f s)", sft_setup.describe(rows), time.perf_counter() - t0)
+        else:
+            log.info("data: %s, %d tokens, %d sequences of %d (%.2f s)", ", ".join(job.data.paths),
+                     len(self.batches.stream), self.batches.num_sequences, job.train.seq_len, time.perf_counter() - t0)
+        self.eval_rows = sft_setup.open_eval(job, vocab_size)
+        if self.eval_rows is not None:
+            when = f"every {job.train.eval_every} steps and " if job.train.eval_every else ""
+            log.info("eval data: %s: %s; the eval loss after %sthe last step", ", ".join(job.data.paths_of_eval),
+                     sft_setup.describe(self.eval_rows), when)
+        self.tokens_path = self.run_dir / "tokens.npy"
+        self.docs_path = self.eval_path = None
+
+    def _start_job(self, cfg: ModelConfig, device_chunks: tuple[int, ...], previous_train: dict | None) -> int:
+        """Write the plan for the ranks, attach to the store and start the job on the daemons; returns the
+        store's committed step, where training starts. previous_train: the last job's [train] on the store."""
+        job = self.job
+        assert self.plan is not None
         if self.plan.plan is not None or self.plan.notes:
             log.info("plan: %s", self.plan.describe().replace("\n", "\n    "))
+        step = self.plan.step
         self.plan_path = self.run_dir / PLAN_FILE  # beside job.resolved.toml: what every rank carries out
         _write_atomic(self.plan_path, step.to_json().encode())
         slots, reduce_slots, _ = gradient_space(self.layout, self.world, step.grad_route, job.train.max_grad_norm > 0,
@@ -212,7 +212,17 @@ class JobRun:
             raise JobFailed(f"the daemons refused the job: {ack.text}")
         self.job_started = True
         self.job_sock = bind_router(self.ctx, self.store, "job")
-        return att["committed_step"], job.train.steps
+        return att["committed_step"]
+
+    def _facts(self, cfg: ModelConfig, status: dict) -> AdmissionFacts:
+        """What the decision needs, gathered here: the store as its daemon says, this host's free memory,
+        the resume checkpoint's record, the GPUs (counted once: the workers are placed on them)."""
+        job = self.job
+        gpus = cuda_device_count() if job.runtime.device == "cuda" else None
+        self.gpus = gpus or 0
+        return AdmissionFacts(job, cfg, StoreFacts.from_status(status),
+                              HostFacts(psutil.virtual_memory().available, shm_free_bytes()),
+                              checkpoint=self._resume_checkpoint(), documents=document_load(self.batches), gpus=gpus)
 
     def _write_data(self, job: JobConfig) -> None:
         """What the workers read, into the run dir (checked first: it holds no other run): the token ids or the
@@ -229,29 +239,29 @@ class JobRun:
             self.eval_rows.save(self.eval_path)
         self.serve_files = stage_serve_files(job, self.run_dir / "serve")
 
-    def _maybe_resume(self, status: dict) -> None:
-        job = self.job
-        want = job.checkpoint.resume
+    def _resume_checkpoint(self) -> CheckpointFacts | None:
+        """The checkpoint checkpoint.resume names, or the newest valid one ("latest"), as its record says
+        (its files are verified when the daemon restores it); None where none is asked or found."""
+        want = self.job.checkpoint.resume
         if not want:
-            return
+            return None
         path = self._latest_checkpoint() if want == "latest" else Path(want)
         if path is None:
-            if status.get("torn"):
-                raise JobFailed(f"store {self.store!r} is torn ({status['torn']}) and {job.checkpoint_dir} holds no valid "
-                                f"checkpoint; destroy the store (`slidedp-store destroy {self.store}`) to start over")
-            log.info("resume = latest: no checkpoint under %s yet; starting from the store's step %d",
-                     job.checkpoint_dir, status["committed_step"])
-            return
+            return None
         try:
             record = ckpt.read_record(path, verify=False)
         except ckpt.CheckpointError as e:
             raise JobFailed(f"checkpoint.resume: {e}") from None
-        data = (record.get("extra") or {}).get("data")
-        if data is not None:
-            try:
-                self.batches.check_state(int(record["step"]), data)
-            except DataError as e:
-                raise JobFailed(f"cannot resume from {path}: {e}") from None
+        return CheckpointFacts.of(path, record, self.batches)
+
+    def _resume(self, path: Path | None, status: dict) -> None:
+        """Restore the checkpoint the admission chose, if any, into the store."""
+        job = self.job
+        if path is None:
+            if job.checkpoint.resume:
+                log.info("resume = latest: no checkpoint under %s yet; starting from the store's step %d",
+                         job.checkpoint_dir, status["committed_step"])
+            return
         # Verified (every file's sha256) and restored, unless the store holds it already to the bit: never
         # skipped because the steps agree (a corrupt checkpoint, or another run's at the same step).
         try:
@@ -320,11 +330,7 @@ class JobRun:
     def spawn_workers(self, start: int, end: int) -> None:
         job = self.job
         device = job.runtime.device
-        count = 0
-        if device == "cuda":
-            count = cuda_device_count()
-            if count == 0:
-                raise JobFailed("runtime.device = \"cuda\" but no CUDA device is visible")
+        count = self.gpus  # counted for the admission, which refuses a CUDA job without a GPU
         dist_file = self.run_dir / f".dist-{os.getpid()}-{time.monotonic_ns()}"
         for rank in range(self.world):
             dev = f"cuda:{rank % count}" if device == "cuda" else "cpu"

@@ -216,12 +216,12 @@ def test_a_run_continued_on_its_store_or_resumed_is_not_refused(store, tmp_path,
 
 # ---- the host's memory: a job it has no room for is refused before the plan, and nothing is made ------------
 def test_a_job_the_host_has_no_room_for_is_refused_in_the_launchers_words(store, tmp_path, caplog, monkeypatch):
-    """Before it plans, the launcher asks whether the host has room for what any plan takes (host_room.py);
+    """Before it plans, the launcher asks whether the host has room for what any plan takes (admission.py);
     the planner, asked first, blamed the GPU: a Qwen3-8B job with clipping on the 125 GiB H200 host was told
     "no plan fits the GPU memory budget of 24.00 GiB: the smallest plan needs 7.20 GiB"."""
     from types import SimpleNamespace
 
-    from slidedp.launch import host_room
+    from slidedp.launch import host_room, jobrun
     from slidedp.store.layout import make_layout
     from slidedp.model.config import named_shape
 
@@ -232,7 +232,7 @@ def test_a_job_the_host_has_no_room_for_is_refused_in_the_launchers_words(store,
     finally:
         st.close()
     available = 3 * 2**29  # 1.5 GiB: the existing store's rings fit, its two CPU ranks' 2 GiB do not
-    monkeypatch.setattr(host_room.psutil, "virtual_memory", lambda: SimpleNamespace(available=available))
+    monkeypatch.setattr(jobrun.psutil, "virtual_memory", lambda: SimpleNamespace(available=available))
     rc, logs = launch(store, tmp_path / "run", caplog, "train.steps=2")
     assert rc == 1, logs
     job = load_job(TINY, fast_sets(store, tmp_path / "run", "train.steps=2"))

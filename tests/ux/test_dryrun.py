@@ -222,7 +222,7 @@ def test_memory_for_the_store_but_not_for_the_ranks_beside_it(tmp_path, monkeypa
 
 def test_the_plans_offload_buffers_are_counted_as_the_launch_counts_them(tmp_path, monkeypatch):
     """The store's check runs before the plan, so it cannot count the buffers the plan's offloaded layers
-    take: once planned, the dry run asks the launcher's own question (host_room.planned_room_problem) and
+    take: once planned, the launcher's decision (admission.py) asks again with the plan's, and the dry run
     refuses in its words what the launch would refuse. A host with room for the tiny job's store, rings
     and processes, and for half of the inputs of its two offloaded layers."""
     from types import SimpleNamespace
@@ -253,9 +253,10 @@ def test_store_holding_another_model(tmp_path, made_store):
     other.close()
     rc, text = dry(tmp_path, store=other.name)
     assert rc == 1
+    # the launch's own words (admission.py), as it would refuse the job
     assert problems(text) == [
-        f"store {other.name!r} holds another model (random:tiny-llama, llama, {other.layout.num_parameters:,} parameters) "
-        f"than this job (qwen3, 106,880): family: store 'llama', job 'qwen3'; intermediate_size: store 160, job 128; "
+        f"store {other.name!r} holds another model (random:tiny-llama, {other.layout.num_parameters:,} parameters) "
+        f"than this job (random:tiny): family: store 'llama', job 'qwen3'; intermediate_size: store 160, job 128; "
         f"qk_norm: store False, job True; tie_word_embeddings: store False, job True; set store.name to another store, or destroy it with "
         f"`slidedp-store destroy {other.name}`"]
 
