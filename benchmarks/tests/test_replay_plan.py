@@ -72,7 +72,7 @@ def test_a_replay_reads_the_blocks_a_run_was_planned_with_where_a_plan_measures_
     assert len(json.loads(capsys.readouterr().out)) == 5
 
 
-RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
+RESULTS = Path(__file__).resolve().parent.parent / "results"
 # issue 23's first runs on one H200: (results tag, shape, batch, clipping); the unseen shape is the Llama
 # config plan_choice.sh writes
 FIRST_RUNS = [("qwen3-1.7b-b8-30e0c3a", "qwen3-1.7b", 8, True), ("qwen3-4b-b8-30e0c3a", "qwen3-4b", 8, True),
