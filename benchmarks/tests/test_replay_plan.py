@@ -75,11 +75,11 @@ def test_a_replay_reads_the_blocks_a_run_was_planned_with_where_a_plan_measures_
 RESULTS = Path(__file__).resolve().parent.parent / "results"
 # issue 23's first runs on one H200: (results tag, shape, batch, clipping); the unseen shape is the Llama
 # config plan_choice.sh writes
-FIRST_RUNS = [("qwen3-1.7b-b8-30e0c3a", "qwen3-1.7b", 8, True), ("qwen3-4b-b8-30e0c3a", "qwen3-4b", 8, True),
-              ("qwen3-1.7b-b32-30e0c3a", "qwen3-1.7b", 32, True), ("qwen3-4b-b32-30e0c3a", "qwen3-4b", 32, True),
-              ("unseen-b8-30e0c3a", "llama-unseen", 8, True), ("qwen3-8b-b8-4d8ab4f", "qwen3-8b", 8, False),
-              ("qwen3-8b-b32-42997f9", "qwen3-8b", 32, False), ("qwen3-8b-b8-d08e0e6", "qwen3-8b", 8, False),
-              ("qwen3-8b-b32-0a0dca7", "qwen3-8b", 32, False)]
+FIRST_RUNS = [("qwen3-1.7b-b8", "qwen3-1.7b", 8, True), ("qwen3-4b-b8", "qwen3-4b", 8, True),
+              ("qwen3-1.7b-b32", "qwen3-1.7b", 32, True), ("qwen3-4b-b32", "qwen3-4b", 32, True),
+              ("unseen-b8", "llama-unseen", 8, True), ("qwen3-8b-b8-before-queue-model", "qwen3-8b", 8, False),
+              ("qwen3-8b-b32-before-queue-model", "qwen3-8b", 32, False), ("qwen3-8b-b8", "qwen3-8b", 8, False),
+              ("qwen3-8b-b32", "qwen3-8b", 32, False)]
 
 
 @pytest.mark.parametrize("tag, shape, batch, clip", FIRST_RUNS)
