@@ -7,7 +7,7 @@ The calibration measures the updaters' rate beside the GPU's copies once per hos
 (64 x 2^20) and every thread (`measure.adamw_beside_copies`). In training an updater updates a layer's chunk (50 M
 parameters for Qwen3-1.7B, 101 M for Qwen3-4B, 193 M for Qwen3-8B) on the threads the launcher leaves
 it (13 on the 16-core H200 host), and in every recorded first run its rate over the probe's grew with
-the chunk (docs/tuning.md, "Qwen3-8B's first plans at 9b9464a"). One row per (parameters, threads): the
+the chunk. One row per (parameters, threads): the
 bare fused AdamW and the probe itself, each the median of `--repeat` timed runs, in params/s; on a CPU
 device the probe's copies are a memcpy thread. `--memory`: where the four tensors live: `anon`, the
 process's own memory (the calibration's probe), or `shm`, one POSIX shared-memory segment made as the

@@ -1,14 +1,14 @@
 """The updaters' share of the bare AdamW kernel in training, from first runs' cache files, with a fixed
 cost per chunk update taken out.
 
-    python3 -m benchmarks.updater_share benchmarks/results/plan-choice-*-calibration.json [--per-chunk-ms 5.5]
+    python3 -m benchmarks.updater_share benchmarks/results/updater-share/*-calibration.json [--per-chunk-ms 5.5]
 
 Each CAL.json is a first run's calibration cache (`plan_choice.sh` / `first_runs.sh` return it as
-`cache-calibration-*.json`; `benchmarks/results/plan-choice-SHAPE-bBATCH-*-calibration.json`), its
+`cache-calibration-*.json`; `benchmarks/results/updater-share/plan-choice-SHAPE-bBATCH-*-calibration.json`), its
 blocks file beside it (`-measured.json`). The cache holds the bare kernel's rate and the rate the
-updaters ran at in that run (`learned`). Until 18ec649 every chunk update also paid ~5-6 ms of manifest
-reads (docs/tuning.md, "The updater's per-chunk cost found in a trace"): the kernel's own rate is the
-chunks' parameters over the busy time less that cost per chunk. Which chunks the host updated (the
+updaters ran at in that run (`learned`). Until the manifest fix (the `before-fix` files) every chunk
+update also paid ~5-6 ms of manifest reads: the kernel's own rate is the chunks' parameters over the
+busy time less that cost per chunk. Which chunks the host updated (the
 layers not held on the device, the embedding where it stays on the host) is the plan the cache replays
 to (`benchmarks.replay_plan`, this checkout's step model). `--per-chunk-ms 0` for runs after the fix.
 Shapes are read from the file name (Qwen3 named shapes; others are left out, with a line saying so).

@@ -8,7 +8,7 @@
 #
 #   bash benchmarks/sessions/first_runs.sh OUT qwen3-8b:32:330 qwen3-8b:8:230 [unseen:8:300 ...]
 #
-# On one H200 (2026-12-02, 52337da) qwen3-1.7b:8 took ~150 s, qwen3-4b:8 ~170, qwen3-8b:8 ~230,
+# On one H200 (2026-12-02) qwen3-1.7b:8 took ~150 s, qwen3-4b:8 ~170, qwen3-8b:8 ~230,
 # unseen:8 ~200, qwen3-4b:32 ~280 with its GPU-resident peer and qwen3-8b:32 ~330 (its start and
 # measuring the blocks of 8 B parameters take ~170 s of that). A run whose SECONDS run out before a
 # timed step has no figure (its summary says so).

@@ -28,8 +28,8 @@
 # FORCED may name a micro-batch again ("2 1 2 1"): each time is a run of its own (TAG-m2, TAG-m2-r2),
 # and the summary (benchmarks.plan_choice_summary) also compares the micro-batches on all their runs'
 # timed steps pooled. Qwen3-8B at 8 x 2,048 needs that: the host's AdamW bounds its step, and runs of
-# one plan there differ by more than the candidates' predictions do (docs/tuning.md, "Qwen3-8B's forced
-# micro-batches at the fixed model", which also has the runs' times: three forced 8B runs to a call).
+# one plan there differ by more than the candidates' predictions do (benchmarks/RESULTS.md, "The planner's
+# first runs", which also has the runs' files: three forced 8B runs to a call).
 # CHOSEN=MB names the plan's choice for a call of forced runs only (no TAG-auto run in its work folder).
 # On one H200 (2026-12-01) Qwen3-1.7B at 8 x 2,048 took 438 s with STEPS=7 WARM=2, Qwen3-4B 570 s with
 # STEPS=8 (its last forced run stopped by the budget): every run makes its store (Qwen3-4B ~10 s,
@@ -53,7 +53,7 @@ out=${PLAN_CHOICE_WORK:-/tmp/plan_choice}
 mkdir -p "$out" "$final"
 export SLIDEDP_CACHE_DIR=${SLIDEDP_CACHE_DIR:-$out/cache}
 mkdir -p "$SLIDEDP_CACHE_DIR"
-# SEED_CACHE=benchmarks/results/plan-choice-TAG-SHA: the plans read that earlier first run's calibration
+# SEED_CACHE=benchmarks/results/plan-choice-TAG: the plans read that earlier first run's calibration
 # and blocks (its -calibration.json and -measured.json, filed under the host and GPU they name) instead
 # of measuring them; for forced runs compared with the first run of an earlier call, not for a first run
 if [ -n "${SEED_CACHE:-}" ]; then
