@@ -46,12 +46,14 @@ def _varlen_kernel():
     return varlen_attn, frozenset(inspect.signature(varlen_attn).parameters)
 
 
-def varlen_available(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+def varlen_available(device: torch.device, dtype: torch.dtype, head_dim: int, windowed: bool = False) -> bool:
     """Whether the varlen backend runs here: CUDA (compute capability 8.0 or newer), half precision, a head
-    dimension the flash kernel takes, and a torch that ships the kernel."""
+    dimension the flash kernel takes, and a torch that ships the kernel (one that takes window_size where
+    a layer has a sliding window: torch 2.11 on; 2.10's takes only is_causal)."""
     if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16) or head_dim > _VARLEN_HEAD_DIM_MAX:
         return False
-    if _varlen_kernel() is None:
+    kernel = _varlen_kernel()
+    if kernel is None or (windowed and "window_size" not in kernel[1]):
         return False
     return torch.cuda.get_device_capability(device)[0] >= 8
 
@@ -62,7 +64,7 @@ def choose_backend(device: torch.device, dtype: torch.dtype, head_dim: int, pack
     window is shorter than the rows."""
     if not packed and not windowed:
         return "causal"
-    return "varlen" if varlen_available(device, dtype, head_dim) else "mask"
+    return "varlen" if varlen_available(device, dtype, head_dim, windowed) else "mask"
 
 
 @dataclass(frozen=True, eq=False)
@@ -99,7 +101,7 @@ class Attention:
         if window == self.window:
             return self
         if window is not None and self.backend == "causal":
-            backend = "varlen" if varlen_available(self.cos.device, self.cos.dtype, self.cos.shape[-1]) else "mask"
+            backend = "varlen" if varlen_available(self.cos.device, self.cos.dtype, self.cos.shape[-1], True) else "mask"
             return replace(self, backend=backend, window=window, cu_seqlens=_row_bounds(self.rows, self.seq_len,
                                                                                            self.cos.device),
                            max_seqlen=self.seq_len)
@@ -144,9 +146,12 @@ _SDPA_GQA = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 5)
 def _varlen(q: Tensor, k: Tensor, v: Tensor, a: Attention) -> Tensor:
     b, t, nh, d = q.shape
     kernel, takes = _varlen_kernel()
-    kw: dict = {"scale": d**-0.5}
-    # causal: torch 2.11 has no is_causal and reads window_size (-1, 0) as causal; later ones may take either
-    kw["window_size"] = (-1 if a.window is None else a.window - 1, 0)
+    kw: dict = {"scale": d**-0.5} if "scale" in takes else {}  # torch 2.10's kernel scales by d**-0.5 itself
+    # causal: torch 2.10 takes is_causal and no window; 2.11 reads window_size (-1, 0) as causal
+    if "window_size" in takes:
+        kw["window_size"] = (-1 if a.window is None else a.window - 1, 0)
+    elif a.window is not None:
+        raise ValueError("this torch's varlen_attn takes no window_size: windowed layers need the mask backend")
     if "is_causal" in takes:
         kw["is_causal"] = True
     if k.shape[2] != nh and "enable_gqa" in takes:
