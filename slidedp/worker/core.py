@@ -24,7 +24,6 @@ from ..jobrecord import held_unit_names
 from ..model import layers as L
 from ..model.dtypes import torch_dtype
 from ..protocol import CONTROL_STOP, EvalLoss, WorkerStats
-from ..sft import feed
 from ..sft.packing import DocBatches, PackedRows, SftBatch
 from ..stepplan import StepPlan
 from ..stopflag import StopFlag
@@ -32,6 +31,7 @@ from ..store.rings import GradRings
 from ..store.store import HostStore
 from ..tracing import Tracer
 from ..transport import PeerTimeout
+from . import feed
 from .collectives import Group
 from .device_state import DeviceHeld
 from .engine import Engine, units_of
