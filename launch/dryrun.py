@@ -126,8 +126,8 @@ class DryRun:
                               f"{cfg.num_parameters():,} parameters in {len(self.layout.chunks)} chunks")
 
     def data(self) -> None:
-        from slidedp.sft import setup as sft_setup
-        from slidedp.sft.packing import DocBatches
+        from slidedp.data import setup as sft_setup
+        from slidedp.data.packing import DocBatches
 
         if self.cfg is None:
             self.say("data", "not checked: it needs the model's vocabulary (see the model's problem)")
@@ -309,8 +309,8 @@ class DryRun:
         state = (record.get("extra") or {}).get("data")
         if not state or self.cfg is None:
             return
-        from slidedp.data import DataError
-        from slidedp.sft.setup import open_training
+        from slidedp.data.errors import DataError
+        from slidedp.data.setup import open_training
 
         try:
             open_training(self.job, self.cfg.vocab_size).check_state(self.start, state)

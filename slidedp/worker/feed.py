@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..data import rank_slice
-from ..sft.packing import PackedRows, SftBatch, eval_batch, eval_rounds
+from ..data.batches import rank_slice
+from ..data.packing import PackedRows, SftBatch, eval_batch, eval_rounds
 from .evaluate import eval_loss
 
 

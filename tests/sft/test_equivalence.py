@@ -13,7 +13,7 @@ from slidedp.config import load_job, model_config
 from slidedp.reference import step_documents
 from slidedp.schedule import lr_at
 from slidedp.worker.feed import rank_tensors
-from slidedp.sft.setup import open_training
+from slidedp.data.setup import open_training
 
 from pipeline.harness import TINY, checkpoint_weights, launch, metrics, rel_err, store_segments, unique_store
 from sft.common import CHAT, CHAT_TOKENIZER, hf_reference, write_model_folder

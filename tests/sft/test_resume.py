@@ -9,7 +9,7 @@ import json
 import torch
 
 from slidedp.config import load_job, model_config
-from slidedp.sft.setup import open_training
+from slidedp.data.setup import open_training
 
 from pipeline.harness import TINY, checkpoint_weights, launch, metrics, unique_store
 from sft.common import CHAT, CHAT_TOKENIZER
