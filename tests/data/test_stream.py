@@ -1,3 +1,5 @@
+"""Token streams and their batches: token files and raw text read, windows cut, batches by step, resume."""
+
 from __future__ import annotations
 
 import json
@@ -12,7 +14,7 @@ from slidedp.data.errors import DataError
 from slidedp.data.stream import TokenStream, read_bin, read_npy
 from slidedp.data.text import read_jsonl
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TOKENIZER = ROOT / "examples" / "data" / "tokenizer.json"
 
 

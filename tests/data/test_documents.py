@@ -15,7 +15,7 @@ from slidedp.data.errors import DataError
 from slidedp.data.packing import PackedRows
 from slidedp.data.tokenizer import TokenizerBundle
 
-from sft.common import CHAT, CHAT_TOKENIZER, VOCAB, conversations
+from data.common import CHAT, CHAT_TOKENIZER, VOCAB, conversations
 
 transformers = pytest.importorskip("transformers")
 

@@ -16,7 +16,7 @@ from slidedp.worker.loss import IGNORE_INDEX
 from slidedp.data.setup import open_eval
 
 from pipeline.harness import TINY, launch, metrics, store_segments, unique_store
-from sft.common import CHAT, conversations, write_model_folder
+from data.common import CHAT, conversations, write_model_folder
 
 transformers = pytest.importorskip("transformers")
 
