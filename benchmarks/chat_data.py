@@ -60,7 +60,8 @@ def write(out: Path, conversations: int, seed: int) -> Path:
 
 def token_lengths(folder: Path) -> np.ndarray:
     """Each conversation's length in tokens as SlideDP renders it (chat template, tokenizer)."""
-    from slidedp.sft.documents import DocumentSpec, TokenizerBundle, read_documents
+    from slidedp.data.documents import DocumentSpec, read_documents
+    from slidedp.data.tokenizer import TokenizerBundle
 
     bundle = TokenizerBundle.load(folder / "tokenizer.json", "")
     spec = DocumentSpec("chat", "text", "messages", "prompt", "completion", False, "truncate")

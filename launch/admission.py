@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from slidedp.config import JobConfig
-from slidedp.data import DataError
+from slidedp.data.errors import DataError
 from slidedp.jobrecord import held_chunk_ids, held_unit_names
 from slidedp.model.config import ModelConfig
 from slidedp.planner import Calibration, PlanError

@@ -61,7 +61,7 @@ def print_plan(job) -> int:
         documents = None
         if job.runtime.device == "cuda":  # the planner charges rows of packed documents by their lengths
             from slidedp.config import model_config
-            from slidedp.sft.setup import open_training
+            from slidedp.data.setup import open_training
 
             documents = document_load(open_training(job, model_config(job).vocab_size))
         run_plan = plan_job(job, documents=documents)

@@ -133,8 +133,8 @@ class DryRun:
                               f"{cfg.num_parameters():,} parameters in {len(self.layout.chunks)} chunks")
 
     def data(self) -> None:
-        from slidedp.sft import setup as sft_setup
-        from slidedp.sft.packing import DocBatches
+        from slidedp.data import setup as sft_setup
+        from slidedp.data.packing import DocBatches
 
         if self.cfg is None:
             self.say("data", "not checked: it needs the model's vocabulary (see the model's problem)")

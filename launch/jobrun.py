@@ -25,9 +25,9 @@ from slidedp import daemonlock, numa
 from slidedp.config import JobConfig, job_to_dict, job_to_toml, model_config
 from slidedp.jobrecord import JobRecord, gradient_space
 from slidedp.model.config import ModelConfig
-from slidedp.sft import setup as sft_setup
-from slidedp.sft.packing import DocBatches
-from slidedp.sft.serve import stage_serve_files
+from slidedp.data import setup as sft_setup
+from slidedp.data.packing import DocBatches
+from slidedp.data.serve import stage_serve_files
 from slidedp.protocol import (CONTROL_CONTINUE, CONTROL_STOP, ROLE_LAUNCHER, Ack, Control, Fault, Hello, JobEnd,
                               JobStart)
 from slidedp.schedule import lr_at

@@ -162,7 +162,7 @@ def _store_shadow(job: JobConfig, store_shadow: bool | None, delivery: str) -> b
 def document_load(batches) -> DocumentLoad | None:
     """What the job's rows of documents cost attention (None: token windows, each row one sequence, or rows
     of one document each, which attend as plain causal rows)."""
-    from slidedp.sft.packing import DocBatches
+    from slidedp.data.packing import DocBatches
 
     if not isinstance(batches, DocBatches):
         return None

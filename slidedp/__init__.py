@@ -4,8 +4,9 @@ The library every process shares. `store/` is the one authoritative copy of the 
 in POSIX shared memory (layout, manifest, gradient rings, checkpoints, and the store's service,
 which the host-state daemon serves); `worker/` is the process that runs the step on a device;
 `planner/` predicts a step and picks the plan that fits a memory budget; `model/` is the
-decoder family's math and its Hugging Face folders. Beside them: the job file (`config`), the
-data (`data`), the step plan every process carries out (`stepplan`), the job record the daemons
+decoder family's math and its Hugging Face folders; `data/` reads the training data (token files,
+records, chat, documents packed into rows) into batches. Beside them: the job file (`config`),
+the step plan every process carries out (`stepplan`), the job record the daemons
 take (`jobrecord`), the messages (`protocol`) and their sockets (`transport`), and small pieces
 of plumbing (`paths`, `daemonlock`, `numa`, `log`, `tracing`, `stopflag`, `schedule`). The
 daemons are `slidedp.daemons` and the launcher `slidedp.launch` (folders daemons/ and launch/).

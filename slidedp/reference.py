@@ -19,12 +19,12 @@ import torch
 import torch.nn.functional as F
 
 from slidedp.config import JobConfig, load_job, model_config
-from slidedp.data import Batches
-from slidedp.worker.loss import IGNORE_INDEX
+from slidedp.data.batches import Batches
+from slidedp.data.packing import DocBatches
+from slidedp.data.setup import open_training
+from slidedp.data.targets import IGNORE_INDEX
 from slidedp.model import layers
 from slidedp.model.dtypes import torch_dtype
-from slidedp.sft.packing import DocBatches
-from slidedp.sft.setup import open_training
 from slidedp.schedule import lr_at
 
 

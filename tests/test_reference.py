@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from slidedp.config import load_job, model_config
-from slidedp.data import open_batches
+from slidedp.data.batches import open_batches
 from slidedp.model import layers
 from slidedp.reference import initial_params, reference_main, train_reference
 

@@ -30,7 +30,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from slidedp.data import rank_slice
+from slidedp.data.batches import rank_slice
 from slidedp.worker.loss import chunked_cross_entropy_sum
 from slidedp.model import layers
 from slidedp.model.attention import Attention
@@ -151,7 +151,7 @@ def init_named_(named: Iterable[tuple[str, torch.Tensor]], seed: int = 0, on: st
 
 def batch_stream(cfg: ModelConfig, batch: int, seq: int, seed: int = 0) -> torch.Tensor:
     """The benchmark's token stream: batch x seq + 1 random ids, int64. Sequence i is
-    stream[i*seq : i*seq + seq + 1], the window slidedp.data cuts; SlideDP reads this stream from a
+    stream[i*seq : i*seq + seq + 1], the window slidedp.data.stream cuts; SlideDP reads this stream from a
     .npy of exactly one batch, so every step of every system trains on the same batch."""
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, cfg.vocab_size, (batch * seq + 1,), generator=g)
@@ -159,7 +159,7 @@ def batch_stream(cfg: ModelConfig, batch: int, seq: int, seed: int = 0) -> torch
 
 def random_batch(cfg: ModelConfig, batch: int, seq: int, device: str, seed: int = 0, rank: int = 0,
                  world: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rank `rank`'s rows of the global batch of batch_stream (as slidedp.data.rank_slice gives a
+    """Rank `rank`'s rows of the global batch of batch_stream (as slidedp.data.batches.rank_slice gives a
     SlideDP rank its rows), [B/world, T] inputs and next-token targets."""
     rows = rank_slice(batch_stream(cfg, batch, seq, seed).unfold(0, seq + 1, seq), rank, world)
     return rows[:, :-1].contiguous().to(device), rows[:, 1:].contiguous().to(device)
@@ -219,8 +219,9 @@ def shape_of(args: argparse.Namespace) -> ModelConfig:
 def chat_batches(args: argparse.Namespace, cfg: ModelConfig):
     """The packed chat rows of --chat as SlideDP's launcher makes them for this job (the same conversations,
     tokenizer, truncation at seq_len + 1 tokens, best-fit packing, no shuffle): DocBatches of --batch rows."""
-    from slidedp.sft.documents import DocumentSpec, TokenizerBundle, read_documents
-    from slidedp.sft.packing import DocBatches, PackedRows
+    from slidedp.data.documents import DocumentSpec, read_documents
+    from slidedp.data.packing import DocBatches, PackedRows
+    from slidedp.data.tokenizer import TokenizerBundle
 
     folder = Path(args.chat)
     bundle = TokenizerBundle.load(folder / "tokenizer.json", "")

@@ -25,7 +25,8 @@ if str(ROOT) not in sys.path:
 from benchmarks import report  # noqa: E402
 from benchmarks import run as bench  # noqa: E402
 from benchmarks.peers import common, slidedp_run  # noqa: E402
-from slidedp.data import Batches, TokenStream, rank_slice, read_npy  # noqa: E402
+from slidedp.data.batches import Batches, rank_slice  # noqa: E402
+from slidedp.data.stream import TokenStream, read_npy  # noqa: E402
 from slidedp.model import layers  # noqa: E402
 from slidedp.model.config import named_shape  # noqa: E402
 from slidedp.model.init import init_params  # noqa: E402

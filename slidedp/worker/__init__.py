@@ -5,5 +5,6 @@
 `engine` runs one step layer by layer, fed by `delivery` (parameters in, gradients out),
 `device_state` (units held on the device for the whole job), `activations` (saved layer
 inputs, some offloaded to host memory), `loss` (chunked cross-entropy), `collectives` (the
-sharded routes) and `hostmem` (host memory registered with CUDA).
+sharded routes) and `hostmem` (host memory registered with CUDA). `feed` hands the engine a
+rank's share of rows of documents, and `evaluate` runs the forward-only eval loss on them.
 """

@@ -19,19 +19,20 @@ import torch
 from .. import faults
 from .. import log as slog
 from ..config import JobConfig, model_config
-from ..data import Batches, TokenStream, open_batches, rank_slice
+from ..data.batches import Batches, open_batches, rank_slice
+from ..data.packing import DocBatches, PackedRows, SftBatch
+from ..data.stream import TokenStream
 from ..jobrecord import held_unit_names
 from ..model import layers as L
 from ..model.dtypes import torch_dtype
 from ..protocol import CONTROL_STOP, EvalLoss, WorkerStats
-from ..sft import feed
-from ..sft.packing import DocBatches, PackedRows, SftBatch
 from ..stepplan import StepPlan
 from ..stopflag import StopFlag
 from ..store.rings import GradRings
 from ..store.store import HostStore
 from ..tracing import Tracer
 from ..transport import PeerTimeout
+from . import feed
 from .collectives import Group
 from .device_state import DeviceHeld
 from .engine import Engine, units_of

@@ -17,7 +17,7 @@ from torch import Tensor
 from .. import log as slog
 from ..model import layers
 from ..model.layers import token_slices
-from .targets import IGNORE_INDEX
+from ..data.targets import IGNORE_INDEX
 
 _log = slog.get("loss")
 

@@ -19,7 +19,7 @@ from slidedp.launch.admission import (Admission, AdmissionFacts, CheckpointFacts
 from slidedp.launch.host_room import GiB, host_need, room_problem, unplanned_need
 from slidedp.model.config import named_shape
 from slidedp.planner import REFERENCE_CALIBRATION, Calibration
-from slidedp.sft import setup as sft_setup
+from slidedp.data import setup as sft_setup
 from slidedp.stepplan import StepPlan
 from slidedp.store import shm
 from slidedp.store.client import call

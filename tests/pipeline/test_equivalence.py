@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from slidedp.config import load_job, model_config
-from slidedp.data import open_batches
+from slidedp.data.batches import open_batches
 from slidedp.model import hf
 from slidedp.model.config import named_shape
 from slidedp.model.init import init_params

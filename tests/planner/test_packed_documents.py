@@ -14,8 +14,8 @@ from slidedp.launch.planning import document_load, plan_job
 from slidedp.model.config import named_shape
 from slidedp.planner import REFERENCE_CALIBRATION, Workload, costs, measure, predict_step
 from slidedp.planner.workload import DocumentLoad
-from slidedp.sft.documents import Documents
-from slidedp.sft.packing import DocBatches, PackedRows
+from slidedp.data.documents import Documents
+from slidedp.data.packing import DocBatches, PackedRows
 from slidedp.stepplan import StepPlan
 
 from pipeline.harness import TINY

@@ -70,7 +70,7 @@ def test_private_segments_run_dir_and_sockets(tmp_path):
 # ---- no pickle in the source tree ------------------------------------------------------------------
 PICKLE_MODULES = {"pickle", "cPickle", "_pickle", "dill", "cloudpickle", "shelve", "joblib", "marshal"}
 # np.load of a user-supplied file without allow_pickle=False, waiting for its one-line fix (see the report);
-# remove the entry when slidedp/worker.py passes allow_pickle=False (or uses slidedp.data.read_npy).
+# remove the entry when slidedp/worker.py passes allow_pickle=False (or uses slidedp.data.stream.read_npy).
 KNOWN: set[tuple[str, str]] = set()
 
 

@@ -12,7 +12,7 @@ The rest of a row is padding: input 0, no target, positions continuing the row's
 its segment. A padding token comes after everything real in its row, so causal attention never lets
 a real token see it, and with no target it adds nothing to the loss or to any gradient.
 
-Rows are then batched exactly as the token stream's windows are (slidedp.data.Batches): step s takes
+Rows are then batched exactly as the token stream's windows are (batches.Batches): step s takes
 rows s*B .. s*B + B - 1 of the epoch's order (shuffled per epoch when asked), so a batch is a pure
 function of the step and a resumed run sees what an uninterrupted one would.
 """
@@ -26,10 +26,10 @@ from pathlib import Path
 
 import numpy as np
 
-from slidedp.data import Batches, DataError
-from slidedp.worker.targets import IGNORE_INDEX
-
+from .batches import Batches
 from .documents import Documents
+from .errors import DataError
+from .targets import IGNORE_INDEX
 
 _FILES = ("tokens", "trained", "offsets", "row_docs", "row_offsets")
 

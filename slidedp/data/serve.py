@@ -15,8 +15,8 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .documents import TOKENIZER_FILES
 from .setup import tokenizer_path
+from .tokenizer import TOKENIZER_FILES
 
 if TYPE_CHECKING:
     from slidedp.config import JobConfig

@@ -1,3 +1,5 @@
+"""Token streams and their batches: token files and raw text read, windows cut, batches by step, resume."""
+
 from __future__ import annotations
 
 import json
@@ -7,18 +9,12 @@ import numpy as np
 import pytest
 
 from slidedp.config import load_job
-from slidedp.data import (
-    Batches,
-    DataError,
-    TokenStream,
-    open_batches,
-    rank_slice,
-    read_bin,
-    read_jsonl,
-    read_npy,
-)
+from slidedp.data.batches import Batches, open_batches, rank_slice
+from slidedp.data.errors import DataError
+from slidedp.data.stream import TokenStream, read_bin, read_npy
+from slidedp.data.text import read_jsonl
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TOKENIZER = ROOT / "examples" / "data" / "tokenizer.json"
 
 
@@ -122,12 +118,12 @@ def test_out_of_vocab_id():
     with pytest.raises(DataError, match=r"token id -1 at position 1 is outside"):
         TokenStream(np.array([5, -1], dtype=np.int64), 100, "x.npy")
     # the check runs in blocks: a bad id deep in a later block is found with its global position
-    from slidedp import data
+    from slidedp.data import stream
 
     big = np.zeros(50, dtype=np.uint16)
     big[37] = 7
     with pytest.raises(DataError, match=r"token id 7 at position 37 "):
-        data._check_ids(big, 5, "b", block=16)
+        stream._check_ids(big, 5, "b", block=16)
 
 
 def test_too_few_sequences():

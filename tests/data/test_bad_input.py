@@ -11,7 +11,7 @@ from slidedp.config import ConfigError, load_job
 from slidedp.launch import dryrun
 
 from pipeline.harness import TINY, unique_store
-from sft.common import CHAT, CHAT_TOKENIZER, conversations, write_model_folder
+from data.common import CHAT, CHAT_TOKENIZER, conversations, write_model_folder
 
 transformers = pytest.importorskip("transformers")
 

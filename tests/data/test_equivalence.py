@@ -12,11 +12,11 @@ import pytest
 from slidedp.config import load_job, model_config
 from slidedp.reference import step_documents
 from slidedp.schedule import lr_at
-from slidedp.sft.feed import rank_tensors
-from slidedp.sft.setup import open_training
+from slidedp.worker.feed import rank_tensors
+from slidedp.data.setup import open_training
 
 from pipeline.harness import TINY, checkpoint_weights, launch, metrics, rel_err, store_segments, unique_store
-from sft.common import CHAT, CHAT_TOKENIZER, hf_reference, write_model_folder
+from data.common import CHAT, CHAT_TOKENIZER, hf_reference, write_model_folder
 
 GLOBAL_BATCH, STEPS, SEQ_LEN = 24, 3, 64
 

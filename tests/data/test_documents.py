@@ -9,12 +9,13 @@ import shutil
 import numpy as np
 import pytest
 
-from slidedp.data import DataError
-from slidedp.sft.chat import ChatTemplate, token_mask
-from slidedp.sft.documents import DocumentSpec, TokenizerBundle, read_documents
-from slidedp.sft.packing import PackedRows
+from slidedp.data.chat import ChatTemplate, token_mask
+from slidedp.data.documents import DocumentSpec, read_documents
+from slidedp.data.errors import DataError
+from slidedp.data.packing import PackedRows
+from slidedp.data.tokenizer import TokenizerBundle
 
-from sft.common import CHAT, CHAT_TOKENIZER, VOCAB, conversations
+from data.common import CHAT, CHAT_TOKENIZER, VOCAB, conversations
 
 transformers = pytest.importorskip("transformers")
 

@@ -6,14 +6,14 @@ import numpy as np
 import pytest
 import torch
 
-from slidedp.data import DataError
+from slidedp.data.documents import Documents
+from slidedp.data.errors import DataError
+from slidedp.data.packing import DocBatches, PackedRows, eval_batch, eval_rounds, pack_rows
 from slidedp.worker.loss import IGNORE_INDEX
 from slidedp.model import layers
 from slidedp.model.attention import packed_rows, single_document
 from slidedp.model.config import named_shape
 from slidedp.model.init import init_params
-from slidedp.sft.documents import Documents
-from slidedp.sft.packing import DocBatches, PackedRows, eval_batch, eval_rounds, pack_rows
 
 
 def documents(lengths: list[int], seed: int = 0, vocab: int = 512) -> Documents:
@@ -132,8 +132,9 @@ def test_eval_rounds_cover_every_row_once():
 def test_eval_of_a_text_stream_is_its_windows():
     """With raw text streamed (packing = "stream"), the held-out rows are the eval file's windows."""
     from slidedp.config import load_job
-    from slidedp.data import TokenStream, read_jsonl
-    from slidedp.sft.setup import open_eval
+    from slidedp.data.setup import open_eval
+    from slidedp.data.stream import TokenStream
+    from slidedp.data.text import read_jsonl
 
     from pipeline.harness import TINY
 

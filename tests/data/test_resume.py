@@ -9,10 +9,10 @@ import json
 import torch
 
 from slidedp.config import load_job, model_config
-from slidedp.sft.setup import open_training
+from slidedp.data.setup import open_training
 
 from pipeline.harness import TINY, checkpoint_weights, launch, metrics, unique_store
-from sft.common import CHAT, CHAT_TOKENIZER
+from data.common import CHAT, CHAT_TOKENIZER
 
 STEPS, STOP = 9, 5
 

@@ -24,7 +24,7 @@ from datetime import datetime
 from functools import lru_cache
 from typing import Any
 
-from slidedp.data import DataError
+from .errors import DataError
 
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from slidedp.data import DataError
+from .errors import DataError
 
 # file format -> the file name endings a folder is searched for
 EXTENSIONS = {"jsonl": (".jsonl", ".json"), "parquet": (".parquet",), "arrow": (".arrow",)}

@@ -5,10 +5,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from slidedp.data import rank_slice
-
+from ..data.batches import rank_slice
+from ..data.packing import PackedRows, SftBatch, eval_batch, eval_rounds
 from .evaluate import eval_loss
-from .packing import PackedRows, SftBatch, eval_batch, eval_rounds
 
 
 def rank_tensors(batch: SftBatch, rank: int, world: int, micro: int, mbs: int) -> list[torch.Tensor]:

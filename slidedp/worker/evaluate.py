@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import torch
 
-from slidedp.worker.delivery import unit_tensors
-from slidedp.worker.loss import IGNORE_INDEX, chunked_cross_entropy_sum
-from slidedp.model import layers as L
+from ..model import layers as L
+from .delivery import unit_tensors
+from .loss import IGNORE_INDEX, chunked_cross_entropy_sum
 
 
 @torch.no_grad()

@@ -13,10 +13,10 @@ import torch.nn.functional as F
 
 from slidedp.config import load_job, model_config
 from slidedp.worker.loss import IGNORE_INDEX
-from slidedp.sft.setup import open_eval
+from slidedp.data.setup import open_eval
 
 from pipeline.harness import TINY, launch, metrics, store_segments, unique_store
-from sft.common import CHAT, conversations, write_model_folder
+from data.common import CHAT, conversations, write_model_folder
 
 transformers = pytest.importorskip("transformers")
 
@@ -149,7 +149,7 @@ def test_report_plots_the_eval_loss(run, tmp_path):
 
 
 def test_a_chat_template_override_is_what_the_checkpoint_serves(tmp_path):
-    from slidedp.sft.serve import stage_serve_files
+    from slidedp.data.serve import stage_serve_files
 
     folder = write_model_folder(tmp_path / "src")
     template = tmp_path / "other.jinja"

@@ -12,11 +12,14 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from slidedp.data import Batches, DataError, TokenStream, join_texts, record_texts
-
-from .documents import Documents, DocumentSpec, TokenizerBundle, read_documents
+from .batches import Batches
+from .documents import Documents, DocumentSpec, read_documents
+from .errors import DataError
 from .packing import DocBatches, PackedRows
 from .records import read_records
+from .stream import TokenStream
+from .text import join_texts, record_texts
+from .tokenizer import TokenizerBundle
 
 if TYPE_CHECKING:
     from slidedp.config import JobConfig
