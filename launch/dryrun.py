@@ -133,7 +133,7 @@ class DryRun:
                               f"{cfg.num_parameters():,} parameters in {len(self.layout.chunks)} chunks")
 
     def data(self) -> None:
-        from slidedp.data import setup as sft_setup
+        from slidedp.data import setup as data_setup
         from slidedp.data.packing import DocBatches
 
         if self.cfg is None:
@@ -144,7 +144,7 @@ class DryRun:
         paths = ", ".join(job.data.paths)
         before = len(self.problems)
         with self.check("data"):
-            batches = sft_setup.open_training(job, self.cfg.vocab_size)  # every id < vocab, every record read
+            batches = data_setup.open_training(job, self.cfg.vocab_size)  # every id < vocab, every record read
             self.batches = batches  # the plan charges rows of packed documents by their lengths
             epochs = t.steps * t.global_batch / batches.num_sequences
             took = f"(read in {time.perf_counter() - t0:.2f} s)"
@@ -152,7 +152,7 @@ class DryRun:
                 rows = batches.stream
                 self.say("data", f"{paths} ({job.data.format}, {rows.docs.kind}): "
                                  f"{rows.docs.stats.describe(t.seq_len)} {took}")
-                self.say("", f"{sft_setup.describe(rows)}; {t.steps} steps x {t.global_batch} sequences = "
+                self.say("", f"{data_setup.describe(rows)}; {t.steps} steps x {t.global_batch} sequences = "
                              f"{epochs:.2f} epoch(s)")
             else:
                 self.say("data", f"{paths} ({job.data.format}): {len(batches.stream):,} tokens, "
@@ -160,9 +160,9 @@ class DryRun:
                                  f"{t.global_batch} sequences = {epochs:.2f} epoch(s) {took}")
         if job.data.eval_path and len(self.problems) == before:  # read like the training data: its problems once
             with self.check("data"):
-                rows = sft_setup.open_eval(job, self.cfg.vocab_size)
+                rows = data_setup.open_eval(job, self.cfg.vocab_size)
                 assert rows is not None
-                self.say("", f"eval {', '.join(job.data.paths_of_eval)}: {sft_setup.describe(rows)}; after "
+                self.say("", f"eval {', '.join(job.data.paths_of_eval)}: {data_setup.describe(rows)}; after "
                              f"{f'every {t.eval_every} steps and ' if t.eval_every else ''}the last step")
         if job.run.tensorboard:
             from .tensorboard import check_available

@@ -25,7 +25,7 @@ from slidedp import daemonlock, numa
 from slidedp.config import JobConfig, job_to_dict, job_to_toml, model_config
 from slidedp.jobrecord import JobRecord, gradient_space
 from slidedp.model.config import ModelConfig
-from slidedp.data import setup as sft_setup
+from slidedp.data import setup as data_setup
 from slidedp.data.packing import DocBatches
 from slidedp.data.serve import stage_serve_files
 from slidedp.protocol import (CONTROL_CONTINUE, CONTROL_STOP, ROLE_LAUNCHER, Ack, Control, Fault, Hello, JobEnd,
@@ -163,19 +163,19 @@ class JobRun:
         """The training data (and the eval set's), read and checked against the vocabulary."""
         job = self.job
         t0 = time.perf_counter()
-        self.batches = sft_setup.open_training(job, vocab_size)
+        self.batches = data_setup.open_training(job, vocab_size)
         if isinstance(self.batches, DocBatches):  # rows of documents, mapped by the workers
             rows = self.batches.stream
             log.info("data: %s: %s", ", ".join(job.data.paths), rows.docs.stats.describe(job.train.seq_len))
-            log.info("data: %s (%.2f s)", sft_setup.describe(rows), time.perf_counter() - t0)
+            log.info("data: %s (%.2f s)", data_setup.describe(rows), time.perf_counter() - t0)
         else:
             log.info("data: %s, %d tokens, %d sequences of %d (%.2f s)", ", ".join(job.data.paths),
                      len(self.batches.stream), self.batches.num_sequences, job.train.seq_len, time.perf_counter() - t0)
-        self.eval_rows = sft_setup.open_eval(job, vocab_size)
+        self.eval_rows = data_setup.open_eval(job, vocab_size)
         if self.eval_rows is not None:
             when = f"every {job.train.eval_every} steps and " if job.train.eval_every else ""
             log.info("eval data: %s: %s; the eval loss after %sthe last step", ", ".join(job.data.paths_of_eval),
-                     sft_setup.describe(self.eval_rows), when)
+                     data_setup.describe(self.eval_rows), when)
         self.tokens_path = self.run_dir / "tokens.npy"
         self.docs_path = self.eval_path = None
 

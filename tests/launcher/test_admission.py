@@ -19,7 +19,7 @@ from slidedp.launch.admission import (Admission, AdmissionFacts, CheckpointFacts
 from slidedp.launch.host_room import GiB, host_need, room_problem, unplanned_need
 from slidedp.model.config import named_shape
 from slidedp.planner import REFERENCE_CALIBRATION, Calibration
-from slidedp.data import setup as sft_setup
+from slidedp.data import setup as data_setup
 from slidedp.stepplan import StepPlan
 from slidedp.store import shm
 from slidedp.store.client import call
@@ -210,7 +210,7 @@ def test_a_run_stops_at_the_first_problem_in_the_order_it_meets_them():
 
 def test_the_checkpoints_data_position_is_checked_against_the_jobs_data():
     job = load_job(TINY, [])
-    batches = sft_setup.open_training(job, 512)
+    batches = data_setup.open_training(job, 512)
     record = {"step": 4, "layout_hash": TINY_LAYOUT.hash(), "model": {"family": "qwen3"},
               "extra": {"data": batches.state(4)}}
     assert CheckpointFacts.of(Path("/ck"), record, batches) == CheckpointFacts(Path("/ck"), 4, TINY_LAYOUT.hash(), "qwen3")
@@ -248,7 +248,7 @@ def test_the_dry_run_and_the_launcher_reach_the_same_admission(tmp_path, monkeyp
         st.close()
         sets = [f'store.name="{store}"', f'run.dir="{tmp_path / "run"}"', 'checkpoint.resume="latest"']
         job = load_job(TINY, sets)
-        data = sft_setup.open_training(job, 512).state(3)
+        data = data_setup.open_training(job, 512).state(3)
         ck = call(store, "checkpoint", timeout_s=60, dir=str(job.checkpoint_dir), dtype="fp32", keep=2,
                   extra={"data": data})["path"]
         st = HostStore.attach(store)  # trained on past it: the checkpoint, not the store, says where to start
