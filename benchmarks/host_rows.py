@@ -63,8 +63,8 @@ def main(argv: list[str] | None = None) -> int:
             ids = torch.randint(0, args.vocab, (tokens,))
             ids_dev = ids.to(device)
             nbytes = tokens * args.hidden * 4
-            on_device = _timed(lambda: rows.rows(ids, ids_dev), args.reps) if rows.on_device else None
-            on_cpu = _timed(lambda: F.embedding(ids, table).to(device, torch.bfloat16), args.reps)
+            on_device = _timed(lambda ids=ids, ids_dev=ids_dev: rows.rows(ids, ids_dev), args.reps) if rows.on_device else None
+            on_cpu = _timed(lambda ids=ids: F.embedding(ids, table).to(device, torch.bfloat16), args.reps)
             assert not rows.on_device or torch.equal(rows.rows(ids, ids_dev).view(torch.int16),
                                                      F.embedding(ids, table).to(device, torch.bfloat16).view(torch.int16))
             row = {"tokens": tokens, "fp32_bytes": nbytes, "device_s": on_device, "cpu_s": on_cpu,

@@ -25,7 +25,6 @@ import argparse
 import collections
 import datetime
 import json
-import math
 import os
 import platform
 import re

@@ -33,7 +33,7 @@ from slidedp.protocol import (CONTROL_CONTINUE, CONTROL_STOP, ROLE_LAUNCHER, Ack
 from slidedp.schedule import lr_at
 from slidedp.stepplan import PLAN_FILE
 from slidedp.store import checkpoint as ckpt
-from slidedp.store.client import StoreRequestError, call, daemon_running
+from slidedp.store.client import StoreRequestError, call
 from slidedp.store.ephemeral import creator_record, left_behind
 from slidedp.store.shm import shm_free_bytes
 from slidedp.transport import bind_router, connect_dealer, identity, recv_dealer, recv_router, send

@@ -282,8 +282,8 @@ def test_a_systems_variants_in_one_workload_are_named_by_the_settings_they_diffe
 
     base = "8x2048, 1 worker(s), clip 1, memory.device_budget_gib=24"
     group = [{"system": "slidedp", "config": f"{base}, train.micro_batch=0"},
-             {"system": "slidedp", "config": f"8x2048 (micro 1), 1 worker(s), clip 1, memory.device_budget_gib=24, "
-                                             f"train.micro_batch=1"},
+             {"system": "slidedp", "config": "8x2048 (micro 1), 1 worker(s), clip 1, memory.device_budget_gib=24, "
+                                             "train.micro_batch=1"},
              {"system": "gpu_resident", "config": "8x2048, fp32 on CUDA, clip 1"},
              {"system": "fsdp2_offload", "config": "8x2048, clip 1"}]
     assert row_labels(group) == ["slidedp (train.micro_batch=0)", "slidedp (train.micro_batch=1)", "gpu_resident",

@@ -20,7 +20,7 @@ def _shadow_is_the_cast(store) -> bool:
     return torch.equal(store.flat("shadow").view(torch.int16), store.flat("master").to(torch.bfloat16).view(torch.int16))
 
 
-def test_the_shadow_is_the_masters_cast_after_every_kind_of_update(stores):
+def test_the_shadow_is_the_masters_cast_after_every_kind_of_update(stores):  # noqa: F811 (the fixture)
     shadowed, plain = stores(max_norm=1.0, shadow=True), stores(max_norm=1.0)
     assert shadowed.store.has_shadow and not plain.store.has_shadow
     layout = shadowed.store.layout

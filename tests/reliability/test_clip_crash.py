@@ -13,7 +13,6 @@ end with no commit recorded; either way the store says it is torn.
 
 from __future__ import annotations
 
-import json
 import re
 import time
 from pathlib import Path
