@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from slidedp.config import JobConfig, load_job, model_config
 from slidedp.data import Batches
-from slidedp.worker.loss import IGNORE_INDEX
+from slidedp.model.targets import IGNORE_INDEX
 from slidedp.model import layers
 from slidedp.model.dtypes import torch_dtype
 from slidedp.sft.packing import DocBatches

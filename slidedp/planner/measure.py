@@ -3,7 +3,7 @@
 At plan time on CUDA the planner times the blocks a step is made of on the job's GPU, through the
 engine's own code: one decoder layer's forward (no grad) and its recompute + backward with the fp32
 gradient accumulation (`layers.layer_forward` / `layers.layer_backward` over the fused views of
-one flat chunk, as `worker.engine` runs them), and the loss (`worker.loss.norm_head_backward`),
+one flat chunk, as `worker.engine` runs them), and the loss (`model.loss.norm_head_backward`),
 each for every micro-batch / tile / loss-chunk size the plan weighs, with the pointwise pieces
 compiled when the run compiles them (`train.compile`). The step model (step_model) multiplies
 them by the passes per step; the GPU memory a backward and a loss pass took above their inputs
@@ -174,9 +174,7 @@ def flat_layer(cfg: ModelConfig, dtype, device) -> tuple[Any, Any, dict[str, Any
     (norm weights 1, matrices N(0, 0.02))."""
     import torch
 
-    from slidedp.store.layout import make_layout
-    from slidedp.worker.delivery import unit_tensors
-    from slidedp.worker.engine import units_of
+    from slidedp.store.layout import make_layout, unit_tensors, units_of
 
     unit = units_of(make_layout(cfg))["layer.0"]
     flat = torch.empty(unit.numel, dtype=dtype, device=device).normal_(0, 0.02)
@@ -226,7 +224,7 @@ def layer_work(cfg: ModelConfig, micro_batch: int, seq_len: int, passes: int, ti
     import torch
 
     from slidedp.model import layers as L
-    from slidedp.worker.delivery import unit_tensors
+    from slidedp.store.layout import unit_tensors
 
     _, unit, views = flat_layer(cfg, dtype, device)
     p = L.fuse_projections(views) if fuse else views
@@ -254,7 +252,7 @@ def loss_work(cfg: ModelConfig, micro_batch: int, seq_len: int, passes: int, til
     the head's gradient added into fp32."""
     import torch
 
-    from slidedp.worker.loss import norm_head_backward
+    from slidedp.model.loss import norm_head_backward
 
     h, v = cfg.hidden_size, cfg.vocab_size
     head = torch.empty(v, h, device=device, dtype=dtype).normal_(0, 0.02)
@@ -435,8 +433,8 @@ def embedding_rows_rate(device: str = "cuda", quick: bool = False, repeat: int =
     be registered (the locked-memory limit: a worker's store could not be either, and the worker says so)."""
     import torch
 
-    from slidedp.worker.host_rows import RANK_THREADS, HostRows
-    from slidedp.worker.hostmem import HostRegisterError, Registration
+    from slidedp.store.host_rows import RANK_THREADS, HostRows
+    from slidedp.store.hostmem import HostRegisterError, Registration
 
     dev = torch.device(device)
     rows_n, hidden, tokens = (8192, 1024, 2048) if quick else (32768, 4096, 16384)

@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import torch
 
-from slidedp.worker.delivery import unit_tensors
-from slidedp.worker.loss import IGNORE_INDEX, chunked_cross_entropy_sum
 from slidedp.model import layers as L
+from slidedp.model.loss import chunked_cross_entropy_sum
+from slidedp.model.targets import IGNORE_INDEX
+from slidedp.store.layout import unit_tensors
 
 
 @torch.no_grad()

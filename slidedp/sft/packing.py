@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from slidedp.data import Batches, DataError
-from slidedp.worker.targets import IGNORE_INDEX
+from slidedp.model.targets import IGNORE_INDEX
 
 from .documents import Documents
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from slidedp.data import DataError
-from slidedp.worker.loss import IGNORE_INDEX
+from slidedp.model.targets import IGNORE_INDEX
 from slidedp.model import layers
 from slidedp.model.attention import packed_rows, single_document
 from slidedp.model.config import named_shape

@@ -15,8 +15,8 @@ import torch
 from torch import Tensor
 
 from .. import log as slog
-from ..model import layers
-from ..model.layers import token_slices
+from . import layers
+from .layers import token_slices
 from .targets import IGNORE_INDEX
 
 _log = slog.get("loss")
