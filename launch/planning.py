@@ -1,7 +1,7 @@
 """From a job to its step plan: the planner's choices (on CUDA) or the job file's values (CPU).
 
 Calibration and the GPU blocks of the job's shape (planner/measure.py) are measured in a subprocess
-(cached per host and GPU in calibration.cache_root(), by default ~/.cache/slidedp), so the launcher
+(cached per host and GPU in cache.cache_root(), by default ~/.cache/slidedp), so the launcher
 itself never holds a CUDA context on the workers' GPU.
 """
 
@@ -18,8 +18,8 @@ from slidedp.config import JobConfig, model_config
 from slidedp.jobrecord import sums_on_host
 from slidedp.planner import Calibration, HostRoom, Plan, Workload, costs, make_plan
 from slidedp.planner.workload import DocumentLoad
-from slidedp.planner.calibration import RECENT_RUNS
-from slidedp.planner.calibration import record_training as record_training_measured
+from slidedp.planner.cache import RECENT_RUNS
+from slidedp.planner.cache import record_training as record_training_measured
 from slidedp.planner.measure import MeasuredBlocks
 from slidedp.planner.sizes import device_work_sizes
 from slidedp.planner.step_model import device_time_source

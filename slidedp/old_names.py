@@ -15,7 +15,7 @@ _log = log.get("config")
 
 # record keys ("gpu" became "device" where it means the training device)
 RENAMED: dict[str, str] = {
-    # a host's calibration cache (planner/calibration.py)
+    # a host's calibration cache (planner/cache.py)
     "gpu_tflops": "device_tflops",
     "gpu_mem_bytes": "device_mem_bytes",
     "gpu_adamw_params_per_s": "device_adamw_params_per_s",

@@ -60,7 +60,7 @@ if [ -n "${SEED_CACHE:-}" ]; then
   python3 - "$SEED_CACHE" "$SLIDEDP_CACHE_DIR" <<'EOF' || exit 2
 import json, shutil, sys
 from pathlib import Path
-from slidedp.planner.calibration import slug
+from slidedp.planner.cache import slug
 prefix, cache = sys.argv[1], Path(sys.argv[2])
 missing = [f"{prefix}-{kind}.json" for kind in ("calibration", "measured") if not Path(f"{prefix}-{kind}.json").is_file()]
 if missing:

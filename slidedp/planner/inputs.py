@@ -15,8 +15,7 @@ from typing import Any, Mapping
 
 from slidedp import log
 from slidedp.model.config import ModelConfig
-from slidedp.planner.calibration import load_or_calibrate, remeasure_host
-from slidedp.planner.measure import measured_blocks
+from slidedp.planner.cache import load_or_calibrate, measured_blocks, remeasure_host
 from slidedp.planner.workload import DocumentLoad
 
 
@@ -24,7 +23,7 @@ def plan_inputs(spec: Mapping[str, Any], device: str = "cuda") -> dict[str, Any]
     """The calibration (with what runs of the model of spec["model_params"] measured, and the links
     among spec["gpus"] GPUs) and, where spec names the job's shape and sizes, the GPU blocks at them
     (from the host's cache, or measured now: then the host's rates are measured again, and each
-    keeps the better of its two figures, calibration.remeasure_host)."""
+    keeps the better of its two figures, cache.remeasure_host)."""
     calib = load_or_calibrate(device, gpus=int(spec.get("gpus", 1)), model_params=spec.get("model_params"))
     blocks = None
     if spec.get("sizes"):

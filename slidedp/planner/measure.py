@@ -9,14 +9,13 @@ compiled when the run compiles them (`train.compile`). The step model (step_mode
 them by the passes per step; the GPU memory a backward and a loss pass took above their inputs
 bounds the plan's workspace items (plan._memory).
 
-Measured once per host, GPU and shape, and kept as JSON beside the calibration
-(`measured-HOST-DEVICE.json` in calibration.cache_root()): a second plan of the same job reads
-them; a plan that weighs a size not measured yet measures only that size.
+Measured once per host, GPU and shape: the host's cache keeps them (cache.measured_blocks), so a
+second plan of the same job reads them; a plan that weighs a size not measured yet measures only that size.
 
 `adamw_beside_copies` measures the updaters' rate in training: the fused CPU AdamW on the updater's
 threads while pinned H2D and D2H copies run on every GPU of the job (the DMA shares host memory
 with it), and `embedding_rows_rate` how a host-held embedding's rows reach the GPU; both are kept
-with the calibration (calibration.load_or_calibrate).
+with the calibration (cache.load_or_calibrate).
 
 No torch at import: the planner's arithmetic runs anywhere; measuring imports it.
 """
@@ -24,14 +23,11 @@ No torch at import: the planner's arithmetic runs anywhere; measuring imports it
 from __future__ import annotations
 
 import itertools
-import json
 import math
-import os
 import statistics
 import threading
 import time
 from dataclasses import asdict, dataclass, replace
-from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
 from slidedp import log
@@ -167,6 +163,16 @@ def timed(fn: Callable[[], None], sync: Callable[[], None], repeat: int, warmup:
         sync()
         out.append((time.perf_counter() - t0) / inner)
     return max(statistics.median(out), 1e-9)
+
+
+def fused_adamw(params: list, grads: list, m: list, v: list, steps: list) -> None:
+    """One step of the fused AdamW over the tensors (the kernel the updater runs) at fixed hyper-parameters."""
+    import torch
+
+    torch._fused_adamw_(
+        params, grads, m, v, [], steps, lr=1e-4, beta1=0.9, beta2=0.999, weight_decay=0.01, eps=1e-8,
+        amsgrad=False, maximize=False,
+    )
 
 
 def flat_layer(cfg: ModelConfig, dtype, device) -> tuple[Any, Any, dict[str, Any]]:
@@ -345,8 +351,6 @@ def adamw_beside_copies(threads: int, device: str = "cuda", gpus: int = 1, param
     else `params` fresh ones."""
     import torch
 
-    from slidedp.planner.calibration import fused_adamw
-
     cuda = device.startswith("cuda")
     stop = threading.Event()
     errors: list[BaseException] = []
@@ -463,77 +467,3 @@ def embedding_rows_rate(device: str = "cuda", quick: bool = False, repeat: int =
         torch.set_num_threads(before)
         registration.unregister()
     return ("device" if gather.on_device else "cpu"), tokens * hidden * 4 / seconds
-
-
-# --------------------------------------------------------------------------------------
-# the cache
-
-def cache_file(host: str, device_name: str, cache_dir: str | os.PathLike | None = None) -> Path:
-    from slidedp.planner.calibration import cache_root, slug
-
-    root = Path(cache_dir).expanduser() if cache_dir else cache_root()
-    return root / f"measured-{slug(host)}-{slug(device_name)}.json"
-
-
-# schema 1 holds the same fields, timed by single runs: a plan measures them again, a replay reads them
-READABLE_SCHEMAS = (1, SCHEMA)
-
-
-def read_blocks(path: str | os.PathLike, schemas: tuple[int, ...] = (SCHEMA,)) -> dict[str, MeasuredBlocks]:
-    """A cache file's blocks by shape; an unreadable file or entry, or a schema not in `schemas`, is left
-    out with a warning (a plan passes the current schema only: older blocks are measured again)."""
-    path = Path(path)
-    if not path.exists():
-        return {}
-    try:
-        doc = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        _log.warning("%s is unreadable (%s): measuring again", path, e)
-        return {}
-    if not isinstance(doc, dict) or doc.get("schema") not in schemas or not isinstance(doc.get("shapes"), dict):
-        _log.warning("%s is not a schema-%d file of measured blocks (an older one is measured again, once): "
-                     "measuring again", path, SCHEMA)
-        return {}
-    out = {}
-    for shape, entry in doc["shapes"].items():
-        try:
-            out[shape] = MeasuredBlocks.from_dict(entry)
-        except MeasureError as e:
-            _log.warning("%s: the entry for %r is left out: %s", path, shape, e)
-    return out
-
-
-def _write(path: Path, shapes: Mapping[str, MeasuredBlocks]) -> None:
-    doc = {"schema": SCHEMA, "shapes": {k: replace(b, measured_s=0.0).to_dict() for k, b in sorted(shapes.items())}}
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(doc, indent=1) + "\n")
-    os.replace(tmp, path)  # atomic: a reader never sees half a file
-
-
-def measured_blocks(model: ModelConfig, seq_len: int, compute_dtype: str, compiled: bool, sizes: Iterable[Size],
-                    local_batch: int, host: str, device_name: str, device: str = "cuda",
-                    cache_dir: str | os.PathLike | None = None, measure: Callable[..., MeasuredBlocks] = measure_blocks,
-                    compile_fallback: bool = True, documents: DocumentLoad | None = None) -> MeasuredBlocks:
-    """The blocks of this shape at `sizes`: from the host's cache, measuring (and keeping) the sizes it
-    lacks. `measured_s` says how long that took (0: nothing measured)."""
-    from slidedp.planner.calibration import locked
-
-    key = shape_key(model, seq_len, compute_dtype, compiled, documents)
-    sizes = sorted({(m, normalized(m, seq_len, tile), chunk) for m, tile, chunk in sizes})
-    path = cache_file(host, device_name, cache_dir)
-    with locked(path):  # one job measures at a time: two at once would measure each other
-        shapes = read_blocks(path)
-        have = shapes.get(key, MeasuredBlocks(key, device_name))
-        missing = [s for s in sizes if not have.has(s)]
-        if not missing:
-            return have
-        t0 = time.perf_counter()
-        new = measure(model, seq_len, compute_dtype, compiled, missing, local_batch, device=device,
-                      compile_fallback=compile_fallback, device_name=device_name,
-                      **({"documents": documents} if documents is not None else {}))
-        if new.shape != key:
-            raise MeasureError(f"measured blocks of {new.shape!r}, wanted {key!r}")
-        shapes[key] = have.merged(new)
-        _write(path, shapes)
-    return replace(shapes[key], measured_s=time.perf_counter() - t0)
-

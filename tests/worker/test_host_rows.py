@@ -154,7 +154,7 @@ def test_a_locked_memory_limit_below_the_probe_leaves_the_rows_unmeasured(monkey
     """cudaHostRegister would fail (and leave an error for the next kernel launch): the probe registers nothing,
     says which limit to raise, and the calibration records the rows as not measured."""
     from slidedp.planner import measure
-    from slidedp.planner.calibration import embedding_rows_fields
+    from slidedp.planner.calibrate import embedding_rows_fields
 
     monkeypatch.setattr(measure, "lockable_bytes", lambda: 64 << 10)
     monkeypatch.setattr(Registration, "register", lambda *a, **k: pytest.fail("registered past the limit"))
