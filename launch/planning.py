@@ -15,6 +15,7 @@ import sys
 from dataclasses import dataclass, replace
 
 from slidedp.config import JobConfig, model_config
+from slidedp.plan_section import AUTO
 from slidedp.jobrecord import sums_on_host
 from slidedp.planner import Calibration, HostRoom, Plan, Workload, costs, make_plan
 from slidedp.planner.workload import DocumentLoad
@@ -32,7 +33,7 @@ from .host_room import host_need
 
 log = logging.getLogger("slidedp.launcher")
 
-# train.micro_batch = 0 on CPU (no planner): the whole per-rank batch, up to this many sequences. On a
+# plan.micro_batch = "auto" on CPU (no planner): the whole per-rank batch, up to this many sequences. On a
 # CPU a pass over more sequences is one larger GEMM on the worker's threads and the activations live
 # in host memory, so fewer passes are faster; the cap bounds one layer's workspace for a large batch.
 CPU_MAX_MICRO_BATCH = 8
@@ -62,8 +63,8 @@ class JobPlan:
 
     @property
     def keeps_plan(self) -> bool:
-        """Whether the workers run the planner's step as it made it: a plan, and no job-file override of
-        its tiles, resident or offloaded layers (plan_job marks one: planned_by "planner + job file")."""
+        """Whether the workers run the planner's step as it made it: a plan, and no job-file value over its
+        tiles, loss chunk, resident or offloaded layers (plan_job marks one: planned_by "planner + job file")."""
         return self.plan is not None and self.step == self.plan.step
 
 
@@ -90,25 +91,6 @@ def calibration(gpus: int = 1, model_params: int | None = None, timeout_s: float
     return Calibration.from_dict(doc["calibration"], blocks=blocks)
 
 
-def _forced(value: int, planned: int) -> int:
-    """A job-file override (>= 0) or the plan's value (-1)."""
-    return planned if value < 0 else value
-
-
-def _routes(job: JobConfig, calib: Calibration) -> dict[str, tuple[str, ...]]:
-    """Routes the planner may choose: the job's, or (auto) both where the GPU links were measured,
-    else the plain one."""
-    measured = calib.bus_gpus > 1
-
-    def options(chosen: str, both: tuple[str, str]) -> tuple[str, ...]:
-        if chosen != "auto":
-            return (chosen,)
-        return both if measured else both[:1]
-
-    return {"param_route": options(job.runtime.param_route, ("replicated", "sharded")),
-            "grad_route": options(job.runtime.grad_route, ("host", "reduce_scatter"))}
-
-
 class DeliveryError(ValueError):
     """The job asks for the bf16 delivery and its store cannot serve it: the message says what to change."""
 
@@ -118,16 +100,16 @@ def deliveries(job: JobConfig, store_shadow: bool | None, shadow_fits: bool = Tr
 
     store_shadow: whether the existing store has the bf16 shadow (None: the job creates its store, with
     one as store.shadow_bf16 says: true, or "auto" where the plan delivers bf16); shadow_fits: whether
-    the host has room for it in a store this job creates. The shadow delivers the same bits to a bf16
-    compute as the cast of the master, so where the store has one anyway (the updaters refresh it
-    whatever the delivery) it is the only choice: half the bytes of every copy, for nothing."""
-    rt, shadow = job.runtime, job.store.shadow_bf16
-    if job.train.compute_dtype != "bf16" or rt.delivery == "fp32":
+    the host has room for it in a store this job creates. The shadow delivers the same bits to a bf16 compute as the
+    cast of the master, so where the store has one anyway (the updaters refresh it whatever the
+    delivery) it is the only choice: half the bytes of every copy, for nothing."""
+    p, shadow = job.plan, job.store.shadow_bf16
+    if p.dtype != "bf16" or p.delivery == "fp32":
         return ("fp32",), ""
     if store_shadow is False:
-        if rt.delivery == "bf16":
-            raise DeliveryError(f"runtime.delivery = \"bf16\" streams the store's bf16 shadow, but store "
-                                f"{job.store_name!r} was created without one: set runtime.delivery = \"auto\" or "
+        if p.delivery == "bf16":
+            raise DeliveryError(f"plan.delivery = \"bf16\" streams the store's bf16 shadow, but store "
+                                f"{job.store_name!r} was created without one: set plan.delivery = \"auto\" or "
                                 f"\"fp32\", or make the store again with store.shadow_bf16 = true (`slidedp-store "
                                 f"checkpoint`, `slidedp-store destroy {job.store_name}`, then run with "
                                 f"checkpoint.resume)")
@@ -135,12 +117,28 @@ def deliveries(job: JobConfig, store_shadow: bool | None, shadow_fits: bool = Tr
                            f"(store.shadow_bf16); one would halve the bytes of every copy in, exactly")
     if store_shadow is None and shadow is False:
         return ("fp32",), ""
-    if store_shadow or shadow is True or rt.delivery == "bf16":
+    if store_shadow or shadow is True or p.delivery == "bf16":
         return ("bf16",), ""
     if not shadow_fits:
         return ("fp32",), ("delivery fp32: the host has no room for the bf16 shadow (2 B/param more host memory) "
                            "beside the store; store.shadow_bf16 = true asks for it")
     return ("fp32", "bf16"), ""
+
+
+def _routes(job: JobConfig, calib: Calibration) -> dict[str, tuple[str, ...]]:
+    """Routes the planner may choose: the job's, or (auto) both where the GPU links were measured,
+    else the plain one."""
+    measured = calib.bus_gpus > 1
+
+    def options(chosen: str, both: tuple[str, str]) -> tuple[str, ...]:
+        if chosen != AUTO:
+            return (chosen,)
+        return both if measured else both[:1]
+
+    p = job.plan
+    return {"param_route": options(p.param_route, ("replicated", "sharded")),
+            "grad_route": options(p.grad_route, ("host", "reduce_scatter"))}
+
 
 
 def shadow_fits(job: JobConfig, layout: Layout) -> bool:
@@ -175,54 +173,61 @@ def document_load(batches) -> DocumentLoad | None:
 def plan_job(job: JobConfig, calib: Calibration | None = None, store_shadow: bool | None = None,
              shadow_fits: bool = True, host_room: HostRoom | None = None,
              documents: DocumentLoad | None = None) -> JobPlan:
-    """The job's step plan: on CUDA the planner's, with the job file's [memory] overrides (its
-    inputs) applied; on CPU the job file's values, clamped to the model. store_shadow, shadow_fits:
-    what `deliveries` needs to know of the store (None: the job creates it); host_room: what the
-    host's memory leaves for offloaded layers and the shadow (host_room.room_for_plan; None: no limit);
-    documents: what the job's rows of packed documents cost attention (document_load; None: plain rows)."""
-    mem, t, rt = job.memory, job.train, job.runtime
+    """The job's step plan: on CUDA the planner's, with the job file's [plan] values as its constraints
+    (a chosen micro-batch, dtype, route, delivery, prefetch depth, embedding or number of device-held
+    layers is planned with; chosen tiles, loss chunk, resident or offloaded layers replace the planner's);
+    on CPU the job file's values, clamped to the model, and the CPU defaults for "auto". store_shadow,
+    shadow_fits: what `deliveries` needs to know of the store (None: the job creates it); host_room: what
+    the host's memory leaves for offloaded layers and the shadow (host_room.room_for_plan; None: no
+    limit); documents: what the job's rows of packed documents cost attention (document_load; None:
+    plain rows)."""
+    p, t, rt = job.plan, job.train, job.runtime
     options, note = deliveries(job, store_shadow, shadow_fits)
     notes = (note,) if note else ()
-    forced_embedding = {"auto": None, "host": "host", "device": "device"}[mem.embedding]
     one = rt.workers == 1  # one rank: nothing to shard
     cfg = model_config(job)
     nl = cfg.num_layers
     if rt.device != "cuda":  # no planner: the bf16 delivery where the store has (or gets) the shadow anyway
         delivery = options[-1] if len(options) == 1 else "fp32"
         return JobPlan(StepPlan(
-            micro_batch=t.micro_batch or cpu_micro_batch(t.global_batch // rt.workers), delivery=delivery,
-            compute_dtype=t.compute_dtype, chunk_rows=default_chunk_rows(cfg),
-            resident_layers=max(0, mem.resident_layers), prefetch_depth=max(1, mem.prefetch_depth),
-            embedding=forced_embedding or "host", seq_tile_tokens=max(0, mem.seq_tile_tokens),
-            offload_layers=min(max(0, mem.offload_layers), nl), device_layers=min(max(0, mem.device_layers), nl),
-            param_route="sharded" if rt.param_route == "sharded" and not one else "replicated",
-            grad_route="reduce_scatter" if rt.grad_route == "reduce_scatter" and not one else "host"),
+            micro_batch=p.chosen("micro_batch") or cpu_micro_batch(t.global_batch // rt.workers), delivery=delivery,
+            compute_dtype=p.dtype, chunk_rows=default_chunk_rows(cfg),
+            resident_layers=p.chosen("resident_layers") or 0, prefetch_depth=p.chosen("prefetch_depth") or 1,
+            embedding=p.chosen("embedding") or "host", seq_tile_tokens=p.chosen("seq_tile_tokens") or 0,
+            loss_chunk_tokens=p.chosen("loss_chunk_tokens") or StepPlan.loss_chunk_tokens,
+            offload_layers=min(p.chosen("offload_layers") or 0, nl), device_layers=min(p.chosen("device_layers") or 0, nl),
+            param_route="sharded" if p.param_route == "sharded" and not one else "replicated",
+            grad_route="reduce_scatter" if p.grad_route == "reduce_scatter" and not one else "host"),
             shadow=_store_shadow(job, store_shadow, delivery), notes=notes)
     work = Workload(model=cfg, global_batch=t.global_batch, seq_len=t.seq_len, world=rt.workers,
-                    micro_batch=t.micro_batch, compute_dtype=t.compute_dtype, clip=t.max_grad_norm > 0,
+                    micro_batch=p.chosen("micro_batch") or 0, compute_dtype=p.dtype, clip=t.max_grad_norm > 0,
                     updaters=max(1, rt.updaters), compiled=t.compile in ("auto", "on"), host_room=host_room,
                     documents=documents)
-    budget = int(mem.device_budget_gib * GiB)
+    budget = int(job.memory.device_budget_gib * GiB)
     allowed = {
-        "activations": ("keep", "offload") if mem.offload_layers != 0 else ("keep",),
+        "activations": ("keep",) if p.chosen("offload_layers") == 0 else ("keep", "offload"),
         "delivery": options,
-        "embedding": {None: ("device", "host"), "host": ("host",), "device": ("device",)}[forced_embedding],
+        "embedding": ("device", "host") if p.embedding == AUTO else (p.embedding,),
     }
-    if mem.prefetch_depth > 0:  # the job's depth, planned with its buffers
-        allowed["prefetch_depth"] = (mem.prefetch_depth,)
+    if p.chosen("prefetch_depth"):  # the job's depth, planned with its buffers
+        allowed["prefetch_depth"] = (p.prefetch_depth,)
     if calib is None:  # measured on this host: the calibration and the GPU blocks of every size the plan weighs
         calib = calibration(rt.workers, work.model.num_parameters(), measure={
-            "model": cfg.to_dict(), "seq_len": t.seq_len, "compute_dtype": t.compute_dtype,
+            "model": cfg.to_dict(), "seq_len": t.seq_len, "compute_dtype": p.dtype,
             "compiled": work.compiled, "compile_fallback": t.compile == "auto", "local_batch": work.local_batch,
             "sizes": device_work_sizes(work, budget, allowed),
             **({"documents": documents.to_dict()} if documents is not None else {})})
     allowed.update(_routes(job, calib))
-    plan = make_plan(work, budget, calib, allowed,
-                     device_layers=None if mem.device_layers < 0 else mem.device_layers)
+    plan = make_plan(work, budget, calib, allowed, device_layers=p.chosen("device_layers"))
     planned = plan.step
-    step = replace(planned, resident_layers=min(_forced(mem.resident_layers, planned.resident_layers), nl),
-                   seq_tile_tokens=_forced(mem.seq_tile_tokens, planned.seq_tile_tokens),
-                   offload_layers=min(_forced(mem.offload_layers, planned.offload_layers), nl),
+
+    def given(name: str) -> int:
+        """The job's value of a choice the planner made too, or the planner's where the job says "auto"."""
+        value = p.chosen(name)
+        return getattr(planned, name) if value is None else value
+
+    step = replace(planned, resident_layers=min(given("resident_layers"), nl), seq_tile_tokens=given("seq_tile_tokens"),
+                   offload_layers=min(given("offload_layers"), nl), loss_chunk_tokens=given("loss_chunk_tokens"),
                    param_route=planned.param_route if not one else "replicated",
                    grad_route=planned.grad_route if not one else "host")
     if step != planned:  # the job file overrode a choice: the plan's memory peak is not this run's

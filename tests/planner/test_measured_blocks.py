@@ -98,7 +98,7 @@ def test_a_forced_micro_batch_is_kept():
     plan = make_plan(work, BUDGET, calib, FP32)
     assert plan.step.micro_batch == 2 and [c.micro_batch for c in plan.weighed] == [2]
     assert plan.weighed[0].verdict == "chosen" and plan.weighed[0].device_time == "measured"
-    assert "micro-batches weighed (train.micro_batch set in the job file)" in plan.describe()
+    assert "micro-batches weighed (plan.micro_batch set in the job file)" in plan.describe()
     assert "2 (job's value; 4 per rank per step)" in plan.describe()
 
 
@@ -106,7 +106,7 @@ def test_the_candidate_table_lists_what_was_weighed():
     work = _work()
     plan = make_plan(work, BUDGET, dataclasses.replace(REFERENCE_CALIBRATION, blocks=_blocks(work, FAVOURS_8)), FP32)
     text = plan.describe()
-    assert "micro-batches weighed (train.micro_batch = 0: the fastest predicted that fits; within 2% of it, the larger)" in text
+    assert "micro-batches weighed (plan.micro_batch = \"auto\": the fastest predicted that fits; within 2% of it, the larger)" in text
     for c in plan.weighed:
         assert (f"  {c.micro_batch:<13}{f'{c.predicted_step_s:.3f} s':>15}{c.device_bytes / GiB:>9.2f} GiB   "
                 f"measured  {c.verdict}") in text
@@ -268,24 +268,24 @@ def test_the_launchers_subprocess_returns_the_calibration_and_the_blocks(tmp_pat
 # the job file
 
 
-def test_train_micro_batch_defaults_to_the_plans_choice_and_is_validated():
-    job = load_job(TINY, ["train.micro_batch=0"])
-    assert job.train.micro_batch == 0
+def test_the_micro_batch_defaults_to_the_plans_choice_and_is_validated():
+    job = load_job(TINY, ["plan.micro_batch=auto"])
+    assert job.plan.micro_batch == "auto"
     step = plan_job(job).step  # CPU: the largest divisor of the per-rank batch up to CPU_MAX_MICRO_BATCH
     assert step.micro_batch == cpu_micro_batch(job.train.global_batch // job.runtime.workers)
     assert [cpu_micro_batch(n) for n in (1, 7, 9, 12, 16, 64)] == [1, 7, 3, 6, 8, 8] and CPU_MAX_MICRO_BATCH == 8
     with pytest.raises(ConfigError, match=r"train.global_batch \(5\) must be divisible by runtime.workers \(2\): "
                                           r"every rank runs the same number of sequences"):
-        load_job(TINY, ["train.micro_batch=0", "train.global_batch=5", "runtime.workers=2"])
-    with pytest.raises(ConfigError, match=r"train.micro_batch must be >= 0"):
-        load_job(TINY, ["train.micro_batch=-1"])
-    with pytest.raises(ConfigError, match=r"train.micro_batch \(3\) must divide train.global_batch \(4\)"):
-        load_job(TINY, ["train.micro_batch=3", "train.global_batch=4"])
+        load_job(TINY, ["plan.micro_batch=auto", "train.global_batch=5", "runtime.workers=2"])
+    with pytest.raises(ConfigError, match=r'plan.micro_batch must be "auto" or an integer >= 1; got -1'):
+        load_job(TINY, ["plan.micro_batch=-1"])
+    with pytest.raises(ConfigError, match=r"plan.micro_batch \(3\) must divide train.global_batch \(4\)"):
+        load_job(TINY, ["plan.micro_batch=3", "train.global_batch=4"])
     cuda = ['runtime.device="cuda"', "runtime.workers=1", "train.global_batch=4", 'model.shape="qwen3-0.6b"',
             "train.seq_len=512"]
-    chosen = plan_job(load_job(TINY, cuda + ["train.micro_batch=0"]), REFERENCE_CALIBRATION)
+    chosen = plan_job(load_job(TINY, cuda + ["plan.micro_batch=auto"]), REFERENCE_CALIBRATION)
     assert chosen.plan is not None and chosen.step.micro_batch == chosen.plan.step.micro_batch in (1, 2, 4)
-    forced = plan_job(load_job(TINY, cuda + ["train.micro_batch=2"]), REFERENCE_CALIBRATION)
+    forced = plan_job(load_job(TINY, cuda + ["plan.micro_batch=2"]), REFERENCE_CALIBRATION)
     assert forced.step.micro_batch == 2
 
 

@@ -241,7 +241,7 @@ def test_the_plan_charges_a_host_embeddings_rows_as_this_host_gathers_them():
                                f"at the measured 40.0 GB/s): {nbytes / 40e9:.3f} s before layer 0")
     assert rows_note(slow).startswith("embedding rows: 268 MB per step (gathered on the CPU: the store's memory is not "
                                       f"mapped for the GPU, at the measured 1.0 GB/s): {nbytes / 1e9:.3f} s")
-    assert rows_note(slow).endswith('memory.embedding = "device" holds the embedding on the GPU instead, where the '
+    assert rows_note(slow).endswith('plan.embedding = "device" holds the embedding on the GPU instead, where the '
                                     'budget allows')
     # the forward waits for the rows: the same choices with the slower gather are the slower step by at least as
     # much (more: the copy stream bounds this forward, and layer 0's copy queues behind the rows)
