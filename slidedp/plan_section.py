@@ -6,7 +6,7 @@ where no planner runs, to the CPU default; a value fixes it: the planner plans t
 (micro_batch, compute_dtype, the routes, delivery, prefetch_depth, device_layers, embedding), or
 carries it out over its own choice (resident_layers, offload_layers, seq_tile_tokens,
 loss_chunk_tokens: the plan's memory table then no longer describes the run).
-launch/planning.py reads it. Job files of older versions set these keys in [train], [memory]
+slidedp/planner/job.py reads it. Job files of older versions set these keys in [train], [memory]
 and [runtime]: slidedp/old_names.py moves them here, with a warning.
 """
 

@@ -1,9 +1,10 @@
 """The step plan: how every rank runs a step, as one record from the planner to the engine.
 
-The launcher makes it (launch/planning.py: the planner's choices on CUDA, the CPU defaults
-elsewhere, and the job file's [plan] values, whose keys are the choices here, CHOICES), writes it
-beside job.resolved.toml as `plan.json`, and every worker reads that file and carries it out;
-`slidedp-report` shows it. The fields are plain values, so the file reads as it is and grows by
+The planner makes it (slidedp/planner/job.py:plan_for: its choices on CUDA, the CPU defaults
+elsewhere, and the job file's [plan] values, whose keys are the choices here, CHOICES), the launcher
+writes it beside job.resolved.toml as `plan.json`, and every worker reads that file and carries it
+out; `slidedp-report` shows it. It lives outside slidedp/planner/ because the workers read it and
+import nothing of the planner. The fields are plain values, so the file reads as it is and grows by
 adding a field with a default.
 
 Words: a layer or unit is "held" (device-held) when it stays on the device for the whole job with

@@ -2,7 +2,8 @@
 
 `make_plan` searches step plans (`StepPlan`: micro-batch, offloaded layers, embedding placement,
 prefetch depth, routes, tiles, resident and device-held layers), charges each with the step-time model
-(step_model.predict_step) and the memory model (costs), and returns the `Plan`.
+(step_model.predict_step) and the memory model (costs), and returns the `Plan`. `device_work_sizes`
+lists the GPU work sizes it may weigh, which are measured before it plans (inputs.py).
 """
 
 from __future__ import annotations
@@ -549,3 +550,15 @@ def _plan(work: Workload, budget_bytes: int, calib: Calibration, allowed: dict[s
         step=chosen, device_memory=tuple(items), busy_s=tuple((r, busy[r]) for r in RESOURCES), exposed_s=exposed,
         workload=work, budget_bytes=shown_budget, calibration=calib, notes=tuple(notes), weighed=weighed,
     )
+
+
+def device_work_sizes(work: Workload, budget: int, allowed: dict[str, tuple] | None = None) -> list[tuple[int, int, int]]:
+    """The (micro_batch, seq_tile_tokens, loss_chunk_tokens) of every plan make_plan may weigh for this
+    budget: the GPU blocks to measure before planning. Memory alone decides them (no times), so they are
+    known before the blocks are measured and the plan made (job.plan_for)."""
+    sizes = set()
+    for base in _base_choices(work, allowed):
+        fits = ([_fit(work, base, budget)] if work.micro_batch else
+                [_fit_at(work, base, mb, budget, grow=False) for mb in _micro_batches(work)])
+        sizes |= {(ch.micro_batch, ch.seq_tile_tokens, ch.loss_chunk_tokens) for ch in fits if ch is not None}
+    return sorted(sizes)

@@ -10,7 +10,8 @@ import pytest
 
 from slidedp import hosttraffic
 from slidedp.config import load_job
-from slidedp.launch.planning import DeliveryError, deliveries, plan_job
+from slidedp.launch.planning import plan_job
+from slidedp.planner.job import DeliveryError, deliveries
 from slidedp.model.config import named_shape
 from slidedp.planner import REFERENCE_CALIBRATION, Workload, costs
 from slidedp.planner.host_bandwidth import measure_host_memory

@@ -11,14 +11,15 @@ import math
 import pytest
 
 from slidedp.config import ConfigError, load_job
-from slidedp.launch.planning import CPU_MAX_MICRO_BATCH, cpu_micro_batch, plan_job
+from slidedp.launch.planning import plan_job
 from slidedp.model.config import ModelConfig, named_shape
 from slidedp.planner import REFERENCE_CALIBRATION, PlanError, Workload, make_plan, predict_step
 from slidedp.planner import cache, measure
 from slidedp.planner import plan as plan_mod
 from slidedp.planner.costs import GiB
+from slidedp.planner.job import CPU_MAX_MICRO_BATCH, cpu_micro_batch
 from slidedp.planner.measure import LayerTime, LossTime, MeasuredBlocks, shape_key
-from slidedp.planner.sizes import device_work_sizes
+from slidedp.planner.plan import device_work_sizes
 from slidedp.planner.step_model import device_times
 
 from pipeline.harness import TINY

@@ -896,7 +896,8 @@ def test_the_plan_offloads_no_more_layers_than_the_host_has_room_for():
 def test_a_training_run_teaches_the_planner_its_adamw_rate_for_that_model(tmp_path):
     """The launcher keeps the updaters' measured rate with the calibration; plans of that model
     charge it, plans of other models keep the bare kernel's rate."""
-    from slidedp.launch.planning import JobPlan, learned_update_rate, record_training  # noqa: PLC0415
+    from slidedp.planner.job import JobPlan  # noqa: PLC0415
+    from slidedp.planner.learn import learned_update_rate, record_training  # noqa: PLC0415
 
     cal = dataclasses.replace(REFERENCE_CALIBRATION, host="host-a", device_name="GPU X")
     work = Workload(named_shape("qwen3-4b"), global_batch=8, seq_len=2048, world=1, micro_batch=2, clip=False)
@@ -949,7 +950,8 @@ def test_a_run_that_summed_ranks_gradients_on_the_host_teaches_plans_with_such_a
     """Beside the aggregator's sum of several ranks' whole gradients the updaters and the sum both run
     far below their bare rates. Such a run keeps both rates apart: plans of that model with a host
     sum charge them, plans without one (one rank, reduce-scattered gradients) keep the plain rate."""
-    from slidedp.launch.planning import JobPlan, learned_sum_rate, record_training  # noqa: PLC0415
+    from slidedp.planner.job import JobPlan  # noqa: PLC0415
+    from slidedp.planner.learn import learned_sum_rate, record_training  # noqa: PLC0415
 
     cal = dataclasses.replace(REFERENCE_CALIBRATION, host="host-s", device_name="GPU S", bus_gpus=2, allreduce_gbps=240.0,
                               h2d_total_gbps=110.0)
@@ -998,7 +1000,8 @@ def test_old_learned_gpu_factors_are_ignored_and_a_runs_gpu_time_is_reported_not
     the GPU blocks at the job's shapes. A cache file holding such factors still reads (the factors are
     dropped with a note, the AdamW rate of the same entry kept), and a run's GPU time against the plan's
     is logged, not recorded."""
-    from slidedp.launch.planning import JobPlan, device_time_against_plan, record_training  # noqa: PLC0415
+    from slidedp.planner.job import JobPlan  # noqa: PLC0415
+    from slidedp.planner.learn import device_time_against_plan, record_training  # noqa: PLC0415
 
     cal = dataclasses.replace(REFERENCE_CALIBRATION, host="host-b", device_name="GPU Y")
     work = Workload(named_shape("qwen3-4b"), global_batch=8, seq_len=2048, world=1, micro_batch=2, clip=False)

@@ -105,15 +105,17 @@ def test_the_launchers_calibration_carries_the_jobs_model_and_sizes(monkeypatch)
     """The launcher calibrates and measures in a subprocess (no CUDA context of its own); it asks for the
     figures of the job's model (by its parameter count) and the GPU blocks of its shape at every size
     the plan may weigh."""
+    from slidedp.config import model_config  # noqa: PLC0415
     from slidedp.launch import planning  # noqa: PLC0415
-    from slidedp.planner.sizes import device_work_sizes  # noqa: PLC0415
+    from slidedp.planner import inputs  # noqa: PLC0415
+    from slidedp.planner.plan import device_work_sizes  # noqa: PLC0415
 
     seen = {}
-    monkeypatch.setattr(planning, "calibration", lambda gpus, model_params, measure: seen.update(
+    monkeypatch.setattr(inputs, "measured_calibration", lambda gpus, model_params, measure: seen.update(
         gpus=gpus, n=model_params, measure=measure) or REFERENCE_CALIBRATION)
     job = load_job(TINY, ['runtime.device="cuda"', "runtime.workers=2", "train.global_batch=4", "plan.micro_batch=auto"])
     planned = planning.plan_job(job)
-    cfg = planning.model_config(job)
+    cfg = model_config(job)
     assert (seen["gpus"], seen["n"]) == (2, cfg.num_parameters())
     m = seen["measure"]
     assert (m["model"], m["seq_len"], m["local_batch"], m["compiled"]) == (cfg.to_dict(), job.train.seq_len, 2, True)
