@@ -4,7 +4,7 @@
                                     [--reps 5] [--threads 2]
 
 Two ways, each the median of `--reps` gathers of `--tokens` random token ids (cast to bf16 on the GPU):
-- `device`: slidedp.worker.host_rows, the GPU reading the rows in place from the table registered
+- `device`: slidedp.store.host_rows, the GPU reading the rows in place from the table registered
   and mapped as a worker registers the store (the worker's path on CUDA);
 - `cpu`: F.embedding on the CPU with `--threads` threads (a worker's), then `.to(cuda, bf16)` from
   pageable memory (the worker's path before host_rows.py, and its fallback).
@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from slidedp.worker.host_rows import HostRows
-from slidedp.worker.hostmem import Registration
+from slidedp.store.host_rows import HostRows
+from slidedp.store.hostmem import Registration
 
 
 def _timed(fn, reps: int) -> float:

@@ -25,7 +25,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from slidedp.worker.loss import chunked_cross_entropy_sum
+from slidedp.model.loss import chunked_cross_entropy_sum
 from slidedp.model import layers as L
 from slidedp.model.config import named_shape
 from slidedp.planner import measure

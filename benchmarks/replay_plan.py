@@ -25,8 +25,8 @@ import sys
 from pathlib import Path
 
 from slidedp.model.config import named_shape
-from slidedp.planner import calibration as cal
-from slidedp.planner import measure
+from slidedp.planner import cache, measure
+from slidedp.planner.calibration import Calibration
 from slidedp.planner.plan import make_plan
 from slidedp.planner.workload import Workload
 
@@ -34,13 +34,13 @@ GiB = 1 << 30
 
 
 def load(cal_path: Path, blocks_path: Path, model_params: int,
-         learned: bool) -> tuple[cal.Calibration, dict[str, measure.MeasuredBlocks]]:
+         learned: bool) -> tuple[Calibration, dict[str, measure.MeasuredBlocks]]:
     """The cache's calibration (with what runs of this model measured, if `learned`), and its blocks by shape
     (of either schema: a replay uses the blocks a run was planned with)."""
-    return cal.load(cal_path, model_params if learned else None), measure.read_blocks(blocks_path, measure.READABLE_SCHEMAS)
+    return cache.load(cal_path, model_params if learned else None), cache.read_blocks(blocks_path, cache.READABLE_SCHEMAS)
 
 
-def replay(calib: cal.Calibration, shapes: dict[str, measure.MeasuredBlocks], shape: str, batch: int, micro_batches: list[int], seq: int = 2048,
+def replay(calib: Calibration, shapes: dict[str, measure.MeasuredBlocks], shape: str, batch: int, micro_batches: list[int], seq: int = 2048,
            budget_gib: float = 24.0, clip: bool = True, compute_dtype: str = "bf16", compiled: bool = True) -> list[dict]:
     """One row per micro-batch asked: the plan's choices and its predicted step in both regimes."""
     cfg = named_shape(shape)

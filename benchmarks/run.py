@@ -73,7 +73,7 @@ SYSTEMS: dict[str, System] = {
     "slidedp": System("benchmarks.peers.slidedp_run"),
     "slidedp_noclip": System("benchmarks.peers.slidedp_run", ("--max-grad-norm", "0")),
     "slidedp_replicated": System("benchmarks.peers.slidedp_run",
-                                 ("--set", 'runtime.param_route="replicated"', "--set", 'runtime.grad_route="host"')),
+                                 ("--set", 'plan.param_route="replicated"', "--set", 'plan.grad_route="host"')),
     "resident_same_kernels": System("benchmarks.peers.resident_same_kernels"),
     "fsdp2": System("benchmarks.peers.fsdp2_offload", ("--no-offload",)),
     "gpu_resident": System("benchmarks.peers.gpu_resident", ("--loss", "full")),
@@ -127,7 +127,7 @@ def slidedp_argv(name: str, args: argparse.Namespace, log_dir: Path) -> list[str
     if args.slidedp_micro_batch == "plan":
         extra.append("--plan-micro-batch")
     elif args.slidedp_micro_batch != "peers":
-        extra += ["--set", f"train.micro_batch={int(args.slidedp_micro_batch)}"]
+        extra += ["--set", f"plan.micro_batch={int(args.slidedp_micro_batch)}"]
     return [*extra, *(a for s in args.slidedp_set for a in ("--set", s))]
 
 
@@ -342,7 +342,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-grad-norm", type=float, default=1.0,
                    help="every system clips the global gradient norm to this (SlideDP's default 1.0); 0 = off")
     p.add_argument("--slidedp-micro-batch", default="plan", metavar="plan|peers|N",
-                   help="SlideDP's train.micro_batch: plan = the plan's choice where this SlideDP lets the plan "
+                   help="SlideDP's plan.micro_batch: plan = the plan's choice where this SlideDP lets the plan "
                         "choose it (else the peers'), peers = --micro-batch, N = that many sequences")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: the smoke version (--shape tiny)")
     p.add_argument("--seed", type=int, default=0)

@@ -38,7 +38,7 @@ def workload_title(key: tuple[Any, ...]) -> str:
 
 def row_labels(group: list[dict[str, Any]]) -> list[str]:
     """Each row's system, and where a system has several rows in the workload (a session's forced
-    variants), the items of its config the others do not share: `slidedp (train.micro_batch=4)`."""
+    variants), the items of its config the others do not share: `slidedp (plan.micro_batch=4)`."""
     items = [[c for c in str(r.get("config", "")).split(", ") if c] for r in group]
     labels = []
     for r, mine in zip(group, items):

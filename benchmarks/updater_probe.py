@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from slidedp.planner import measure
-from slidedp.planner.calibration import _adamw_rate
+from slidedp.planner.calibrate import _adamw_rate
 
 
 def probe(params: int, threads: int, device: str, repeat: int, memory: str = "anon") -> dict[str, Any]:

@@ -222,7 +222,7 @@ class DryRun:
         else:
             per = ("14" if job.store.shadow_bf16 is True else
                    "12; 14 with the bf16 shadow, where the plan delivers bf16: store.shadow_bf16 = \"auto\""
-                   if job.store.shadow_bf16 == "auto" and job.train.compute_dtype == "bf16" else "12")
+                   if job.store.shadow_bf16 == "auto" and job.plan.dtype == "bf16" else "12")
             self.say("store", f"would create store {name!r}: {size(need.state)} of state ({per} "
                               f"bytes/parameter) + {size(need.rings)} of gradient rings = {size(need.shm_bytes)}; "
                               f"{'kept' if job.store.persist else 'destroyed'} after the job (store.persist)")
@@ -357,8 +357,9 @@ class DryRun:
             self.say("steps", f"the store would be at step {self.start} >= train.steps = {t.steps}: nothing to train")
             return
         per_rank = t.global_batch // world
-        passes = (f"{per_rank // t.micro_batch} micro-batch(es) of {t.micro_batch} x {t.seq_len} tokens per rank"
-                  if t.micro_batch else f"{per_rank} x {t.seq_len} tokens per rank in micro-batches the plan chooses")
+        mb = job.plan.chosen("micro_batch")
+        passes = (f"{per_rank // mb} micro-batch(es) of {mb} x {t.seq_len} tokens per rank"
+                  if mb else f"{per_rank} x {t.seq_len} tokens per rank in micro-batches the plan chooses")
         self.say("steps", f"would train steps {self.start}..{t.steps - 1} on {world} {job.runtime.device} rank(s): "
                           f"{passes}, {t.global_batch * t.seq_len:,} tokens per step")
         traced = job.run.traced

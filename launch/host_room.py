@@ -34,7 +34,7 @@ def size(n: float) -> str:
 
 # Host memory of the job's processes per rank: a worker with its share of the launcher and daemons
 # (8.5 GiB measured for one rank on the H200, CUDA context and pinned staging included; a CPU rank
-# of the tiny job about 0.9 GiB: docs/tuning.md, "Host memory a job needs").
+# of the tiny job about 0.9 GiB: the journal "Host memory a job needs" of docs/tuning.md, in git history).
 PROCESS_BYTES = {"cuda": 8 * GiB, "cpu": 1 * GiB}
 
 
@@ -82,7 +82,7 @@ def offload_bytes(job: JobConfig, layout: Layout, step: StepPlan) -> int:
     """The host buffers the ranks page-lock for their offloaded layers' inputs, all ranks: each rank keeps
     every micro-batch's input of each offloaded layer (slidedp/worker/activations.py, [layers, M, m, T, H])."""
     tokens = job.train.global_batch * job.train.seq_len  # every rank's
-    return step.offloaded(layout.model.num_layers) * activation_bytes(layout.model, tokens, job.train.compute_dtype)
+    return step.offloaded(layout.model.num_layers) * activation_bytes(layout.model, tokens, job.plan.dtype)
 
 
 def host_need(job: JobConfig, layout: Layout, step: StepPlan, store_exists: bool, shadow: bool,
@@ -100,10 +100,10 @@ def host_need(job: JobConfig, layout: Layout, step: StepPlan, store_exists: bool
 
 def held_by_the_job(job: JobConfig, layout: Layout, grad_route: str) -> tuple[StepPlan, tuple[int, ...]]:
     """What every plan of the job holds on the devices, on `grad_route`: the layers and the embedding the
-    job file puts there (memory.device_layers, memory.embedding = "device"; none where the plan decides),
+    job file puts there (plan.device_layers, plan.embedding = "device"; none where the plan decides),
     and their chunks, whose gradients stay on the devices and take no ring slot."""
-    step = StepPlan(grad_route=grad_route, device_layers=min(max(job.memory.device_layers, 0), layout.model.num_layers),
-                    embedding="device" if job.memory.embedding == "device" else "host")
+    held = min(job.plan.chosen("device_layers") or 0, layout.model.num_layers)
+    step = StepPlan(grad_route=grad_route, device_layers=held, embedding="device" if job.plan.embedding == "device" else "host")
     return step, held_chunk_ids(layout, held_unit_names(layout.model, step))
 
 
@@ -111,7 +111,7 @@ def unplanned_step(job: JobConfig, layout: Layout) -> tuple[StepPlan, tuple[int,
     """The step asked about before the plan, with its held chunks: the job's route (an "auto" route is
     the plan's to pick: until then the host route, whose rings are the larger) and what the job file
     holds on the devices."""
-    return held_by_the_job(job, layout, "reduce_scatter" if job.runtime.grad_route == "reduce_scatter" else "host")
+    return held_by_the_job(job, layout, "reduce_scatter" if job.plan.grad_route == "reduce_scatter" else "host")
 
 
 def unplanned_need(job: JobConfig, layout: Layout, store_exists: bool) -> HostNeed:
@@ -151,10 +151,10 @@ def room_problem(job: JobConfig, need: HostNeed, available: int, shm_free: int |
         return None
     helps = ["a host with more memory, or other stores destroyed (`slidedp-store list` shows them)"]
     if need.offload:
-        helps.append("fewer layers' inputs offloaded (memory.offload_layers, or a larger memory.device_budget_gib "
+        helps.append("fewer layers' inputs offloaded (plan.offload_layers, or a larger memory.device_budget_gib "
                      "that keeps them on the device)")
     if need.rings_per_chunk:
-        helps.append("more layers held on the device (memory.device_layers, a larger memory.device_budget_gib): "
+        helps.append("more layers held on the device (plan.device_layers, a larger memory.device_budget_gib): "
                      "their gradients stay there")
         helps.append("train.max_grad_norm = 0 keeps a few gradient slots per rank instead, but does not clip "
                      "(it changes the math)")

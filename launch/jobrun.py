@@ -54,7 +54,7 @@ log = logging.getLogger("slidedp.launcher")
 def worker_env() -> dict[str, str]:
     """The workers' environment: the caching allocator grows segments in place unless the user
     chose otherwise (a worker keeps hundreds of layer inputs alive between transient tensors,
-    which fixed segments fragment: docs/tuning.md)."""
+    which fixed segments fragment: docs/tuning.md, in git history)."""
     env = dict(os.environ)
     env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     return env

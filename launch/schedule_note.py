@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
+from slidedp import old_names
 from slidedp.config import ConfigError, TrainSection
 from slidedp.schedule import lr_at, schedule_span
 
@@ -22,7 +23,7 @@ def _previous(train: dict[str, Any] | None) -> TrainSection | None:
     if not train:
         return None
     try:
-        return TrainSection(**train)
+        return TrainSection(**old_names.train_record(train))
     except (ConfigError, TypeError):  # a record of another SlideDP version
         return None
 

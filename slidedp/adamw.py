@@ -15,8 +15,8 @@ Which runs (hosttraffic.adamw_kernel, SLIDEDP_ADAMW_KERNEL): by default every up
 kernel (a shadow then a second pass), and the compiled kernels run the corrections of speculated
 chunks (slidedp/clipping/rollback.py), 2.8x the undo + redo they replace on the H200 host and 11x
 beside a copy. The compiled update ("all") is opt-in: on that host at 16 threads it ran clipped
-updates at 0.91x torch's and shadow updates at 0.87x (0.64x beside a copy; docs/tuning.md, "The
-defaults on one H200"), and a store with a shadow must train the same bits as one without (the
+updates at 0.91x torch's and shadow updates at 0.87x (0.64x beside a copy; benchmarks/RESULTS.md, "One H200:
+SlideDP's defaults beside its peers"), and a store with a shadow must train the same bits as one without (the
 bf16 delivery is exact only if both stores' updates are the same kernel's). Running torch's kernel
 block by block instead, to cast from cache, made every block a parallel region of the updater's
 threads, which one preempted thread holds up: measured slower than the second pass.

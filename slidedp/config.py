@@ -1,16 +1,17 @@
 """The job file: job.toml -> nested frozen dataclasses, one per section (torchtitan style).
 
 Each section validates itself in `__post_init__` and names the offending `section.key`, the
-bad value and what is allowed. Unknown sections and keys are rejected, never ignored: a typo
-in a job file must not silently train with a default. Relative paths are resolved against
-the job file's directory, so a job file works from any current directory.
+bad value and what is allowed (slidedp/section.py: the checks they share). Unknown sections and
+keys are rejected, never ignored: a typo in a job file must not silently train with a default.
+Relative paths are resolved against the job file's directory, so a job file works from any
+current directory. The [plan] section, the step plan's choices, is slidedp/plan_section.py; keys
+of older versions are moved to their current names by slidedp/old_names.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,113 +20,15 @@ from typing import TYPE_CHECKING, Any, ClassVar, Sequence
 from slidedp import old_names
 from slidedp.model.config import NAMED_SHAPES, named_shape
 from slidedp.paths import check_store_name
+from slidedp.plan_section import PlanSection
+from slidedp.section import ConfigError, Section, show
 
 if TYPE_CHECKING:
     from slidedp.model.config import ModelConfig
 
 
-class ConfigError(ValueError):
-    """A bad job file. `problems` holds every one found (a job file is checked whole, not to its first error)."""
-
-    def __init__(self, message: str = "", problems: Sequence[str] = ()) -> None:
-        self.problems = list(problems) or [message]
-        super().__init__("\n".join(self.problems))
-
-
-_TYPE_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "true or false",
-               (bool, str): "true, false or a string"}
-
-
-class _Section:
-    """Shared checks. Subclasses set `_name` and the keys that hold paths."""
-
-    _name: ClassVar[str] = ""
-    _paths: ClassVar[tuple[str, ...]] = ()
-    _lists: ClassVar[tuple[str, ...]] = ()  # string keys that also take a list of strings (kept as a tuple)
-
-    def __post_init__(self) -> None:
-        problems: list[str] = []
-        for f in dataclasses.fields(self):  # type: ignore[arg-type]
-            want = _FIELD_TYPES[f.type] if isinstance(f.type, str) else f.type
-            value = getattr(self, f.name)
-            if f.name in self._lists and isinstance(value, (list, tuple)):
-                if not value or not all(isinstance(v, str) and v for v in value):
-                    raise ConfigError(f"{self._key(f.name)} must be a string or a non-empty list of non-empty "
-                                      f"strings, got {value!r}")
-                object.__setattr__(self, f.name, tuple(value) if len(value) > 1 else value[0])
-                continue
-            # bool is a subclass of int in Python; a TOML `true` is never a number here.
-            takes_bool = want is bool or (isinstance(want, tuple) and bool in want)
-            ok = isinstance(value, want) and not (not takes_bool and isinstance(value, bool))
-            if want is float and isinstance(value, int) and not isinstance(value, bool):
-                object.__setattr__(self, f.name, float(value))
-                ok = True
-            if not ok:
-                problems.append(
-                    f"{self._key(f.name)} must be {_TYPE_NAMES[want]}, got {_show(value)} ({type(value).__name__})"
-                )
-        if not problems:  # values of the wrong type cannot be range-checked
-            object.__setattr__(self, "_problems", problems)  # _range and _choice add to it and go on
-            try:
-                self.validate()
-            except ConfigError as e:
-                problems.extend(e.problems)
-            except (TypeError, ValueError, ArithmeticError):
-                if not problems:
-                    raise
-                # a consequence of a value already reported (e.g. a zero divisor)
-            object.__delattr__(self, "_problems")
-        if problems:
-            raise ConfigError(problems=problems)
-
-    def validate(self) -> None:
-        pass
-
-    def _key(self, name: str) -> str:
-        return f"{self._name}.{name}"
-
-    def _report(self, message: str) -> None:
-        """A problem of one key: noted while the section checks the rest of its keys."""
-        found = self.__dict__.get("_problems")
-        if found is None:
-            raise ConfigError(message)
-        found.append(message)
-
-    def _choice(self, name: str, allowed: Sequence[str]) -> None:
-        value = getattr(self, name)
-        if value not in allowed:
-            self._report(f"{self._key(name)} must be one of {', '.join(map(repr, allowed))}; got {value!r}")
-
-    def _range(self, name: str, lo: float | None = None, hi: float | None = None,
-               lo_open: bool = False, hi_open: bool = False) -> None:
-        value = getattr(self, name)
-        bad = (isinstance(value, float) and not math.isfinite(value))
-        bad |= lo is not None and (value <= lo if lo_open else value < lo)
-        bad |= hi is not None and (value >= hi if hi_open else value > hi)
-        if bad:
-            if hi is None:
-                allowed = f"{'>' if lo_open else '>='} {lo}"
-            else:
-                allowed = f"in {'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}"
-            self._report(f"{self._key(name)} must be {allowed}; got {_show(value)}")
-
-    def _existing(self, name: str, what: str) -> Path:
-        value = getattr(self, name)
-        for path in map(Path, (value,) if isinstance(value, str) else value):
-            if not path.exists():
-                raise ConfigError(f"{self._key(name)}: {what} {str(path)!r} does not exist")
-        return path
-
-
-_FIELD_TYPES = {"str": str, "int": int, "float": float, "bool": bool, "bool | str": (bool, str)}
-
-
-def _show(value: Any) -> str:
-    return repr(value) if not isinstance(value, bool) else str(value).lower()
-
-
 @dataclass(frozen=True)
-class ModelSection(_Section):
+class ModelSection(Section):
     _name: ClassVar[str] = "model"
     _paths: ClassVar[tuple[str, ...]] = ("path",)
     source: str = "random"  # "random": a named shape, randomly initialised; "hf": a Hugging Face folder
@@ -158,7 +61,7 @@ TOKEN_DTYPES = ("uint16", "uint32", "int32", "int64")
 
 
 @dataclass(frozen=True)
-class DataSection(_Section):
+class DataSection(Section):
     _name: ClassVar[str] = "data"
     _paths: ClassVar[tuple[str, ...]] = ("path", "tokenizer", "chat_template", "eval_path")
     _lists: ClassVar[tuple[str, ...]] = ("path", "eval_path")
@@ -213,12 +116,10 @@ class DataSection(_Section):
 
 
 @dataclass(frozen=True)
-class TrainSection(_Section):
+class TrainSection(Section):
     _name: ClassVar[str] = "train"
     steps: int
-    global_batch: int  # sequences per optimizer step, over all ranks
-    # sequences per forward/backward on one rank; 0: the plan chooses (on CPU: launch.planning.cpu_micro_batch)
-    micro_batch: int = field(default=0, kw_only=True)
+    global_batch: int  # sequences per optimizer step, over all ranks (plan.micro_batch: how many per pass)
     seq_len: int
     lr: float
     min_lr_ratio: float = 0.1
@@ -232,14 +133,12 @@ class TrainSection(_Section):
     eps: float = 1e-8
     max_grad_norm: float = 1.0  # 0 disables clipping
     seed: int = 0
-    compute_dtype: str = "bf16"
     compile: str = "auto"  # the layers' pointwise kernels through torch.compile: auto (on CUDA), on, off
     eval_every: int = 0  # steps between eval losses over data.eval_path (and one at the end); 0 = none
 
     def validate(self) -> None:
         for name in ("steps", "global_batch", "seq_len"):
             self._range(name, 1)
-        self._range("micro_batch", 0)
         self._range("lr", 0, lo_open=True)
         self._range("min_lr_ratio", 0, 1)
         self._range("warmup_steps", 0)
@@ -256,40 +155,21 @@ class TrainSection(_Section):
         self._range("eps", 0, lo_open=True)
         self._range("max_grad_norm", 0)
         self._range("seed", 0)
-        self._choice("compute_dtype", ("bf16", "fp32"))
         self._choice("compile", ("auto", "on", "off"))
         self._range("eval_every", 0)
-        if not self.__dict__.get("_problems") and self.micro_batch and self.global_batch % self.micro_batch:
-            raise ConfigError(
-                f"train.micro_batch ({self.micro_batch}) must divide train.global_batch ({self.global_batch})"
-            )
 
 
 @dataclass(frozen=True)
-class MemorySection(_Section):
+class MemorySection(Section):
     _name: ClassVar[str] = "memory"
-    device_budget_gib: float = 24.0
-    embedding: str = "auto"  # "auto" (the plan decides), "host", or "device" (embedding/head held on the GPUs)
-    resident_layers: int = -1  # layers kept on the GPU from forward to backward; -1: the plan decides
-    seq_tile_tokens: int = -1  # tokens per MLP/norm/head tile along the sequence; 0: untiled; -1: the plan decides
-    offload_layers: int = -1  # first layers whose saved inputs wait in pinned host memory; -1: the plan decides
-    device_layers: int = -1  # first layers held on the GPUs with their AdamW state, updated there; -1: the plan decides
-    prefetch_depth: int = -1  # layer copies running ahead of the compute, 1-8; -1: the plan decides
+    device_budget_gib: float = 24.0  # GPU memory per rank the plan may take (the plan's choices: [plan])
 
     def validate(self) -> None:
         self._range("device_budget_gib", 0, lo_open=True)
-        if self.prefetch_depth != -1 and not 1 <= self.prefetch_depth <= 8:
-            raise ConfigError(f"memory.prefetch_depth must be -1 (the plan decides) or in [1, 8]; "
-                              f"got {_show(self.prefetch_depth)}")
-        self._range("device_layers", -1)
-        self._choice("embedding", ("auto", "host", "device"))
-        self._range("resident_layers", -1)
-        self._range("seq_tile_tokens", -1)
-        self._range("offload_layers", -1)
 
 
 @dataclass(frozen=True)
-class StoreSection(_Section):
+class StoreSection(Section):
     _name: ClassVar[str] = "store"
     name: str = ""  # "" = the run name
     persist: bool = False  # false: destroyed when the job that created it ends
@@ -301,7 +181,7 @@ class StoreSection(_Section):
 
     def validate(self) -> None:
         if self.shadow_bf16 not in (True, False, "auto"):
-            self._report(f"store.shadow_bf16 must be true, false or \"auto\"; got {_show(self.shadow_bf16)}")
+            self._report(f"store.shadow_bf16 must be true, false or \"auto\"; got {show(self.shadow_bf16)}")
         if self.grad_slots == 1 or self.grad_slots < 0:
             raise ConfigError(f"store.grad_slots must be 0 (auto) or at least 2, got {self.grad_slots}")
         if self.name:
@@ -309,7 +189,7 @@ class StoreSection(_Section):
 
 
 @dataclass(frozen=True)
-class CheckpointSection(_Section):
+class CheckpointSection(Section):
     _name: ClassVar[str] = "checkpoint"
     _paths: ClassVar[tuple[str, ...]] = ("dir", "resume")
     dir: str = ""  # "" = <run dir>/checkpoints
@@ -328,7 +208,7 @@ class CheckpointSection(_Section):
 
 
 @dataclass(frozen=True)
-class RunSection(_Section):
+class RunSection(Section):
     _name: ClassVar[str] = "run"
     _paths: ClassVar[tuple[str, ...]] = ("dir",)
     name: str = ""  # default: the job file's stem
@@ -356,25 +236,16 @@ class RunSection(_Section):
 
 
 @dataclass(frozen=True)
-class RuntimeSection(_Section):
+class RuntimeSection(Section):
     _name: ClassVar[str] = "runtime"
     device: str = "cpu"
     workers: int = 1  # ranks
     updaters: int = 0  # 0 = one per NUMA node
     updater_threads: int = 0  # 0 = the cores of the node
     timeout_s: float = 120.0
-    param_route: str = "auto"  # "replicated" (every rank copies whole chunks in) | "sharded" (1/N each, all-gathered)
-    grad_route: str = "auto"  # "host" (the aggregator sums the ranks) | "reduce_scatter" (summed on the devices)
-    # what carries the weights to the devices: "fp32" (the master, cast there) | "bf16" (the store's bf16
-    # shadow: half the bytes, the same bits for a bf16 compute) | "auto": the plan's choice (on CPU: bf16
-    # where the store has a shadow and the compute is bf16)
-    delivery: str = "auto"
 
     def validate(self) -> None:
         self._choice("device", ("cpu", "cuda"))
-        self._choice("delivery", ("auto", "fp32", "bf16"))
-        self._choice("param_route", ("auto", "replicated", "sharded"))
-        self._choice("grad_route", ("auto", "host", "reduce_scatter"))
         self._range("workers", 1)
         self._range("updaters", 0)
         self._range("updater_threads", 0)
@@ -388,10 +259,11 @@ def _check_name(key: str, name: str) -> None:
         raise ConfigError(f"{key}: {e}") from None
 
 
-SECTIONS: dict[str, type[_Section]] = {
+SECTIONS: dict[str, type[Section]] = {
     "model": ModelSection,
     "data": DataSection,
     "train": TrainSection,
+    "plan": PlanSection,
     "memory": MemorySection,
     "store": StoreSection,
     "checkpoint": CheckpointSection,
@@ -405,6 +277,7 @@ class JobConfig:
     model: ModelSection
     data: DataSection
     train: TrainSection
+    plan: PlanSection = field(default_factory=PlanSection)
     memory: MemorySection = field(default_factory=MemorySection)
     store: StoreSection = field(default_factory=StoreSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
@@ -412,16 +285,18 @@ class JobConfig:
     runtime: RuntimeSection = field(default_factory=RuntimeSection)
 
     def __post_init__(self) -> None:
-        t, w = self.train, self.runtime.workers
-        if not t.micro_batch and t.global_batch % w:
+        t, w, mb = self.train, self.runtime.workers, self.plan.chosen("micro_batch")
+        if mb is None and t.global_batch % w:
             raise ConfigError(
                 f"train.global_batch ({t.global_batch}) must be divisible by runtime.workers ({w}): every rank "
-                f"runs the same number of sequences (train.micro_batch = 0 lets the plan split them into passes)"
+                f"runs the same number of sequences (plan.micro_batch = \"auto\" lets the plan split them into passes)"
             )
-        if t.micro_batch and t.global_batch % (w * t.micro_batch):
+        if mb is not None and t.global_batch % mb:
+            raise ConfigError(f"plan.micro_batch ({mb}) must divide train.global_batch ({t.global_batch})")
+        if mb is not None and t.global_batch % (w * mb):
             raise ConfigError(
                 f"train.global_batch ({t.global_batch}) must be divisible by runtime.workers ({w}) x "
-                f"train.micro_batch ({t.micro_batch}) = {w * t.micro_batch}"
+                f"plan.micro_batch ({mb}) = {w * mb}"
             )
         if not self.run.name:
             raise ConfigError("run.name is empty; set it, or load the job from a file whose stem names the run")
@@ -432,12 +307,12 @@ class JobConfig:
                               + (f", as {m.path} has no tokenizer.json" if m.source == "hf" else ""))
         if self.train.eval_every and not d.eval_path:
             raise ConfigError("train.eval_every needs data.eval_path (the held-out data)")
-        if self.runtime.delivery == "bf16" and self.train.compute_dtype != "bf16":
-            raise ConfigError(f"runtime.delivery = \"bf16\" streams the weights rounded to bf16: it needs "
-                              f"train.compute_dtype = \"bf16\" (got {self.train.compute_dtype!r}); set "
-                              f"runtime.delivery = \"fp32\" or \"auto\"")
-        if self.runtime.delivery == "bf16" and self.store.shadow_bf16 is False:
-            raise ConfigError("runtime.delivery = \"bf16\" streams the store's bf16 shadow, and store.shadow_bf16 = "
+        if self.plan.delivery == "bf16" and self.plan.dtype != "bf16":
+            raise ConfigError(f"plan.delivery = \"bf16\" streams the weights rounded to bf16: it needs "
+                              f"plan.compute_dtype = \"bf16\" or \"auto\" (got {self.plan.compute_dtype!r}); set "
+                              f"plan.delivery = \"fp32\" or \"auto\"")
+        if self.plan.delivery == "bf16" and self.store.shadow_bf16 is False:
+            raise ConfigError("plan.delivery = \"bf16\" streams the store's bf16 shadow, and store.shadow_bf16 = "
                               "false makes a store without one: set store.shadow_bf16 = true or \"auto\"")
 
     @property
@@ -497,10 +372,10 @@ def _apply_override(d: dict[str, Any], item: str) -> None:
         value = tomllib.loads(f"v = {raw.strip()}")["v"]
     except tomllib.TOMLDecodeError:
         value = raw.strip()  # not a TOML value: take it as a plain string (paths, names)
+    section, name, value = old_names.override_key(d, f"{section}.{name}", value)
     table = d.setdefault(section, {})
     if not isinstance(table, dict):
         raise ConfigError(f"bad override {item!r}: {section!r} is not a section")
-    name = old_names.override_key(section, name, table)
     cls = SECTIONS.get(section)
     if cls and name in cls._paths and isinstance(value, str) and value and (section, name, value) != (
         "checkpoint", "resume", "latest"
@@ -514,17 +389,18 @@ def _apply_override(d: dict[str, Any], item: str) -> None:
 def job_from_dict(d: dict[str, Any], base_dir: Path, name_hint: str) -> JobConfig:
     """Build a JobConfig from parsed TOML; relative paths resolve against `base_dir`."""
     problems: list[str] = []  # every one, not the first: a job file is fixed in one go
+    d = {name: dict(table) if isinstance(table, dict) else table for name, table in d.items()}
+    problems += old_names.move_job_keys(d)
     for name, table in d.items():
         if name not in SECTIONS:
             what = f"section [{name}]" if isinstance(table, dict) else f"top-level key {name!r}"
             problems.append(f"unknown {what}; allowed sections: {', '.join(SECTIONS)}")
         elif not isinstance(table, dict):
-            problems.append(f"[{name}] must be a section (a table), got {_show(table)}")
-    sections: dict[str, _Section] = {}
+            problems.append(f"[{name}] must be a section (a table), got {show(table)}")
+    sections: dict[str, Section] = {}
     for name, cls in SECTIONS.items():
         values = d.get(name, {})
         values = dict(values) if isinstance(values, dict) else {}
-        problems += old_names.move_job_keys(name, values)
         fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
         bad = [f"unknown key {name}.{key}; allowed keys in [{name}]: {', '.join(fields)}"
                for key in values if key not in fields]

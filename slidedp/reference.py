@@ -141,7 +141,7 @@ def reference_main(argv: Sequence[str] | None = None) -> int:
     def report(step: int, loss: float, norm: float, lr: float) -> None:
         print(f"step {step + 1}/{total} loss {loss:.4f} grad_norm {norm:.3f} lr {lr:.3e}", flush=True)
 
-    train_reference(job, params, batches, steps=args.steps, dtype=torch_dtype(job.train.compute_dtype), on_step=report)
+    train_reference(job, params, batches, steps=args.steps, dtype=torch_dtype(job.plan.dtype), on_step=report)
     return 0
 
 

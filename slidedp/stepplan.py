@@ -1,9 +1,11 @@
 """The step plan: how every rank runs a step, as one record from the planner to the engine.
 
-The launcher makes it (the planner's choices on CUDA, the job file's [memory]/[runtime] values on
-CPU: launch/planning.py), writes it beside job.resolved.toml as `plan.json`, and every worker
-reads that file and carries it out; `slidedp-report` shows it. The fields are plain values, so
-the file reads as it is and grows by adding a field with a default.
+The planner makes it (slidedp/planner/job.py:plan_for: its choices on CUDA, the CPU defaults
+elsewhere, and the job file's [plan] values, whose keys are the choices here, CHOICES), the launcher
+writes it beside job.resolved.toml as `plan.json`, and every worker reads that file and carries it
+out; `slidedp-report` shows it. It lives outside slidedp/planner/ because the workers read it and
+import nothing of the planner. The fields are plain values, so the file reads as it is and grows by
+adding a field with a default.
 
 Words: a layer or unit is "held" (device-held) when it stays on the device for the whole job with
 its AdamW state; "resident" when it stays from its forward to its backward; "offloaded" when its
@@ -124,3 +126,8 @@ class StepPlan:
             return cls.from_json(Path(path).read_text())
         except StepPlanError as e:
             raise StepPlanError(f"{path}: {e}") from None
+
+
+# The fields that are choices (the planner's, or the job file's [plan] section's); the rest say what the
+# planner predicted and who chose
+CHOICES = tuple(f.name for f in fields(StepPlan) if not f.name.startswith(("predicted_", "planned_")))

@@ -27,9 +27,11 @@ path = "tokens.npy"
 [train]
 steps = 10
 global_batch = 8
-micro_batch = 2
 seq_len = 16
 lr = 1e-3
+
+[plan]
+micro_batch = 2
 """
 
 
@@ -58,8 +60,8 @@ def test_example_job_loads_with_resolved_paths(monkeypatch, tmp_path):
     assert job.data.path == str(ROOT / "examples" / "data" / "tiny.jsonl")
     assert job.data.tokenizer == str(ROOT / "examples" / "data" / "tokenizer.json")
     t = job.train
-    assert (t.steps, t.global_batch, t.micro_batch, t.seq_len, t.lr, t.warmup_steps) == (60, 8, 2, 64, 3e-3, 5)
-    assert (t.schedule, t.weight_decay, t.max_grad_norm, t.compute_dtype) == ("cosine", 0.01, 1.0, "fp32")
+    assert (t.steps, t.global_batch, job.plan.micro_batch, t.seq_len, t.lr, t.warmup_steps) == (60, 8, 2, 64, 3e-3, 5)
+    assert (t.schedule, t.weight_decay, t.max_grad_norm, job.plan.compute_dtype) == ("cosine", 0.01, 1.0, "fp32")
     assert (job.runtime.device, job.runtime.workers, job.checkpoint.dtype) == ("cpu", 2, "fp32")
     assert job.run.name == "tiny" and job.store_name == "tiny"
     assert job.run_dir == tmp_path / "runs" / "tiny"
@@ -72,7 +74,8 @@ def test_defaults(jobdir):
     job = load_job(write(jobdir, BASE))
     assert job.model.source == "random" and job.model.shape == "tiny" and job.model.vocab_size == 0
     assert (job.train.min_lr_ratio, job.train.beta1, job.train.beta2, job.train.eps) == (0.1, 0.9, 0.95, 1e-8)
-    assert (job.train.max_grad_norm, job.train.compute_dtype, job.train.schedule) == (1.0, "bf16", "cosine")
+    assert (job.train.max_grad_norm, job.plan.compute_dtype, job.plan.dtype, job.train.schedule) == (
+        1.0, "auto", "bf16", "cosine")
     assert job.memory.device_budget_gib == 24.0
     assert (job.store.name, job.store.persist, job.store.grad_slots) == ("", False, 0)
     assert (job.checkpoint.every, job.checkpoint.keep, job.checkpoint.final, job.checkpoint.resume) == (0, 3, True, "")
@@ -110,7 +113,8 @@ def test_missing_job_file(tmp_path):
 def test_unknown_section(jobdir):
     p = write(jobdir, BASE + "[optim]\nlr = 1\n")
     assert error(p) == (
-        f"{p}: unknown section [optim]; allowed sections: model, data, train, memory, store, checkpoint, run, runtime"
+        f"{p}: unknown section [optim]; allowed sections: model, data, train, plan, memory, store, checkpoint, run, "
+        "runtime"
     )
 
 
@@ -118,14 +122,13 @@ def test_top_level_key_rejected(jobdir):
     p = write(jobdir, "steps = 3\n" + BASE)
     assert error(p) == (
         f"{p}: unknown top-level key 'steps'; allowed sections: "
-        "model, data, train, memory, store, checkpoint, run, runtime"
+        "model, data, train, plan, memory, store, checkpoint, run, runtime"
     )
 
 
 def test_unknown_key(jobdir):
     p = write(jobdir, BASE + "[memory]\ngpu_budget = 3\n")
-    assert error(p) == (f"{p}: unknown key memory.gpu_budget; allowed keys in [memory]: device_budget_gib, embedding, "
-                        f"resident_layers, seq_tile_tokens, offload_layers, device_layers, prefetch_depth")
+    assert error(p) == f"{p}: unknown key memory.gpu_budget; allowed keys in [memory]: device_budget_gib"
 
 
 def test_the_old_name_of_the_device_budget_is_read_with_a_warning_naming_the_new_one(jobdir, caplog):
@@ -185,10 +188,10 @@ def test_wrong_type(jobdir, override, message):
         ("train.eps=0", "train.eps must be > 0; got 0.0"),
         ("train.max_grad_norm=-1", "train.max_grad_norm must be >= 0; got -1.0"),
         ("train.schedule='step'", "train.schedule must be one of 'cosine', 'constant', 'linear'; got 'step'"),
-        ("train.compute_dtype=fp16", "train.compute_dtype must be one of 'bf16', 'fp32'; got 'fp16'"),
+        ("plan.compute_dtype=fp16", "plan.compute_dtype must be one of 'auto', 'bf16', 'fp32'; got 'fp16'"),
         ("memory.device_budget_gib=0", "memory.device_budget_gib must be > 0; got 0.0"),
-        ("memory.prefetch_depth=0", "memory.prefetch_depth must be -1 (the plan decides) or in [1, 8]; got 0"),
-        ("memory.prefetch_depth=9", "memory.prefetch_depth must be -1 (the plan decides) or in [1, 8]; got 9"),
+        ("plan.prefetch_depth=0", 'plan.prefetch_depth must be "auto" or an integer in [1, 8]; got 0'),
+        ("plan.prefetch_depth=9", 'plan.prefetch_depth must be "auto" or an integer in [1, 8]; got 9'),
         ("store.grad_slots=1", "store.grad_slots must be 0 (auto) or at least 2, got 1"),
         ("checkpoint.keep=0", "checkpoint.keep must be >= 1; got 0"),
         ("checkpoint.dtype=fp16", "checkpoint.dtype must be one of 'bf16', 'fp32'; got 'fp16'"),
@@ -203,7 +206,7 @@ def test_wrong_type(jobdir, override, message):
         ("run.log_every=0", "run.log_every must be >= 1; got 0"),
         ("store.name='a b'", "store.name: store name 'a b' is not allowed: use 1-64 letters, digits, '_', '-' or "
                              "'.', starting with a letter or digit"),
-        ("train.micro_batch=3", "train.micro_batch (3) must divide train.global_batch (8)"),
+        ("plan.micro_batch=3", "plan.micro_batch (3) must divide train.global_batch (8)"),
     ],
 )
 def test_out_of_range(jobdir, override, message):
@@ -214,7 +217,7 @@ def test_out_of_range(jobdir, override, message):
 def test_global_batch_not_divisible_by_workers_times_micro_batch(jobdir):
     p = write(jobdir, BASE + "[runtime]\nworkers = 3\n")
     assert error(p) == (
-        f"{p}: train.global_batch (8) must be divisible by runtime.workers (3) x train.micro_batch (2) = 6"
+        f"{p}: train.global_batch (8) must be divisible by runtime.workers (3) x plan.micro_batch (2) = 6"
     )
 
 
@@ -246,9 +249,9 @@ def test_bad_overrides(jobdir):
     for bad in ("train.steps", "steps=3", "=3", "train.=3", "train.a.b=3"):
         assert error(p, [bad]) == f"bad override {bad!r}: expected section.key=value, e.g. train.steps=100"
     assert error(p, ["train.stepz=3"]).endswith("unknown key train.stepz; allowed keys in [train]: steps, "
-                                                 "global_batch, micro_batch, seq_len, lr, min_lr_ratio, warmup_steps, "
-                                                 "schedule, schedule_start, schedule_steps, weight_decay, beta1, beta2, eps, max_grad_norm, seed, "
-                                                 "compute_dtype, compile, eval_every")
+                                                 "global_batch, seq_len, lr, min_lr_ratio, warmup_steps, schedule, "
+                                                 "schedule_start, schedule_steps, weight_decay, beta1, beta2, eps, "
+                                                 "max_grad_norm, seed, compile, eval_every")
 
 
 def test_overrides_parse_toml_values_else_strings(jobdir, monkeypatch):
@@ -284,13 +287,13 @@ def test_job_file_stem_must_make_a_store_name(jobdir):
 
 def test_sections_validate_on_direct_construction():
     with pytest.raises(ConfigError, match=r"^train.global_batch must be >= 1; got 0$"):
-        TrainSection(steps=1, global_batch=0, micro_batch=1, seq_len=4, lr=1.0)
+        TrainSection(steps=1, global_batch=0, seq_len=4, lr=1.0)
 
 
 def test_job_from_dict(jobdir):
     job = job_from_dict(
         {"data": {"format": "npy", "path": "tokens.npy"},
-         "train": {"steps": 1, "global_batch": 2, "micro_batch": 1, "seq_len": 4, "lr": 1.0}},
+         "train": {"steps": 1, "global_batch": 2, "seq_len": 4, "lr": 1.0}, "plan": {"micro_batch": 1}},
         jobdir, "hint",
     )
     assert isinstance(job, JobConfig) and job.run.name == "hint" and job.data.path == str(jobdir / "tokens.npy")
@@ -315,20 +318,20 @@ def test_model_config_from_hf_folder(jobdir):
 
 
 def test_the_bf16_shadow_and_its_delivery(jobdir):
-    """store.shadow_bf16 takes true, false or "auto" (the default); runtime.delivery = "bf16" needs a bf16
+    """store.shadow_bf16 takes true, false or "auto" (the default); plan.delivery = "bf16" needs a bf16
     compute and a store that may have the shadow."""
     path = write(jobdir, BASE)
     job = load_job(path)
-    assert (job.store.shadow_bf16, job.runtime.delivery) == ("auto", "auto")
+    assert (job.store.shadow_bf16, job.plan.delivery) == ("auto", "auto")
     assert load_job(path, ["store.shadow_bf16=true"]).store.shadow_bf16 is True
     assert load_job(path, ["store.shadow_bf16=false"]).store.shadow_bf16 is False
-    assert load_job(path, ["runtime.delivery=bf16"]).runtime.delivery == "bf16"
+    assert load_job(path, ["plan.delivery=bf16"]).plan.delivery == "bf16"
     assert 'store.shadow_bf16 must be true, false or "auto"; got \'yes\'' in error(path, ["store.shadow_bf16=yes"])
     assert "store.shadow_bf16 must be true, false or a string, got 1 (int)" in error(path, ["store.shadow_bf16=1"])
-    assert "runtime.delivery must be one of 'auto', 'fp32', 'bf16'; got 'fp16'" in error(path, ["runtime.delivery=fp16"])
-    msg = error(path, ["runtime.delivery=bf16", 'train.compute_dtype="fp32"'])
-    assert 'runtime.delivery = "bf16" streams the weights rounded to bf16: it needs train.compute_dtype = "bf16"' in msg
-    msg = error(path, ["runtime.delivery=bf16", "store.shadow_bf16=false"])
+    assert "plan.delivery must be one of 'auto', 'fp32', 'bf16'; got 'fp16'" in error(path, ["plan.delivery=fp16"])
+    msg = error(path, ["plan.delivery=bf16", 'plan.compute_dtype="fp32"'])
+    assert 'plan.delivery = "bf16" streams the weights rounded to bf16: it needs plan.compute_dtype = "bf16"' in msg
+    msg = error(path, ["plan.delivery=bf16", "store.shadow_bf16=false"])
     assert "store.shadow_bf16 = false makes a store without one: set store.shadow_bf16 = true" in msg
     # a resolved job file keeps each form
     for value in (True, False, "auto"):

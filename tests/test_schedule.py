@@ -9,7 +9,7 @@ from slidedp.schedule import lr_at
 
 
 def train(**kw) -> TrainSection:
-    base = dict(steps=11, global_batch=1, micro_batch=1, seq_len=1, lr=1.0, warmup_steps=2, min_lr_ratio=0.1)
+    base = dict(steps=11, global_batch=1, seq_len=1, lr=1.0, warmup_steps=2, min_lr_ratio=0.1)
     return TrainSection(**{**base, **kw})
 
 

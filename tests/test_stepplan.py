@@ -36,12 +36,12 @@ def test_a_file_of_another_version_or_a_bad_value_is_refused_by_name(tmp_path):
 
 
 def test_the_planners_plan_is_the_step_plan_the_ranks_run():
-    job = load_job(TINY, ['runtime.device="cuda"', "runtime.workers=2", "train.global_batch=8", "train.micro_batch=2"])
+    job = load_job(TINY, ['runtime.device="cuda"', "runtime.workers=2", "train.global_batch=8", "plan.micro_batch=2"])
     jp = plan_job(job, REFERENCE_CALIBRATION)
     assert jp.plan is not None and jp.step == jp.plan.step and jp.step.planned_by == "planner"
     assert jp.step.planned_device_bytes == jp.plan.device_total_bytes and jp.keeps_plan
     forced = plan_job(load_job(TINY, ['runtime.device="cuda"', "runtime.workers=2", "train.global_batch=8",
-                                      "memory.seq_tile_tokens=16"]), REFERENCE_CALIBRATION)
+                                      "plan.seq_tile_tokens=16"]), REFERENCE_CALIBRATION)
     assert forced.step.seq_tile_tokens == 16 and forced.step.planned_by == "planner + job file"
     assert forced.step.planned_device_bytes is None and not forced.keeps_plan
 

@@ -1,7 +1,7 @@
 """What every peer shares: the model as an nn.Module, the command line, timing, memory, result rows.
 
 Every peer trains the same math as SlideDP: `DecoderLM` calls slidedp.model.layers for each
-layer and slidedp.worker.loss for the chunked head, so a difference in throughput is a difference in
+layer and slidedp.model.loss for the chunked head, so a difference in throughput is a difference in
 systems, never in models. A peer process measures one configuration and writes one row (a
 JSON object) with `write_row`; anything that goes wrong becomes a row with a status too.
 """
@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from slidedp.data.batches import rank_slice
-from slidedp.worker.loss import chunked_cross_entropy_sum
+from slidedp.model.loss import chunked_cross_entropy_sum
 from slidedp.model import layers
 from slidedp.model.attention import Attention
 from slidedp.model.config import ModelConfig, named_shape
@@ -79,7 +79,7 @@ class DecoderLayer(nn.Module):
 class DecoderLM(nn.Module):
     """The decoder with its loss: forward(ids [B,T], targets [B,T]) -> fp32 SUM of token losses.
 
-    loss="chunked": slidedp.worker.loss.chunked_cross_entropy_sum (never the full logits);
+    loss="chunked": slidedp.model.loss.chunked_cross_entropy_sum (never the full logits);
     loss="full": the [B*T, V] logits, upcast to fp32, F.cross_entropy (what most trainers do).
     Under autocast the head runs in the autocast dtype with autocast off, so the custom
     autograd function sees one dtype in forward and backward.

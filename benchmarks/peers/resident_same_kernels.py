@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from benchmarks.peers import common
-from slidedp.worker.loss import norm_head_backward
+from slidedp.model.loss import norm_head_backward
 from slidedp.model import layers as L
 from slidedp.model.attention import Attention
 from slidedp.model.config import ModelConfig

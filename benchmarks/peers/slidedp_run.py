@@ -29,7 +29,8 @@ import numpy as np
 
 from benchmarks.peers import common
 from benchmarks.teed import run_teed
-from slidedp.config import ConfigError, MemorySection, TrainSection
+from slidedp import config
+from slidedp.config import ConfigError, MemorySection
 from slidedp.model.config import ModelConfig
 from slidedp import old_names
 from slidedp.step_records import timed_steps, write_backs
@@ -43,32 +44,51 @@ class Terminated(Exception):
     pass
 
 
+def has_plan_section() -> bool:
+    """Whether this SlideDP's job file has the [plan] section (before it, the plan's keys sat in [train],
+    [memory] and [runtime])."""
+    return "plan" in config.SECTIONS
+
+
 def plan_picks_micro_batch() -> bool:
-    """Whether this SlideDP lets the plan choose the micro-batch (train.micro_batch = 0)."""
+    """Whether this SlideDP lets the plan choose the micro-batch: plan.micro_batch = "auto", or before the
+    [plan] section train.micro_batch = 0 where it accepted that."""
+    if has_plan_section():
+        return True
     try:
-        TrainSection(steps=1, global_batch=1, micro_batch=0, seq_len=1, lr=1.0).validate()
-    except (ConfigError, ZeroDivisionError, ValueError):
+        config.TrainSection(steps=1, global_batch=1, micro_batch=0, seq_len=1, lr=1.0).validate()
+    except (ConfigError, ZeroDivisionError, ValueError, TypeError):
         return False
     return True
 
 
 def job_micro_batch(args: argparse.Namespace) -> int:
-    """train.micro_batch: 0 (the plan's choice) with --plan-micro-batch where SlideDP accepts it, else the peers'."""
+    """The job's micro-batch: 0 (the plan's choice) with --plan-micro-batch where SlideDP accepts it, else the
+    peers'."""
     return 0 if args.plan_micro_batch and plan_picks_micro_batch() else args.micro_batch
+
+
+def plan_keys(micro_batch: int, dtype: str) -> dict[str, dict[str, Any]]:
+    """The job's micro-batch (0: the plan's choice) and compute dtype, as this SlideDP's job file spells them."""
+    if has_plan_section():
+        return {"plan": {"micro_batch": micro_batch or "auto", "compute_dtype": dtype}}
+    return {"train": {"micro_batch": micro_batch, "compute_dtype": dtype}}
 
 
 def job_dict(args: argparse.Namespace, data: Path, run_dir: Path, name: str) -> dict[str, dict[str, Any]]:
     """The job file as sections (slidedp/config.py's schema), before --set overrides."""
     dtype = args.compute_dtype or ("bf16" if args.device == "cuda" else "fp32")
+    planned = plan_keys(job_micro_batch(args), dtype)
     job: dict[str, dict[str, Any]] = {
         "model": {"source": "random", "shape": args.shape, "init_seed": args.seed,
                   **({"vocab_size": args.vocab} if args.vocab else {})},
         "data": chat_data(args) if args.chat else {"path": str(data), "format": "npy"},
         # The peers' optimizer: constant lr, no weight decay, the peers' clipping (--max-grad-norm).
-        "train": {"steps": args.steps, "global_batch": args.batch, "micro_batch": job_micro_batch(args),
-                  "seq_len": args.seq, "lr": common.LR, "schedule": "constant", "weight_decay": common.WEIGHT_DECAY,
-                  "beta1": common.BETAS[0], "beta2": common.BETAS[1], "eps": common.EPS,
-                  "max_grad_norm": args.max_grad_norm, "seed": args.seed, "compute_dtype": dtype},
+        "train": {"steps": args.steps, "global_batch": args.batch, "seq_len": args.seq, "lr": common.LR,
+                  "schedule": "constant", "weight_decay": common.WEIGHT_DECAY, "beta1": common.BETAS[0],
+                  "beta2": common.BETAS[1], "eps": common.EPS, "max_grad_norm": args.max_grad_norm, "seed": args.seed,
+                  **planned.get("train", {})},
+        **({"plan": planned["plan"]} if "plan" in planned else {}),
         "store": {"name": name, "persist": False},
         "checkpoint": {"final": False},
         "run": {"name": name, "dir": str(run_dir)},
@@ -78,13 +98,14 @@ def job_dict(args: argparse.Namespace, data: Path, run_dir: Path, name: str) -> 
         job["memory"] = {"device_budget_gib": args.budget_gib}
     for item in args.set:
         key, eq, raw = item.partition("=")
-        section, dot, field = old_names.job_key(key.strip()).partition(".")
-        if not (eq and dot and section and field):
-            raise SystemExit(f"--set {item!r}: expected section.key=value, e.g. store.shadow_bf16=true")
         try:
             value = tomllib.loads(f"v = {raw.strip()}")["v"]
         except tomllib.TOMLDecodeError:
             value = raw.strip()
+        name, value = old_names.job_setting(key.strip(), value) if has_plan_section() else (key.strip(), value)
+        section, dot, field = name.partition(".")
+        if not (eq and dot and section and field):
+            raise SystemExit(f"--set {item!r}: expected section.key=value, e.g. store.shadow_bf16=true")
         job.setdefault(section, {})[field] = value
     return job
 
@@ -246,7 +267,7 @@ def run(argv: list[str] | None = None) -> int:
     """Parse the flags, measure, write the row; the exit code (main without the signal handler)."""
     p = common.parser(__doc__.split("\n\n")[0])
     p.add_argument("--compute-dtype", choices=("", "bf16", "fp32"), default="",
-                   help="train.compute_dtype ('' = bf16 on CUDA, fp32 on CPU)")
+                   help="plan.compute_dtype ('' = bf16 on CUDA, fp32 on CPU)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override a job-file key (repeatable), e.g. --set store.shadow_bf16=true")
     p.add_argument("--launch-arg", action="append", default=[], help="extra argument for the launcher (repeatable)")
@@ -255,12 +276,14 @@ def run(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=3000.0, help="seconds before the launcher is stopped")
     p.add_argument("--wait-timeout", type=float, default=600.0, help="runtime.timeout_s of the job (every wait)")
     p.add_argument("--plan-micro-batch", action="store_true",
-                   help="let the plan choose train.micro_batch (0) where this SlideDP accepts that; else --micro-batch")
+                   help="let the plan choose the micro-batch (plan.micro_batch = \"auto\") where this SlideDP accepts "
+                        "that; else --micro-batch")
     args = p.parse_args(argv)
     sets = {old_names.job_key(k): v for k, _, v in (s.replace(" ", "").partition("=") for s in args.set)}
-    if "train.micro_batch" in sets:  # a micro-batch set for SlideDP is the one its row reports
-        args.micro_batch = int(sets["train.micro_batch"])
-        args.plan_micro_batch = False
+    micro = sets.get("plan.micro_batch", sets.get("train.micro_batch"))  # the second: a SlideDP before [plan]
+    if micro is not None:  # a micro-batch set for SlideDP is the one its row reports
+        args.plan_micro_batch = micro.strip('"') in ("auto", "0")
+        args.micro_batch = args.micro_batch if args.plan_micro_batch else int(micro)
     common.check_args(args)
     budget = args.budget_gib if args.budget_gib > 0 else MemorySection().device_budget_gib
     budget = f"budget {budget:g} GiB" + ("" if args.budget_gib > 0 else " (SlideDP's default)")

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 23's first-run criterion in one device call: for each SHAPE:BATCH:SECONDS, SlideDP with the
-# plan's choice (train.micro_batch = 0) as the first plan of that shape on an empty cache of its own
+# plan's choice (plan.micro_batch = "auto") as the first plan of that shape on an empty cache of its own
 # (it calibrates the host and measures the shape's blocks, as a fresh machine would), no clipping by
 # default, GPU-resident left out (RESIDENT=gpu_resident_chunked etc. puts it back), within SECONDS.
 # Each run is plan_choice.sh with PARTS=auto; OUT gets one tarball of every run's files and a summary

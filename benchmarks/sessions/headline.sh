@@ -35,7 +35,7 @@
 # left after a minute is kept for each system still to come (at most its LIMIT below), and a system
 # that would get under a minute (DeepSpeed and ZenFlow: two, for compiling DeepSpeedCPUAdam) is not started (the
 # merged table lacks its row; stderr says so).
-# SlideDP's micro-batch: the plan's where this SlideDP lets the plan choose it (train.micro_batch = 0),
+# SlideDP's micro-batch: the plan's where this SlideDP lets the plan choose it (plan.micro_batch = "auto"),
 # else the peers' (the whole batch); MICRO=N names it instead (say so beside the figure: it is forced).
 # ONLY=SYSTEM,... runs just those systems of the PART (the rows an earlier call of it could not finish);
 # merge its table with that call's. Every PART starts by removing the headline stores a PART before it

@@ -16,7 +16,7 @@ for mode in off auto; do
   part="$out/slidedp-compile-$mode.json"
   SLIDEDP_PROFILE_STEP=$((committed + 5)) python3 -m benchmarks.run --shape qwen3-4b --batch 8 --seq 2048 \
     --steps $steps --warmup $warm --systems slidedp --slidedp-set memory.device_budget_gib=24 \
-    --slidedp-set train.micro_batch=2 --slidedp-set "train.compile=\"$mode\"" --slidedp-set store.persist=true \
+    --slidedp-set plan.micro_batch=2 --slidedp-set "train.compile=\"$mode\"" --slidedp-set store.persist=true \
     --slidedp-set "store.name=\"$store\"" --slidedp-set train.steps=$((committed + steps)) --timeout 200 \
     --out "$part" --quiet
   [ -f "$part" ] && parts+=("$part")

@@ -27,7 +27,7 @@ for system in ${systems//,/ }; do
   part="$out/$tag-$system.json"
   [ -n "${PROFILE:-}" ] && export SLIDEDP_PROFILE_STEP=$((committed + PROFILE))
   python3 -m benchmarks.run --gpus "$gpus" --shape "$shape" --batch "$batch" --seq "$seq" --steps $steps --warmup $warm \
-    --systems "$system" --slidedp-set memory.device_budget_gib=$budget --slidedp-set train.micro_batch=$micro \
+    --systems "$system" --slidedp-set memory.device_budget_gib=$budget --slidedp-set plan.micro_batch=$micro \
     --slidedp-set store.persist=true --slidedp-set "store.name=\"$store\"" --slidedp-set train.steps=$((committed + steps)) \
     --out "$part" --quiet "$@"
   [ -f "$part" ] && parts+=("$part")

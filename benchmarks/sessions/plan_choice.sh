@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 23's proof: the planner measures its GPU blocks and chooses the micro-batch. One H200, 2,048
-# tokens per sequence, SlideDP at a 24 GiB budget: first train.micro_batch = 0 (the plan's choice,
+# tokens per sequence, SlideDP at a 24 GiB budget: first plan.micro_batch = "auto" (the plan's choice,
 # the first plan of this shape in the session's cache: it measures) next to GPU-resident training,
 # then the micro-batch forced to 1, 2, 4 and 8 (same machine, the blocks now cached); a summary says
 # the chosen micro-batch, each run's predicted and measured step, and how far the choice is from the
@@ -60,7 +60,7 @@ if [ -n "${SEED_CACHE:-}" ]; then
   python3 - "$SEED_CACHE" "$SLIDEDP_CACHE_DIR" <<'EOF' || exit 2
 import json, shutil, sys
 from pathlib import Path
-from slidedp.planner.calibration import slug
+from slidedp.planner.cache import slug
 prefix, cache = sys.argv[1], Path(sys.argv[2])
 missing = [f"{prefix}-{kind}.json" for kind in ("calibration", "measured") if not Path(f"{prefix}-{kind}.json").is_file()]
 if missing:
@@ -123,7 +123,7 @@ python3 -c "import sys; sys.exit(float(sys.argv[1]) != 0)" "$clip" && shared=1
 # may time that, not its micro-batch, and every run of a fresh store starts where the others did.
 [ "${FRESH_STORE:-0}" = 1 ] && shared=0
 [ $shared = 1 ] && [[ $parts == *auto* ]] && drop_store
-run() {  # NAME SYSTEMS MICRO TIMEOUT: SlideDP at train.micro_batch = MICRO (0: the plan's choice)
+run() {  # NAME SYSTEMS MICRO TIMEOUT: SlideDP at plan.micro_batch = MICRO (auto: the plan's choice)
   local limit=$4 left=$((budget - SECONDS - 25)) done=0 keep=()
   if [ "$left" -lt 60 ]; then echo "plan_choice: $left s left, not starting $1" >&2; return; fi
   [ "$limit" -gt "$left" ] && limit=$left
@@ -134,15 +134,15 @@ run() {  # NAME SYSTEMS MICRO TIMEOUT: SlideDP at train.micro_batch = MICRO (0: 
   fi
   python3 -m benchmarks.run --shape "$hshape" --batch "$batch" --seq "${SEQ:-2048}" --steps $steps --warmup $warm \
     ${DEVICE:+--device "$DEVICE"} --systems "$2" --micro-batch "$peer_micro" --max-grad-norm "$clip" --slidedp-set memory.device_budget_gib=24 \
-    --slidedp-set train.micro_batch="$3" --slidedp-set "store.name=\"$store\"" "${keep[@]}" \
+    --slidedp-set plan.micro_batch="$3" --slidedp-set "store.name=\"$store\"" "${keep[@]}" \
     --slidedp-set train.steps=$((done + steps)) --slidedp-set "run.trace_steps=\"${TRACE:-}\"" "${extra[@]}" \
     --timeout "$limit" --out "$out/$1.json" --quiet
 }
 if [[ $parts == *auto* ]]; then
-  run "$tag-auto" slidedp 0 300
+  run "$tag-auto" slidedp auto 300
   # its own harness command: --timeout is per system, and the call's budget must hold
   # RESIDENT=none leaves the peer out (Qwen3-8B's runs out of GPU memory on one H200: 138 GiB)
-  [ "$shape" = unseen ] || [ "$resident" = none ] || run "$tag-resident" "$resident" 0 150
+  [ "$shape" = unseen ] || [ "$resident" = none ] || run "$tag-resident" "$resident" auto 150
 fi
 if [[ $parts == *forced* ]]; then
   for m in ${FORCED:-1 2 4 8}; do  # a micro-batch named again runs again: TAG-mM-r2, -r3 (in this work folder)

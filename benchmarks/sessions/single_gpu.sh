@@ -10,7 +10,7 @@ run() {  # NAME BATCH STEPS WARMUP SYSTEMS TIMEOUT
   local committed
   committed=$(bash "$(dirname "$0")/committed_step.sh" "$store")
   python3 -m benchmarks.run --shape qwen3-4b --batch "$2" --seq 2048 --steps "$3" --warmup "$4" --systems "$5" \
-    --slidedp-set memory.device_budget_gib=24 --slidedp-set train.micro_batch=2 --slidedp-set store.persist=true \
+    --slidedp-set memory.device_budget_gib=24 --slidedp-set plan.micro_batch=2 --slidedp-set store.persist=true \
     --slidedp-set "store.name=\"$store\"" --slidedp-set train.steps=$((committed + $3)) --timeout "$6" \
     --out "$out/$1.json" --quiet
 }

@@ -12,7 +12,7 @@ run() {  # NAME STEPS SYSTEMS TIMEOUT [harness args]
   shift 4
   committed=$(bash "$(dirname "$0")/committed_step.sh" "$store")
   python3 -m benchmarks.run --shape qwen3-4b --batch 8 --seq 2048 --steps "$steps" --warmup 3 --systems "$systems" \
-    --slidedp-set memory.device_budget_gib=24 --slidedp-set train.micro_batch=2 --slidedp-set store.persist=true \
+    --slidedp-set memory.device_budget_gib=24 --slidedp-set plan.micro_batch=2 --slidedp-set store.persist=true \
     --slidedp-set "store.name=\"$store\"" --slidedp-set train.steps=$((committed + steps)) --timeout "$limit" \
     --out "$out/$name.json" --quiet "$@"
 }

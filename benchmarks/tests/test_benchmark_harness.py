@@ -112,7 +112,7 @@ def test_cpu_smoke_with_two_ranks_runs_fsdp2_under_torchrun_and_slidedp_with_bot
     assert rows["fsdp2"]["slidedp_ratio"] == pytest.approx(rows["slidedp"]["tokens_per_s"] / rows["fsdp2"]["tokens_per_s"])
     assert all("clip 1" in rows[n]["config"] for n in ("fsdp2", "slidedp", "fsdp2_offload"))
     assert "sharded over 2 rank(s)" in rows["fsdp2"]["config"]
-    assert 'runtime.grad_route="host"' in rows["slidedp_replicated"]["command"]
+    assert 'plan.grad_route="host"' in rows["slidedp_replicated"]["command"]
     assert rows["gpu_resident"]["status"].startswith("skipped: gpu_resident runs on one GPU only")
     # every system trains the same weights (on CPU the peers draw SlideDP's init) on the same global
     # batch at every step: their losses agree step by step, and fall
@@ -331,7 +331,7 @@ with open(job.run_dir / "metrics.jsonl", "w") as f:
                             "tokens_per_s": tokens / step_s[step], "device_peak_bytes": (step + 1) << 30,
                             "host_rss_bytes": 2 << 30, "shm_bytes": 3 << 30, "predicted_step_s": 1.5,
                             "loss": 6.0}) + "\\n")
-print("trained", job.store_name, job.train.compute_dtype, job.runtime.device, job.memory.device_budget_gib,
+print("trained", job.store_name, job.plan.compute_dtype, job.runtime.device, job.memory.device_budget_gib,
       job.train.max_grad_norm, job.checkpoint.final, job.store.persist, job.store.shadow_bf16, flush=True)
 if os.environ.get("FAKE_LAUNCHER_LINGER"):  # every step committed, then a slow shutdown
     import time
@@ -653,7 +653,7 @@ def test_each_systems_command_line(tmp_path):
     assert argv["torchao_offload"][2] == "benchmarks.peers.torchao_offload"
     peers = bench.parse_args(["--slidedp-micro-batch", "4", "--systems", "slidedp"])
     assert bench.system_argv("slidedp", bench.SYSTEMS["slidedp"], peers, tmp_path, tmp_path / "s.json")[-2:] == [
-        "--set", "train.micro_batch=4"]
+        "--set", "plan.micro_batch=4"]
     two = bench.parse_args(["--gpus", "2", "--systems", "fsdp2"])
     assert bench.system_argv("hf_liger", bench.SYSTEMS["hf_liger"], two, tmp_path, tmp_path / "h.json") is None
     assert bench.system_argv("fsdp2", bench.SYSTEMS["fsdp2"], two, tmp_path, tmp_path / "f.json")[2:4] == [
@@ -677,10 +677,10 @@ def test_slidedp_job_lets_the_plan_choose_the_micro_batch_only_where_slidedp_acc
     args = p.parse_args(["--device", "cpu", "--shape", "tiny", "--batch", "4", "--plan-micro-batch"])
     common.check_args(args)
     job = slidedp_run.job_dict(args, tmp_path / "t.npy", tmp_path / "run", "n")
-    assert slidedp_run.plan_picks_micro_batch() is True  # train.micro_batch = 0: the plan's choice
-    assert job["train"]["micro_batch"] == 0 and job["train"]["max_grad_norm"] == 1.0
+    assert slidedp_run.plan_picks_micro_batch() is True  # plan.micro_batch = "auto": the plan's choice
+    assert job["plan"]["micro_batch"] == "auto" and job["train"]["max_grad_norm"] == 1.0
     monkeypatch.setattr(slidedp_run, "plan_picks_micro_batch", lambda: False)  # an older SlideDP: the peers' batch
-    assert slidedp_run.job_dict(args, tmp_path / "t.npy", tmp_path / "run", "n")["train"]["micro_batch"] == 4
+    assert slidedp_run.job_dict(args, tmp_path / "t.npy", tmp_path / "run", "n")["plan"]["micro_batch"] == 4
 
 
 FAKE_PYTHON = '''#!/usr/bin/env bash

@@ -10,7 +10,7 @@ import pytest
 
 from benchmarks import replay_plan
 from slidedp.model.config import NAMED_SHAPES, ModelConfig, named_shape
-from slidedp.planner import REFERENCE_CALIBRATION, calibration, measure
+from slidedp.planner import REFERENCE_CALIBRATION, cache, measure
 from slidedp.planner.measure import LayerTime, LossTime, MeasuredBlocks
 
 SHAPE = "qwen3-1.7b"
@@ -21,12 +21,12 @@ def write_cache(tmp_path, learned_rate: float | None = None):
     cal_path, blocks_path = tmp_path / "calibration.json", tmp_path / "measured.json"
     learned = ({cfg.num_parameters(): {"adamw_train_params_per_s": learned_rate,
                                        "adamw_train_model_params": cfg.num_parameters()}} if learned_rate else None)
-    calibration.save(REFERENCE_CALIBRATION, cal_path, learned)
+    cache.save(REFERENCE_CALIBRATION, cal_path, learned)
     key = measure.shape_key(cfg, 2048, "bf16", True)
     blocks = MeasuredBlocks(key, "NVIDIA H200",
                             tuple(LayerTime(m, 0, 0.4e-3 * m + 0.4e-3, 1.3e-3 * m + 3.5e-3, 0) for m in (1, 2, 4, 8)),
                             tuple(LossTime(m, 0, 1024, 11.4e-3 * m, 0) for m in (1, 2, 4, 8)))
-    measure._write(blocks_path, {key: blocks})
+    cache._write_blocks(blocks_path, {key: blocks})
     return cal_path, blocks_path
 
 
@@ -66,8 +66,8 @@ def test_a_replay_reads_the_blocks_a_run_was_planned_with_where_a_plan_measures_
     cal_path, blocks_path = write_cache(tmp_path)
     doc = json.loads(blocks_path.read_text())
     blocks_path.write_text(json.dumps(dict(doc, schema=1)))
-    assert measure.read_blocks(blocks_path) == {}  # what a plan sees: nothing cached, measure again
-    assert list(measure.read_blocks(blocks_path, measure.READABLE_SCHEMAS)) == list(doc["shapes"])
+    assert cache.read_blocks(blocks_path) == {}  # what a plan sees: nothing cached, measure again
+    assert list(cache.read_blocks(blocks_path, cache.READABLE_SCHEMAS)) == list(doc["shapes"])
     assert replay_plan.main([str(cal_path), str(blocks_path), "--shape", SHAPE, "--batch", "8", "--json"]) == 0
     assert len(json.loads(capsys.readouterr().out)) == 5
 

@@ -1,4 +1,4 @@
-"""The dtypes a job names ("bf16", "fp32": train.compute_dtype, checkpoint.dtype), as torch's."""
+"""The dtypes a job names ("bf16", "fp32": plan.compute_dtype, checkpoint.dtype), as torch's."""
 
 from __future__ import annotations
 

@@ -114,10 +114,10 @@ GRAD_BYTES = 4  # gradients leave the GPU in fp32 (cast on the GPU)
 
 
 # A layer's recompute + backward with compiled pointwise kernels (train.compile) against eager
-# (benchmarks.layer_bench; docs/tuning.md, "The planner's constants").
+# (benchmarks.layer_bench; docs/planner.md, "The constants").
 COMPILED_LAYER_SPEEDUP = 1.44
 # a correction of a speculative update (the one-pass correction of clipping/rollback.py) in AdamW's of the
-# chunk (docs/tuning.md, "The updater's kernels"; the undo + redo it replaced measured 2.3)
+# chunk (benchmarks/RESULTS.md, "The updater's kernels"; the undo + redo it replaced measured 2.3)
 CORRECTION_ADAMWS = 1.1
 
 
@@ -235,7 +235,7 @@ CUDA_CONTEXT_BYTES = 512 * MiB  # CUDA context + loaded kernels: outside the all
 WORKSPACE_BYTES = 128 * MiB  # cuBLAS workspaces, SDPA scratch
 NCCL_BYTES = 256 * MiB  # NCCL communicator buffers, only with more than one rank
 # Caching-allocator slack on top of the peak's tensors, one rank and several (with several, blocks wait
-# for the NCCL and copy streams before reuse); measured on GPU runs (docs/tuning.md).
+# for the NCCL and copy streams before reuse); measured on GPU runs (docs/tuning.md, in git history).
 ALLOCATOR_RESERVE = 0.10
 ALLOCATOR_RESERVE_RANKS = 0.20
 LOGIT_BYTES = 2 + 4 + 4  # per logit of a loss chunk: bf16 matmul output, fp32 copy, fp32 gradient

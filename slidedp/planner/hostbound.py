@@ -68,12 +68,12 @@ def advice(work: Workload, ch: StepPlan, total: int, over: float) -> list[str]:
         held = host_traffic(work, replace(ch, device_layers=ch.device_layers + 1,
                                           resident_layers=min(ch.resident_layers, streamed - 1)))
         saves = (total - sum(held.values())) / m.num_parameters()
-        out.append(f"a larger memory.device_budget_gib: each layer more held on the device (memory.device_layers) "
+        out.append(f"a larger memory.device_budget_gib: each layer more held on the device (plan.device_layers) "
                    f"takes {p_layer * (12 + costs.dtype_bytes(work.compute_dtype) + costs.GRAD_BYTES) / GiB:.2f} GiB of "
                    f"it and {saves:.2f} B/param off the host's traffic per step (its copies, gradient and AdamW)")
     if ch.delivery == "fp32" and work.compute_dtype == "bf16":
         saves = (total - sum(host_traffic(work, replace(ch, delivery="bf16")).values())) / m.num_parameters()
         if saves > 0:  # its copies in are half the bytes; the updaters refresh the shadow (hosttraffic.py)
-            out.append(f"the bf16 delivery (runtime.delivery = \"bf16\", on a store made with store.shadow_bf16; 2 "
+            out.append(f"the bf16 delivery (plan.delivery = \"bf16\", on a store made with store.shadow_bf16; 2 "
                        f"B/param more host memory): {saves:.1f} B/param less per step, the same bits")
     return out

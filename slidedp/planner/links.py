@@ -51,8 +51,9 @@ def measure_links(n: int, device: str = "cuda", mib: int = 256, reps: int = 10,
 def _rank_main(rank: int, world: int, rendezvous: str, device: str, mib: int, reps: int) -> dict[str, float]:
     import torch
     import torch.distributed as dist
-    from slidedp.worker.collectives import all_gather_single
 
+    # the workers' all-gather (worker/collectives.py): torch 2.13's name, else the older one it replaced
+    all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     cuda = device == "cuda"
     if cuda:
         torch.cuda.set_device(rank)

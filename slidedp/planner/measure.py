@@ -3,20 +3,19 @@
 At plan time on CUDA the planner times the blocks a step is made of on the job's GPU, through the
 engine's own code: one decoder layer's forward (no grad) and its recompute + backward with the fp32
 gradient accumulation (`layers.layer_forward` / `layers.layer_backward` over the fused views of
-one flat chunk, as `worker.engine` runs them), and the loss (`worker.loss.norm_head_backward`),
+one flat chunk, as `worker.engine` runs them), and the loss (`model.loss.norm_head_backward`),
 each for every micro-batch / tile / loss-chunk size the plan weighs, with the pointwise pieces
 compiled when the run compiles them (`train.compile`). The step model (step_model) multiplies
 them by the passes per step; the GPU memory a backward and a loss pass took above their inputs
 bounds the plan's workspace items (plan._memory).
 
-Measured once per host, GPU and shape, and kept as JSON beside the calibration
-(`measured-HOST-DEVICE.json` in calibration.cache_root()): a second plan of the same job reads
-them; a plan that weighs a size not measured yet measures only that size.
+Measured once per host, GPU and shape: the host's cache keeps them (cache.measured_blocks), so a
+second plan of the same job reads them; a plan that weighs a size not measured yet measures only that size.
 
 `adamw_beside_copies` measures the updaters' rate in training: the fused CPU AdamW on the updater's
 threads while pinned H2D and D2H copies run on every GPU of the job (the DMA shares host memory
 with it), and `embedding_rows_rate` how a host-held embedding's rows reach the GPU; both are kept
-with the calibration (calibration.load_or_calibrate).
+with the calibration (cache.load_or_calibrate).
 
 No torch at import: the planner's arithmetic runs anywhere; measuring imports it.
 """
@@ -24,14 +23,11 @@ No torch at import: the planner's arithmetic runs anywhere; measuring imports it
 from __future__ import annotations
 
 import itertools
-import json
 import math
-import os
 import statistics
 import threading
 import time
 from dataclasses import asdict, dataclass, replace
-from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
 from slidedp import log
@@ -42,7 +38,7 @@ _log = log.get("planner")
 
 SCHEMA = 2  # 2: blocks timed over BLOCK_WINDOW_S windows, the median of five (1: single runs, of three)
 # a timed block runs back to back for at least this long: on the H200 a layer pass of 1-5 ms timed
-# alone moved by up to 20% between two machines' first plans (docs/tuning.md, "How the planner measures")
+# alone moved by up to 20% between two machines' first plans (docs/planner.md, "How it measures")
 BLOCK_WINDOW_S = 0.05
 MAX_INNER = 64  # passes per window at most: a block of under 1 ms (CPU tests' tiny shapes) stays cheap to time
 Size = tuple[int, int, int]  # (micro_batch, seq_tile_tokens, loss_chunk_tokens) of one rank's GPU work
@@ -169,14 +165,22 @@ def timed(fn: Callable[[], None], sync: Callable[[], None], repeat: int, warmup:
     return max(statistics.median(out), 1e-9)
 
 
+def fused_adamw(params: list, grads: list, m: list, v: list, steps: list) -> None:
+    """One step of the fused AdamW over the tensors (the kernel the updater runs) at fixed hyper-parameters."""
+    import torch
+
+    torch._fused_adamw_(
+        params, grads, m, v, [], steps, lr=1e-4, beta1=0.9, beta2=0.999, weight_decay=0.01, eps=1e-8,
+        amsgrad=False, maximize=False,
+    )
+
+
 def flat_layer(cfg: ModelConfig, dtype, device) -> tuple[Any, Any, dict[str, Any]]:
     """Layer 0 of the model as the engine holds a streamed layer: one flat chunk and its named views
     (norm weights 1, matrices N(0, 0.02))."""
     import torch
 
-    from slidedp.store.layout import make_layout
-    from slidedp.worker.delivery import unit_tensors
-    from slidedp.worker.engine import units_of
+    from slidedp.store.layout import make_layout, unit_tensors, units_of
 
     unit = units_of(make_layout(cfg))["layer.0"]
     flat = torch.empty(unit.numel, dtype=dtype, device=device).normal_(0, 0.02)
@@ -226,7 +230,7 @@ def layer_work(cfg: ModelConfig, micro_batch: int, seq_len: int, passes: int, ti
     import torch
 
     from slidedp.model import layers as L
-    from slidedp.worker.delivery import unit_tensors
+    from slidedp.store.layout import unit_tensors
 
     _, unit, views = flat_layer(cfg, dtype, device)
     p = L.fuse_projections(views) if fuse else views
@@ -254,7 +258,7 @@ def loss_work(cfg: ModelConfig, micro_batch: int, seq_len: int, passes: int, til
     the head's gradient added into fp32."""
     import torch
 
-    from slidedp.worker.loss import norm_head_backward
+    from slidedp.model.loss import norm_head_backward
 
     h, v = cfg.hidden_size, cfg.vocab_size
     head = torch.empty(v, h, device=device, dtype=dtype).normal_(0, 0.02)
@@ -347,8 +351,6 @@ def adamw_beside_copies(threads: int, device: str = "cuda", gpus: int = 1, param
     else `params` fresh ones."""
     import torch
 
-    from slidedp.planner.calibration import fused_adamw
-
     cuda = device.startswith("cuda")
     stop = threading.Event()
     errors: list[BaseException] = []
@@ -435,8 +437,8 @@ def embedding_rows_rate(device: str = "cuda", quick: bool = False, repeat: int =
     be registered (the locked-memory limit: a worker's store could not be either, and the worker says so)."""
     import torch
 
-    from slidedp.worker.host_rows import RANK_THREADS, HostRows
-    from slidedp.worker.hostmem import HostRegisterError, Registration
+    from slidedp.store.host_rows import RANK_THREADS, HostRows
+    from slidedp.store.hostmem import HostRegisterError, Registration
 
     dev = torch.device(device)
     rows_n, hidden, tokens = (8192, 1024, 2048) if quick else (32768, 4096, 16384)
@@ -465,77 +467,3 @@ def embedding_rows_rate(device: str = "cuda", quick: bool = False, repeat: int =
         torch.set_num_threads(before)
         registration.unregister()
     return ("device" if gather.on_device else "cpu"), tokens * hidden * 4 / seconds
-
-
-# --------------------------------------------------------------------------------------
-# the cache
-
-def cache_file(host: str, device_name: str, cache_dir: str | os.PathLike | None = None) -> Path:
-    from slidedp.planner.calibration import cache_root, slug
-
-    root = Path(cache_dir).expanduser() if cache_dir else cache_root()
-    return root / f"measured-{slug(host)}-{slug(device_name)}.json"
-
-
-# schema 1 holds the same fields, timed by single runs: a plan measures them again, a replay reads them
-READABLE_SCHEMAS = (1, SCHEMA)
-
-
-def read_blocks(path: str | os.PathLike, schemas: tuple[int, ...] = (SCHEMA,)) -> dict[str, MeasuredBlocks]:
-    """A cache file's blocks by shape; an unreadable file or entry, or a schema not in `schemas`, is left
-    out with a warning (a plan passes the current schema only: older blocks are measured again)."""
-    path = Path(path)
-    if not path.exists():
-        return {}
-    try:
-        doc = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        _log.warning("%s is unreadable (%s): measuring again", path, e)
-        return {}
-    if not isinstance(doc, dict) or doc.get("schema") not in schemas or not isinstance(doc.get("shapes"), dict):
-        _log.warning("%s is not a schema-%d file of measured blocks (an older one is measured again, once): "
-                     "measuring again", path, SCHEMA)
-        return {}
-    out = {}
-    for shape, entry in doc["shapes"].items():
-        try:
-            out[shape] = MeasuredBlocks.from_dict(entry)
-        except MeasureError as e:
-            _log.warning("%s: the entry for %r is left out: %s", path, shape, e)
-    return out
-
-
-def _write(path: Path, shapes: Mapping[str, MeasuredBlocks]) -> None:
-    doc = {"schema": SCHEMA, "shapes": {k: replace(b, measured_s=0.0).to_dict() for k, b in sorted(shapes.items())}}
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(doc, indent=1) + "\n")
-    os.replace(tmp, path)  # atomic: a reader never sees half a file
-
-
-def measured_blocks(model: ModelConfig, seq_len: int, compute_dtype: str, compiled: bool, sizes: Iterable[Size],
-                    local_batch: int, host: str, device_name: str, device: str = "cuda",
-                    cache_dir: str | os.PathLike | None = None, measure: Callable[..., MeasuredBlocks] = measure_blocks,
-                    compile_fallback: bool = True, documents: DocumentLoad | None = None) -> MeasuredBlocks:
-    """The blocks of this shape at `sizes`: from the host's cache, measuring (and keeping) the sizes it
-    lacks. `measured_s` says how long that took (0: nothing measured)."""
-    from slidedp.planner.calibration import locked
-
-    key = shape_key(model, seq_len, compute_dtype, compiled, documents)
-    sizes = sorted({(m, normalized(m, seq_len, tile), chunk) for m, tile, chunk in sizes})
-    path = cache_file(host, device_name, cache_dir)
-    with locked(path):  # one job measures at a time: two at once would measure each other
-        shapes = read_blocks(path)
-        have = shapes.get(key, MeasuredBlocks(key, device_name))
-        missing = [s for s in sizes if not have.has(s)]
-        if not missing:
-            return have
-        t0 = time.perf_counter()
-        new = measure(model, seq_len, compute_dtype, compiled, missing, local_batch, device=device,
-                      compile_fallback=compile_fallback, device_name=device_name,
-                      **({"documents": documents} if documents is not None else {}))
-        if new.shape != key:
-            raise MeasureError(f"measured blocks of {new.shape!r}, wanted {key!r}")
-        shapes[key] = have.merged(new)
-        _write(path, shapes)
-    return replace(shapes[key], measured_s=time.perf_counter() - t0)
-

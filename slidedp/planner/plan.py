@@ -2,7 +2,8 @@
 
 `make_plan` searches step plans (`StepPlan`: micro-batch, offloaded layers, embedding placement,
 prefetch depth, routes, tiles, resident and device-held layers), charges each with the step-time model
-(step_model.predict_step) and the memory model (costs), and returns the `Plan`.
+(step_model.predict_step) and the memory model (costs), and returns the `Plan`. `device_work_sizes`
+lists the GPU work sizes it may weigh, which are measured before it plans (inputs.py).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from slidedp.stepplan import StepPlan
 _LOSS_CHUNKS = (1024, 512, 256, 128)  # tokens per logits chunk, largest that fits first
 _TIE = 1e-9  # relative: resident layers that change a prediction by less than this buy nothing
 # Plans predicted within this share of the fastest count as equally fast (the model's own error is
-# larger; docs/tuning.md, "The planner's constants").
+# larger; docs/planner.md, "The constants").
 _EQUAL = 0.02
 
 
@@ -108,8 +109,8 @@ def _total(work: Workload, ch: StepPlan) -> int:
     return costs.device_memory_peak(_memory(work, ch), work.world).total_bytes
 
 
-# train.micro_batch = 0 weighs micro-batches of at most this many tokens (and always one sequence): the
-# layer's GEMMs gained 10% from 4,096 to 16,384 tokens on an H200 (docs/tuning.md, "Kernels"), and
+# plan.micro_batch = "auto" weighs micro-batches of at most this many tokens (and always one sequence): the
+# layer's GEMMs gained 10% from 4,096 to 16,384 tokens on an H200 (benchmarks/RESULTS.md, "Kernels"), and
 # every size weighed is measured on the GPU at the first plan of a shape.
 AUTO_MICRO_TOKENS = 16_384
 
@@ -333,7 +334,7 @@ def _with_device_layers(work: Workload, ch: StepPlan, budget: int, calib: Calibr
 
 
 def _forced_device_layers(work: Workload, ch: StepPlan, d: int, budget: int, calib: Calibration) -> StepPlan:
-    """The job's memory.device_layers, made to fit by dropping resident layers, or a PlanError."""
+    """The job's plan.device_layers, made to fit by dropping resident layers, or a PlanError."""
     d = min(d, work.model.num_layers)
     cand = _holding(work, ch, d, budget)
     if cand is None:
@@ -341,9 +342,9 @@ def _forced_device_layers(work: Workload, ch: StepPlan, d: int, budget: int, cal
         items = dict(_memory(work, replace(ch, device_layers=d)))
         held = items["device-held layers"] + items["held layers' gradients"]
         raise PlanError(
-            f"memory.device_layers = {d} does not fit the GPU memory budget of {budget / GiB:.2f} GiB: the plan "
-            f"with them needs {need / GiB:.2f} GiB (the held layers {held / GiB:.2f} GiB); lower memory.device_layers "
-            f"(-1 lets the plan choose) or raise memory.device_budget_gib"
+            f"plan.device_layers = {d} does not fit the GPU memory budget of {budget / GiB:.2f} GiB: the plan "
+            f"with them needs {need / GiB:.2f} GiB (the held layers {held / GiB:.2f} GiB); lower plan.device_layers "
+            f"(\"auto\" lets the plan choose) or raise memory.device_budget_gib"
         )
     return _fewest_resident(work, cand, calib)
 
@@ -384,7 +385,7 @@ def _held(work: Workload, ch: StepPlan, budget: int, calib: Calibration, device_
 
 def _choose_micro_batch(work: Workload, budget: int, calib: Calibration, allowed: dict[str, tuple] | None,
                         device_layers: int | None) -> tuple[StepPlan, list[tuple[float, int, StepPlan]], tuple[Weighed, ...]]:
-    """train.micro_batch = 0: the best plan at every divisor of the per-rank batch (tiles, loss chunk,
+    """plan.micro_batch = "auto": the best plan at every divisor of the per-rank batch (tiles, loss chunk,
     offloaded, resident and device-held layers fitted to it), judged as `_with_device_layers` judges
     held layers; the fastest wins, and among those within _EQUAL of it the largest micro-batch (the
     model's own error is larger than that). Returns (the choices, every fitted plan, what was weighed)."""
@@ -403,9 +404,9 @@ def _choose_micro_batch(work: Workload, budget: int, calib: Calibration, allowed
         every += fitted
         try:
             ch = _held(work, _least_compromise(work, fitted), budget, calib, device_layers)
-        except PlanError as e:  # the job's memory.device_layers do not fit beside this micro-batch
+        except PlanError as e:  # the job's plan.device_layers do not fit beside this micro-batch
             refusal = e
-            rejected[mb] = (_total(work, fitted[0][2]), f"does not fit with memory.device_layers = {device_layers}")
+            rejected[mb] = (_total(work, fitted[0][2]), f"does not fit with plan.device_layers = {device_layers}")
             continue
         best_at[mb] = (_guarded_step(work, ch, calib, low), ch)
     if not best_at:
@@ -445,7 +446,7 @@ def _embedding_rows_note(work: Workload, ch: StepPlan, calib: Calibration) -> st
            else "at the copy-in rate: how this host gathers them was not measured")
     note = f"embedding rows: {nbytes / 1e6:,.0f} MB per step ({how}): {embedding_rows_s(work, ch, calib):.3f} s before layer 0"
     if calib.embedding_rows_gather == "cpu":
-        note += ("; the GPU waits while the CPU gathers them: memory.embedding = \"device\" holds the embedding "
+        note += ("; the GPU waits while the CPU gathers them: plan.embedding = \"device\" holds the embedding "
                  "on the GPU instead, where the budget allows")
     return note
 
@@ -461,7 +462,7 @@ def make_plan(work: Workload, budget_bytes: int, calib: Calibration,
     allowed restricts options (e.g. {"delivery": ("fp32",)} for a store without a bf16 shadow,
     {"prefetch_depth": (2,)} for a job that sets it);
     device_layers: None lets the plan hold its first layers on the GPU where that is faster, a number
-    holds exactly that many (the job's memory.device_layers; 0 keeps every layer's AdamW on the host).
+    holds exactly that many (the job's plan.device_layers; 0 keeps every layer's AdamW on the host).
 
     The plan's memory is bounded by the layer workspace measured on the GPU (`_bounded_memory`): where
     that is larger than the model's item and the plan no longer fits, it is planned again in less."""
@@ -479,7 +480,7 @@ def make_plan(work: Workload, budget_bytes: int, calib: Calibration,
         search = min(search, _total(work, plan.step)) - over  # what the model's items may take beside it
     raise PlanError(f"no plan fits the GPU memory budget of {budget_bytes / GiB:.2f} GiB with the layer workspace "
                     f"the GPU measured at this shape ({dict(plan.device_memory)['layer workspace'] / GiB:.2f} GiB in "
-                    f"the last plan tried): raise the budget, or set train.micro_batch lower")
+                    f"the last plan tried): raise the budget, or set plan.micro_batch lower")
 
 
 def _plan(work: Workload, budget_bytes: int, calib: Calibration, allowed: dict[str, tuple] | None,
@@ -549,3 +550,15 @@ def _plan(work: Workload, budget_bytes: int, calib: Calibration, allowed: dict[s
         step=chosen, device_memory=tuple(items), busy_s=tuple((r, busy[r]) for r in RESOURCES), exposed_s=exposed,
         workload=work, budget_bytes=shown_budget, calibration=calib, notes=tuple(notes), weighed=weighed,
     )
+
+
+def device_work_sizes(work: Workload, budget: int, allowed: dict[str, tuple] | None = None) -> list[tuple[int, int, int]]:
+    """The (micro_batch, seq_tile_tokens, loss_chunk_tokens) of every plan make_plan may weigh for this
+    budget: the GPU blocks to measure before planning. Memory alone decides them (no times), so they are
+    known before the blocks are measured and the plan made (job.plan_for)."""
+    sizes = set()
+    for base in _base_choices(work, allowed):
+        fits = ([_fit(work, base, budget)] if work.micro_batch else
+                [_fit_at(work, base, mb, budget, grow=False) for mb in _micro_batches(work)])
+        sizes |= {(ch.micro_batch, ch.seq_tile_tokens, ch.loss_chunk_tokens) for ch in fits if ch is not None}
+    return sorted(sizes)

@@ -52,8 +52,8 @@ class Plan:
         from) and why it was not taken."""
         if not self.weighed:
             return []
-        how = ("train.micro_batch = 0: the fastest predicted that fits; within 2% of it, the larger"
-               if not self.workload.micro_batch else "train.micro_batch set in the job file")
+        how = ("plan.micro_batch = \"auto\": the fastest predicted that fits; within 2% of it, the larger"
+               if not self.workload.micro_batch else "plan.micro_batch set in the job file")
         if self.workload.clip:
             how += "; a step judged by the slower of its regimes: the norm under max_grad_norm, or after a clipped step"
         lines = ["", f"micro-batches weighed ({how})",

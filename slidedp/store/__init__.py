@@ -5,4 +5,6 @@
 state, `rings` the ranks' gradient slots, `checkpoint` writes and restores checkpoints; `service`
 is the store's requests (create, attach, checkpoint, restore, destroy), which the host-state
 daemon serves, and `client` sends them (to the daemon, or served in-process when none runs).
+`layout` also groups chunks into the units a fetch delivers and views them as tensors; `hostmem`
+registers the store's memory with CUDA and `host_rows` reads an embedding's rows from it in place.
 """

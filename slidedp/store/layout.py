@@ -12,9 +12,12 @@ import hashlib
 import json
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..model.config import ModelConfig
+
+if TYPE_CHECKING:
+    import torch
 
 ALIGN = 64  # elements (256 B for fp32): every tensor starts on a cache-line multiple
 
@@ -122,6 +125,49 @@ def unit_name(chunk: Chunk) -> str:
     """The unit a chunk is fetched, held and updated with: "layer.N" for a decoder layer's chunk,
     else its kind ("embed", "norm", "head"; a tied head is the embedding's unit)."""
     return f"layer.{chunk.layer}" if chunk.kind == "layer" else chunk.kind
+
+
+@dataclass(frozen=True)
+class Unit:
+    """What one fetch delivers: a contiguous range of the flat space covering whole chunks."""
+
+    name: str  # "embed", "layer.3", "norm", "head"
+    chunks: tuple[Chunk, ...]
+
+    @property
+    def offset(self) -> int:
+        return self.chunks[0].offset
+
+    @property
+    def numel(self) -> int:
+        return self.chunks[-1].offset + self.chunks[-1].numel - self.offset
+
+
+def units_of(layout: Layout) -> dict[str, Unit]:
+    """The model's units by name (unit_name); a tied head is the embedding's unit."""
+    groups: dict[str, list[Chunk]] = {}
+    for c in layout.chunks:
+        groups.setdefault(unit_name(c), []).append(c)
+    units = {name: Unit(name, tuple(chunks)) for name, chunks in groups.items()}
+    if layout.model.tie_word_embeddings:
+        units["head"] = units["embed"]
+    return units
+
+
+def unit_tensors(flat: torch.Tensor, unit: Unit, strip: str = "") -> dict[str, torch.Tensor]:
+    """Full tensors of a unit as views of `flat` (the unit's range), keyed by name minus `strip`."""
+    out: dict[str, torch.Tensor] = {}
+    for c in unit.chunks:
+        base = c.offset - unit.offset
+        for m in c.members:
+            if m.row_start == 0:
+                rows = sum(x.row_end - x.row_start for cc in unit.chunks for x in cc.members if x.name == m.name)
+                shape = (rows,) + m.shape[1:] if len(m.shape) > 1 else (rows,)
+                n = 1
+                for s in shape:
+                    n *= s
+                out[m.name.removeprefix(strip)] = flat[base + m.offset:base + m.offset + n].view(shape)
+    return out
 
 
 def _align(n: int) -> int:

@@ -115,7 +115,7 @@ class Manifest:
     def _arrays_at(self) -> int:
         """Where the int64 arrays start: past the layout's JSON, whose length the header holds. Read once:
         the updater reads a field several times per chunk update, and serializing the layout to find it
-        each time slowed every update (docs/tuning.md, "The updater's per-chunk cost found in a trace")."""
+        each time slowed every update (the journal "The updater's per-chunk cost found in a trace" of docs/tuning.md, in git history)."""
         body_len = _FIXED.unpack_from(self.seg.mm, 0)[5]
         return PAGE + _round_up(body_len)
 

@@ -4,7 +4,9 @@
 `link` is the core's view of the other processes (versions, gradient slots, loss agreement);
 `engine` runs one step layer by layer, fed by `delivery` (parameters in, gradients out),
 `device_state` (units held on the device for the whole job), `activations` (saved layer
-inputs, some offloaded to host memory), `loss` (chunked cross-entropy), `collectives` (the
-sharded routes) and `hostmem` (host memory registered with CUDA). `feed` hands the engine a
-rank's share of rows of documents, and `evaluate` runs the forward-only eval loss on them.
+inputs, some offloaded to host memory) and `collectives` (the sharded routes); `feed` hands the
+engine a rank's share of rows of documents, and `evaluate` runs the forward-only eval loss on
+them. The loss is the model's (`slidedp/model/loss.py`), and the store's memory as the device
+sees it (registered with CUDA, an embedding's rows read in place) is the store's
+(`slidedp/store/hostmem.py`, `host_rows.py`).
 """

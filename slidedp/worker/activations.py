@@ -18,7 +18,7 @@ import weakref
 
 import torch
 
-from .hostmem import Registration
+from ..store.hostmem import Registration
 from ..tracing import NULL
 
 

@@ -78,7 +78,7 @@ def check_delivery(plan: StepPlan, store: HostStore) -> None:
     if plan.delivery == "bf16" and not store.has_shadow:
         raise RuntimeError(f"the plan delivers the bf16 shadow of the weights (delivery = 'bf16'), but store "
                            f"{store.name!r} was created without one: create it with store.shadow_bf16 = true "
-                           f"(`slidedp-store create --shadow-bf16`), or run with runtime.delivery = \"fp32\"")
+                           f"(`slidedp-store create --shadow-bf16`), or run with plan.delivery = \"fp32\"")
 
 
 @dataclass

@@ -26,43 +26,11 @@ import torch
 import torch.nn.functional as F
 
 from .collectives import Group
-from ..store.layout import Chunk
+from ..store.layout import Chunk, Unit
 from ..tracing import NULL
 
 
 STAGING_ELEMENTS = 32 << 20  # fp32 staging piece for the device-side cast: 128 MiB
-
-
-@dataclass(frozen=True)
-class Unit:
-    """What one fetch delivers: a contiguous range of the flat space covering whole chunks."""
-
-    name: str  # "embed", "layer.3", "norm", "head"
-    chunks: tuple[Chunk, ...]
-
-    @property
-    def offset(self) -> int:
-        return self.chunks[0].offset
-
-    @property
-    def numel(self) -> int:
-        return self.chunks[-1].offset + self.chunks[-1].numel - self.offset
-
-
-def unit_tensors(flat: torch.Tensor, unit: Unit, strip: str = "") -> dict[str, torch.Tensor]:
-    """Full tensors of a unit as views of `flat` (the unit's range), keyed by name minus `strip`."""
-    out: dict[str, torch.Tensor] = {}
-    for c in unit.chunks:
-        base = c.offset - unit.offset
-        for m in c.members:
-            if m.row_start == 0:
-                rows = sum(x.row_end - x.row_start for cc in unit.chunks for x in cc.members if x.name == m.name)
-                shape = (rows,) + m.shape[1:] if len(m.shape) > 1 else (rows,)
-                n = 1
-                for s in shape:
-                    n *= s
-                out[m.name.removeprefix(strip)] = flat[base + m.offset:base + m.offset + n].view(shape)
-    return out
 
 
 class ParamDelivery:

@@ -18,8 +18,8 @@ import torch
 
 from .collectives import Group
 from ..config import TrainSection
-from .delivery import Unit, unit_tensors
 from ..schedule import lr_at
+from ..store.layout import Unit, unit_tensors
 from ..store.manifest import LEASED
 from ..store.store import HostStore
 

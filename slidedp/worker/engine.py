@@ -33,16 +33,17 @@ import torch
 from .activations import SavedInputs
 from ..clipping import Verdict
 from .collectives import Group
-from .delivery import GradOut, ParamDelivery, Unit, unit_tensors
+from .delivery import GradOut, ParamDelivery
 from .device_state import DeviceHeld
-from .host_rows import HostRows
-from .loss import IGNORE_INDEX, norm_head_backward
 from ..model import layers as L
 from ..model.attention import Attention, choose_backend, packed_rows, plain_rows, single_document
 from ..model.config import ModelConfig
+from ..model.loss import norm_head_backward
+from ..data.targets import IGNORE_INDEX
 from ..stepplan import StepPlan
 from ..tracing import NULL, Tracer
-from ..store.layout import Chunk, Layout, unit_name
+from ..store.host_rows import HostRows
+from ..store.layout import Chunk, Layout, Unit, unit_tensors, units_of
 
 
 class Link(Protocol):
@@ -62,16 +63,6 @@ class StepTimes:
     tokens: int = 0
     skipped: bool = False
     extra: dict[str, float] = field(default_factory=dict)
-
-
-def units_of(layout: Layout) -> dict[str, Unit]:
-    groups: dict[str, list[Chunk]] = {}
-    for c in layout.chunks:
-        groups.setdefault(unit_name(c), []).append(c)
-    units = {name: Unit(name, tuple(chunks)) for name, chunks in groups.items()}
-    if layout.model.tie_word_embeddings:
-        units["head"] = units["embed"]
-    return units
 
 
 class Engine:

@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import torch
 
+from ..data.targets import IGNORE_INDEX
 from ..model import layers as L
-from .delivery import unit_tensors
-from .loss import IGNORE_INDEX, chunked_cross_entropy_sum
+from ..model.loss import chunked_cross_entropy_sum
+from ..store.layout import unit_tensors
 
 
 @torch.no_grad()

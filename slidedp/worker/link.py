@@ -15,11 +15,10 @@ import zmq
 from .. import log as slog
 from ..protocol import SLOT_DEVICE, Control, Credit, Go, Grad, Loss, Message, Norm, Ready, WorkerStats
 from ..stopflag import StopFlag
-from ..store.layout import Chunk
+from ..store.layout import Chunk, Unit
 from ..store.rings import GradRings
 from ..store.store import HostStore
 from ..transport import PeerTimeout, recv_dealer, send
-from .delivery import Unit
 from ..tracing import NULL
 
 log = slog.get("worker")

@@ -29,13 +29,13 @@ from ..numa import device_cpus, format_cpulist, parse_cpulist
 from ..protocol import ROLE_WORKER, Hello
 from ..stepplan import StepPlan
 from ..stopflag import stop_on
+from ..store.host_rows import RANK_THREADS
+from ..store.hostmem import Registration
 from ..store.rings import GradRings
 from ..store.store import HostStore
 from ..transport import connect_dealer, identity, send
 from .collectives import join
 from .core import WorkerCore, needs_group
-from .host_rows import RANK_THREADS
-from .hostmem import Registration
 from .link import LauncherLink, WorkerLink, WorkerStopped
 
 log = slog.get("worker")

@@ -9,7 +9,7 @@ import torch
 from slidedp.data.documents import Documents
 from slidedp.data.errors import DataError
 from slidedp.data.packing import DocBatches, PackedRows, eval_batch, eval_rounds, pack_rows
-from slidedp.worker.loss import IGNORE_INDEX
+from slidedp.data.targets import IGNORE_INDEX
 from slidedp.model import layers
 from slidedp.model.attention import packed_rows, single_document
 from slidedp.model.config import named_shape

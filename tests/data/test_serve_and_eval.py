@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from slidedp.config import load_job, model_config
-from slidedp.worker.loss import IGNORE_INDEX
+from slidedp.data.targets import IGNORE_INDEX
 from slidedp.data.setup import open_eval
 
 from pipeline.harness import TINY, launch, metrics, store_segments, unique_store

@@ -16,7 +16,7 @@ from slidedp.store.store import segment_sizes
 from launch.host_room import GiB, PROCESS_BYTES, host_need, room_for_plan, room_problem
 from pipeline.harness import TINY
 
-CUDA_8B = ["runtime.device=\"cuda\"", "runtime.workers=1", "train.global_batch=8", "train.micro_batch=2"]
+CUDA_8B = ["runtime.device=\"cuda\"", "runtime.workers=1", "train.global_batch=8", "plan.micro_batch=2"]
 
 
 def _job(extra=()):
@@ -39,7 +39,7 @@ def test_a_new_store_with_clipping_counts_state_rings_and_processes():
     assert msg is not None and msg.startswith(f"the job needs {need.total / GiB:.1f} GiB of host memory (the store's "
                                               f"state (12 B/param) {state / GiB:.1f} GiB, gradient rings")
     assert "but the host has 124.0 GiB available" in msg and "train.max_grad_norm = 0" in msg
-    assert "memory.device_layers" in msg
+    assert "plan.device_layers" in msg
     assert room_problem(job, need, need.total) is None
 
 
@@ -77,15 +77,15 @@ def test_a_dev_shm_too_small_for_the_store_and_rings_is_named():
 def test_offloaded_layer_inputs_are_counted_beside_the_store():
     # Qwen3-8B at 32 x 2,048 with the first 20 layers' inputs offloaded, as the H200 plan chose: 20 x 32 x 2,048
     # x 4,096 bf16 values, the 10.0 GiB the harness saw the job's host memory grow by
-    job = _job(["train.max_grad_norm=0", "train.global_batch=32", "train.micro_batch=8", "train.seq_len=2048",
-                'train.compute_dtype="bf16"'])
+    job = _job(["train.max_grad_norm=0", "train.global_batch=32", "plan.micro_batch=8", "train.seq_len=2048",
+                'plan.compute_dtype="bf16"'])
     layout = make_layout(named_shape("qwen3-8b"))
     need = host_need(job, layout, StepPlan(offload_layers=20), store_exists=True, shadow=False)
     assert dict(need.items)["offloaded inputs of 20 layer(s)"] == 20 * 32 * 2048 * 4096 * 2
     assert need.total == need.shm_bytes + 20 * 32 * 2048 * 4096 * 2 + PROCESS_BYTES["cuda"]
     assert need.shm_bytes == dict(need.items)["gradient rings"]  # the buffers are the processes', not /dev/shm's
     msg = room_problem(job, need, need.total - 1)
-    assert msg is not None and "offloaded inputs of 20 layer(s) 10.0 GiB" in msg and "memory.offload_layers" in msg
+    assert msg is not None and "offloaded inputs of 20 layer(s) 10.0 GiB" in msg and "plan.offload_layers" in msg
     # nothing offloaded: no such item
     assert "offloaded" not in " ".join(w for w, _ in host_need(job, layout, StepPlan(), True, False).items)
 
@@ -93,8 +93,8 @@ def test_offloaded_layer_inputs_are_counted_beside_the_store():
 def test_the_plan_is_told_what_the_host_leaves_for_offloaded_inputs_and_the_shadow():
     # the Qwen3-8B job at 32 x 2,048, no clipping, creating its store on a host with 123.6 GiB available
     # (a plan of the shadow and 19 offloaded layers needed 132.9 GiB of it and was refused at launch)
-    job = _job(["train.max_grad_norm=0", "train.global_batch=32", "train.micro_batch=0", "train.seq_len=2048",
-                'train.compute_dtype="bf16"'])
+    job = _job(["train.max_grad_norm=0", "train.global_batch=32", "plan.micro_batch=auto", "train.seq_len=2048",
+                'plan.compute_dtype="bf16"'])
     layout = make_layout(named_shape("qwen3-8b"))
     available = int(123.6 * GiB)
     room = room_for_plan(job, layout, store_exists=False, available=available)
@@ -114,7 +114,7 @@ def test_the_plan_is_told_what_the_host_leaves_for_offloaded_inputs_and_the_shad
 
 
 def test_what_the_job_file_holds_on_the_devices_takes_no_ring_slot_before_the_plan():
-    """The refusal's advice names memory.device_layers (their gradients stay on the device): the check
+    """The refusal's advice names plan.device_layers (their gradients stay on the device): the check
     before the plan and the room the planner is told count the rings without the slots of what the job
     file holds there, so following the advice can lift the refusal. The Qwen3-8B job with clipping on a
     host with 124 GiB available: refused as it is; 12 layers held take 12 of its 45 slots off and fit."""
@@ -122,14 +122,14 @@ def test_what_the_job_file_holds_on_the_devices_takes_no_ring_slot_before_the_pl
 
     layout = make_layout(named_shape("qwen3-8b"))
     slot = layout.max_chunk_numel * 4  # a chunk's fp32 gradient
-    plain, held = _job(), _job(["memory.device_layers=12"])
-    embed = _job(['memory.embedding="device"'])
+    plain, held = _job(), _job(["plan.device_layers=12"])
+    embed = _job(['plan.embedding="device"'])
     need, need_held, need_embed = (unplanned_need(j, layout, store_exists=False) for j in (plain, held, embed))
     assert need == host_need(plain, layout, StepPlan(grad_route="host"), store_exists=False, shadow=False)
     assert need.total - need_held.total == 12 * slot  # one chunk a layer
     assert need.total - need_embed.total == 8 * slot  # the untied embedding's and head's row chunks
     available = 124 * GiB
-    assert "memory.device_layers" in room_problem(plain, need, available)
+    assert "plan.device_layers" in room_problem(plain, need, available)
     assert room_problem(held, need_held, available) is None
     # the planner is told the same room: what the held layers' slots free is room for its own choices
     assert (room_for_plan(held, layout, False, available).free_bytes

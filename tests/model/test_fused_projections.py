@@ -8,8 +8,7 @@ import pytest
 import torch
 import torch._dynamo
 
-from slidedp.worker.delivery import unit_tensors
-from slidedp.worker.engine import units_of
+from slidedp.store.layout import unit_tensors, units_of
 from slidedp.model import layers
 from slidedp.model.config import NAMED_SHAPES
 from slidedp.model.init import init_params

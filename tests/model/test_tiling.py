@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from slidedp.worker.loss import chunked_cross_entropy_sum, norm_head_backward
+from slidedp.model.loss import chunked_cross_entropy_sum, norm_head_backward
 from slidedp.model import layers
 from slidedp.model.config import NAMED_SHAPES, ModelConfig
 from slidedp.model.init import init_params

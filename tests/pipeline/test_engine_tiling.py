@@ -15,12 +15,11 @@ import pytest
 import torch
 
 from slidedp.worker.activations import SavedInputs
-from slidedp.worker.delivery import Unit, unit_tensors
 from slidedp.stepplan import StepPlan
-from slidedp.worker.engine import Engine, units_of
+from slidedp.worker.engine import Engine
 from slidedp.model.config import NAMED_SHAPES, ModelConfig
 from slidedp.model.init import init_tensor_
-from slidedp.store.layout import Chunk, Layout, make_layout
+from slidedp.store.layout import Chunk, Layout, Unit, make_layout, unit_tensors, units_of
 
 from .harness import rel_err
 

@@ -10,7 +10,8 @@ import pytest
 
 from slidedp import hosttraffic
 from slidedp.config import load_job
-from slidedp.launch.planning import DeliveryError, deliveries, plan_job
+from slidedp.launch.planning import plan_job
+from slidedp.planner.job import DeliveryError, deliveries
 from slidedp.model.config import named_shape
 from slidedp.planner import REFERENCE_CALIBRATION, Workload, costs
 from slidedp.planner.host_bandwidth import measure_host_memory
@@ -22,7 +23,7 @@ from pipeline.harness import TINY
 Q8 = named_shape("qwen3-8b")
 # Qwen3-8B at 8 x 2,048 tokens, micro-batch 2, one GPU, 24 GiB: the regime of issue 26
 JOB = ['model.shape="qwen3-8b"', "model.vocab_size=0", "train.seq_len=2048", "train.global_batch=8",
-       "train.micro_batch=2", 'train.compute_dtype="bf16"', 'runtime.device="cuda"', "runtime.workers=1",
+       "plan.micro_batch=2", 'plan.compute_dtype="bf16"', 'runtime.device="cuda"', "runtime.workers=1",
        "memory.device_budget_gib=24"]
 # a host whose memory is slow for every workload timed: reading 70 GB/s, copying 60, the bare AdamW 67.2 (2.4 G
 # params/s x 28 B), and 2.3 G params/s beside the GPU's copies (the updaters alone would take less than the traffic)
@@ -90,11 +91,11 @@ def test_the_deliveries_a_plan_may_choose():
     assert options == ("fp32",) and "the host has no room for the bf16 shadow" in note
     assert deliveries(job("store.shadow_bf16=false"), store_shadow=None) == (("fp32",), "")
     assert deliveries(job("store.shadow_bf16=true"), store_shadow=None) == (("bf16",), "")
-    assert deliveries(job('runtime.delivery="fp32"'), store_shadow=True) == (("fp32",), "")
-    assert deliveries(job('train.compute_dtype="fp32"'), store_shadow=True) == (("fp32",), "")
-    with pytest.raises(DeliveryError, match=r'runtime.delivery = "bf16" streams the store\'s bf16 shadow, but store '
+    assert deliveries(job('plan.delivery="fp32"'), store_shadow=True) == (("fp32",), "")
+    assert deliveries(job('plan.compute_dtype="fp32"'), store_shadow=True) == (("fp32",), "")
+    with pytest.raises(DeliveryError, match=r'plan.delivery = "bf16" streams the store\'s bf16 shadow, but store '
                                             r".* was created without one: .* store.shadow_bf16 = true"):
-        deliveries(job('runtime.delivery="bf16"'), store_shadow=False)
+        deliveries(job('plan.delivery="bf16"'), store_shadow=False)
 
 
 def test_the_planner_takes_the_bf16_delivery_where_it_pays_and_the_store_follows():
@@ -102,7 +103,7 @@ def test_the_planner_takes_the_bf16_delivery_where_it_pays_and_the_store_follows
     pcie = plan_job(job, PCIE_BOUND)
     assert (pcie.step.delivery, pcie.shadow) == ("bf16", True)  # the store this job creates gets the shadow
     assert pcie.plan is not None and "bf16 delivery: the store's bf16 shadow streams" in pcie.describe()
-    fp32 = plan_job(load_job(TINY, JOB + ['runtime.delivery="fp32"']), PCIE_BOUND)
+    fp32 = plan_job(load_job(TINY, JOB + ['plan.delivery="fp32"']), PCIE_BOUND)
     assert fp32.step.delivery == "fp32" and fp32.step.predicted_step_s > pcie.step.predicted_step_s
     # an existing store without the shadow: fp32, and the plan says why
     old = plan_job(job, PCIE_BOUND, store_shadow=False)
@@ -114,7 +115,7 @@ def test_the_planner_takes_the_bf16_delivery_where_it_pays_and_the_store_follows
     # store.shadow_bf16 = false: a store without it, whatever the plan would have liked
     assert plan_job(load_job(TINY, JOB + ["store.shadow_bf16=false"]), PCIE_BOUND).shadow is False
     # CPU: no planner; the bf16 delivery where the store has the shadow (or gets it: store.shadow_bf16 = true)
-    cpu = ['train.compute_dtype="bf16"']
+    cpu = ['plan.compute_dtype="bf16"']
     assert plan_job(load_job(TINY, cpu)).step.delivery == "fp32"
     assert (plan_job(load_job(TINY, cpu + ["store.shadow_bf16=true"])).step.delivery,
             plan_job(load_job(TINY, cpu), store_shadow=True).step.delivery) == ("bf16", "bf16")
@@ -130,7 +131,7 @@ def test_the_plan_prints_host_bytes_and_says_what_helps_when_the_host_bounds_the
     assert "the host bounds the step: host memory traffic takes" in text
     assert "train.global_batch = " in text and "(now 8) would give the GPU about as long as the host" in text
     assert "a larger memory.device_budget_gib: each layer more held on the device" in text
-    assert "runtime.delivery = \"bf16\"" not in text  # here it would add to the host's traffic (the shadow refresh)
+    assert "plan.delivery = \"bf16\"" not in text  # here it would add to the host's traffic (the shadow refresh)
     assert "busy per step" in text and "\n  host " in text
     # with the shadow written inside the AdamW pass (2 B/param, not a pass of its own) the halved copies save more
     # than it costs: the advice names the bf16 delivery where the job keeps fp32
@@ -139,8 +140,8 @@ def test_the_plan_prints_host_bytes_and_says_what_helps_when_the_host_bounds_the
     # the updaters run near their bare rate: the traffic, not the updaters, bounds the step
     slow_host = dataclasses.replace(PCIE_BOUND, host_copy_gbps=20.0, adamw_params_per_s=0.7e9,
                                     adamw_beside_copies_params_per_s=0.69e9, adamw_beside_copies_gpus=1)
-    fp32 = plan_job(load_job(TINY, JOB + ['runtime.delivery="fp32"']), slow_host).describe()
-    assert "the host bounds the step" in fp32 and 'the bf16 delivery (runtime.delivery = "bf16"' in fp32
+    fp32 = plan_job(load_job(TINY, JOB + ['plan.delivery="fp32"']), slow_host).describe()
+    assert "the host bounds the step" in fp32 and 'the bf16 delivery (plan.delivery = "bf16"' in fp32
     # the GPU bounds it: the bytes and the bound, no advice
     gpu = plan_job(job, DEVICE_BOUND).describe()
     assert "host memory per step:" in gpu and "the host bounds the step" not in gpu

@@ -11,14 +11,15 @@ import math
 import pytest
 
 from slidedp.config import ConfigError, load_job
-from slidedp.launch.planning import CPU_MAX_MICRO_BATCH, cpu_micro_batch, plan_job
+from slidedp.launch.planning import plan_job
 from slidedp.model.config import ModelConfig, named_shape
 from slidedp.planner import REFERENCE_CALIBRATION, PlanError, Workload, make_plan, predict_step
-from slidedp.planner import measure
+from slidedp.planner import cache, measure
 from slidedp.planner import plan as plan_mod
 from slidedp.planner.costs import GiB
+from slidedp.planner.job import CPU_MAX_MICRO_BATCH, cpu_micro_batch
 from slidedp.planner.measure import LayerTime, LossTime, MeasuredBlocks, shape_key
-from slidedp.planner.sizes import device_work_sizes
+from slidedp.planner.plan import device_work_sizes
 from slidedp.planner.step_model import device_times
 
 from pipeline.harness import TINY
@@ -98,7 +99,7 @@ def test_a_forced_micro_batch_is_kept():
     plan = make_plan(work, BUDGET, calib, FP32)
     assert plan.step.micro_batch == 2 and [c.micro_batch for c in plan.weighed] == [2]
     assert plan.weighed[0].verdict == "chosen" and plan.weighed[0].device_time == "measured"
-    assert "micro-batches weighed (train.micro_batch set in the job file)" in plan.describe()
+    assert "micro-batches weighed (plan.micro_batch set in the job file)" in plan.describe()
     assert "2 (job's value; 4 per rank per step)" in plan.describe()
 
 
@@ -106,7 +107,7 @@ def test_the_candidate_table_lists_what_was_weighed():
     work = _work()
     plan = make_plan(work, BUDGET, dataclasses.replace(REFERENCE_CALIBRATION, blocks=_blocks(work, FAVOURS_8)), FP32)
     text = plan.describe()
-    assert "micro-batches weighed (train.micro_batch = 0: the fastest predicted that fits; within 2% of it, the larger)" in text
+    assert "micro-batches weighed (plan.micro_batch = \"auto\": the fastest predicted that fits; within 2% of it, the larger)" in text
     for c in plan.weighed:
         assert (f"  {c.micro_batch:<13}{f'{c.predicted_step_s:.3f} s':>15}{c.device_bytes / GiB:>9.2f} GiB   "
                 f"measured  {c.verdict}") in text
@@ -171,7 +172,7 @@ def test_the_cache_is_read_on_the_second_plan(tmp_path, caplog):
                               tuple(LossTime(m, t, c, 0.01 * m) for m, t, c in sizes))
 
     def get(sizes):
-        return measure.measured_blocks(cfg, 16, "bf16", True, sizes, 4, "host-c", "GPU C", cache_dir=tmp_path,
+        return cache.measured_blocks(cfg, 16, "bf16", True, sizes, 4, "host-c", "GPU C", cache_dir=tmp_path,
                                        measure=fake_measure)
 
     first = get([(1, 0, 16), (2, 0, 16), (2, 64, 16)])  # a tile over the whole micro-batch is no tile
@@ -181,11 +182,11 @@ def test_the_cache_is_read_on_the_second_plan(tmp_path, caplog):
     assert dataclasses.replace(first, measured_s=0.0) == second
     third = get([(1, 0, 16), (4, 8, 16)])  # a size no plan weighed before: only it is measured
     assert calls[-1] == [(4, 8, 16)] and third.has((1, 0, 16)) and third.has((4, 8, 16))
-    path = measure.cache_file("host-c", "GPU C", tmp_path)
+    path = cache.blocks_file("host-c", "GPU C", tmp_path)
     doc = json.loads(path.read_text())
     assert doc["schema"] == measure.SCHEMA == 2 and list(doc["shapes"]) == [shape_key(cfg, 16, "bf16", True)]
     # another shape (another sequence length) is measured apart, beside it
-    measure.measured_blocks(cfg, 32, "bf16", True, [(1, 0, 16)], 4, "host-c", "GPU C", cache_dir=tmp_path,
+    cache.measured_blocks(cfg, 32, "bf16", True, [(1, 0, 16)], 4, "host-c", "GPU C", cache_dir=tmp_path,
                             measure=fake_measure)
     assert len(json.loads(path.read_text())["shapes"]) == 2
     # an unreadable file is measured again, with a warning, not a crash
@@ -232,20 +233,21 @@ def test_the_adamw_beside_copies_runs_on_cpu():
 
 
 def test_the_launchers_subprocess_returns_the_calibration_and_the_blocks(tmp_path, monkeypatch):
+    from slidedp.planner import cache as cache_mod  # noqa: PLC0415
     from slidedp.planner import calibration as calibration_mod  # noqa: PLC0415
     from slidedp.planner.inputs import plan_inputs  # noqa: PLC0415
 
     monkeypatch.setenv("SLIDEDP_CACHE_DIR", str(tmp_path))
-    first = dataclasses.replace(REFERENCE_CALIBRATION, host=calibration_mod.socket.gethostname(),
-                                device_name=calibration_mod._device_name("cpu"), host_read_gbps=80.0,
+    first = dataclasses.replace(REFERENCE_CALIBRATION, host=cache_mod.socket.gethostname(),
+                                device_name=cache_mod.device_label("cpu"), host_read_gbps=80.0,
                                 host_write_gbps=40.0, host_copy_gbps=60.0)
-    monkeypatch.setattr(calibration_mod, "calibrate", lambda device, quick=False: first)
+    monkeypatch.setattr(cache_mod, "calibrate", lambda device, quick=False: first)
     # measured again after the blocks: the AdamW and the copy faster (a first minute's slowness gone), the
     # read slower (something beside the probe): each field keeps the better figure
     again = {"adamw_params_per_s": 5.5e9, "reduce_gbps": 41.0, "host_read_gbps": 50.0, "host_write_gbps": 40.0,
              "host_copy_gbps": 70.0, "host_node_copy_gbps": ""}
     asked = []
-    monkeypatch.setattr(calibration_mod, "host_rates", lambda *a: asked.append(a) or again)
+    monkeypatch.setattr(cache_mod, "host_rates", lambda *a: asked.append(a) or again)
     cfg = _tiny_cfg()
     spec = {"gpus": 1, "model_params": None, "model": cfg.to_dict(), "seq_len": 16, "compute_dtype": "fp32",
             "compiled": False, "local_batch": 2, "sizes": [[1, 0, 16], [2, 0, 16]]}
@@ -256,7 +258,7 @@ def test_the_launchers_subprocess_returns_the_calibration_and_the_blocks(tmp_pat
     assert calib.device_tflops == REFERENCE_CALIBRATION.device_tflops
     assert (calib.adamw_params_per_s, calib.host_copy_gbps, calib.host_read_gbps) == (5.5e9, 70.0, 80.0)
     assert asked == [("cpu", REFERENCE_CALIBRATION.adamw_threads, 1, False)]
-    cached = calibration_mod.load(calibration_mod.cache_path("cpu"))
+    cached = cache_mod.load(cache_mod.cache_path("cpu"))
     assert (cached.adamw_params_per_s, cached.host_copy_gbps, cached.host_read_gbps) == (5.5e9, 70.0, 80.0)
     second = plan_inputs(spec, device="cpu")  # the blocks cached: nothing measured, the host not again
     assert MeasuredBlocks.from_dict(second["blocks"]).measured_s == 0.0 and len(asked) == 1
@@ -267,24 +269,24 @@ def test_the_launchers_subprocess_returns_the_calibration_and_the_blocks(tmp_pat
 # the job file
 
 
-def test_train_micro_batch_defaults_to_the_plans_choice_and_is_validated():
-    job = load_job(TINY, ["train.micro_batch=0"])
-    assert job.train.micro_batch == 0
+def test_the_micro_batch_defaults_to_the_plans_choice_and_is_validated():
+    job = load_job(TINY, ["plan.micro_batch=auto"])
+    assert job.plan.micro_batch == "auto"
     step = plan_job(job).step  # CPU: the largest divisor of the per-rank batch up to CPU_MAX_MICRO_BATCH
     assert step.micro_batch == cpu_micro_batch(job.train.global_batch // job.runtime.workers)
     assert [cpu_micro_batch(n) for n in (1, 7, 9, 12, 16, 64)] == [1, 7, 3, 6, 8, 8] and CPU_MAX_MICRO_BATCH == 8
     with pytest.raises(ConfigError, match=r"train.global_batch \(5\) must be divisible by runtime.workers \(2\): "
                                           r"every rank runs the same number of sequences"):
-        load_job(TINY, ["train.micro_batch=0", "train.global_batch=5", "runtime.workers=2"])
-    with pytest.raises(ConfigError, match=r"train.micro_batch must be >= 0"):
-        load_job(TINY, ["train.micro_batch=-1"])
-    with pytest.raises(ConfigError, match=r"train.micro_batch \(3\) must divide train.global_batch \(4\)"):
-        load_job(TINY, ["train.micro_batch=3", "train.global_batch=4"])
+        load_job(TINY, ["plan.micro_batch=auto", "train.global_batch=5", "runtime.workers=2"])
+    with pytest.raises(ConfigError, match=r'plan.micro_batch must be "auto" or an integer >= 1; got -1'):
+        load_job(TINY, ["plan.micro_batch=-1"])
+    with pytest.raises(ConfigError, match=r"plan.micro_batch \(3\) must divide train.global_batch \(4\)"):
+        load_job(TINY, ["plan.micro_batch=3", "train.global_batch=4"])
     cuda = ['runtime.device="cuda"', "runtime.workers=1", "train.global_batch=4", 'model.shape="qwen3-0.6b"',
             "train.seq_len=512"]
-    chosen = plan_job(load_job(TINY, cuda + ["train.micro_batch=0"]), REFERENCE_CALIBRATION)
+    chosen = plan_job(load_job(TINY, cuda + ["plan.micro_batch=auto"]), REFERENCE_CALIBRATION)
     assert chosen.plan is not None and chosen.step.micro_batch == chosen.plan.step.micro_batch in (1, 2, 4)
-    forced = plan_job(load_job(TINY, cuda + ["train.micro_batch=2"]), REFERENCE_CALIBRATION)
+    forced = plan_job(load_job(TINY, cuda + ["plan.micro_batch=2"]), REFERENCE_CALIBRATION)
     assert forced.step.micro_batch == 2
 
 

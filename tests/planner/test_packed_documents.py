@@ -88,7 +88,7 @@ def measure_dtype():
 
 
 def test_plan_job_hands_the_documents_to_the_planner():
-    job = load_job(TINY, ['runtime.device="cuda"', "train.global_batch=8", "train.micro_batch=2"])
+    job = load_job(TINY, ['runtime.device="cuda"', "train.global_batch=8", "plan.micro_batch=2"])
     plain = plan_job(job, REFERENCE_CALIBRATION)
     packed = plan_job(job, REFERENCE_CALIBRATION, documents=DocumentLoad(3.0, ((job.train.seq_len,),)))
     assert packed.plan.workload.documents is not None and plain.plan.workload.documents is None

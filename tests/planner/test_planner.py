@@ -27,6 +27,7 @@ from slidedp.planner import (
     make_plan,
     predict_step,
 )
+from slidedp.planner import cache as cache_mod
 from slidedp.planner import calibration as calibration_mod
 from slidedp.planner import measure as measure_mod
 from slidedp.stepplan import StepPlan
@@ -240,7 +241,7 @@ def test_the_plan_charges_a_host_embeddings_rows_as_this_host_gathers_them():
                                f"at the measured 40.0 GB/s): {nbytes / 40e9:.3f} s before layer 0")
     assert rows_note(slow).startswith("embedding rows: 268 MB per step (gathered on the CPU: the store's memory is not "
                                       f"mapped for the GPU, at the measured 1.0 GB/s): {nbytes / 1e9:.3f} s")
-    assert rows_note(slow).endswith('memory.embedding = "device" holds the embedding on the GPU instead, where the '
+    assert rows_note(slow).endswith('plan.embedding = "device" holds the embedding on the GPU instead, where the '
                                     'budget allows')
     # the forward waits for the rows: the same choices with the slower gather are the slower step by at least as
     # much (more: the copy stream bounds this forward, and layer 0's copy queues behind the rows)
@@ -535,15 +536,15 @@ def test_workload_validation_messages():
 
 def test_the_calibration_cache_is_the_users_unless_told_otherwise(tmp_path, monkeypatch):
     home = Path("~").expanduser()
-    assert calibration_mod.cache_root({}) == home / ".cache" / "slidedp"
-    assert calibration_mod.cache_root({"XDG_CACHE_HOME": "/x/cache"}) == Path("/x/cache/slidedp")
-    assert calibration_mod.cache_root({"XDG_CACHE_HOME": "/x/cache", "SLIDEDP_CACHE_DIR": "/y"}) == Path("/y")
+    assert cache_mod.cache_root({}) == home / ".cache" / "slidedp"
+    assert cache_mod.cache_root({"XDG_CACHE_HOME": "/x/cache"}) == Path("/x/cache/slidedp")
+    assert cache_mod.cache_root({"XDG_CACHE_HOME": "/x/cache", "SLIDEDP_CACHE_DIR": "/y"}) == Path("/y")
     # this suite keeps its own: a calibration measured while its tests load the host never reaches the user's
-    assert calibration_mod.cache_root() != home / ".cache" / "slidedp"
+    assert cache_mod.cache_root() != home / ".cache" / "slidedp"
     monkeypatch.setenv("SLIDEDP_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(calibration_mod, "calibrate", lambda device, quick=False: TOY_CAL)
+    monkeypatch.setattr(cache_mod, "calibrate", lambda device, quick=False: TOY_CAL)
     assert load_or_calibrate("cpu") == TOY_CAL
-    name = calibration_mod.cache_path("cpu").name
+    name = cache_mod.cache_path("cpu").name
     assert sorted(p.name for p in tmp_path.iterdir()) == [name, name + ".lock"]  # the lock: one job writes at a time
     assert (tmp_path / (name + ".lock")).stat().st_mode & 0o777 == 0o600
 
@@ -556,44 +557,44 @@ def test_what_runs_measured_is_kept_per_model(tmp_path, caplog):
     cal = dataclasses.replace(REFERENCE_CALIBRATION, host="host-m", device_name="GPU M")
     q4, q14 = named_shape("qwen3-4b").num_parameters(), named_shape("qwen3-14b").num_parameters()
     path = tmp_path / "calibration-host-m-GPU_M.json"
-    first = calibration_mod.record_training(cal, tmp_path, adamw_train_params_per_s=3.03e9, adamw_train_model_params=q4)
-    assert first == calibration_mod.load(path, model_params=q4)
-    last = calibration_mod.record_training(cal, tmp_path, adamw_train_params_per_s=3.37e9,
+    first = cache_mod.record_training(cal, tmp_path, adamw_train_params_per_s=3.03e9, adamw_train_model_params=q4)
+    assert first == cache_mod.load(path, model_params=q4)
+    last = cache_mod.record_training(cal, tmp_path, adamw_train_params_per_s=3.37e9,
                                            adamw_train_model_params=q14)
-    assert last == calibration_mod.load(path, model_params=q14)
+    assert last == cache_mod.load(path, model_params=q14)
     assert (last.adamw_train_params_per_s, last.adamw_train_model_params) == (3.37e9, q14)
-    four = calibration_mod.load(path, model_params=q4)
+    four = cache_mod.load(path, model_params=q4)
     assert four.adamw_train_params_per_s == 3.03e9
     # the file's calibration itself carries nothing learned, and a model no run trained gets nothing
-    assert calibration_mod.load(path) == calibration_mod.load(path, model_params=123) == cal
+    assert cache_mod.load(path) == cache_mod.load(path, model_params=123) == cal
     doc = json.loads(path.read_text())
     assert doc["calibration"]["adamw_train_params_per_s"] == 0 and sorted(doc["learned"]) == sorted([str(q4), str(q14)])
     # a run that summed on the host without measuring the sum's rate keeps the rate measured before
-    calibration_mod.record_training(cal, tmp_path, adamw_train_summed_params_per_s=1.5e9, reduce_train_summed_gbps=9.0,
+    cache_mod.record_training(cal, tmp_path, adamw_train_summed_params_per_s=1.5e9, reduce_train_summed_gbps=9.0,
                                     adamw_train_summed_model_params=q4)
-    calibration_mod.record_training(cal, tmp_path, adamw_train_summed_params_per_s=1.6e9,
+    cache_mod.record_training(cal, tmp_path, adamw_train_summed_params_per_s=1.6e9,
                                     adamw_train_summed_model_params=q4)
-    four = calibration_mod.load(path, model_params=q4)
+    four = cache_mod.load(path, model_params=q4)
     assert (four.adamw_train_summed_params_per_s, four.reduce_train_summed_gbps) == (1.55e9, 9.0)  # 2 runs' median
     # a file from before: its top level held the AdamW rate of one model and the (retired) GPU-time
     # factors of another, which are read past with a note
     old = tmp_path / "old" / "calibration-host-m-GPU_M.json"
-    calibration_mod.save(cal, old)
+    cache_mod.save(cal, old)
     mixed = json.loads(old.read_text())
     mixed["calibration"].update(adamw_train_params_per_s=2.5e9, adamw_train_model_params=q4,
                                 gpu_train_factors='{"s": 1.3}', gpu_train_model_params=q14)
     old.write_text(json.dumps(mixed))
     with caplog.at_level("INFO"):
-        assert calibration_mod.load(old, model_params=q4).adamw_train_params_per_s == 2.5e9
+        assert cache_mod.load(old, model_params=q4).adamw_train_params_per_s == 2.5e9
     assert "gpu_train_factors, gpu_train_model_params (GPU-time factors learned from runs) ignored" in caplog.text
-    assert calibration_mod.load(old, model_params=q14) == cal
+    assert cache_mod.load(old, model_params=q14) == cal
     # the shares of the bare AdamW rate are the step model's, not the host's: a file holding an older
     # checkout's (0.6 and 0.38) charges this one's, and a file written now holds none
     assert not set(calibration_mod.MODEL_SHARES) & set(mixed["calibration"])
     older = dict(mixed, calibration={**mixed["calibration"], "adamw_train_fraction": 0.6,
                                      "adamw_train_fraction_low": 0.38})
     old.write_text(json.dumps(older))
-    read = calibration_mod.load(old, model_params=q14)
+    read = cache_mod.load(old, model_params=q14)
     assert (read.adamw_train_fraction, read.adamw_train_fraction_low) == (
         Calibration.adamw_train_fraction, Calibration.adamw_train_fraction_low) == (0.8, 0.46)
     # a file from before "device" replaced "gpu" in the device's fields (old_names.RENAMED)
@@ -601,7 +602,7 @@ def test_what_runs_measured_is_kept_per_model(tmp_path, caplog):
                for k, v in mixed["calibration"].items()}
     assert {"gpu_tflops", "gpu_mem_bytes", "gpu_adamw_params_per_s"} <= set(renamed)
     old.write_text(json.dumps({**mixed, "calibration": renamed}))
-    assert calibration_mod.load(old, model_params=q14) == cal
+    assert cache_mod.load(old, model_params=q14) == cal
     # an entry that is not a model's measured figures is left out, with a warning; the others stay
     for key, bad in (("7", {"h2d_gbps": 1.0}), ("8", {"adamw_train_params_per_s": "fast"}),
                      ("9", {"adamw_train_params_per_s": 1e9, "adamw_train_model_params": 9, "h2d_gbps": 2.0}),
@@ -609,13 +610,13 @@ def test_what_runs_measured_is_kept_per_model(tmp_path, caplog):
         doc["learned"][key] = bad
     path.write_text(json.dumps(doc))
     with caplog.at_level("WARNING"):
-        assert calibration_mod.load(path, model_params=q14).adamw_train_params_per_s == 3.37e9
+        assert cache_mod.load(path, model_params=q14).adamw_train_params_per_s == 3.37e9
         for n in (7, 8, 9, 10):
-            assert calibration_mod.load(path, model_params=n) == cal
+            assert cache_mod.load(path, model_params=n) == cal
     for key in ("'7'", "'8'", "'9'", "'10'"):
         assert f"learned entry {key} is not a model's measured fields; left out" in caplog.text
     with pytest.raises(ValueError, match="name no model"):
-        calibration_mod.record_training(cal, tmp_path / "z", adamw_train_params_per_s=3e9)
+        cache_mod.record_training(cal, tmp_path / "z", adamw_train_params_per_s=3e9)
 
 
 def test_a_models_learned_rate_is_the_median_of_its_last_runs(tmp_path, caplog):
@@ -626,9 +627,9 @@ def test_a_models_learned_rate_is_the_median_of_its_last_runs(tmp_path, caplog):
     path = tmp_path / "calibration-host-r-GPU_R.json"
     charged = []
     for rate in (2.65, 2.60, 3.16, 2.51, 2.45, 2.40):
-        kept = calibration_mod.record_training(cal, tmp_path, adamw_train_params_per_s=rate * 1e9,
+        kept = cache_mod.record_training(cal, tmp_path, adamw_train_params_per_s=rate * 1e9,
                                                adamw_train_model_params=7)
-        assert kept == calibration_mod.load(path, model_params=7)
+        assert kept == cache_mod.load(path, model_params=7)
         charged.append(round(kept.update_params_per_s(7) / 1e9, 4))
     assert charged == [2.65, 2.625, 2.65, 2.625, 2.60, 2.51]
     doc = json.loads(path.read_text())
@@ -637,7 +638,7 @@ def test_a_models_learned_rate_is_the_median_of_its_last_runs(tmp_path, caplog):
     del doc["learned"]["7"]["recent"]
     doc["learned"]["7"]["adamw_train_params_per_s"] = 3.0e9
     path.write_text(json.dumps(doc))
-    assert calibration_mod.record_training(cal, tmp_path, adamw_train_params_per_s=2.0e9,
+    assert cache_mod.record_training(cal, tmp_path, adamw_train_params_per_s=2.0e9,
                                            adamw_train_model_params=7).adamw_train_params_per_s == 2.5e9
     # runs that are not lists of rates are left out with a warning; the model's figure stays
     for bad in ({"adamw_train_params_per_s": "fast"}, {"h2d_gbps": [1e9]}, {"adamw_train_params_per_s": [1e9] * 6},
@@ -645,21 +646,21 @@ def test_a_models_learned_rate_is_the_median_of_its_last_runs(tmp_path, caplog):
         doc["learned"]["7"]["recent"] = bad
         path.write_text(json.dumps(doc))
         with caplog.at_level("WARNING"):
-            assert calibration_mod.load(path, model_params=7).adamw_train_params_per_s == 3.0e9
+            assert cache_mod.load(path, model_params=7).adamw_train_params_per_s == 3.0e9
         assert "learned entry '7': its recent runs are not lists of up to 5 rates; left out" in caplog.text
         caplog.clear()
 
 
 def test_jobs_that_end_at_once_keep_every_models_figures(tmp_path):
     """The cache's read-modify-write is locked: four processes recording four models at once lose none."""
-    code = ("import sys; from slidedp.planner import calibration as c, REFERENCE_CALIBRATION as R; import dataclasses as d; "
+    code = ("import sys; from slidedp.planner import cache as c, REFERENCE_CALIBRATION as R; import dataclasses as d; "
             "cal = d.replace(R, host='host-p', device_name='GPU P'); n = int(sys.argv[1]); "
             "[c.record_training(cal, sys.argv[2], adamw_train_params_per_s=n * 1e9 + i, adamw_train_model_params=n) "
             "for i in range(20)]")
     procs = [subprocess.Popen([sys.executable, "-c", code, str(n), str(tmp_path)]) for n in (1, 2, 3, 4)]
     assert [p.wait(timeout=120) for p in procs] == [0, 0, 0, 0]
     path = tmp_path / "calibration-host-p-GPU_P.json"
-    assert {n: calibration_mod.load(path, model_params=n).adamw_train_params_per_s for n in (1, 2, 3, 4)} == \
+    assert {n: cache_mod.load(path, model_params=n).adamw_train_params_per_s for n in (1, 2, 3, 4)} == \
         {n: n * 1e9 + 17 for n in (1, 2, 3, 4)}  # the median of each model's last 5 runs, i = 15..19
 
 
@@ -673,15 +674,15 @@ def test_the_cuda_calibration_measures_links_once_and_keeps_what_runs_measured(t
 
     def fake_calibrate(device, quick=False):
         calls["calibrate"] += 1
-        return dataclasses.replace(REFERENCE_CALIBRATION, host=calibration_mod.socket.gethostname(), device_name="GPU L")
+        return dataclasses.replace(REFERENCE_CALIBRATION, host=cache_mod.socket.gethostname(), device_name="GPU L")
 
     def fake_links(gpus):
         calls["links"] += 1
         return {"bus_gbps": 240.0, "h2d_total_gbps": 109.0}
 
-    monkeypatch.setattr(calibration_mod, "calibrate", fake_calibrate)
-    monkeypatch.setattr(calibration_mod, "_device_name", lambda device: "GPU L")
-    monkeypatch.setattr(calibration_mod, "_visible_gpus", lambda device: 2)
+    monkeypatch.setattr(cache_mod, "calibrate", fake_calibrate)
+    monkeypatch.setattr(cache_mod, "device_label", lambda device: "GPU L")
+    monkeypatch.setattr(cache_mod, "_visible_gpus", lambda device: 2)
     monkeypatch.setattr(links_mod, "measure_links", fake_links)
     calls["adamw"] = 0
 
@@ -706,7 +707,7 @@ def test_the_cuda_calibration_measures_links_once_and_keeps_what_runs_measured(t
     assert one.update_params_per_s(123) == pytest.approx(0.8 * one.adamw_params_per_s) == 3.52e9
     assert dataclasses.replace(one, adamw_beside_copies_params_per_s=3.6e9).update_params_per_s(123) == 3.6e9
     assert one.at_lowest_share(123) is None  # measured: no guess to guard
-    calibration_mod.record_training(one, tmp_path, adamw_train_params_per_s=3e9, adamw_train_model_params=5)
+    cache_mod.record_training(one, tmp_path, adamw_train_params_per_s=3e9, adamw_train_model_params=5)
     two = load_or_calibrate("cuda", cache_dir=tmp_path, gpus=2, model_params=5)
     assert calls == {"calibrate": 1, "links": 1, "adamw": 2, "rows": 1}  # again, with both GPUs copying
     # the cache lacked the embedding's rows (as one from before them): measured once, kept
@@ -715,7 +716,7 @@ def test_the_cuda_calibration_measures_links_once_and_keeps_what_runs_measured(t
     assert two.adamw_beside_copies_params_per_s == 2e9
     assert two.update_params_per_s(5) == 3e9  # what a run of the model measured comes first
     assert (two.bus_gpus, two.allreduce_gbps, two.h2d_total_gbps, two.adamw_train_params_per_s) == (2, 240.0, 109.0, 3e9)
-    path = calibration_mod.cache_path("cuda", tmp_path)
+    path = cache_mod.cache_path("cuda", tmp_path)
     before = path.read_text()
     assert load_or_calibrate("cuda", cache_dir=tmp_path, gpus=4, model_params=5) == two  # 2 visible: nothing new
     assert calls == {"calibrate": 1, "links": 1, "adamw": 2, "rows": 1} and path.read_text() == before
@@ -738,12 +739,12 @@ def test_cpu_calibration_round_trips_through_the_json_cache(tmp_path, monkeypatc
     def no_calibration(*a, **k):
         raise AssertionError("the cache should have been used")
 
-    monkeypatch.setattr(calibration_mod, "calibrate", no_calibration)
+    monkeypatch.setattr(cache_mod, "calibrate", no_calibration)
     assert load_or_calibrate("cpu", cache_dir=tmp_path) == cal
     monkeypatch.setattr(links_mod, "measure_links", no_calibration)  # no GPU links to measure on CPU
     assert load_or_calibrate("cpu", cache_dir=tmp_path, gpus=2) == cal
     # what a run of a model measured comes with the cached calibration for that model only
-    calibration_mod.record_training(cal, tmp_path, adamw_train_params_per_s=1.5e9, adamw_train_model_params=777)
+    cache_mod.record_training(cal, tmp_path, adamw_train_params_per_s=1.5e9, adamw_train_model_params=777)
     assert load_or_calibrate("cpu", cache_dir=tmp_path, model_params=777).adamw_train_params_per_s == 1.5e9
     assert load_or_calibrate("cpu", cache_dir=tmp_path, model_params=778) == cal
     # a calibration from CI plans like any other
@@ -751,12 +752,12 @@ def test_cpu_calibration_round_trips_through_the_json_cache(tmp_path, monkeypatc
     assert plan.step.predicted_step_s > 0
     # an unreadable cache is measured again and rewritten
     files[0].write_text("{not json")
-    monkeypatch.setattr(calibration_mod, "calibrate", lambda device, quick=False: TOY_CAL)
+    monkeypatch.setattr(cache_mod, "calibrate", lambda device, quick=False: TOY_CAL)
     assert load_or_calibrate("cpu", cache_dir=tmp_path) == TOY_CAL
     # (the file holds TOY_CAL's figures; the share of the bare AdamW rate it charges is this checkout's)
-    assert calibration_mod.load(files[0]) == dataclasses.replace(TOY_CAL, adamw_train_fraction=0.8)
+    assert cache_mod.load(files[0]) == dataclasses.replace(TOY_CAL, adamw_train_fraction=0.8)
     # refresh measures again and forgets what runs measured (after a hardware change)
-    calibration_mod.record_training(cal, tmp_path, adamw_train_params_per_s=1.5e9, adamw_train_model_params=777)
+    cache_mod.record_training(cal, tmp_path, adamw_train_params_per_s=1.5e9, adamw_train_model_params=777)
     assert load_or_calibrate("cpu", cache_dir=tmp_path, model_params=777).adamw_train_params_per_s == 1.5e9
     assert load_or_calibrate("cpu", cache_dir=tmp_path, refresh=True, model_params=777) == TOY_CAL
     assert "learned" not in json.loads(files[0].read_text())
@@ -895,7 +896,8 @@ def test_the_plan_offloads_no_more_layers_than_the_host_has_room_for():
 def test_a_training_run_teaches_the_planner_its_adamw_rate_for_that_model(tmp_path):
     """The launcher keeps the updaters' measured rate with the calibration; plans of that model
     charge it, plans of other models keep the bare kernel's rate."""
-    from slidedp.launch.planning import JobPlan, learned_update_rate, record_training  # noqa: PLC0415
+    from slidedp.planner.job import JobPlan  # noqa: PLC0415
+    from slidedp.planner.learn import learned_update_rate, record_training  # noqa: PLC0415
 
     cal = dataclasses.replace(REFERENCE_CALIBRATION, host="host-a", device_name="GPU X")
     work = Workload(named_shape("qwen3-4b"), global_batch=8, seq_len=2048, world=1, micro_batch=2, clip=False)
@@ -904,7 +906,7 @@ def test_a_training_run_teaches_the_planner_its_adamw_rate_for_that_model(tmp_pa
     busy = [9.0, host_params / 2.0e9, host_params / 2.5e9, host_params / 2.2e9]  # the first step is left out
     saved = record_training(JobPlan(StepPlan(), plan), busy, [], cache_dir=str(tmp_path))
     assert saved is not None and saved.adamw_train_params_per_s == pytest.approx(2.2e9)
-    assert saved == calibration_mod.load(tmp_path / "calibration-host-a-GPU_X.json", work.model.num_parameters())
+    assert saved == cache_mod.load(tmp_path / "calibration-host-a-GPU_X.json", work.model.num_parameters())
     assert saved == dataclasses.replace(cal, adamw_train_params_per_s=saved.adamw_train_params_per_s,
                                         adamw_train_model_params=work.model.num_parameters())
     # the same model: the update costs what the run measured; another model: the bare rate
@@ -948,7 +950,8 @@ def test_a_run_that_summed_ranks_gradients_on_the_host_teaches_plans_with_such_a
     """Beside the aggregator's sum of several ranks' whole gradients the updaters and the sum both run
     far below their bare rates. Such a run keeps both rates apart: plans of that model with a host
     sum charge them, plans without one (one rank, reduce-scattered gradients) keep the plain rate."""
-    from slidedp.launch.planning import JobPlan, learned_sum_rate, record_training  # noqa: PLC0415
+    from slidedp.planner.job import JobPlan  # noqa: PLC0415
+    from slidedp.planner.learn import learned_sum_rate, record_training  # noqa: PLC0415
 
     cal = dataclasses.replace(REFERENCE_CALIBRATION, host="host-s", device_name="GPU S", bus_gpus=2, allreduce_gbps=240.0,
                               h2d_total_gbps=110.0)
@@ -997,20 +1000,21 @@ def test_old_learned_gpu_factors_are_ignored_and_a_runs_gpu_time_is_reported_not
     the GPU blocks at the job's shapes. A cache file holding such factors still reads (the factors are
     dropped with a note, the AdamW rate of the same entry kept), and a run's GPU time against the plan's
     is logged, not recorded."""
-    from slidedp.launch.planning import JobPlan, device_time_against_plan, record_training  # noqa: PLC0415
+    from slidedp.planner.job import JobPlan  # noqa: PLC0415
+    from slidedp.planner.learn import device_time_against_plan, record_training  # noqa: PLC0415
 
     cal = dataclasses.replace(REFERENCE_CALIBRATION, host="host-b", device_name="GPU Y")
     work = Workload(named_shape("qwen3-4b"), global_batch=8, seq_len=2048, world=1, micro_batch=2, clip=False)
     n = work.model.num_parameters()
     path = tmp_path / "calibration-host-b-GPU_Y.json"
-    calibration_mod.save(cal, path)
+    cache_mod.save(cal, path)
     doc = json.loads(path.read_text())
     doc["learned"] = {str(n): {"adamw_train_params_per_s": 2.5e9, "adamw_train_model_params": n,
                                "gpu_train_factors": '{"4,096-token micro-batches": 1.2}', "gpu_train_model_params": n},
                       "77": {"gpu_train_factors": '{"x": 1.4}', "gpu_train_model_params": 77}}
     path.write_text(json.dumps(doc))
     with caplog.at_level("INFO"):
-        got = calibration_mod.load(path, model_params=n)
+        got = cache_mod.load(path, model_params=n)
     assert got == dataclasses.replace(cal, adamw_train_params_per_s=2.5e9, adamw_train_model_params=n)
     assert "(GPU-time factors learned from runs) ignored" in caplog.text and "left out" not in caplog.text
     plan = make_plan(work, 24 * GiB, cal, {"delivery": ("fp32",)})

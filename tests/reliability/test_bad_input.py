@@ -120,9 +120,9 @@ JOB_FILE_ERRORS = [
     ("steps = 0", r"train\.steps must be >= 1; got 0"),
     ("lr = -1.0", r"train\.lr must be > 0; got -1\.0"),
     ("beta2 = 1.0", r"train\.beta2 must be in \[0, 1\); got 1\.0"),
-    ("compute_dtype = 'fp64'", r"train\.compute_dtype must be one of 'bf16', 'fp32'; got 'fp64'"),
+    ("compute_dtype = 'fp64'", r"plan\.compute_dtype must be one of 'auto', 'bf16', 'fp32'; got 'fp64'"),
     ("lr_typo = 1.0", r"unknown key train\.lr_typo; allowed keys in \[train\]: steps, "),
-    ("micro_batch = 3", r"train\.micro_batch \(3\) must divide train\.global_batch \(8\)"),
+    ("micro_batch = 3", r"plan\.micro_batch \(3\) must divide train\.global_batch \(8\)"),
 ]
 
 
@@ -143,7 +143,7 @@ def test_job_file_errors(tmp_path, edit, message):
 
 
 @pytest.mark.parametrize("sets,message", [
-    (['runtime.workers=3'], r"train\.global_batch \(8\) must be divisible by runtime\.workers \(3\) x train\.micro_batch \(2\)"),
+    (['runtime.workers=3'], r"train\.global_batch \(8\) must be divisible by runtime\.workers \(3\) x plan\.micro_batch \(2\)"),
     (['runtime.timeout_s=0'], r"runtime\.timeout_s must be > 0; got 0\.0"),
     (['model.source="hf"', 'model.path="/nonexistent/model"', "model.vocab_size=0"],
      r"model\.path: model folder '/nonexistent/model' does not exist"),

@@ -96,7 +96,7 @@ def test_config_error_through_the_cli(tmp_path, capsys):
     assert cli.main(["--dry-run", str(TINY), "--set", "train.global_batch=6"]) == 1
     out = capsys.readouterr().out
     assert problems(out) == [f"{TINY}: train.global_batch (6) must be divisible by runtime.workers (2) x "
-                             f"train.micro_batch (2) = 4"]
+                             f"plan.micro_batch (2) = 4"]
 
 
 def test_every_configuration_error_at_once(tmp_path, capsys):
@@ -230,7 +230,7 @@ def test_the_plans_offload_buffers_are_counted_as_the_launch_counts_them(tmp_pat
     from slidedp.launch import host_room
     from slidedp.stepplan import StepPlan
 
-    sets = ("memory.offload_layers=2",)
+    sets = ("plan.offload_layers=2",)
     job = load_job(TINY, list(sets))
     layout = make_layout(named_shape("tiny", 512))
     need = host_room.host_need(job, layout, StepPlan(offload_layers=2), store_exists=False, shadow=False)
@@ -241,7 +241,7 @@ def test_the_plans_offload_buffers_are_counted_as_the_launch_counts_them(tmp_pat
     rc, text = dry(tmp_path, *sets)
     assert rc == 1
     assert problems(text) == [host_room.room_problem(job, need, available)]
-    assert f"offloaded inputs of 2 layer(s) {host_room.size(offload)}" in problems(text)[0] and "memory.offload_layers" in problems(text)[0]
+    assert f"offloaded inputs of 2 layer(s) {host_room.size(offload)}" in problems(text)[0] and "plan.offload_layers" in problems(text)[0]
     # room for the buffers too: no problem
     monkeypatch.setattr(dryrun.psutil, "virtual_memory", lambda: SimpleNamespace(available=need.total))
     rc, text = dry(tmp_path, *sets)
@@ -358,7 +358,7 @@ def test_traced_steps_outside_the_run_warn(tmp_path):
 
 def test_an_existing_stores_rings_leave_out_what_the_job_file_holds_on_the_devices(tmp_path, made_store):
     """With exact clipping on one rank the rings keep a slot per chunk on the host: a layer the job file
-    holds on the device (memory.device_layers) keeps its gradient there, and the dry run counts it so,
+    holds on the device (plan.device_layers) keeps its gradient there, and the dry run counts it so,
     in slots and in bytes, as the launcher does (host_room.unplanned_need)."""
     from slidedp.launch import host_room
 
@@ -367,7 +367,7 @@ def test_an_existing_stores_rings_leave_out_what_the_job_file_holds_on_the_devic
     st.close()
     texts = {}
     for held in (0, 1):
-        sets = (f'store.name="{name}"', "runtime.workers=1", f"memory.device_layers={held}")
+        sets = (f'store.name="{name}"', "runtime.workers=1", f"plan.device_layers={held}")
         rc, texts[held] = dry(tmp_path, *sets, store=name)
         assert rc == 0, texts[held]
         job = load_job(TINY, list(sets))

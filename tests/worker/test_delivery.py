@@ -11,11 +11,10 @@ import torch
 
 from slidedp.model.config import named_shape
 from slidedp.stepplan import StepPlan
-from slidedp.store.layout import make_layout
+from slidedp.store.layout import make_layout, units_of
 from slidedp.store.store import HostStore, fill_random
 from slidedp.worker.core import check_delivery
 from slidedp.worker.delivery import ParamDelivery
-from slidedp.worker.engine import units_of
 
 from pipeline.harness import unique_store
 

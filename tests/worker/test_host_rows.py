@@ -14,11 +14,10 @@ import torch.nn.functional as F
 from slidedp.model.config import named_shape
 from slidedp.store.layout import make_layout
 from slidedp.store.store import HostStore, fill_random
-from slidedp.worker import host_rows
-from slidedp.worker.delivery import unit_tensors
-from slidedp.worker.engine import units_of
-from slidedp.worker.host_rows import HostRows, mapped_view
-from slidedp.worker.hostmem import Registration
+from slidedp.store import host_rows
+from slidedp.store.host_rows import HostRows, mapped_view
+from slidedp.store.hostmem import Registration
+from slidedp.store.layout import unit_tensors, units_of
 
 from pipeline.harness import unique_store
 
@@ -73,7 +72,7 @@ def test_a_mapping_that_reads_other_bits_is_not_used(store, monkeypatch, caplog)
     """Should a device pointer read other memory than the table's, the rows come from the CPU."""
     table = _table(store, "master")
     monkeypatch.setattr(host_rows, "mapped_view", lambda host, device: torch.zeros_like(host))
-    with caplog.at_level("WARNING", logger="slidedp.worker.host_rows"):
+    with caplog.at_level("WARNING", logger="slidedp.store.host_rows"):
         rows = HostRows(table, torch.device("cpu"), torch.bfloat16)
     assert not rows.on_device
     assert "differ from the store's; gathering them on the CPU instead" in caplog.text
@@ -155,7 +154,7 @@ def test_a_locked_memory_limit_below_the_probe_leaves_the_rows_unmeasured(monkey
     """cudaHostRegister would fail (and leave an error for the next kernel launch): the probe registers nothing,
     says which limit to raise, and the calibration records the rows as not measured."""
     from slidedp.planner import measure
-    from slidedp.planner.calibration import embedding_rows_fields
+    from slidedp.planner.calibrate import embedding_rows_fields
 
     monkeypatch.setattr(measure, "lockable_bytes", lambda: 64 << 10)
     monkeypatch.setattr(Registration, "register", lambda *a, **k: pytest.fail("registered past the limit"))

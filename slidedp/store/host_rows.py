@@ -5,7 +5,7 @@ store's segments are page-locked and mapped into the device's address space (hos
 device tensor can alias the table, and the gather kernel reads just those rows over PCIe on the
 compute stream, cast to the compute dtype piece by piece. Gathered on the CPU instead (the worker's
 two threads, beside the updaters' AdamW) and copied from pageable memory, the rows of one 8 x 2,048
-micro-batch of Qwen3-8B took ~0.2 s, with the GPU idle (docs/tuning.md). Where no mapping can be
+micro-batch of Qwen3-8B took ~0.2 s, with the GPU idle (docs/tuning.md, in git history). Where no mapping can be
 made (a CPU worker; a driver that gives no device pointer) the rows are gathered on the CPU.
 """
 

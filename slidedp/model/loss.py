@@ -15,9 +15,9 @@ import torch
 from torch import Tensor
 
 from .. import log as slog
-from ..model import layers
-from ..model.layers import token_slices
 from ..data.targets import IGNORE_INDEX
+from . import layers
+from .layers import token_slices
 
 _log = slog.get("loss")
 

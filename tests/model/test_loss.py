@@ -6,7 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from slidedp.worker.loss import IGNORE_INDEX, add_matmul_, chunked_cross_entropy_sum, cross_entropy_sum_and_grad
+from slidedp.model.loss import add_matmul_, chunked_cross_entropy_sum, cross_entropy_sum_and_grad
+from slidedp.data.targets import IGNORE_INDEX
 
 
 def _inputs(n: int = 37, h: int = 16, v: int = 50, dtype=torch.float32, seed: int = 0):
