@@ -6,4 +6,5 @@ bash scripts/setup.sh
 if [ "$(id -u)" = 0 ] || [ "${CI:-}" = true ]; then
   bash scripts/install-systemd-tools.sh   # systemd-analyze, for the unit-file tests
 fi
+.venv/bin/ruff check .   # errors only: pyproject.toml [tool.ruff]
 exec .venv/bin/python -m pytest -q "$@"

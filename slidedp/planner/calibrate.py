@@ -134,7 +134,7 @@ def _pcie_rates(device: str, quick: bool) -> dict[str, float]:
             host_out.copy_(dev_out, non_blocking=True)
 
     bidir = 2 * nbytes / _median_time(both, sync, reps) / 1e9
-    del host_in, host_out, dev_in, dev_out
+    host_in = host_out = dev_in = dev_out = None  # free them before the next measurement
     torch.cuda.empty_cache()
     return {"h2d_gbps": h2d, "d2h_gbps": d2h, "bidir_gbps": max(bidir, h2d, d2h)}
 
@@ -152,7 +152,7 @@ def _calibrate(device: str, quick: bool) -> Calibration:
         src, dst = torch.empty(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
         src.fill_(1)
         copy = nbytes / _median_time(lambda: dst.copy_(src), cpu_sync, reps) / 1e9
-        del src, dst
+        src = dst = None
         k = 512 if quick else 2048
         x, w = torch.rand(k, k), torch.rand(k, k)
         matmul = 2 * k**3 / _median_time(lambda: torch.mm(x, w), cpu_sync, reps) / 1e12
@@ -174,7 +174,7 @@ def _calibrate(device: str, quick: bool) -> Calibration:
     x = torch.randn(t, h, device=dev, dtype=torch.bfloat16)
     w = torch.randn(h, i, device=dev, dtype=torch.bfloat16)
     matmul = 2 * t * h * i / _median_time(lambda: torch.mm(x, w), sync, reps) / 1e12
-    del x, w
+    x = w = None  # free them before the next measurement
     device_adamw = _adamw_rate((16 if quick else 64) << 20, device, sync, reps)
     torch.cuda.empty_cache()
     return Calibration(
