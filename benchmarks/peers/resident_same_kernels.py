@@ -173,7 +173,7 @@ def measure(args: argparse.Namespace, row: dict[str, Any], host: common.HostMemo
 
 def main(argv: list[str] | None = None) -> int:
     p = common.parser(__doc__.split("\n\n")[0])
-    p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="compute dtype (SlideDP's train.compute_dtype)")
+    p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="compute dtype (SlideDP's plan.compute_dtype)")
     p.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
                    help="the layers' pointwise kernels through torch.compile (auto: on CUDA), as train.compile")
     p.add_argument("--seq-tile-tokens", type=int, default=0, help="MLP/loss tiles along the tokens (0: untiled)")

@@ -39,8 +39,8 @@ def job_sets(folder, workers: int, micro: int, packing: str, clip: float, store:
         f'data.path="{CHAT / "train.jsonl"}"', f'data.tokenizer="{CHAT_TOKENIZER}"', 'data.kind="chat"',
         f'data.packing="{packing}"', "data.shuffle=true", "data.seed=5",
         f"train.steps={STEPS}", f"train.global_batch={GLOBAL_BATCH}", f"train.seq_len={SEQ_LEN}",
-        f"train.micro_batch={GLOBAL_BATCH // (workers * micro)}", f"train.max_grad_norm={clip}",
-        "train.warmup_steps=1", "train.weight_decay=0.1", 'train.compute_dtype="fp32"', "train.lr=3e-3",
+        f"plan.micro_batch={GLOBAL_BATCH // (workers * micro)}", f"train.max_grad_norm={clip}",
+        "train.warmup_steps=1", "train.weight_decay=0.1", 'plan.compute_dtype="fp32"', "train.lr=3e-3",
         f"runtime.workers={workers}", f'store.name="{store}"', f'run.dir="{run_dir}"', 'checkpoint.dtype="fp32"',
     ]
 

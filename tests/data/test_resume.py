@@ -19,8 +19,8 @@ STEPS, STOP = 9, 5
 
 def sets(data, run_dir, steps: int, *extra: str) -> list[str]:
     return [f'data.path="{data}"', f'data.tokenizer="{CHAT_TOKENIZER}"', "data.shuffle=true", "data.seed=11",
-            "train.seq_len=64", "train.global_batch=8", "train.micro_batch=2", f"train.steps={steps}",
-            'train.schedule="constant"', "train.warmup_steps=0", 'train.compute_dtype="fp32"', "runtime.workers=2",
+            "train.seq_len=64", "train.global_batch=8", "plan.micro_batch=2", f"train.steps={steps}",
+            'train.schedule="constant"', "train.warmup_steps=0", 'plan.compute_dtype="fp32"', "runtime.workers=2",
             f'store.name="{unique_store("sres")}"', f'run.dir="{run_dir}"', 'checkpoint.dtype="fp32"', *extra]
 
 

@@ -30,8 +30,8 @@ def run(tmp_path_factory):
     store, run_dir = unique_store("serve"), tmp / "run"
     sets = ['model.source="hf"', f'model.path="{folder}"', "model.vocab_size=0", 'data.tokenizer=""',
             f'data.path="{CHAT / "train.jsonl"}"', f'data.eval_path="{CHAT / "eval.jsonl"}"', "train.seq_len=64",
-            f"train.steps={STEPS}", f"train.eval_every={EVERY}", "train.global_batch=8", "train.micro_batch=2",
-            'train.compute_dtype="fp32"', "runtime.workers=2", f'store.name="{store}"', f'run.dir="{run_dir}"',
+            f"train.steps={STEPS}", f"train.eval_every={EVERY}", "train.global_batch=8", "plan.micro_batch=2",
+            'plan.compute_dtype="fp32"', "runtime.workers=2", f'store.name="{store}"', f'run.dir="{run_dir}"',
             'checkpoint.dtype="fp32"', "run.tensorboard=true"]
     proc = launch(TINY, *sets, cwd=tmp)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -101,8 +101,8 @@ def test_tensorboard_and_the_report_show_both_losses(run):
 
 
 @pytest.mark.parametrize("extra", [
-    ('runtime.param_route="sharded"', 'runtime.grad_route="reduce_scatter"', "memory.device_layers=1",
-     'memory.embedding="device"', "memory.resident_layers=1"),
+    ('plan.param_route="sharded"', 'plan.grad_route="reduce_scatter"', "plan.device_layers=1",
+     'plan.embedding="device"', "plan.resident_layers=1"),
 ])
 def test_eval_between_steps_reads_current_weights_on_every_route(tmp_path, monkeypatch, extra):
     """Eval after steps 2 and 4 with sharded parameters (gathers paired between 2 ranks), reduce-scattered
@@ -115,7 +115,7 @@ def test_eval_between_steps_reads_current_weights_on_every_route(tmp_path, monke
     run_dir = tmp_path / "run"
     sets = ['model.shape="tiny-llama"', f'data.path="{CHAT / "train.jsonl"}"', f'data.tokenizer="{CHAT / "tokenizer.json"}"',
             f'data.eval_path="{CHAT / "eval.jsonl"}"', "train.seq_len=64", f"train.steps={STEPS}",
-            f"train.eval_every={EVERY}", "train.global_batch=4", "train.micro_batch=1", 'train.compute_dtype="fp32"',
+            f"train.eval_every={EVERY}", "train.global_batch=4", "plan.micro_batch=1", 'plan.compute_dtype="fp32"',
             "runtime.workers=2", f'store.name="{unique_store("sev")}"', f'run.dir="{run_dir}"',
             'checkpoint.dtype="fp32"', f"checkpoint.every={EVERY}", *extra]
     proc = launch(TINY, *sets, cwd=tmp_path)

@@ -51,7 +51,7 @@ _SCRUBBED = ("SLIDEDP_RUN_ROOT", "XDG_RUNTIME_DIR", "RUNTIME_DIRECTORY", "NOTIFY
              "WATCHDOG_PID", "SLIDEDP_LOG_LEVEL")
 # Every job: the README's demo job, fp32, a constant lr, so a job of train.steps=3 followed by one of
 # train.steps=6 sees the lr of one 6-step run (the schedule is a function of train.steps).
-JOB_SETS = ('train.compute_dtype="fp32"', 'train.schedule="constant"', "train.warmup_steps=0", 'checkpoint.dtype="fp32"')
+JOB_SETS = ('plan.compute_dtype="fp32"', 'train.schedule="constant"', "train.warmup_steps=0", 'checkpoint.dtype="fp32"')
 TIMEOUT = 240.0
 
 

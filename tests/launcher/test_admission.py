@@ -32,7 +32,7 @@ PLENTY = HostFacts(available=1 << 40, shm_free=1 << 40)  # a host with a TiB of 
 TINY_LAYOUT = make_layout(named_shape("tiny", 512))  # examples/tiny.toml's model
 # Qwen3-8B on one GPU, bf16, PCIe slow and the host plentiful: the planner takes the bf16 delivery where it can
 Q8 = ['model.shape="qwen3-8b"', "model.vocab_size=0", "train.seq_len=2048", "train.global_batch=8",
-      "train.micro_batch=2", 'train.compute_dtype="bf16"', 'runtime.device="cuda"', "runtime.workers=1",
+      "plan.micro_batch=2", 'plan.compute_dtype="bf16"', 'runtime.device="cuda"', "runtime.workers=1",
       "memory.device_budget_gib=24"]
 PCIE_BOUND = dataclasses.replace(REFERENCE_CALIBRATION, h2d_gbps=6.0, d2h_gbps=6.0, bidir_gbps=12.0,
                                  host_copy_gbps=2000.0, adamw_params_per_s=1e12)
@@ -107,7 +107,7 @@ def test_no_room_before_the_plan_names_what_the_job_needs_and_makes_no_plan():
 
 def test_no_room_for_the_planned_job_is_found_after_the_plan():
     """Room for what any plan takes, not for the plan's offloaded layers' buffers: refused in the host's topic."""
-    sets = ("memory.offload_layers=2",)
+    sets = ("plan.offload_layers=2",)
     job = load_job(TINY, list(sets))
     need = host_need(job, TINY_LAYOUT, StepPlan(offload_layers=2), store_exists=False, shadow=False)
     offload = dict(need.items)["offloaded inputs of 2 layer(s)"]
@@ -115,16 +115,16 @@ def test_no_room_for_the_planned_job_is_found_after_the_plan():
     a = admit(facts(*sets, host=host))
     assert a.plan is not None and a.plan.step.offload_layers == 2
     assert a.problems == (Finding("host", room_problem(job, need, host.available)),)
-    assert "memory.offload_layers" in a.problem
+    assert "plan.offload_layers" in a.problem
     assert admit(facts(*sets, host=HostFacts(need.total, 1 << 40))).problem is None
 
 
 @pytest.mark.parametrize("sets, store, shadow", [
     ((), StoreFacts(), False),  # store.shadow_bf16 = "auto" on the CPU: fp32, none
     (("store.shadow_bf16=true",), StoreFacts(), True),  # asked for: a new store gets it
-    (('train.compute_dtype="bf16"', "store.shadow_bf16=true"), StoreFacts(), True),
+    (('plan.compute_dtype="bf16"', "store.shadow_bf16=true"), StoreFacts(), True),
     ((), existing(shadow=True), True),  # an existing store's is what it is
-    (('train.compute_dtype="bf16"',), existing(shadow=True), True),
+    (('plan.compute_dtype="bf16"',), existing(shadow=True), True),
 ])
 def test_the_shadow_on_the_cpu(sets, store, shadow):
     a = admit(facts(*sets, store=store))
@@ -137,9 +137,9 @@ def test_the_existing_stores_shadow_wins_over_the_job_file():
     assert a.warnings == (Finding("store", "store.shadow_bf16 = true but the existing store was made without the bf16 "
                                            "shadow; the store's wins"),)
     # bf16 delivery asked of a store without the shadow: refused, saying what to change
-    a = admit(facts('train.compute_dtype="bf16"', 'runtime.delivery="bf16"', 'store.name="s"', store=existing()))
+    a = admit(facts('plan.compute_dtype="bf16"', 'plan.delivery="bf16"', 'store.name="s"', store=existing()))
     assert a.plan is None and a.problems[0].topic == "plan" and a.problem.startswith(
-        "runtime.delivery = \"bf16\" streams the store's bf16 shadow, but store 's' was created without one: ")
+        "plan.delivery = \"bf16\" streams the store's bf16 shadow, but store 's' was created without one: ")
 
 
 def test_the_shadow_where_the_plan_delivers_bf16_and_where_the_host_has_no_room_for_it():

@@ -22,7 +22,7 @@ from .test_equivalence import STEPS, job_sets
 CASES = [
     (1, 2, "tiny", "replicated", "host", ()),  # tied: the embedding fetched whole for the head
     (2, 1, "tiny-llama", "sharded", "reduce_scatter", ()),  # untied: the host embedding's rows, shards gathered
-    (2, 2, "tiny", "replicated", "host", ("memory.device_layers=1",)),  # a held layer keeps its fp32 master
+    (2, 2, "tiny", "replicated", "host", ("plan.device_layers=1",)),  # a held layer keeps its fp32 master
 ]
 # bf16 norms of tiny, steps 0-4: 1.046, 1.051, 0.923, 1.135 (clips after speculating: corrected), 0.953 (after a
 # clipped step: deferred)
@@ -33,8 +33,8 @@ def _run(tmp_path, name: str, delivery: str, workers, micro, shape, param_route,
     run_dir = tmp_path / name
     store = unique_store("bf")
     sets = job_sets(workers, micro, CLIP, shape, store, run_dir, "host", param_route, grad_route) + list(extra)
-    sets = [s for s in sets if not s.startswith("train.compute_dtype")] + [
-        'train.compute_dtype="bf16"', f'runtime.delivery="{delivery}"',
+    sets = [s for s in sets if not s.startswith("plan.compute_dtype")] + [
+        'plan.compute_dtype="bf16"', f'plan.delivery="{delivery}"',
         f"store.shadow_bf16={'true' if delivery == 'bf16' else 'false'}"]
     try:
         proc = launch(TINY, *sets, cwd=tmp_path)
@@ -70,22 +70,22 @@ def test_the_bf16_shadow_trains_bit_for_bit_as_the_fp32_master(tmp_path, monkeyp
 
 
 def test_a_store_without_the_shadow_keeps_fp32_or_refuses_bf16(tmp_path, monkeypatch):
-    """runtime.delivery = "auto" on a store made without the shadow delivers fp32 and says why; "bf16" is
+    """plan.delivery = "auto" on a store made without the shadow delivers fp32 and says why; "bf16" is
     refused before anything runs, naming store.shadow_bf16. Nothing in the store is touched."""
     monkeypatch.setenv("SLIDEDP_LOG_LEVEL", "INFO")  # the plan's note and the workers' start-up lines
     store = unique_store("bf")
     call(store, "create", source="random", shape="tiny", vocab_size=512, init_seed=0, persist=True)
     try:
-        base = [f'store.name="{store}"', "train.steps=1", 'train.compute_dtype="bf16"', "store.persist=true"]
+        base = [f'store.name="{store}"', "train.steps=1", 'plan.compute_dtype="bf16"', "store.persist=true"]
         proc = launch(TINY, *base, "store.shadow_bf16=true", f'run.dir="{tmp_path / "auto"}"', cwd=tmp_path)
         assert proc.returncode == 0, proc.stdout + proc.stderr
         out = proc.stdout + proc.stderr
         assert f"delivery fp32: store {store!r} was created without the bf16 shadow (store.shadow_bf16)" in out
         assert "weights delivered as the fp32 master" in out
         before = call(store, "status")
-        proc = launch(TINY, *base, 'runtime.delivery="bf16"', f'run.dir="{tmp_path / "bf16"}"', cwd=tmp_path)
+        proc = launch(TINY, *base, 'plan.delivery="bf16"', f'run.dir="{tmp_path / "bf16"}"', cwd=tmp_path)
         assert proc.returncode != 0
-        assert (f'runtime.delivery = "bf16" streams the store\'s bf16 shadow, but store {store!r} was created '
+        assert (f'plan.delivery = "bf16" streams the store\'s bf16 shadow, but store {store!r} was created '
                 f"without one") in proc.stdout + proc.stderr
         assert "store.shadow_bf16 = true" in proc.stdout + proc.stderr
         after = call(store, "status")

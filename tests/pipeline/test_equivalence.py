@@ -36,7 +36,7 @@ CASES = [
 # each alone and together; 3 ranks cut chunks into uneven shards (the last one short).
 # The last column: sequence tiles of 24 tokens (across the 2 sequences of a micro-batch) and
 # the first layers' saved inputs held in host memory.
-TILED = ("memory.seq_tile_tokens=24", "memory.offload_layers=1")
+TILED = ("plan.seq_tile_tokens=24", "plan.offload_layers=1")
 ROUTE_CASES = [
     (2, 2, 0.5, "tiny", "host", "sharded", "reduce_scatter", ()),
     (3, 1, 0.0, "tiny-llama", "device", "sharded", "host", ()),
@@ -47,20 +47,20 @@ ROUTE_CASES = [
     # the first layers held by the workers with their AdamW state (updated there, all-reduced among
     # ranks): one of two with clipping, both of two (every layer) beside a device embedding, and
     # beside the sharded routes
-    (1, 2, 0.5, "tiny", "host", "replicated", "host", ("memory.device_layers=1",)),
-    (2, 2, 0.0, "tiny-llama", "device", "replicated", "host", ("memory.device_layers=2",)),
-    (3, 1, 0.5, "tiny", "host", "sharded", "reduce_scatter", ("memory.device_layers=1",)),
+    (1, 2, 0.5, "tiny", "host", "replicated", "host", ("plan.device_layers=1",)),
+    (2, 2, 0.0, "tiny-llama", "device", "replicated", "host", ("plan.device_layers=2",)),
+    (3, 1, 0.5, "tiny", "host", "sharded", "reduce_scatter", ("plan.device_layers=1",)),
 ]
 
 
 def job_sets(workers: int, micro: int, clip: float, shape: str, store: str, run_dir, embedding: str = "host",
              param_route: str = "replicated", grad_route: str = "host") -> list[str]:
     return [
-        f'runtime.param_route="{param_route}"', f'runtime.grad_route="{grad_route}"',
-        f'memory.embedding="{embedding}"', f"memory.resident_layers={1 if embedding == 'device' else 0}",
+        f'plan.param_route="{param_route}"', f'plan.grad_route="{grad_route}"',
+        f'plan.embedding="{embedding}"', f"plan.resident_layers={1 if embedding == 'device' else 0}",
         f"train.steps={STEPS}", f"train.global_batch={GLOBAL_BATCH}",
-        f"train.micro_batch={GLOBAL_BATCH // (workers * micro)}", f"train.max_grad_norm={clip}",
-        "train.warmup_steps=2", "train.weight_decay=0.1", "train.compute_dtype=\"fp32\"",
+        f"plan.micro_batch={GLOBAL_BATCH // (workers * micro)}", f"train.max_grad_norm={clip}",
+        "train.warmup_steps=2", "train.weight_decay=0.1", "plan.compute_dtype=\"fp32\"",
         f"model.shape=\"{shape}\"", f"runtime.workers={workers}", f"store.name=\"{store}\"",
         f"run.dir=\"{run_dir}\"", "checkpoint.dtype=\"fp32\"",
     ]
@@ -70,7 +70,7 @@ _reference_cache: dict = {}
 
 
 def reference(sets: list[str]):
-    key = tuple(s for s in sets if not s.startswith(("runtime.", "train.micro_batch", "store.name", "run.dir", "memory.")))
+    key = tuple(s for s in sets if not s.startswith(("runtime.", "plan.", "store.name", "run.dir", "memory.")))
     if key not in _reference_cache:
         job = load_job(TINY, sets)
         cfg = model_config(job)
@@ -140,8 +140,8 @@ def assert_matches_reference(run_dir, sets: list[str], bound: float = ROUNDING) 
 
 
 @pytest.mark.parametrize("workers,extra", [
-    (2, ("memory.prefetch_depth=3",)),
-    (2, ("memory.prefetch_depth=2", "memory.device_layers=2")),
+    (2, ("plan.prefetch_depth=3",)),
+    (2, ("plan.prefetch_depth=2", "plan.device_layers=2")),
 ])
 def test_deeper_prefetch_on_the_sharded_routes_matches_reference(tmp_path, monkeypatch, workers, extra):
     """Copies and all-gathers running 2-3 layers ahead among gloo ranks (beside 2 device-held layers),
@@ -179,7 +179,7 @@ def test_held_layers_carry_over_to_the_next_job(tmp_path, workers, shape, embedd
             run_dir = tmp_path / f"run-{last}"
             sets = job_sets(workers, 1, 0.5, shape, store, run_dir, embedding, *routes)
             # a constant rate after warm-up: a cosine's span is the job's train.steps
-            sets += ["memory.device_layers=1", "store.persist=true", f"train.steps={last}", 'train.schedule="constant"']
+            sets += ["plan.device_layers=1", "store.persist=true", f"train.steps={last}", 'train.schedule="constant"']
             proc = launch(TINY, *sets, cwd=tmp_path)
             assert proc.returncode == 0, proc.stdout + proc.stderr
             ref = ref or reference(sets)

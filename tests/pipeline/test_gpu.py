@@ -17,23 +17,23 @@ LOSS_RTOL = 1e-3  # measured on the H200: at most 6e-5 over 5 steps
 WEIGHT_RTOL = 2e-2  # measured: at most 1.13e-2 (bf16 weights in compute)
 
 
-TILED = ("memory.seq_tile_tokens=24", "memory.offload_layers=2")  # tiles across sequences; inputs via the host
-SHARDED = ('runtime.param_route="sharded"', 'runtime.grad_route="reduce_scatter"')  # NCCL; gloo when ranks share a GPU
-HELD = ("memory.device_layers=1",)  # the first layer's master and moments stay on the GPU, AdamW there
+TILED = ("plan.seq_tile_tokens=24", "plan.offload_layers=2")  # tiles across sequences; inputs via the host
+SHARDED = ('plan.param_route="sharded"', 'plan.grad_route="reduce_scatter"')  # NCCL; gloo when ranks share a GPU
+HELD = ("plan.device_layers=1",)  # the first layer's master and moments stay on the GPU, AdamW there
 
 
 @pytest.mark.parametrize("workers,dtype,shape,embedding,extra", [
     (1, "bf16", "tiny", "host", ()), (2, "bf16", "tiny-llama", "host", ()), (1, "fp32", "tiny-llama", "host", ()),
     (1, "bf16", "tiny", "device", ()), (2, "bf16", "tiny", "device", ()), (1, "fp32", "tiny-llama", "device", ()),
     (1, "fp32", "tiny", "host", TILED), (1, "bf16", "tiny-llama", "device", TILED),
-    (2, "bf16", "tiny", "host", SHARDED + ("memory.prefetch_depth=2",)), (3, "fp32", "tiny-llama", "host", SHARDED + TILED),
+    (2, "bf16", "tiny", "host", SHARDED + ("plan.prefetch_depth=2",)), (3, "fp32", "tiny-llama", "host", SHARDED + TILED),
     (1, "fp32", "tiny-llama", "host", HELD), (2, "bf16", "tiny", "device", HELD), (2, "bf16", "tiny-llama", "host", SHARDED + HELD),
 ], ids=lambda v: ("+".join(s.split("=")[0].split(".")[1] for s in v) or "plain") if isinstance(v, tuple) else None)
 def test_cuda_matches_reference(tmp_path, workers, dtype, shape, embedding, extra):
     store = unique_store("gpu")
     run_dir = tmp_path / "run"
     sets = job_sets(workers, 2, 0.5, shape, store, run_dir, embedding)
-    proc = launch(TINY, *sets, f'train.compute_dtype="{dtype}"', 'runtime.device="cuda"', *extra, cwd=tmp_path)
+    proc = launch(TINY, *sets, f'plan.compute_dtype="{dtype}"', 'runtime.device="cuda"', *extra, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     ref = reference(sets)
     got = metrics(run_dir)

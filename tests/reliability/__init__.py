@@ -50,7 +50,7 @@ def kind_of(proc: psutil.Process) -> str | None:
 
 def fast_sets(store: str, run_dir: Path, *more: str) -> list[str]:
     """The tiny CPU job, fp32, a persistent store, short timeouts (so a hang shows up as a bounded failure)."""
-    return [f'store.name="{store}"', "store.persist=true", f'run.dir="{run_dir}"', 'train.compute_dtype="fp32"',
+    return [f'store.name="{store}"', "store.persist=true", f'run.dir="{run_dir}"', 'plan.compute_dtype="fp32"',
             'checkpoint.dtype="fp32"', "runtime.timeout_s=20", *more]
 
 

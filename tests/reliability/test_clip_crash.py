@@ -35,7 +35,7 @@ HOLD_STEP = 3  # after the checkpoint of step 2
 
 def _sets(store: str, run_dir: Path) -> list[str]:
     return fast_sets(store, run_dir, f"train.steps={STEPS}", "checkpoint.every=2", "checkpoint.keep=4",
-                     "train.max_grad_norm=1.05", "runtime.workers=1", "train.micro_batch=4")
+                     "train.max_grad_norm=1.05", "runtime.workers=1", "plan.micro_batch=4")
 
 
 @pytest.fixture(scope="module")

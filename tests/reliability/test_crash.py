@@ -157,7 +157,7 @@ def test_kill_a_worker_whose_peer_waits_in_a_collective(tmp_path):
     store = unique_store("crash-shard")
     try:
         out = crash_trial("worker", tmp_path, random.Random(7), store, at=2,
-                          extra=('runtime.param_route="sharded"', 'runtime.grad_route="reduce_scatter"'))
+                          extra=('plan.param_route="sharded"', 'plan.grad_route="reduce_scatter"'))
         if out.torn is not None:
             check_refused_then_restore(store, tmp_path / f"run-{store}")
     finally:
@@ -165,12 +165,12 @@ def test_kill_a_worker_whose_peer_waits_in_a_collective(tmp_path):
 
 
 def test_kill_a_worker_holding_layers_leaves_the_store_torn_naming_them(tmp_path):
-    """memory.device_layers: the first layer lives on the workers for the job; a dead worker takes its
+    """plan.device_layers: the first layer lives on the workers for the job; a dead worker takes its
     current state with it, so the store says which chunk was held and not written back (never stale
     weights passing for current ones) and refuses jobs until a checkpoint is restored."""
     store = unique_store("crash-held")
     try:
-        out = crash_trial("worker", tmp_path, random.Random(11), store, at=2, extra=("memory.device_layers=1",))
+        out = crash_trial("worker", tmp_path, random.Random(11), store, at=2, extra=("plan.device_layers=1",))
         layer0 = HostStore.attach(store)
         try:
             chunk = layer0.layout.layer_chunk(0).id
