@@ -104,6 +104,10 @@ class DataSection(Section):
         if self.format in ("npy", "bin") and (self.kind not in ("auto", "text") or self.packing not in ("auto", "stream")):
             raise ConfigError(f"data.format = {self.format!r} holds token ids, not documents: data.kind must be "
                               f"'auto' or 'text' and data.packing 'auto' or 'stream'")
+        if self.format in ("npy", "bin") and (len(self.paths) != 1 or Path(self.paths[0]).is_dir()):
+            given = f"a list of {len(self.paths)}" if len(self.paths) != 1 else f"the folder {self.paths[0]!r}"
+            raise ConfigError(f"data.format = {self.format!r} reads one file of token ids; data.path is {given}: "
+                              "join the ids into one file (numpy.concatenate), or use jsonl, parquet or arrow")
 
     @property
     def paths(self) -> tuple[str, ...]:

@@ -338,3 +338,18 @@ def test_the_bf16_shadow_and_its_delivery(jobdir):
         text = job_to_toml(load_job(path, [f"store.shadow_bf16={str(value).lower() if value != 'auto' else 'auto'}"]))
         again = load_job(write(jobdir, text, "resolved.toml"))
         assert again.store.shadow_bf16 == value and type(again.store.shadow_bf16) is type(value)
+
+
+def test_token_id_files_are_read_one_at_a_time(jobdir):
+    """npy/bin data is one file of ids: a list or a folder is refused naming what to do (it used to stop
+    the dry run and the launcher with a TypeError from numpy)."""
+    (jobdir / "more.npy").write_bytes(b"")
+    p = write(jobdir, BASE.replace('path = "tokens.npy"', 'path = ["tokens.npy", "more.npy"]'))
+    assert error(p) == (f"{p}: data.format = 'npy' reads one file of token ids; data.path is a list of 2: join the "
+                        "ids into one file (numpy.concatenate), or use jsonl, parquet or arrow")
+    (jobdir / "shards").mkdir()
+    p = write(jobdir, BASE.replace('format = "npy"', 'format = "bin"').replace("tokens.npy", "shards"))
+    assert error(p) == (f"{p}: data.format = 'bin' reads one file of token ids; data.path is the folder "
+                        f"{str(jobdir / 'shards')!r}: join the ids into one file (numpy.concatenate), or use "
+                        "jsonl, parquet or arrow")
+    assert load_job(write(jobdir, BASE)).data.paths == (str(jobdir / "tokens.npy"),)
