@@ -3,9 +3,9 @@
 The planner's one entry is `slidedp.planner.job.plan_for` (deliveries, routes, the job file's [plan]
 values, the CPU plan; its measurements in a process of its own, so the launcher never holds a CUDA
 context on the workers' GPU); what a run teaches it is `slidedp.planner.learn.record_training`. Here
-is what only the launcher can see: whether /dev/shm and the host's memory hold the bf16 shadow of a
-store the job creates (`shadow_fits`), what the job's rows of documents cost attention
-(`document_load`), and `plan_job`, the call the launcher and the dry run make.
+is what only the launcher can see: what the job's rows of documents cost attention (`document_load`),
+and `plan_job`, the call the launcher and the dry run make. Whether the host holds the bf16 shadow of a
+store the job creates is the admission's question (`host_room.shadow_fits`).
 """
 
 from __future__ import annotations
@@ -15,22 +15,8 @@ from slidedp.planner.calibration import Calibration
 from slidedp.planner.job import DeliveryError, JobPlan, StoreFacts, plan_for
 from slidedp.planner.learn import record_training
 from slidedp.planner.workload import DocumentLoad, HostRoom
-from slidedp.stepplan import StepPlan
-from slidedp.store.layout import Layout
-from slidedp.store.shm import shm_free_bytes
 
-from .host_room import host_need
-
-__all__ = ["DeliveryError", "JobPlan", "document_load", "plan_job", "record_training", "shadow_fits"]
-
-
-def shadow_fits(job: JobConfig, layout: Layout) -> bool:
-    """Whether the host has room for a store this job creates with the bf16 shadow (14 B/param) and the
-    job's gradient rings (on the host route: the larger), in /dev/shm and in the memory available."""
-    import psutil
-
-    need = host_need(job, layout, StepPlan(grad_route="host"), store_exists=False, shadow=True).shm_bytes
-    return need <= min(shm_free_bytes(), psutil.virtual_memory().available)
+__all__ = ["DeliveryError", "JobPlan", "document_load", "plan_job", "record_training"]
 
 
 def document_load(batches) -> DocumentLoad | None:
