@@ -101,7 +101,8 @@ class Attention:
         if window == self.window:
             return self
         if window is not None and self.backend == "causal":
-            backend = "varlen" if varlen_available(self.cos.device, self.cos.dtype, self.cos.shape[-1], True) else "mask"
+            varlen = varlen_available(self.cos.device, self.cos.dtype, self.cos.shape[-1], windowed=True)
+            backend = "varlen" if varlen else "mask"
             return replace(self, backend=backend, window=window, cu_seqlens=_row_bounds(self.rows, self.seq_len,
                                                                                            self.cos.device),
                            max_seqlen=self.seq_len)

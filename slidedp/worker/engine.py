@@ -211,7 +211,7 @@ class Engine:
             packed = positions is not None and segments is not None and not single_document(segments[i])
             backend = choose_backend(self.device, self.dtype, cfg.head_dim, packed, windowed)
             out.append(packed_rows(rope, positions[i], segments[i], backend) if packed else
-                       plain_rows(rope, m, T, "causal" if backend == "causal" else backend))
+                       plain_rows(rope, m, T, backend))
         return out
 
     def run_step(self, step: int, ids: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor | None = None,
