@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from benchmarks.peers import common
-from slidedp.model.loss import norm_head_backward
+from slidedp.model.loss import norm_head_backward, rms_norm_of
 from slidedp.model import layers as L
 from slidedp.model.attention import Attention
 from slidedp.model.config import ModelConfig
@@ -130,8 +130,8 @@ class ResidentSameKernels:
         head_grad = self.master["embed" if cfg.tie_word_embeddings else "head"].grad.view(cfg.vocab_size, h)
         loss = torch.zeros((), dtype=torch.float32, device=self.device)
         for x, tgt in zip(xs, targets_mb):  # each x becomes the gradient of its input, in place
-            loss += norm_head_backward(x, tgt, norm_w, head_w, cfg.rms_norm_eps, scale, tile, self.chunk_tokens,
-                                       self.master["norm"].grad, head_grad)
+            loss += norm_head_backward(x, tgt, rms_norm_of(cfg.rms_norm_eps), {"weight": norm_w}, head_w, scale,
+                                       tile, self.chunk_tokens, {"weight": self.master["norm"].grad}, head_grad)
         grads = xs
         del xs, norm_w, head_w, embed_w
         for layer in reversed(range(cfg.num_layers)):

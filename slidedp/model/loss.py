@@ -11,6 +11,8 @@ hidden states the cross-entropy keeps are one tile's, not the sequence's.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
+
 import torch
 from torch import Tensor
 
@@ -23,17 +25,32 @@ _log = slog.get("loss")
 
 
 
+def _logits(h: Tensor, weight: Tensor, softcap: float | None) -> tuple[Tensor, Tensor | None]:
+    """fp32 logits of h @ weight.T, and (softcap: Gemma's cap * tanh(logits / cap)) the tanh, for the backward."""
+    logits = (h @ weight.T).float()
+    if softcap is None:
+        return logits, None
+    tanh = torch.tanh(logits / softcap)
+    return tanh * softcap, tanh
+
+
+def _uncap_(grad: Tensor, tanh: Tensor | None) -> Tensor:
+    """In place: the gradient of capped logits becomes that of the logits under the cap."""
+    return grad if tanh is None else grad.mul_(1 - tanh * tanh)
+
+
 class _ChunkedCrossEntropySum(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, chunk_tokens: int) -> Tensor:
+    def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, chunk_tokens: int,
+                softcap: float | None = None) -> Tensor:
         n = hidden.shape[0]
         lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         for s in token_slices(n, chunk_tokens):
-            lse[s], loss = _chunk_loss((hidden[s] @ weight.T).float(), targets[s])
+            lse[s], loss = _chunk_loss(_logits(hidden[s], weight, softcap)[0], targets[s])
             total += loss
         ctx.save_for_backward(hidden, weight, targets, lse)
-        ctx.chunk_tokens = chunk_tokens
+        ctx.chunk_tokens, ctx.softcap = chunk_tokens, softcap
         return total
 
     @staticmethod
@@ -45,12 +62,13 @@ class _ChunkedCrossEntropySum(torch.autograd.Function):
         g_out = grad_out.float()
         for s in token_slices(hidden.shape[0], ctx.chunk_tokens):
             h = hidden[s]
-            g = _logit_grad_((h @ weight.T).float(), lse[s], targets[s], g_out).to(hidden.dtype)
+            logits, tanh = _logits(h, weight, ctx.softcap)
+            g = _uncap_(_logit_grad_(logits, lse[s], targets[s], g_out), tanh).to(hidden.dtype)
             if need_h:
                 grad_h[s] = g @ weight
             if need_w:
                 add_matmul_(grad_w, g.T, h)
-        return grad_h, (grad_w.to(weight.dtype) if need_w else None), None, None
+        return grad_h, (grad_w.to(weight.dtype) if need_w else None), None, None, None
 
 
 def _logit_grad_(logits: Tensor, lse: Tensor, targets: Tensor, g_out: Tensor) -> Tensor:
@@ -94,13 +112,14 @@ def add_matmul_(acc: Tensor, a: Tensor, b: Tensor) -> None:
 
 @torch.no_grad()  # the logits are rewritten in place: nothing here is for autograd
 def cross_entropy_sum_and_grad(hidden: Tensor, weight: Tensor, targets: Tensor, chunk_tokens: int, scale: float,
-                               weight_grad_acc: Tensor) -> tuple[Tensor, Tensor]:
+                               weight_grad_acc: Tensor, softcap: float | None = None) -> tuple[Tensor, Tensor]:
     """Forward and backward of the chunked cross-entropy at once, for a caller that needs both now.
 
     Returns (sum of token losses, fp32 scalar; gradient of scale * that sum with respect to hidden,
     in hidden's dtype) and adds the gradient with respect to weight into weight_grad_acc (fp32
     [V, H]). Each chunk's logits are made once and turned into their gradient in place: no
-    recompute, one GEMM fewer per chunk than forward + backward through autograd.
+    recompute, one GEMM fewer per chunk than forward + backward through autograd. softcap: the logits
+    are cap * tanh(logits / cap) (Gemma's final_logit_softcapping).
     """
     grad_h = torch.empty_like(hidden)
     total = torch.zeros((), dtype=torch.float32, device=hidden.device)
@@ -108,17 +127,18 @@ def cross_entropy_sum_and_grad(hidden: Tensor, weight: Tensor, targets: Tensor, 
     g_out = torch.full((), scale, dtype=torch.float32, device=hidden.device)
     for s in token_slices(hidden.shape[0], chunk_tokens):
         h, tgt = hidden[s], targets[s]
-        logits = (h @ weight.T).float()
+        logits, tanh = _logits(h, weight, softcap)
         lse, loss = _chunk_loss(logits, tgt)
         total += loss
-        g = _logit_grad_(logits, lse, tgt, g_out).to(hidden.dtype)
-        del logits
+        g = _uncap_(_logit_grad_(logits, lse, tgt, g_out), tanh).to(hidden.dtype)
+        del logits, tanh
         grad_h[s] = g @ weight
         add_matmul_(weight_grad_acc, g.T, h)
     return total, grad_h
 
 
-def chunked_cross_entropy_sum(hidden: Tensor, weight: Tensor, targets: Tensor, chunk_tokens: int = 4096) -> Tensor:
+def chunked_cross_entropy_sum(hidden: Tensor, weight: Tensor, targets: Tensor, chunk_tokens: int = 4096,
+                              softcap: float | None = None) -> Tensor:
     """Sum (not mean) of token cross-entropies of `hidden @ weight.T` against `targets`, an fp32 scalar.
 
     hidden [N, H], weight [V, H] (same dtype), targets [N] int64 (IGNORE_INDEX = -100 skipped).
@@ -133,19 +153,24 @@ def chunked_cross_entropy_sum(hidden: Tensor, weight: Tensor, targets: Tensor, c
         raise ValueError(f"chunked_cross_entropy_sum: hidden is {hidden.dtype} but weight is {weight.dtype}")
     if chunk_tokens <= 0:
         raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
-    return _ChunkedCrossEntropySum.apply(hidden, weight, targets.long(), int(chunk_tokens))
+    return _ChunkedCrossEntropySum.apply(hidden, weight, targets.long(), int(chunk_tokens), softcap)
 
 
-def norm_head_backward(x: Tensor, targets: Tensor, norm_w: Tensor, head_w: Tensor, eps: float, scale: float,
-                       tile_tokens: int, chunk_tokens: int, norm_acc: Tensor, head_acc: Tensor) -> Tensor:
-    """Final RMSNorm + chunked cross-entropy of x [..., H] against targets [...], with its backward.
+def norm_head_backward(x: Tensor, targets: Tensor, norm: Callable[[Tensor, Mapping[str, Tensor]], Tensor],
+                       norm_p: Mapping[str, Tensor], head_w: Tensor, scale: float, tile_tokens: int, chunk_tokens: int,
+                       norm_acc: Mapping[str, Tensor], head_acc: Tensor, softcap: float | None = None) -> Tensor:
+    """Final norm + chunked cross-entropy of x [..., H] against targets [...], with its backward.
 
-    tile_tokens > 0: over the flattened tokens, that many at a time (0: all at once). Returns the sum
-    of token losses (fp32 scalar, no graph). x is overwritten with the gradient of scale * loss (a
-    tile's input is dead once its gradient exists); the weights' gradients are added into norm_acc
-    [H] and head_acc [V, H] (the head's straight from each chunk's GEMM, in head_acc's precision).
+    norm(x, norm_p) is the family's final norm over its tensors norm_p (name -> tensor). tile_tokens > 0:
+    over the flattened tokens, that many at a time (0: all at once). Returns the sum of token losses (fp32
+    scalar, no graph). x is overwritten with the gradient of scale * loss (a tile's input is dead once its
+    gradient exists); the weights' gradients are added into norm_acc (name -> fp32 tensor) and head_acc
+    [V, H] (the head's straight from each chunk's GEMM, in head_acc's precision). softcap: see
+    cross_entropy_sum_and_grad.
     """
-    norm_w, head_w = norm_w.detach().requires_grad_(True), head_w.detach()
+    names = list(norm_p)
+    leaves = {n: norm_p[n].detach().requires_grad_(True) for n in names}
+    head_w = head_w.detach()
     h = x.shape[-1]
     if tile_tokens <= 0:
         pieces = [(x, targets)]
@@ -155,11 +180,18 @@ def norm_head_backward(x: Tensor, targets: Tensor, norm_w: Tensor, head_w: Tenso
     total = torch.zeros((), dtype=torch.float32, device=x.device)
     for xs, ts in pieces:
         xt = xs.detach().requires_grad_(True)
-        normed = layers.rms_norm(xt, norm_w, eps).reshape(-1, h)  # looked up at call: compile_kernels swaps it
+        normed = norm(xt, leaves).reshape(-1, h)
         loss, grad_normed = cross_entropy_sum_and_grad(normed.detach(), head_w, ts.reshape(-1).long(), chunk_tokens,
-                                                       scale, head_acc)
-        gx, gn = torch.autograd.grad(normed, [xt, norm_w], grad_normed)
-        xs.copy_(gx)
+                                                       scale, head_acc, softcap)
+        got = torch.autograd.grad(normed, [xt] + [leaves[n] for n in names], grad_normed)
+        xs.copy_(got[0])
         total += loss
-        norm_acc += gn
+        for n, g in zip(names, got[1:]):
+            norm_acc[n].add_(g)
     return total
+
+
+def rms_norm_of(eps: float) -> Callable[[Tensor, Mapping[str, Tensor]], Tensor]:
+    """The native families' final norm as norm_head_backward takes it (looked up at call: compile_kernels
+    swaps layers.rms_norm)."""
+    return lambda x, p: layers.rms_norm(x, p["weight"], eps)

@@ -35,10 +35,9 @@ from ..clipping import Verdict
 from .collectives import Group
 from .delivery import GradOut, ParamDelivery
 from .device_state import DeviceHeld
-from ..model import layers as L
-from ..model.attention import Attention, choose_backend, packed_rows, plain_rows, single_document
+from ..model.attention import choose_backend, packed_rows, plain_rows, single_document
 from ..model.config import ModelConfig
-from ..model.loss import norm_head_backward
+from ..model.family import ModelMath, NativeMath
 from ..data.targets import IGNORE_INDEX
 from ..stepplan import StepPlan
 from ..tracing import NULL, Tracer
@@ -69,10 +68,13 @@ class Engine:
     def __init__(self, cfg: ModelConfig, layout: Layout, master: torch.Tensor, device: torch.device,
                  dtype: torch.dtype, link: Link, slot_view, global_tokens: int, plan: StepPlan = StepPlan(),
                  max_grad_norm: float = 0.0, held: dict[str, DeviceHeld] | None = None, param_group: Group | None = None,
-                 grad_group: Group | None = None, shadow: torch.Tensor | None = None) -> None:
+                 grad_group: Group | None = None, shadow: torch.Tensor | None = None,
+                 math: ModelMath | None = None) -> None:
         """master: the store's flat fp32 master; shadow: its bf16 shadow, which the plan's delivery = "bf16"
-        streams instead (the layers, the norm, the head and the host embedding's rows)."""
+        streams instead (the layers, the norm, the head and the host embedding's rows). math: the model's
+        layers, embedding and loss (family.py; None: the native layers)."""
         self.cfg, self.layout, self.master = cfg, layout, master
+        self.math = math or NativeMath(cfg, device, dtype)
         if plan.delivery == "bf16" and shadow is None:
             raise ValueError("the plan delivers the bf16 shadow, and the store has none (store.shadow_bf16)")
         # what streams to the device; device-held units copy the fp32 master once (device_state.py)
@@ -84,7 +86,6 @@ class Engine:
         self.delivery = ParamDelivery(self.source, device, dtype, link.wait_ready, param_group)
         self.grads = GradOut(device, slot_view, grad_group)  # groups set: the sharded routes
         self.scale = 1.0 / global_tokens  # loss = sum of token losses / global token count
-        self._rope: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._resident: dict[int, torch.Tensor] = {}
         self._host_rows: HostRows | None = None  # made at the first batch of a host-held embedding
         if plan.offload_layers > cfg.num_layers:
@@ -109,11 +110,6 @@ class Engine:
                 yield
 
     # ---- helpers ---------------------------------------------------------------------------
-    def rope(self, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if seq_len not in self._rope:
-            self._rope[seq_len] = L.rope_tables(self.cfg, seq_len, self.device, self.dtype)
-        return self._rope[seq_len]
-
     def _is_resident(self, layer: int) -> bool:
         return layer >= self.cfg.num_layers - self.plan.resident_layers
 
@@ -137,7 +133,7 @@ class Engine:
             p = unit_tensors(flat, unit, strip=strip)
         if prefetch:
             self._prefetch_next(layer, step, backward)
-        return L.fuse_projections(p)
+        return self.math.prepare(layer, p)
 
     def _prefetch_next(self, layer: int, step: int, backward: bool) -> None:
         nxt = layer - 1 if backward else layer + 1
@@ -199,19 +195,20 @@ class Engine:
 
     # ---- the step --------------------------------------------------------------------------
     def micro_attention(self, M: int, m: int, T: int, positions: torch.Tensor | None = None,
-                        segments: torch.Tensor | None = None) -> list[Attention]:
-        """Each micro-batch's attention (attention.py), built once for every layer's forward, recompute and
-        backward: plain causal rows, or rows of packed documents (positions, segments [M, m, T] on the CPU:
-        each token's position in its document and the document's number in its row), through the variable-
-        length kernel on CUDA and the dense mask elsewhere."""
-        rope, cfg = self.rope(T), self.cfg
+                        segments: torch.Tensor | None = None) -> list:
+        """Each micro-batch's attention (attention.py) as the model's math takes it (its batch context), built
+        once for every layer's forward, recompute and backward: plain causal rows, or rows of packed documents
+        (positions, segments [M, m, T] on the CPU: each token's position in its document and the document's
+        number in its row), through the variable-length kernel on CUDA and the dense mask elsewhere."""
+        rope, cfg = self.math.rope(T), self.cfg
         windowed = any(w is not None and w < T for w in map(cfg.window_of, range(cfg.num_layers)))
         out = []
         for i in range(M):
             packed = positions is not None and segments is not None and not single_document(segments[i])
             backend = choose_backend(self.device, self.dtype, cfg.head_dim, packed, windowed)
-            out.append(packed_rows(rope, positions[i], segments[i], backend) if packed else
-                       plain_rows(rope, m, T, backend))
+            attn = packed_rows(rope, positions[i], segments[i], backend) if packed else plain_rows(rope, m, T, backend)
+            out.append(self.math.batch_context(attn, positions[i] if packed else None,
+                                               segments[i] if packed else None))
         return out
 
     def run_step(self, step: int, ids: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor | None = None,
@@ -235,9 +232,9 @@ class Engine:
         with torch.no_grad():
             if tied or embed_held:  # the matrix is on the device (held, or fetched whole for the head)
                 embed_w = self._weight("embed", step)
-                xs = [L.embed(embed_w, ids_dev[i]) for i in range(M)]
+                xs = [self.math.embed(embed_w, ids_dev[i]) for i in range(M)]
             else:  # gather only the batch's rows from the host copy
-                xs = self.host_embedding(ids, step, ids_dev)
+                xs = [self.math.scale_embedding(x) for x in self.host_embedding(ids, step, ids_dev)]
             if self._fetched(0, backward=False):
                 self.delivery.prefetch(self.units["layer.0"], step)
             self.saved.start(step, (M, m, T, H), self.dtype)
@@ -248,9 +245,8 @@ class Engine:
                 p = self._layer_params(layer, step, backward=False, prefetch=not held)
                 for i, x in enumerate(xs):
                     self.saved.save(layer, i, x)
-                window = cfg.window_of(layer)
                 with self._span(f"forward layer {layer}", step, layer=layer):
-                    xs = [L.layer_forward(cfg, p, x, a.at_window(window), tile) for x, a in zip(xs, attns)]
+                    xs = [self.math.layer_forward(layer, p, x, a, tile) for x, a in zip(xs, attns)]
                 self._prefetch_ahead(layer, step, backward=False)
                 del p
             self.delivery.prefetch(self.units["norm"], step)
@@ -259,7 +255,7 @@ class Engine:
 
         # ---- loss and its backward -------------------------------------------------------------
         norm_unit, head_unit = self.units["norm"], self.units["head"]
-        norm_w = unit_tensors(self.delivery.fetch(norm_unit, step), norm_unit)["model.norm.weight"]
+        norm_p = unit_tensors(self.delivery.fetch(norm_unit, step), norm_unit, strip="model.norm.")
         head_w = embed_w if tied else self._weight("head", step)
         last = cfg.num_layers - 1
         if self._fetched(last, backward=True):
@@ -267,14 +263,15 @@ class Engine:
         self.saved.prefetch(last)
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         norm_grad = torch.zeros(norm_unit.numel, dtype=torch.float32, device=self.device)
+        norm_acc = unit_tensors(norm_grad, norm_unit, strip="model.norm.")
         head_grad = torch.zeros(head_unit.numel, dtype=torch.float32, device=self.device)
         head_grad_2d = head_grad[:cfg.vocab_size * H].view(cfg.vocab_size, H)
         with self._span("loss + head backward", step):
             for i, x in enumerate(xs):  # each x becomes its own gradient, in place
-                loss_sum += norm_head_backward(x, targets_dev[i], norm_w, head_w, cfg.rms_norm_eps, scale, tile,
-                                               self.plan.loss_chunk_tokens, norm_grad[:H], head_grad_2d)
+                loss_sum += self.math.loss_and_backward(x, targets_dev[i], norm_p, head_w, scale, tile,
+                                                        self.plan.loss_chunk_tokens, norm_acc, head_grad_2d)
         grads_out = xs
-        del xs, head_w, norm_w
+        del xs, head_w, norm_p, norm_acc
         times.forward_s = time.perf_counter() - t0
         loss_value = float(loss_sum)
         times.loss_sum = loss_value
@@ -302,12 +299,12 @@ class Engine:
             if layer > 0:
                 self.saved.prefetch(layer - 1)  # one layer ahead of the compute that needs it
             acc = torch.zeros(chunk.numel, dtype=torch.float32, device=self.device)
-            acc_views = L.fuse_projections(unit_tensors(acc, self.units[f"layer.{layer}"], strip=f"model.layers.{layer}."))
-            window = cfg.window_of(layer)
+            acc_views = self.math.prepare(layer, unit_tensors(acc, self.units[f"layer.{layer}"],
+                                                              strip=f"model.layers.{layer}."))
             with self._span(f"backward layer {layer}", step, layer=layer):
                 for i in range(M):
-                    grads_out[i] = L.layer_backward(cfg, p, self.saved.get(layer, i), attns[i].at_window(window),
-                                                    grads_out[i], tile, acc_views)
+                    grads_out[i] = self.math.layer_backward(layer, p, self.saved.get(layer, i), attns[i], grads_out[i],
+                                                            tile, acc_views)
             self._prefetch_ahead(layer, step, backward=True)
             self.saved.release(layer)
             del p, acc_views
@@ -323,7 +320,7 @@ class Engine:
         embed_grad = head_grad if tied else torch.zeros(embed_unit.numel, dtype=torch.float32, device=self.device)
         embed_grad_2d = embed_grad[:cfg.vocab_size * H].view(cfg.vocab_size, H)
         for i in range(M):
-            embed_grad_2d.index_add_(0, ids_dev[i].reshape(-1), grads_out[i].reshape(-1, H).to(torch.float32))
+            embed_grad_2d.index_add_(0, ids_dev[i].reshape(-1), self.math.embedding_grad(grads_out[i], ids_dev[i]))
         del grads_out
         if embed_held:
             held_grads["embed"] = embed_grad

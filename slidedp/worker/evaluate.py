@@ -15,8 +15,6 @@ from __future__ import annotations
 import torch
 
 from ..data.targets import IGNORE_INDEX
-from ..model import layers as L
-from ..model.loss import chunked_cross_entropy_sum
 from ..store.layout import unit_tensors
 
 
@@ -24,16 +22,16 @@ from ..store.layout import unit_tensors
 def eval_loss(engine, version: int, ids: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor,
               segments: torch.Tensor) -> tuple[float, int]:
     """(sum of token losses, trained targets) of rows [M, m, T] (on the CPU) at weights version `version`."""
-    cfg, H = engine.cfg, engine.cfg.hidden_size
+    cfg, math = engine.cfg, engine.math
     M, m, T = ids.shape
     attns = engine.micro_attention(M, m, T, positions, segments)
     ids_dev = ids.to(engine.device)
     tied, held = cfg.tie_word_embeddings, engine.held
     if tied or "embed" in held:
         embed_w = engine._weight("embed", version)
-        xs = [L.embed(embed_w, ids_dev[i]) for i in range(M)]
+        xs = [math.embed(embed_w, ids_dev[i]) for i in range(M)]
     else:
-        xs = engine.host_embedding(ids, version)
+        xs = [math.scale_embedding(x) for x in engine.host_embedding(ids, version)]
 
     for layer in range(cfg.num_layers):
         unit, strip = engine.units[f"layer.{layer}"], f"model.layers.{layer}."
@@ -44,16 +42,14 @@ def eval_loss(engine, version: int, ids: torch.Tensor, targets: torch.Tensor, po
             nxt = f"layer.{layer + 1}"
             if layer + 1 < cfg.num_layers and nxt not in held:
                 engine.delivery.prefetch(engine.units[nxt], version)
-        p = L.fuse_projections(p)
-        window = cfg.window_of(layer)
-        xs = [L.layer_forward(cfg, p, x, a.at_window(window), engine.plan.seq_tile_tokens) for x, a in zip(xs, attns)]
+        p = math.prepare(layer, p)
+        xs = [math.layer_forward(layer, p, x, a, engine.plan.seq_tile_tokens) for x, a in zip(xs, attns)]
         del p
     norm_unit = engine.units["norm"]
-    norm_w = unit_tensors(engine.delivery.fetch(norm_unit, version), norm_unit)["model.norm.weight"]
+    norm_p = unit_tensors(engine.delivery.fetch(norm_unit, version), norm_unit, strip="model.norm.")
     head_w = embed_w if tied else engine._weight("head", version)
     total = torch.zeros((), dtype=torch.float32, device=engine.device)
     targets_dev = targets.to(engine.device)
     for x, tgt in zip(xs, targets_dev):
-        h = L.final_norm(cfg, norm_w, x).reshape(-1, H)
-        total += chunked_cross_entropy_sum(h, head_w, tgt.reshape(-1), engine.plan.loss_chunk_tokens)
+        total += math.loss(x, tgt, norm_p, head_w, engine.plan.loss_chunk_tokens)
     return float(total), int((targets != IGNORE_INDEX).sum())

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from slidedp.model.loss import chunked_cross_entropy_sum, norm_head_backward
+from slidedp.model.loss import chunked_cross_entropy_sum, norm_head_backward, rms_norm_of
 from slidedp.model import layers
 from slidedp.model.config import NAMED_SHAPES, ModelConfig
 from slidedp.model.init import init_params
@@ -114,7 +114,8 @@ def test_tiled_norm_head_matches_autograd(tile):
                                          targets.reshape(-1), 16)
     (ref_loss * scale).backward()
     g, norm_acc, head_acc = x.clone(), torch.zeros_like(norm_w), torch.zeros_like(head_w)
-    loss = norm_head_backward(g, targets, norm_w, head_w, cfg.rms_norm_eps, scale, tile, 16, norm_acc, head_acc)
+    loss = norm_head_backward(g, targets, rms_norm_of(cfg.rms_norm_eps), {"weight": norm_w}, head_w, scale, tile, 16,
+                              {"weight": norm_acc}, head_acc)
     assert abs(loss.item() - ref_loss.item()) < 1e-6 * ref_loss.item()
     assert rel_err(g, xr.grad) < 1e-5  # the input's storage now holds its gradient
     assert rel_err(norm_acc, nr.grad) < 1e-5
