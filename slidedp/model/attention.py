@@ -73,7 +73,7 @@ class Attention:
 
     cos, sin: [T, 1, head_dim] (plain rows) or [rows, T, 1, head_dim] (each token's table in its document),
     laid out for q and k as [rows, T, heads, head_dim]. documents: [rows, T] the document number of each
-    token (None: each row is one). cu_seqlens: int32 [documents + 1], the documents' bounds over the rows
+    token (None: each row is one; kept by varlen too, for the layers whose scores run explicitly). cu_seqlens: int32 [documents + 1], the documents' bounds over the rows
     flattened (varlen). window: this layer's sliding window in tokens (None: full causal attention).
     """
 
@@ -123,31 +123,66 @@ class Attention:
             self._masks[self.window] = mask.unsqueeze(1)
         return self._masks[self.window]
 
-    def __call__(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        """Attention of q [rows, T, heads, d] over k, v [rows, T, kv_heads, d] (rope applied): [rows, T, heads * d]."""
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, scale: float | None = None, sinks: Tensor | None = None,
+                 softcap: float | None = None) -> Tensor:
+        """Attention of q [rows, T, heads, d] over k, v [rows, T, kv_heads, d] (rope applied): [rows, T, heads * d].
+
+        scale: of the scores (None: d ** -0.5). sinks [heads]: gpt-oss's attention sinks (a logit per head that
+        joins each softmax and is dropped after it); softcap: Gemma 2's cap * tanh(scores / cap). Both run the
+        scores explicitly (over the dense mask); so does a head dimension the flash kernel does not take."""
         b, t, nh, d = q.shape
-        if self.backend == "varlen":
-            return _varlen(q, k, v, self).view(b, t, nh * d)
+        scale = d**-0.5 if scale is None else scale
+        explicit = sinks is not None or softcap is not None
+        if self.backend == "varlen" and not explicit and d <= _VARLEN_HEAD_DIM_MAX and _kernel_scales(scale, d):
+            return _varlen(q, k, v, self, scale).view(b, t, nh * d)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        kw = dict(is_causal=True) if self.backend == "causal" else dict(attn_mask=self.mask())
         nkv = k.shape[1]
-        if nkv != nh and (_SDPA_GQA and not (self.backend == "mask" and q.is_cuda)):
-            o = F.scaled_dot_product_attention(q, k, v, scale=d**-0.5, enable_gqa=True, **kw)
+        if explicit:
+            return _explicit(q, k, v, self.mask(), scale, sinks, softcap).transpose(1, 2).reshape(b, t, nh * d)
+        kw = dict(is_causal=True) if self.backend == "causal" else dict(attn_mask=self.mask())
+        if nkv != nh and (_SDPA_GQA and not (self.backend != "causal" and q.is_cuda)):
+            o = F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True, **kw)
         else:  # CUDA's kernel for a mask takes whole heads
             if nkv != nh:
                 k, v = k.repeat_interleave(nh // nkv, dim=1), v.repeat_interleave(nh // nkv, dim=1)
-            o = F.scaled_dot_product_attention(q, k, v, scale=d**-0.5, **kw)
+            o = F.scaled_dot_product_attention(q, k, v, scale=scale, **kw)
         return o.transpose(1, 2).reshape(b, t, nh * d)
+
+
+def _explicit(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float, sinks: Tensor | None,
+              softcap: float | None) -> Tensor:
+    """Softmax attention with its scores in the open, as transformers' eager attention: q [rows, heads, T, d],
+    k, v [rows, kv_heads, T, d], mask [rows, 1, T, T] -> [rows, heads, T, d]."""
+    nh, nkv = q.shape[1], k.shape[1]
+    if nkv != nh:
+        k, v = k.repeat_interleave(nh // nkv, dim=1), v.repeat_interleave(nh // nkv, dim=1)
+    scores = torch.matmul(q, k.transpose(2, 3)) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    else:  # as gpt-oss: the sink joins the softmax (after subtracting the row max) and is dropped
+        sink = sinks.reshape(1, -1, 1, 1).expand(scores.shape[0], -1, scores.shape[2], 1).to(scores.dtype)
+        both = torch.cat([scores, sink], dim=-1)
+        both = both - both.max(dim=-1, keepdim=True).values
+        probs = torch.softmax(both, dim=-1, dtype=both.dtype)[..., :-1].to(q.dtype)
+    return torch.matmul(probs, v)
 
 
 # enable_gqa (torch >= 2.5) lets SDPA read the shared k/v heads without materializing copies.
 _SDPA_GQA = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 5)
 
 
-def _varlen(q: Tensor, k: Tensor, v: Tensor, a: Attention) -> Tensor:
+def _kernel_scales(scale: float, head_dim: int) -> bool:
+    """Whether the varlen kernel applies this scale (torch 2.10's takes none: it scales by head_dim ** -0.5)."""
+    return "scale" in _varlen_kernel()[1] or scale == head_dim**-0.5
+
+
+def _varlen(q: Tensor, k: Tensor, v: Tensor, a: Attention, scale: float) -> Tensor:
     b, t, nh, d = q.shape
     kernel, takes = _varlen_kernel()
-    kw: dict = {"scale": d**-0.5} if "scale" in takes else {}  # torch 2.10's kernel scales by d**-0.5 itself
+    kw: dict = {"scale": scale} if "scale" in takes else {}  # torch 2.10's kernel scales by d**-0.5 itself
     # causal: torch 2.10 takes is_causal and no window; 2.11 reads window_size (-1, 0) as causal
     if "window_size" in takes:
         kw["window_size"] = (-1 if a.window is None else a.window - 1, 0)
@@ -199,7 +234,8 @@ def packed_rows(tables: tuple[Tensor, Tensor], positions: Tensor, documents: Ten
     cos, sin = (x[pos].unsqueeze(2) for x in tables)
     if backend == "varlen":
         cu, longest = document_bounds(documents)
-        return Attention("varlen", cos, sin, rows, t, cu_seqlens=cu.to(dev, torch.int32), max_seqlen=longest)
+        return Attention("varlen", cos, sin, rows, t, documents=documents.to(dev), cu_seqlens=cu.to(dev, torch.int32),
+                         max_seqlen=longest)
     if backend != "mask":
         raise ValueError(f"packed rows need the varlen or mask backend, not {backend!r}")
     return Attention("mask", cos, sin, rows, t, documents=documents.to(dev))

@@ -1,18 +1,22 @@
 """Model shape: one frozen dataclass for the whole decoder family, and its parameter table.
 
 Parameter names follow Hugging Face (`model.layers.3.mlp.up_proj.weight`), so a checkpoint
-folder maps onto the store without renaming.
+folder maps onto the store without renaming. The four native families compute their table from
+the shape; any other family (run by transformers' own layers, model/generic.py) carries the table
+read from its folder (`layer_tables`, `norm_table`) and its config.json (`source_config`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from dataclasses import dataclass
 from typing import Any
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 LAYER_TYPES = ("full_attention", "sliding_attention")
+Table = tuple[tuple[str, tuple[int, ...]], ...]  # (name, shape) pairs in store order
 _ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
@@ -23,6 +27,17 @@ _ARCHITECTURES = {
 
 class ModelConfigError(ValueError):
     pass
+
+
+def layers_for(cfg: "ModelConfig", choice: str | None) -> str:
+    """Whose layers run the model (plan.layers): the job's choice, or (None: "auto") SlideDP's own where
+    they model it, else transformers'."""
+    if choice is None:
+        return "native" if cfg.native else "transformers"
+    if choice == "native" and not cfg.native:
+        raise ModelConfigError(f"plan.layers = \"native\": SlideDP's own layers do not model this {cfg.family} "
+                               "configuration; use \"auto\" or \"transformers\"")
+    return choice
 
 
 @dataclass(frozen=True)
@@ -49,10 +64,18 @@ class ModelConfig:
     # tokens before it; layer_types names each layer's kind, () for every layer full (transformers' keys)
     sliding_window: int | None = None
     layer_types: tuple[str, ...] = ()
+    # The transformers path (families without native layers): config.json as read (JSON text), each
+    # layer's tensors (local names) and the final norm's (names under model.norm.) as on disk.
+    source_config: str = ""
+    layer_tables: tuple[Table, ...] = ()
+    norm_table: Table = ()
 
     def __post_init__(self) -> None:
-        if self.family not in FAMILIES:
+        if self.family not in FAMILIES and not self.layer_tables:
             raise ModelConfigError(f"model family {self.family!r} is not supported; supported: {', '.join(FAMILIES)}")
+        if self.layer_tables and (len(self.layer_tables) != self.num_layers or not self.source_config):
+            raise ModelConfigError(f"a transformers-path model needs a table for each of its {self.num_layers} "
+                                   f"layers and its config.json; got {len(self.layer_tables)} tables")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim"):
             if int(getattr(self, name)) <= 0:
                 raise ModelConfigError(f"model.{name} must be a positive integer, got {getattr(self, name)!r}")
@@ -83,9 +106,16 @@ class ModelConfig:
         """Whether some layer attends through a sliding window."""
         return "sliding_attention" in self.layer_types
 
+    @property
+    def native(self) -> bool:
+        """Whether SlideDP's own layers (layers.py) can run this model; else only transformers' can."""
+        return not self.layer_tables
+
     # ---- parameter table -------------------------------------------------------------
-    def layer_parameter_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
-        """Parameters of one decoder layer, local names, in a fixed order."""
+    def layer_parameter_shapes(self, layer: int = 0) -> list[tuple[str, tuple[int, ...]]]:
+        """Parameters of decoder layer `layer`, local names, in store order."""
+        if self.layer_tables:
+            return list(self.layer_tables[layer])
         h, i, d = self.hidden_size, self.intermediate_size, self.head_dim
         q, kv = self.num_heads * d, self.num_kv_heads * d
         shapes: list[tuple[str, tuple[int, ...]]] = [("input_layernorm.weight", (h,))]
@@ -113,17 +143,30 @@ class ModelConfig:
         """Every trainable tensor of the model, full Hugging Face names, in store order."""
         out: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (self.vocab_size, self.hidden_size))]
         for layer in range(self.num_layers):
-            out += [(f"model.layers.{layer}.{n}", s) for n, s in self.layer_parameter_shapes()]
-        out.append(("model.norm.weight", (self.hidden_size,)))
+            out += [(f"model.layers.{layer}.{n}", s) for n, s in self.layer_parameter_shapes(layer)]
+        out += [(f"model.norm.{n}", s) for n, s in self.norm_parameter_shapes()]
         if not self.tie_word_embeddings:
             out.append(("lm_head.weight", (self.vocab_size, self.hidden_size)))
         return out
 
+    def norm_parameter_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
+        """The final norm's tensors, names under `model.norm.`."""
+        return list(self.norm_table) if self.layer_tables else [("weight", (self.hidden_size,))]
+
+    def layer_numel(self, layer: int = 0) -> int:
+        return sum(math.prod(shape) for _, shape in self.layer_parameter_shapes(layer))
+
     def num_parameters(self) -> int:
-        """The sum over parameter_shapes(), counted from one layer's table (the planner asks it often)."""
-        layer = sum(math.prod(shape) for _, shape in self.layer_parameter_shapes())
+        """The sum over parameter_shapes(), counted from the layers' tables (the planner asks it often)."""
+        layers = (sum(map(self.layer_numel, range(self.num_layers))) if self.layer_tables
+                  else self.num_layers * self.layer_numel())
         embed = self.vocab_size * self.hidden_size
-        return embed + self.num_layers * layer + self.hidden_size + (0 if self.tie_word_embeddings else embed)
+        norm = sum(math.prod(s) for _, s in self.norm_parameter_shapes())
+        return embed + layers + norm + (0 if self.tie_word_embeddings else embed)
+
+    def source(self) -> dict[str, Any]:
+        """The transformers path's config.json as read ({} for a native model)."""
+        return json.loads(self.source_config) if self.source_config else {}
 
     @property
     def head_name(self) -> str:
@@ -201,6 +244,8 @@ class ModelConfig:
             raise ModelConfigError(f"config.json is missing the key {e.args[0]!r}") from None
 
     def to_hf(self) -> dict[str, Any]:
+        if self.layer_tables:  # transformers' config as read: nothing of it is SlideDP's to rewrite
+            return self.source()
         hf: dict[str, Any] = {
             "architectures": [_ARCHITECTURES[self.family]],
             "model_type": self.family,
@@ -241,6 +286,12 @@ class ModelConfig:
         d = dataclasses.asdict(self)
         d["rope_scaling"] = [list(kv) for kv in self.rope_scaling]
         d["layer_types"] = list(self.layer_types)
+        if not self.layer_tables:  # native layouts keep the keys (and the hash) they always had
+            for key in ("source_config", "layer_tables", "norm_table"):
+                del d[key]
+        else:
+            d["layer_tables"] = [_table_to_json(t) for t in self.layer_tables]
+            d["norm_table"] = _table_to_json(self.norm_table)
         return d
 
     @classmethod
@@ -248,7 +299,17 @@ class ModelConfig:
         d = dict(d)
         d["rope_scaling"] = tuple(tuple(kv) for kv in d.get("rope_scaling", ()))
         d["layer_types"] = tuple(d.get("layer_types", ()))
+        d["layer_tables"] = tuple(_table_from_json(t) for t in d.get("layer_tables", ()))
+        d["norm_table"] = _table_from_json(d.get("norm_table", ()))
         return cls(**d)
+
+
+def _table_to_json(table: Table) -> list:
+    return [[name, list(shape)] for name, shape in table]
+
+
+def _table_from_json(table) -> Table:
+    return tuple((str(name), tuple(int(s) for s in shape)) for name, shape in table)
 
 
 def _windows(model_type: str, hf: dict[str, Any], num_layers: int) -> tuple[int | None, tuple[str, ...]]:

@@ -64,13 +64,75 @@ def read_config(folder) -> ModelConfig:
         raise CheckpointError(f"{path} must hold a JSON object, got {type(hf).__name__}")
     archs = hf.get("architectures") or []
     supported = tuple(_ARCHITECTURES.values())
-    if hf.get("model_type") not in FAMILIES or any(a not in supported for a in archs):
+    if hf.get("model_type") in FAMILIES and all(a in supported for a in archs):
+        try:
+            return ModelConfig.from_hf(hf)
+        except ModelConfigError:  # a variant the native layers do not model: transformers' layers run it
+            pass
+        except (TypeError, ValueError) as e:
+            raise CheckpointError(f"{path}: {e}") from None
+    return transformers_config(folder, hf)
+
+
+def transformers_config(folder: Path, hf: dict) -> ModelConfig:
+    """The model of a folder whose layers transformers runs (model/generic.py): its table from the
+    safetensors headers, grouped into the embedding, the decoder layers, the final norm and the head."""
+    path = folder / "config.json"
+    archs = [str(a) for a in hf.get("architectures") or []]
+    if "text_config" in hf or any("ForConditionalGeneration" in a for a in archs):
         raise CheckpointError(
-            f"{path}: architecture {', '.join(map(str, archs)) or '(none given)'} (model_type "
-            f"{hf.get('model_type')!r}) is not supported; supported: {', '.join(supported)}"
-        )
+            f"{path}: architecture {', '.join(archs) or '(none given)'} is not a text-only causal LM; SlideDP trains "
+            "*ForCausalLM folders (a multimodal checkpoint's language model must be saved as one first)")
+    drops = [k for k, v in sorted(hf.items()) if ("dropout" in k or "pdrop" in k) and isinstance(v, (int, float))
+             and not isinstance(v, bool) and v]
+    if drops:  # transformers drops in training; SlideDP's layers run as in eval
+        raise CheckpointError(f"{path}: config.json {drops[0]}={hf[drops[0]]} is not supported (SlideDP trains "
+                              "without dropout); set it to 0.0")
     try:
-        return ModelConfig.from_hf(hf)
+        layers, hidden, vocab = (int(hf[k]) for k in ("num_hidden_layers", "hidden_size", "vocab_size"))
+    except KeyError as e:
+        raise CheckpointError(f"{path} is missing the key {e.args[0]!r}") from None
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{path}: {e}") from None
+    index = tensor_index(folder)
+    # config.json may leave tying to the class's default, which only transformers knows: the files tell
+    tied = bool(hf["tie_word_embeddings"]) if "tie_word_embeddings" in hf else "lm_head.weight" not in index
+    layer_tables: list[list[tuple[str, tuple[int, ...]]]] = [[] for _ in range(layers)]
+    norm, other = [], []
+    for name, info in index.items():
+        parts = name.split(".")
+        if name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight"):
+            continue
+        if info.dtype not in FLOAT_TAGS or not info.shape:
+            other.append(f"{name} ({info.dtype}, shape {list(info.shape)})")
+        elif parts[:2] == ["model", "layers"] and len(parts) > 3 and parts[2].isdigit() and int(parts[2]) < layers:
+            layer_tables[int(parts[2])].append((".".join(parts[3:]), info.shape))
+        elif parts[:2] == ["model", "norm"]:
+            norm.append((".".join(parts[2:]), info.shape))
+        elif name not in ("model.embed_tokens.weight", "lm_head.weight"):
+            other.append(name)
+    if other:
+        more = f" and {len(other) - 5} more" if len(other) > 5 else ""
+        raise CheckpointError(
+            f"{folder}: SlideDP trains the tensors model.embed_tokens, model.layers.N.*, model.norm.* and lm_head "
+            f"of a causal LM (floating point, at least 1-D); this folder also has {', '.join(other[:5])}{more}")
+    empty = [i for i, t in enumerate(layer_tables) if not t]
+    if empty or not norm:
+        raise CheckpointError(f"{folder}: config.json says {layers} layers, but the safetensors hold no tensors for "
+                              + (f"layer(s) {empty[:5]}" if empty else "the final norm model.norm"))
+    heads = int(hf.get("num_attention_heads") or 1)
+    try:
+        return ModelConfig(
+            family=str(hf.get("model_type")), vocab_size=vocab, hidden_size=hidden,
+            intermediate_size=int(hf.get("intermediate_size") or 4 * hidden), num_layers=layers, num_heads=heads,
+            num_kv_heads=int(hf.get("num_key_value_heads") or heads),
+            head_dim=int(hf.get("head_dim") or hidden // heads), rms_norm_eps=float(hf.get("rms_norm_eps") or 1e-6),
+            tie_word_embeddings=tied, max_position_embeddings=int(hf.get("max_position_embeddings") or 4096),
+            bos_token_id=hf.get("bos_token_id") if isinstance(hf.get("bos_token_id"), int) else None,
+            eos_token_id=hf["eos_token_id"][0] if isinstance(hf.get("eos_token_id"), list) else hf.get("eos_token_id"),
+            source_config=json.dumps(hf, sort_keys=True), norm_table=tuple(norm),
+            layer_tables=tuple(tuple(t) for t in layer_tables),
+        )
     except (ModelConfigError, TypeError, ValueError) as e:
         raise CheckpointError(f"{path}: {e}") from None
 
@@ -171,6 +233,8 @@ def check_folder(folder, cfg: ModelConfig) -> None:
             raise CheckpointError(f"{folder / info.file}: tensor {name!r} has dtype {info.dtype}; "
                                   f"expected one of {', '.join(FLOAT_TAGS)}")
     extra = [n for n in index if n not in expected and not n.endswith("rotary_emb.inv_freq")]
+    if not cfg.native:
+        extra = [n for n in extra if n != "lm_head.weight"]
     if extra:
         more = f" and {len(extra) - 5} more" if len(extra) > 5 else ""
         raise CheckpointError(f"{folder} has {len(extra)} tensor(s) a {cfg.family} model of this config does "

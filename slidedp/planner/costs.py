@@ -16,7 +16,6 @@ What is counted, and what is deliberately not:
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from slidedp import hosttraffic
@@ -26,8 +25,8 @@ from slidedp.model.config import ModelConfig
 # parameters
 
 def layer_params(model: ModelConfig) -> int:
-    """Parameters of one decoder layer (every layer has the same shape)."""
-    return sum(math.prod(shape) for _, shape in model.layer_parameter_shapes())
+    """Parameters of one decoder layer (the mean where layers differ, as in hybrid models)."""
+    return sum(map(model.layer_numel, range(model.num_layers))) // model.num_layers
 
 
 def embedding_params(model: ModelConfig) -> int:

@@ -201,7 +201,7 @@ class Shard:
 
 def default_chunk_rows(cfg: ModelConfig) -> int:
     """Row blocks of embedding/head no larger than one decoder layer."""
-    layer_numel = sum(math.prod(s) for _, s in cfg.layer_parameter_shapes())
+    layer_numel = max(map(cfg.layer_numel, range(cfg.num_layers)))
     return max(1, min(cfg.vocab_size, layer_numel // cfg.hidden_size))
 
 
@@ -239,9 +239,9 @@ def make_layout(cfg: ModelConfig, chunk_rows: int | None = None) -> Layout:
     cursor = _align(cursor)
     for layer in range(cfg.num_layers):
         prefix = f"model.layers.{layer}."
-        add_chunk("layer", layer, [(prefix + n, 0, s[0], s) for n, s in cfg.layer_parameter_shapes()])
+        add_chunk("layer", layer, [(prefix + n, 0, s[0] if s else 1, s) for n, s in cfg.layer_parameter_shapes(layer)])
         cursor = _align(cursor)
-    add_chunk("norm", -1, [("model.norm.weight", 0, cfg.hidden_size, (cfg.hidden_size,))])
+    add_chunk("norm", -1, [("model.norm." + n, 0, s[0] if s else 1, s) for n, s in cfg.norm_parameter_shapes()])
     cursor = _align(cursor)
     if not cfg.tie_word_embeddings:
         row_blocks("head", "lm_head.weight")

@@ -47,14 +47,15 @@ def write_model_folder(folder: Path, family: str = "qwen3", tied: bool = True, s
 
 
 def hf_reference(folder: Path, steps_docs: list[list[tuple[torch.Tensor, torch.Tensor]]], train, lr_of,
-                 attn: str = "eager"):
+                 attn: str = "eager", dtype: torch.dtype = torch.float32):
     """transformers model + torch AdamW: each document alone, loss = sum of its trained targets' losses
     over the step / the step's trained targets; weight decay on matrices only, optional clipping.
+    dtype: the reference's precision (float64: the truth an fp32 run is measured against, where fp32's
+    own rounding is large, as in gradients that are sums of cancelling terms).
     Returns (losses, grad norms, state dict)."""
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
-                                                              attn_implementation=attn)
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation=attn)
     params = dict(model.named_parameters())
     opt = torch.optim.AdamW(
         [{"params": [p for p in params.values() if p.ndim >= 2], "weight_decay": train.weight_decay},

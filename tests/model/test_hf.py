@@ -211,20 +211,52 @@ def test_bad_json(tmp_path):
 
 
 def test_unsupported_architecture(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
+    """A causal LM whose tensors are not embed_tokens / layers.N / norm / lm_head (GPT-2's transformer.h.N)."""
+    cfg = tiny("llama")
+    hf.write_folder(tmp_path, cfg, noisy_params(cfg), dtype=torch.float32)
+    conf = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**conf, "architectures": ["GPT2LMHeadModel"],
+                                                      "model_type": "gpt2"}))
+    (tmp_path / "model.safetensors").rename(tmp_path / "x")
+    renamed = {n.replace("model.layers.", "transformer.h."): t for n, t in noisy_params(cfg).items()}
+    from safetensors.torch import save_file
+
+    save_file(renamed, tmp_path / "model.safetensors")
     with pytest.raises(CheckpointError) as e:
         hf.read_config(tmp_path)
-    assert str(e.value) == (f"{tmp_path / 'config.json'}: architecture GPT2LMHeadModel (model_type 'gpt2') is not "
-                            "supported; supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, "
-                            "Qwen3ForCausalLM")
+    assert str(e.value).startswith(
+        f"{tmp_path}: SlideDP trains the tensors model.embed_tokens, model.layers.N.*, model.norm.* and lm_head of a "
+        "causal LM (floating point, at least 1-D); this folder also has transformer.h.")
 
 
-def test_unsupported_llama_variant(tmp_path):
-    conf = {**tiny("llama").to_hf(), "attention_bias": True}
-    (tmp_path / "config.json").write_text(json.dumps(conf))
+def test_multimodal_checkpoint_is_refused(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Gemma3ForConditionalGeneration"],
+                                                      "model_type": "gemma3", "text_config": {}}))
     with pytest.raises(CheckpointError) as e:
         hf.read_config(tmp_path)
-    assert str(e.value) == f"{tmp_path / 'config.json'}: config.json attention_bias=true is not supported for llama"
+    assert str(e.value) == (f"{tmp_path / 'config.json'}: architecture Gemma3ForConditionalGeneration is not a "
+                            "text-only causal LM; SlideDP trains *ForCausalLM folders (a multimodal checkpoint's "
+                            "language model must be saved as one first)")
+
+
+def test_llama_variant_the_native_layers_do_not_model_goes_to_transformers(tmp_path):
+    """attention_bias = true: not in the native layers, so the folder's own table is read (transformers' layers)."""
+    cfg = tiny("llama")
+    params = noisy_params(cfg)
+    for layer in range(cfg.num_layers):
+        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            rows = params[f"model.layers.{layer}.self_attn.{proj}.weight"].shape[0]
+            params[f"model.layers.{layer}.self_attn.{proj}.bias"] = torch.randn(rows)
+    from safetensors.torch import save_file
+
+    tmp_path.mkdir(exist_ok=True)
+    save_file(params, tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text(json.dumps({**cfg.to_hf(), "attention_bias": True}))
+    got = hf.read_config(tmp_path)
+    assert not got.native and got.family == "llama"
+    assert ("self_attn.o_proj.bias", (cfg.hidden_size,)) in got.layer_parameter_shapes(1)
+    assert got.num_parameters() == sum(t.numel() for t in params.values())
+    hf.check_folder(tmp_path, got)
 
 
 def test_truncated_safetensors(tmp_path):

@@ -1,0 +1,356 @@
+"""transformers' own decoder layers on streamed tensors: every causal LM whose layers form a list.
+
+The binding. transformers builds the model once with its parameters on the meta device (no memory; the
+rotary tables and other buffers are real). Its decoder layers are sorted into structures (the layer class,
+its layer type, its tensors' shapes and its modules' settings: full and linear attention, sliding and global),
+and one layer of each structure is kept as the template. A layer runs as
+`torch.func.functional_call(template, tensors, ...)`, the tensors being views of the delivered chunk, so
+autograd sees the streamed buffer itself and a layer's gradients land in views of one flat fp32 buffer,
+as with the native layers. Views and not copies: a layer costs no copy on the device; one template per
+structure and not per layer: an 80-layer model holds a handful of modules.
+
+What a layer receives besides its input (rotary tables, position ids, whatever the family's forward hands
+its layers) comes from the model's own forward: per micro-batch, the decoder runs once with its layers
+replaced by recorders that keep each call's keywords and pass the hidden state through. So the rotary
+module, the per-layer-type tables and any keyword a family adds are transformers' own, not a copy of them.
+A probe at load checks the contract this relies on: the layers are called in order, each on the previous
+one's output, the embedding reaches layer 0 scaled by at most a constant, and the final norm is all that
+follows the last layer. A family that breaks it (per-layer inputs, shared KV caches) is refused by name.
+
+Attention goes through `slidedp`, an attention function registered with transformers: it receives the
+micro-batch's `Attention` (attention.py) among the layer's keywords and runs it at the module's sliding
+window, scale, sinks and softcap: SDPA, the variable-length kernel for packed rows, or explicit scores.
+No mask is made (transformers makes none for an attention function without a mask function).
+
+Packed rows through a layer that mixes tokens without attention (Gated DeltaNet, convolutions) would leak
+across documents: a structure whose first forward called no attention is, on packed rows, run one document
+at a time, each with the keywords the model's forward gives a sequence of that length. Exact, slower.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .attention import Attention
+from .config import ModelConfig
+from .loss import chunked_cross_entropy_sum, norm_head_backward
+
+ATTENTION_NAME = "slidedp"
+CONTEXT_KEY = "slidedp_attention"  # the layer keyword that carries the micro-batch's Attention
+_calls = [0]  # attention calls so far: tells a structure that attends from one that does not
+
+
+class UnsupportedModel(ValueError):
+    pass
+
+
+def _attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask, dropout: float = 0.0,
+               scaling: float | None = None, sliding_window: int | None = None, softcap: float | None = None,
+               s_aux: Tensor | None = None, **kwargs) -> tuple[Tensor, None]:
+    """transformers' attention-function contract: q [b, heads, t, d], k, v [b, kv_heads, t, d] ->
+    ([b, t, heads, d], no weights)."""
+    attn: Attention | None = kwargs.get(CONTEXT_KEY)
+    if attn is None:
+        raise RuntimeError(f"{type(module).__name__} called SlideDP's attention without the micro-batch's context")
+    if not getattr(module, "is_causal", True):
+        raise UnsupportedModel(f"{type(module).__name__} attends bidirectionally; SlideDP trains causal attention")
+    if dropout:
+        raise UnsupportedModel(f"{type(module).__name__} drops attention weights (dropout {dropout}); set the "
+                               "config's attention dropout to 0")
+    _calls[0] += 1
+    b, _, t, d = query.shape
+    q, k, v = (x.transpose(1, 2) for x in (query, key, value))
+    out = attn.at_window(sliding_window)(q, k, v, scale=scaling, sinks=s_aux, softcap=softcap)
+    return out.view(b, t, -1, d), None
+
+
+def register_attention() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION_NAME, _attention)
+
+
+@contextmanager
+def _parameters_on_meta() -> Iterator[None]:
+    """Build modules with their parameters on the meta device and their buffers real (rotary tables)."""
+    register = nn.Module.register_parameter
+
+    def on_meta(module: nn.Module, name: str, param) -> None:
+        register(module, name, param)
+        if param is not None and param.device.type != "meta":
+            module._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+
+    nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+class _Recorder(nn.Module):
+    """Stands in for decoder layer `index` during the model's forward: keeps the call's keywords."""
+
+    def __init__(self, layer: nn.Module, index: int, calls: list) -> None:
+        super().__init__()
+        self.__dict__["_layer"], self.index, self.calls = layer, index, calls
+
+    def __getattr__(self, name: str):  # the model's forward may read a layer's attributes (attention_type)
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.__dict__["_layer"], name)
+
+    def forward(self, hidden_states: Tensor, *args, **kwargs) -> Tensor:
+        if any(a is not None for a in args):
+            raise UnsupportedModel(f"decoder layer {self.index} takes positional inputs besides the hidden state "
+                                   "(per-layer inputs): its layers cannot be streamed one at a time")
+        self.calls.append((self.index, hidden_states, kwargs))
+        return hidden_states
+
+
+def _settings(layer: nn.Module) -> tuple:
+    """What sets a layer's structure apart besides its tensors: the plain settings of its modules."""
+    out = []
+    for path, m in layer.named_modules():
+        for k, v in sorted(vars(m).items()):
+            if k != "layer_idx" and not k.startswith("_") and isinstance(v, (bool, int, float, str, type(None))):
+                out.append((path, k, v))
+    return tuple(out)
+
+
+@dataclass(frozen=True, eq=False)
+class Batch:
+    """One micro-batch's context: its Attention, each layer's keywords from the model's forward, and (packed
+    rows) its documents as (row, start, end) spans for layers that must see one document at a time."""
+
+    attn: Attention
+    layer_kwargs: tuple[dict, ...]
+    spans: tuple[tuple[int, int, int], ...] | None
+
+
+class TransformersMath:
+    """transformers' layers for any causal LM of the store's layout (see the module docstring)."""
+
+    name = "transformers"
+    tiles = False
+
+    def __init__(self, cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> None:
+        import transformers
+
+        self.cfg, self.device, self.dtype = cfg, device, dtype
+        register_attention()
+        source = dict(cfg.source() or cfg.to_hf())
+        model_type = source.pop("model_type", cfg.family)
+        try:
+            config = transformers.AutoConfig.for_model(model_type, **source)
+        except (ValueError, KeyError) as e:
+            raise UnsupportedModel(f"transformers {transformers.__version__} does not know model_type "
+                                   f"{model_type!r}: {e}") from None
+        for key, what in (("hidden_size_per_layer_input", "per-layer inputs"), ("num_kv_shared_layers",
+                                                                               "key/value caches shared across layers")):
+            if getattr(config, key, 0):
+                raise UnsupportedModel(f"{model_type}: {key} = {getattr(config, key)} ({what}) ties layers together; "
+                                       "SlideDP streams layers that depend on nothing but the previous layer's output")
+        config.use_cache = False
+        with _parameters_on_meta():
+            model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype,
+                                                                  attn_implementation=ATTENTION_NAME)
+        self._check_table(model)
+        for module in model.modules():  # buffers (rotary tables) to the device; parameters stay on meta
+            for k, b in module._buffers.items():
+                if b is not None:
+                    module._buffers[k] = b.to(device)
+        model.eval()  # no dropout anywhere
+        self.config = config
+        self.decoder = model.get_decoder()
+        layers = list(self.decoder.layers)
+        types = getattr(config, "layer_types", None) or [None] * len(layers)
+        keys = [(type(m).__name__, types[i], tuple((n, tuple(p.shape)) for n, p in m.named_parameters()), _settings(m))
+                for i, m in enumerate(layers)]
+        self._structure = [keys.index(k) for k in keys]  # each layer's structure: its first layer's index
+        self.templates = {s: layers[s] for s in set(self._structure)}
+        self._buffers = {s: {n for n, _ in m.named_buffers()} for s, m in self.templates.items()}
+        self._attends: dict[int, bool] = {}
+        self.norm = self.decoder.norm
+        embed = self.decoder.embed_tokens
+        self.padding_idx = getattr(embed, "padding_idx", None)
+        scale = getattr(embed, "embed_scale", None)
+        self._embed_scale = None if scale is None else torch.as_tensor(scale, dtype=torch.float32)
+        self.softcap = getattr(config, "final_logit_softcapping", None)
+        self._calls: list = []
+        self.decoder.layers = nn.ModuleList([_Recorder(m, i, self._calls) for i, m in enumerate(layers)])
+        self.decoder.norm = _Recorder(self.norm, -1, self._calls)
+        self._doc_kwargs: dict[int, tuple[dict, ...]] = {}
+        self._input_scale = self._probe()
+
+    # ---- load ------------------------------------------------------------------------------
+    def _check_table(self, model: nn.Module) -> None:
+        # parameters and persistent buffers (Gemma 4's layer_scalar): both stream, a buffer unchanged by AdamW
+        # (it gets no gradient, so its moments stay 0 and its update is 0)
+        built = {n: tuple(t.shape) for n, t in model.state_dict().items()}
+        if self.cfg.tie_word_embeddings:
+            built.pop("lm_head.weight", None)
+        stored = dict(self.cfg.parameter_shapes())
+        if built != stored:
+            missing = sorted(set(built) - set(stored))
+            extra = sorted(set(stored) - set(built))
+            shapes = sorted(n for n in set(built) & set(stored) if built[n] != stored[n])
+            raise UnsupportedModel(
+                f"transformers' {type(model).__name__} does not have the store's tensors: "
+                + "; ".join(f"{what} {names[:4]}" for what, names in (("missing from the store", missing),
+                            ("not in the model", extra), ("other shapes", shapes)) if names))
+
+    def _record(self, rows: int, seq_len: int, position_ids: Tensor, embeds: Tensor | None = None
+                ) -> tuple[list, Tensor]:
+        """Run the model's forward with the layers recording: each layer's (input, keywords), and its output."""
+        self._calls.clear()
+        x = embeds if embeds is not None else torch.zeros((), device=self.device, dtype=self.dtype).expand(
+            rows, seq_len, self.cfg.hidden_size)
+        with torch.no_grad():
+            out = self.decoder(inputs_embeds=x, position_ids=position_ids, use_cache=False).last_hidden_state
+        calls = list(self._calls)
+        self._calls.clear()
+        order = [i for i, _, _ in calls]
+        if order != list(range(self.cfg.num_layers)) + [-1]:
+            raise UnsupportedModel(f"{type(self.decoder).__name__}'s forward calls its layers and norm in the order "
+                                   f"{order[:8]}...; SlideDP streams them once each, in order")
+        return calls, out
+
+    def _probe(self) -> Tensor | None:
+        """Check the streaming contract on a short random input; returns the constant the forward scales the
+        embedding by before layer 0 (Gemma 1/2), None if it passes it as is."""
+        t = 4
+        x = torch.randn(1, t, self.cfg.hidden_size, device=self.device).to(self.dtype)
+        calls, out = self._record(1, t, torch.arange(t, device=self.device)[None], x)
+        for (i, h, _), (_, prev, _) in zip(calls[1:], calls):
+            if h is not prev:
+                raise UnsupportedModel(f"{type(self.decoder).__name__}'s forward changes the hidden state between "
+                                       f"layers (before layer {i}); SlideDP cannot stream its layers")
+        if out is not calls[-1][1]:
+            raise UnsupportedModel(f"{type(self.decoder).__name__}'s forward does more than the final norm after "
+                                   "the last layer")
+        first = calls[0][1]
+        if first is x:
+            return None
+        ratio = (first.float() / x.float()).flatten()
+        if not torch.allclose(ratio, ratio[0].expand_as(ratio), rtol=1e-2):
+            raise UnsupportedModel(f"{type(self.decoder).__name__}'s forward transforms the embeddings before the "
+                                   "first layer; SlideDP cannot stream its layers")
+        return ratio[0].to(self.dtype)
+
+    # ---- the interface (family.ModelMath) ----------------------------------------------------
+    def structures(self) -> dict[int, int]:
+        return {s: self._structure.count(s) for s in sorted(set(self._structure))}
+
+    def rope(self, seq_len: int) -> tuple[Tensor, Tensor]:
+        """Placeholder tables: transformers' layers rotate with the model's own rotary module."""
+        z = torch.zeros(seq_len, 1, device=self.device, dtype=self.dtype)
+        return z, z
+
+    def batch_context(self, attn: Attention, positions: Tensor | None, documents: Tensor | None) -> Batch:
+        rows, t = attn.rows, attn.seq_len
+        if positions is None:
+            pos = torch.arange(t, device=self.device)[None].expand(rows, t)
+            spans = None
+        else:
+            pos = positions.to(self.device)
+            spans = tuple(_spans(documents)) if documents is not None else None
+        calls, _ = self._record(rows, t, pos)
+        return Batch(attn, tuple({**kw, CONTEXT_KEY: attn} for _, _, kw in calls[:-1]), spans)
+
+    def prepare(self, layer: int, p: dict[str, Tensor]) -> dict[str, Tensor]:
+        return p
+
+    def _call(self, layer: int, p: Mapping[str, Tensor], x: Tensor, kwargs: dict) -> Tensor:
+        out = torch.func.functional_call(self.templates[self._structure[layer]], dict(p), (x,), kwargs)
+        return out[0] if isinstance(out, tuple) else out
+
+    def _run(self, layer: int, p: Mapping[str, Tensor], x: Tensor, ctx: Batch) -> Tensor:
+        s = self._structure[layer]
+        if ctx.spans is None or self._attends.get(s, True) is True and s in self._attends:
+            return self._call(layer, p, x, ctx.layer_kwargs[layer])
+        if s not in self._attends:  # the first packed call: does this structure attend through us?
+            before = _calls[0]
+            y = self._call(layer, p, x, ctx.layer_kwargs[layer])
+            self._attends[s] = _calls[0] > before
+            if self._attends[s]:
+                return y
+        rows = [[] for _ in range(x.shape[0])]
+        for r, a, b in ctx.spans:  # one document at a time, as the model's forward would see it alone
+            rows[r].append(self._call(layer, p, x[r:r + 1, a:b], self._alone(b - a)))
+        return torch.cat([torch.cat(pieces, dim=1) for pieces in rows])
+
+    def _alone(self, length: int) -> dict:
+        if length not in self._doc_kwargs:
+            if len(self._doc_kwargs) > 4096:
+                self._doc_kwargs.clear()
+            calls, _ = self._record(1, length, torch.arange(length, device=self.device)[None])
+            self._doc_kwargs[length] = tuple(calls[0][2] for _ in range(1))
+        return {**self._doc_kwargs[length][0], CONTEXT_KEY: None}
+
+    def layer_forward(self, layer: int, p: Mapping[str, Tensor], x: Tensor, ctx: Batch, tile: int) -> Tensor:
+        if ctx.spans is None and self._structure[layer] not in self._attends:
+            before = _calls[0]
+            y = self._call(layer, p, x, ctx.layer_kwargs[layer])
+            self._attends[self._structure[layer]] = _calls[0] > before
+            return y
+        return self._run(layer, p, x, ctx)
+
+    def layer_backward(self, layer: int, p: Mapping[str, Tensor], x: Tensor, ctx: Batch, grad_y: Tensor,
+                       tile: int, acc: Mapping[str, Tensor]) -> Tensor:
+        x = x.detach().requires_grad_(True)
+        buffers = self._buffers[self._structure[layer]]  # stream with the layer, never trained
+        leaves = {k: v.detach().requires_grad_(k not in buffers) for k, v in p.items()}
+        with torch.enable_grad():
+            y = self._run(layer, leaves, x, ctx)
+        names = [n for n in leaves if n not in buffers]
+        got = torch.autograd.grad(y, [x] + [leaves[n] for n in names], grad_y, allow_unused=True)
+        for n, g in zip(names, got[1:]):
+            if g is not None:
+                acc[n].add_(g)
+        return got[0]
+
+    def embed(self, weight: Tensor, ids: Tensor) -> Tensor:
+        return self.scale_embedding(F.embedding(ids, weight, self.padding_idx))
+
+    def scale_embedding(self, rows: Tensor) -> Tensor:
+        """As the model: the embedding module's scale (Gemma 3/4), then the forward's (Gemma 1/2), each in the
+        compute dtype."""
+        if self._embed_scale is not None:
+            rows = rows * self._embed_scale.to(rows.device, rows.dtype)
+        if self._input_scale is not None:
+            rows = rows * self._input_scale.to(rows.device, rows.dtype)
+        return rows
+
+    def embedding_grad(self, grad_x: Tensor, ids: Tensor) -> Tensor:
+        g = self.scale_embedding(grad_x).reshape(-1, grad_x.shape[-1]).to(torch.float32)
+        if self.padding_idx is not None:  # nn.Embedding gives the padding row no gradient
+            g = g.masked_fill((ids.reshape(-1) == self.padding_idx)[:, None], 0.0)
+        return g
+
+    def _norm(self, x: Tensor, p: Mapping[str, Tensor]) -> Tensor:
+        return torch.func.functional_call(self.norm, dict(p), (x,))
+
+    def loss_and_backward(self, x, targets, norm_p, head_w, scale, tile, chunk, norm_acc, head_acc) -> Tensor:
+        return norm_head_backward(x, targets, self._norm, norm_p, head_w, scale, 0, chunk, norm_acc, head_acc,
+                                  self.softcap)
+
+    def loss(self, x, targets, norm_p, head_w, chunk) -> Tensor:
+        h = self._norm(x, norm_p).reshape(-1, x.shape[-1])
+        return chunked_cross_entropy_sum(h, head_w, targets.reshape(-1), chunk, self.softcap)
+
+
+def _spans(documents: Tensor) -> Iterator[tuple[int, int, int]]:
+    """(row, start, end) of each run of one document number in documents [rows, T] (CPU)."""
+    for r, row in enumerate(documents.tolist()):
+        start = 0
+        for i in range(1, len(row) + 1):
+            if i == len(row) or row[i] != row[start]:
+                yield r, start, i
+                start = i

@@ -1,0 +1,161 @@
+"""transformers' own layers on streamed tensors (model/generic.py) against transformers itself.
+
+For each family of tests/families.py: a folder transformers wrote, read into a flat fp32 master as the
+store would hold it, one engine step on rows of packed documents (CPU, fp32, a fake link for the daemons)
+against the transformers model run on each document alone: the summed loss and every tensor's gradient.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+transformers = pytest.importorskip("transformers")
+
+from families import FAMILIES, write_family_folder  # noqa: E402
+from slidedp.model import hf  # noqa: E402
+from slidedp.model.generic import TransformersMath, UnsupportedModel  # noqa: E402
+from slidedp.stepplan import StepPlan  # noqa: E402
+from slidedp.store.layout import make_layout  # noqa: E402
+from slidedp.worker.engine import Engine  # noqa: E402
+
+from pipeline.harness import rel_err  # noqa: E402
+from pipeline.test_engine_tiling import FakeLink  # noqa: E402
+
+M, ROWS, T = 2, 2, 40  # micro-batches of ROWS rows of T positions
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("families")
+    return {f: write_family_folder(root / f, f, seed=3) for f in FAMILIES}
+
+
+def packed_batch(vocab: int, seed: int, packed: bool = True):
+    """ids, targets, positions, documents [M, ROWS, T] and the documents as (ids, targets) pairs: rows of
+    documents of 3 to 30 tokens (packed), or one document a row."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, vocab, (M, ROWS, T), generator=gen)
+    targets = torch.full((M, ROWS, T), -100)
+    positions = torch.zeros(M, ROWS, T, dtype=torch.long)
+    documents = torch.zeros(M, ROWS, T, dtype=torch.long)
+    docs = []
+    for i in range(M):
+        for r in range(ROWS):
+            at, d = 0, 0
+            while at < T:
+                n = min(T - at, int(torch.randint(3, 31, (), generator=gen))) if packed else T
+                s = slice(at, at + n)
+                positions[i, r, s], documents[i, r, s] = torch.arange(n), d
+                targets[i, r, at:at + n - 1] = ids[i, r, at + 1:at + n]
+                docs.append((ids[i, r, s], targets[i, r, s]))
+                at, d = at + n, d + 1
+    return ids, targets, positions, documents, docs
+
+
+def engine_step(folder, batch, layers: str = "transformers"):
+    """(loss sum, name -> gradient of the summed loss) of one engine step over the folder's weights."""
+    cfg = hf.read_config(folder)
+    layout = make_layout(cfg)
+    master = torch.zeros(layout.total_numel)
+    index = hf.tensor_index(folder)
+    for span in layout.tensors:
+        hf.load_tensor(folder, span.name, master[span.offset:span.offset + math.prod(span.shape)].view(span.shape),
+                       index)
+    link = FakeLink(len(layout.chunks))
+    slots = torch.zeros(len(layout.chunks), layout.max_chunk_numel)
+    cpu = torch.device("cpu")
+    from slidedp.model.family import math_for
+
+    engine = Engine(cfg, layout, master, cpu, torch.float32, link, lambda slot, numel: slots[slot, :numel], 1,
+                    StepPlan(), math=math_for(cfg, layers, cpu, torch.float32))
+    ids, targets, positions, documents, _ = batch
+    times = engine.run_step(0, ids, targets, positions, documents, scale=1.0)
+    flat = torch.zeros(layout.total_numel)
+    for c in layout.chunks:
+        slot, _ = link.landed[c.id]
+        flat[c.offset:c.offset + c.numel] = slots[slot, :c.numel]
+    grads = {s.name: flat[s.offset:s.offset + math.prod(s.shape)].view(s.shape) for s in layout.tensors}
+    return times.loss_sum, grads
+
+
+def reference_step(folder, docs):
+    """transformers, each document alone: the summed loss and the gradients."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager")
+    total = torch.zeros(())
+    for ids, targets in docs:
+        logits = model(input_ids=ids[None]).logits[0].float()
+        total = total + F.cross_entropy(logits, targets, ignore_index=-100, reduction="sum")
+    total.backward()
+    return float(total.detach()), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_packed_step_equals_each_document_alone(folders, family):
+    batch = packed_batch(512, seed=7)
+    loss, grads = engine_step(folders[family], batch)
+    want_loss, want = reference_step(folders[family], batch[4])
+    assert loss == pytest.approx(want_loss, rel=1e-5)
+    assert set(want) <= set(grads)
+    worst = max((rel_err(grads[n], want[n]), n) for n in want)
+    assert worst[0] < 1e-4, worst
+    for n in set(grads) - set(want):  # buffers that stream with the layer (Gemma 4's layer_scalar): no gradient
+        assert float(grads[n].abs().max()) == 0.0, n
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_5", "gemma3"])
+def test_plain_rows(folders, family):
+    batch = packed_batch(512, seed=8, packed=False)
+    loss, grads = engine_step(folders[family], batch)
+    want_loss, want = reference_step(folders[family], batch[4])
+    assert loss == pytest.approx(want_loss, rel=1e-5)
+    worst = max((rel_err(grads[n], want[n]), n) for n in want)
+    assert worst[0] < 1e-4, worst
+
+
+def test_native_and_transformers_layers_agree(folders):
+    """The same Llama store through both implementations."""
+    batch = packed_batch(512, seed=9)
+    loss_n, grads_n = engine_step(folders["llama"], batch, layers="native")
+    loss_t, grads_t = engine_step(folders["llama"], batch, layers="transformers")
+    assert loss_n == pytest.approx(loss_t, rel=1e-6)
+    assert max(rel_err(grads_n[n], grads_t[n]) for n in grads_n) < 1e-5
+
+
+def test_layers_that_would_leak_run_one_document_at_a_time(folders):
+    """Qwen3.5's Gated DeltaNet layers carry state along the row: run on the packed row as is, document 2
+    would see document 1. The engine's result equals each document alone (above); here: the row as is
+    differs from it, so the test above could fail."""
+    cfg = hf.read_config(folders["qwen3_5"])
+    m = TransformersMath(cfg, torch.device("cpu"), torch.float32)
+    linear = next(i for i, t in enumerate(m.config.layer_types) if t == "linear_attention")
+    layout = make_layout(cfg)
+    index = hf.tensor_index(folders["qwen3_5"])
+    prefix = f"model.layers.{linear}."
+    p = {s.name[len(prefix):]: hf.load_tensor(folders["qwen3_5"], s.name, index=index)
+         for s in layout.tensors if s.name.startswith(prefix)}
+    x = torch.randn(1, 20, cfg.hidden_size)
+    whole = m._call(linear, p, x, m._alone(20))
+    second_alone = m._call(linear, p, x[:, 8:], m._alone(12))
+    assert torch.allclose(whole[:, :8], m._call(linear, p, x[:, :8], m._alone(8)), atol=1e-6)
+    assert (whole[:, 8:] - second_alone).abs().max() > 1e-3
+
+
+def test_refuses_layers_tied_together(tmp_path):
+    """Gemma 4's per-layer inputs have tensors outside the layers; its shared KV caches tie layers together."""
+    from families import tiny_config
+
+    config = tiny_config("gemma4")
+    config.hidden_size_per_layer_input = 8
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "ple")
+    with pytest.raises(hf.CheckpointError, match=r"this folder also has model.embed_tokens_per_layer.weight"):
+        hf.read_config(tmp_path / "ple")
+    config = tiny_config("gemma4")
+    config.num_kv_shared_layers = 2
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "shared")
+    cfg = hf.read_config(tmp_path / "shared")
+    with pytest.raises(UnsupportedModel, match=r"num_kv_shared_layers = 2 \(key/value caches shared across layers\)"):
+        TransformersMath(cfg, torch.device("cpu"), torch.float32)
