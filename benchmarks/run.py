@@ -72,6 +72,8 @@ SLIDEFORMER = Published(
 SYSTEMS: dict[str, System] = {
     "slidedp": System("benchmarks.peers.slidedp_run"),
     "slidedp_noclip": System("benchmarks.peers.slidedp_run", ("--max-grad-norm", "0")),
+    # transformers' own layer modules on the streamed weights (plan.layers), where the native ones would run
+    "slidedp_transformers": System("benchmarks.peers.slidedp_run", ("--set", 'plan.layers="transformers"')),
     "slidedp_replicated": System("benchmarks.peers.slidedp_run",
                                  ("--set", 'plan.param_route="replicated"', "--set", 'plan.grad_route="host"')),
     "resident_same_kernels": System("benchmarks.peers.resident_same_kernels"),

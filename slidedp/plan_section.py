@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from slidedp.section import Section, show
-from slidedp.stepplan import COMPUTE_DTYPES, DELIVERIES, GRAD_ROUTES, PARAM_ROUTES, PLACES
+from slidedp.stepplan import COMPUTE_DTYPES, DELIVERIES, GRAD_ROUTES, LAYERS, PARAM_ROUTES, PLACES
 
 AUTO = "auto"
 
@@ -26,7 +26,7 @@ INTEGERS: dict[str, tuple[int, int | None]] = {
     "offload_layers": (0, None), "seq_tile_tokens": (0, None), "loss_chunk_tokens": (1, None),
     "device_layers": (0, None)}
 WORDS: dict[str, tuple[str, ...]] = {
-    "compute_dtype": COMPUTE_DTYPES, "param_route": PARAM_ROUTES, "delivery": DELIVERIES, "embedding": PLACES,
+    "compute_dtype": COMPUTE_DTYPES, "layers": LAYERS, "param_route": PARAM_ROUTES, "delivery": DELIVERIES, "embedding": PLACES,
     "grad_route": GRAD_ROUTES}
 
 
@@ -35,6 +35,8 @@ class PlanSection(Section):
     _name: ClassVar[str] = "plan"
     micro_batch: int | str = AUTO  # sequences per forward/backward pass on one rank (a divisor of the rank's)
     compute_dtype: str = AUTO  # what the layers compute in: "bf16" | "fp32"; auto: bf16
+    layers: str = AUTO  # whose layers run the model: "native" (SlideDP's) | "transformers"; auto: native where
+    # they model it (Llama, Mistral, Qwen2, Qwen3), else transformers'
     param_route: str = AUTO  # "replicated" | "sharded" (1/N per rank, all-gathered)
     delivery: str = AUTO  # what crosses PCIe: "fp32" (the master) | "bf16" (the store's bf16 shadow)
     prefetch_depth: int | str = AUTO  # layer copies running ahead of the compute, 1-8

@@ -26,6 +26,7 @@ GRAD_ROUTES = ("host", "reduce_scatter")
 PLACES = ("host", "device")
 DELIVERIES = ("fp32", "bf16")
 COMPUTE_DTYPES = ("bf16", "fp32")
+LAYERS = ("native", "transformers")
 
 
 class StepPlanError(ValueError):
@@ -37,6 +38,7 @@ class StepPlan:
     # the batch
     micro_batch: int = 1  # sequences per forward/backward pass on one rank
     compute_dtype: str = "bf16"  # what the layers compute in ("bf16" | "fp32"); master and gradients stay fp32
+    layers: str = "native"  # whose layers run the model: SlideDP's own | transformers' (model/family.py)
     # parameters in
     param_route: str = "replicated"  # | "sharded": each rank copies 1/N of a unit in, the ranks all-gather it
     delivery: str = "fp32"  # what crosses PCIe: the fp32 master (cast on the device) | the bf16 shadow
@@ -61,7 +63,8 @@ class StepPlan:
 
     def __post_init__(self) -> None:
         for name, options in (("param_route", PARAM_ROUTES), ("grad_route", GRAD_ROUTES), ("embedding", PLACES),
-                              ("delivery", DELIVERIES), ("compute_dtype", COMPUTE_DTYPES)):
+                              ("delivery", DELIVERIES), ("compute_dtype", COMPUTE_DTYPES),
+                              ("layers", LAYERS)):
             if getattr(self, name) not in options:
                 raise StepPlanError(f"plan: {name} must be one of {', '.join(map(repr, options))}, "
                                     f"got {getattr(self, name)!r}")

@@ -381,10 +381,12 @@ def _write_blocks(path: Path, shapes: Mapping[str, MeasuredBlocks]) -> None:
 def measured_blocks(model: ModelConfig, seq_len: int, compute_dtype: str, compiled: bool, sizes: Iterable[Size],
                     local_batch: int, host: str, device_name: str, device: str = "cuda",
                     cache_dir: str | os.PathLike | None = None, measure: Callable[..., MeasuredBlocks] = measure_blocks,
-                    compile_fallback: bool = True, documents: DocumentLoad | None = None) -> MeasuredBlocks:
-    """The blocks of this shape at `sizes`: from the host's cache, measuring (and keeping) the sizes it
-    lacks. `measured_s` says how long that took (0: nothing measured)."""
-    key = shape_key(model, seq_len, compute_dtype, compiled, documents)
+                    compile_fallback: bool = True, documents: DocumentLoad | None = None,
+                    layers: str = "native") -> MeasuredBlocks:
+    """The blocks of this shape at `sizes` (run by `layers`: SlideDP's or transformers'): from the host's
+    cache, measuring (and keeping) the sizes it lacks. `measured_s` says how long that took (0: nothing
+    measured)."""
+    key = shape_key(model, seq_len, compute_dtype, compiled, documents, layers)
     sizes = sorted({(m, normalized(m, seq_len, tile), chunk) for m, tile, chunk in sizes})
     path = blocks_file(host, device_name, cache_dir)
     with locked(path):  # one job measures at a time: two at once would measure each other
@@ -396,7 +398,8 @@ def measured_blocks(model: ModelConfig, seq_len: int, compute_dtype: str, compil
         t0 = time.perf_counter()
         new = measure(model, seq_len, compute_dtype, compiled, missing, local_batch, device=device,
                       compile_fallback=compile_fallback, device_name=device_name,
-                      **({"documents": documents} if documents is not None else {}))
+                      **({"documents": documents} if documents is not None else {}),
+                      **({"layers": layers} if layers != "native" else {}))
         if new.shape != key:
             raise MeasureError(f"measured blocks of {new.shape!r}, wanted {key!r}")
         shapes[key] = have.merged(new)

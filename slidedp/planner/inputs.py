@@ -4,7 +4,8 @@ the job's spec as JSON on stdin and prints one JSON line: {"calibration": ..., "
 
 spec: {"gpus", "model_params", and, for the GPU blocks, "model" (ModelConfig.to_dict()), "seq_len",
 "compute_dtype", "compiled", "compile_fallback", "local_batch", "sizes" ([micro_batch, seq_tile_tokens,
-loss_chunk_tokens], ...), and for rows of packed documents "documents" (DocumentLoad.to_dict())}.
+loss_chunk_tokens], ...), "layers" (whose layers run: "native" | "transformers"), and for rows of packed
+documents "documents" (DocumentLoad.to_dict())}.
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ def plan_inputs(spec: Mapping[str, Any], device: str = "cuda") -> dict[str, Any]
             ModelConfig.from_dict(spec["model"]), int(spec["seq_len"]), str(spec["compute_dtype"]),
             bool(spec["compiled"]), [tuple(s) for s in spec["sizes"]], int(spec["local_batch"]), calib.host,
             calib.device_name, device=device, compile_fallback=bool(spec.get("compile_fallback", True)),
-            documents=DocumentLoad.from_dict(spec["documents"]) if spec.get("documents") else None)
+            documents=DocumentLoad.from_dict(spec["documents"]) if spec.get("documents") else None,
+            layers=str(spec.get("layers", "native")))
         if blocks.measured_s:  # a first plan of this shape: its blocks took tens of seconds since the calibration
             calib = remeasure_host(device, gpus=int(spec.get("gpus", 1)), model_params=spec.get("model_params"))
     return {"calibration": calib.to_dict(), "blocks": blocks.to_dict() if blocks else None}

@@ -16,7 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from slidedp import log
-from slidedp.config import JobConfig, model_config
+from slidedp.config import ConfigError, JobConfig, model_config
+from slidedp.model.config import ModelConfigError, layers_for
 from slidedp.plan_section import AUTO, PlanSection
 from slidedp.planner import inputs
 from slidedp.planner.calibration import Calibration
@@ -129,22 +130,40 @@ def _routes(p: PlanSection, calib: Calibration) -> dict[str, tuple[str, ...]]:
             "grad_route": options(p.grad_route, ("host", "reduce_scatter"))}
 
 
+def _layers(job: JobConfig, cfg) -> str:
+    """plan.layers resolved (model/config.py:layers_for); a sequence tile asks for SlideDP's layers."""
+    try:
+        layers = layers_for(cfg, job.plan.chosen("layers"))
+    except ModelConfigError as e:
+        raise ConfigError(str(e)) from None
+    if layers == "transformers" and job.plan.chosen("seq_tile_tokens"):
+        raise ConfigError(f"plan.seq_tile_tokens = {job.plan.seq_tile_tokens}: transformers' layers (which run this "
+                          f"{cfg.family} model) are not tiled; set it to \"auto\" or 0")
+    return layers
+
+
+def layers_note(layers: str, cfg) -> str:
+    return (f"layers: {layers} ("
+            + ("SlideDP's own" if layers == "native" else f"transformers' {cfg.family} layer modules, untiled") + ")")
+
+
 def _cpu_plan(job: JobConfig, options: tuple[str, ...], store: StoreFacts, notes: tuple[str, ...]) -> JobPlan:
     """No planner: the job's values, and the CPU default where it says "auto"; the bf16 delivery where
     the store has (or gets) the shadow anyway."""
     p, cfg, world = job.plan, model_config(job), job.runtime.workers
     nl, one = cfg.num_layers, world == 1  # one rank: nothing to shard
+    layers = _layers(job, cfg)
     delivery = options[-1] if len(options) == 1 else "fp32"
     step = StepPlan(
         micro_batch=p.chosen("micro_batch") or cpu_micro_batch(job.train.global_batch // world), delivery=delivery,
         compute_dtype=p.dtype, chunk_rows=default_chunk_rows(cfg), resident_layers=p.chosen("resident_layers") or 0,
         prefetch_depth=p.chosen("prefetch_depth") or 1, embedding=p.chosen("embedding") or "host",
-        seq_tile_tokens=p.chosen("seq_tile_tokens") or 0,
+        seq_tile_tokens=p.chosen("seq_tile_tokens") or 0, layers=layers,
         loss_chunk_tokens=p.chosen("loss_chunk_tokens") or StepPlan.loss_chunk_tokens,
         offload_layers=min(p.chosen("offload_layers") or 0, nl), device_layers=min(p.chosen("device_layers") or 0, nl),
         param_route="sharded" if p.param_route == "sharded" and not one else "replicated",
         grad_route="reduce_scatter" if p.grad_route == "reduce_scatter" and not one else "host")
-    return JobPlan(step, shadow=_store_shadow(job, store.shadow, delivery), notes=notes)
+    return JobPlan(step, shadow=_store_shadow(job, store.shadow, delivery), notes=(*notes, layers_note(layers, cfg)))
 
 
 def plan_for(job: JobConfig, store_facts: StoreFacts = StoreFacts(), host_room: HostRoom | None = None,
@@ -166,10 +185,12 @@ def plan_for(job: JobConfig, store_facts: StoreFacts = StoreFacts(), host_room: 
         return _cpu_plan(job, options, store_facts, notes)
     cfg = model_config(job)
     nl, one = cfg.num_layers, rt.workers == 1
+    layers = _layers(job, cfg)
     work = Workload(model=cfg, global_batch=t.global_batch, seq_len=t.seq_len, world=rt.workers,
                     micro_batch=p.chosen("micro_batch") or 0, compute_dtype=p.dtype, clip=t.max_grad_norm > 0,
-                    updaters=max(1, rt.updaters), compiled=t.compile in ("auto", "on"), host_room=host_room,
-                    documents=documents)
+                    updaters=max(1, rt.updaters), compiled=t.compile in ("auto", "on") and layers == "native",
+                    host_room=host_room,
+                    documents=documents, layers=layers)
     budget = int(job.memory.device_budget_gib * GiB)
     allowed = {
         "activations": ("keep",) if p.chosen("offload_layers") == 0 else ("keep", "offload"),
@@ -180,7 +201,7 @@ def plan_for(job: JobConfig, store_facts: StoreFacts = StoreFacts(), host_room: 
         allowed["prefetch_depth"] = (p.prefetch_depth,)
     if calibration is None:  # measured on this host: the calibration and the GPU blocks of every size the plan weighs
         calibration = inputs.measured_calibration(rt.workers, work.model.num_parameters(), measure={
-            "model": cfg.to_dict(), "seq_len": t.seq_len, "compute_dtype": p.dtype,
+            "model": cfg.to_dict(), "layers": layers, "seq_len": t.seq_len, "compute_dtype": p.dtype,
             "compiled": work.compiled, "compile_fallback": t.compile == "auto", "local_batch": work.local_batch,
             "sizes": device_work_sizes(work, budget, allowed),
             **({"documents": documents.to_dict()} if documents is not None else {})})

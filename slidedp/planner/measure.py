@@ -23,6 +23,7 @@ No torch at import: the planner's arithmetic runs anywhere; measuring imports it
 from __future__ import annotations
 
 import itertools
+import json
 import math
 import statistics
 import threading
@@ -124,12 +125,21 @@ class MeasuredBlocks:
 
 
 def shape_key(model: ModelConfig, seq_len: int, compute_dtype: str, compiled: bool,
-              documents: DocumentLoad | None = None) -> str:
+              documents: DocumentLoad | None = None, layers: str = "native") -> str:
     """What a layer's and the loss's GPU time depend on: the layer's and the head's dimensions, the
     sequence length (and, for rows of packed documents, their lengths), the compute dtype and whether
-    the pointwise pieces are compiled."""
+    the pointwise pieces are compiled; and whose layers run (transformers': the model's own config and
+    table, by hash)."""
     m = model
     window = m.window_of(0)
+    compiled = compiled and layers == "native"  # transformers' layers run as transformers wrote them
+    if layers != "native":
+        import hashlib
+
+        table = json.dumps([m.source_config or m.to_hf(), m.to_dict().get("layer_tables")], sort_keys=True)
+        return (f"{m.family} transformers layers {hashlib.sha256(table.encode()).hexdigest()[:12]} "
+                f"h{m.hidden_size} {m.num_layers} layers vocab {m.vocab_size}; seq {seq_len}"
+                f"{f', {documents.key}' if documents is not None else ''}; {compute_dtype}")
     return (f"{m.family} h{m.hidden_size} i{m.intermediate_size} heads {m.num_heads}/{m.num_kv_heads}x{m.head_dim}"
             f"{' qk-norm' if m.qk_norm else ''}{' bias' if m.attention_bias else ''} vocab {m.vocab_size}; "
             f"seq {seq_len}{f' window {window}' if window is not None and window < seq_len else ''}"
@@ -175,16 +185,16 @@ def fused_adamw(params: list, grads: list, m: list, v: list, steps: list) -> Non
     )
 
 
-def flat_layer(cfg: ModelConfig, dtype, device) -> tuple[Any, Any, dict[str, Any]]:
-    """Layer 0 of the model as the engine holds a streamed layer: one flat chunk and its named views
-    (norm weights 1, matrices N(0, 0.02))."""
+def flat_layer(cfg: ModelConfig, dtype, device, layer: int = 0) -> tuple[Any, Any, dict[str, Any]]:
+    """A layer of the model as the engine holds a streamed layer: one flat chunk and its named views
+    (1-D tensors 1, matrices N(0, 0.02))."""
     import torch
 
     from slidedp.store.layout import make_layout, unit_tensors, units_of
 
-    unit = units_of(make_layout(cfg))["layer.0"]
+    unit = units_of(make_layout(cfg))[f"layer.{layer}"]
     flat = torch.empty(unit.numel, dtype=dtype, device=device).normal_(0, 0.02)
-    views = unit_tensors(flat, unit, strip="model.layers.0.")
+    views = unit_tensors(flat, unit, strip=f"model.layers.{layer}.")
     for t in views.values():
         if t.dim() == 1:
             t.fill_(1.0)
@@ -192,20 +202,26 @@ def flat_layer(cfg: ModelConfig, dtype, device) -> tuple[Any, Any, dict[str, Any
 
 
 def pass_attention(cfg: ModelConfig, micro_batch: int, seq_len: int, passes: int, device, dtype,
-                   documents: DocumentLoad | None = None) -> list:
+                   documents: DocumentLoad | None = None, math=None, layer: int = 0) -> list:
     """Each pass's attention as the engine builds it: plain causal rows, or the sampled rows of packed
-    documents in turn (layer 0's window, if it has one)."""
+    documents in turn (the layer's window, if it has one); on the tables of `math` (None: native)."""
+    return [attn for attn, _, _ in pass_rows(cfg, micro_batch, seq_len, passes, device, dtype, documents, math, layer)]
+
+
+def pass_rows(cfg: ModelConfig, micro_batch: int, seq_len: int, passes: int, device, dtype,
+              documents: DocumentLoad | None = None, math=None, layer: int = 0) -> list[tuple]:
+    """(attention, positions, document numbers) of each pass (positions and numbers None for plain rows)."""
     import torch
 
     from slidedp.model import attention as A
     from slidedp.model import layers as L
 
-    tables = L.rope_tables(cfg, seq_len, torch.device(device), dtype)
-    window = cfg.window_of(0)
+    tables = math.rope(seq_len) if math is not None else L.rope_tables(cfg, seq_len, torch.device(device), dtype)
+    window = cfg.window_of(layer)
     windowed = window is not None and window < seq_len
     if documents is None:
         backend = A.choose_backend(torch.device(device), dtype, cfg.head_dim, False, windowed)
-        return [A.plain_rows(tables, micro_batch, seq_len, backend).at_window(window)] * passes
+        return [(A.plain_rows(tables, micro_batch, seq_len, backend).at_window(window), None, None)] * passes
     if any(sum(lengths) != seq_len for lengths in documents.sample):
         raise MeasureError(f"the sampled rows of documents do not fill rows of {seq_len} positions")
     out, rows = [], itertools.cycle(documents.sample)
@@ -219,59 +235,70 @@ def pass_attention(cfg: ModelConfig, micro_batch: int, seq_len: int, passes: int
                 positions[r, at:at + n], numbers[r, at:at + n] = torch.arange(n), d
                 at += n
         backend = A.choose_backend(torch.device(device), dtype, cfg.head_dim, True, windowed)
-        out.append(A.packed_rows(tables, positions, numbers, backend).at_window(window))
+        out.append((A.packed_rows(tables, positions, numbers, backend).at_window(window), positions, numbers))
     return out
 
 
-def layer_work(cfg: ModelConfig, micro_batch: int, seq_len: int, passes: int, tile: int, device, dtype,
-               fuse: bool = True, documents: DocumentLoad | None = None) -> tuple[Callable[[], None], Callable[[], None]]:
-    """The engine's work of one layer for `passes` micro-batches of `micro_batch` x `seq_len` tokens:
-    (the forward without grad, the recompute + backward into an fp32 gradient)."""
+def _native(cfg: ModelConfig, device, dtype):
     import torch
 
-    from slidedp.model import layers as L
+    from slidedp.model.family import NativeMath
+
+    return NativeMath(cfg, torch.device(device), dtype)
+
+
+def layer_work(cfg: ModelConfig, micro_batch: int, seq_len: int, passes: int, tile: int, device, dtype,
+               fuse: bool = True, documents: DocumentLoad | None = None, math=None,
+               layer: int = 0) -> tuple[Callable[[], None], Callable[[], None]]:
+    """The engine's work of one layer for `passes` micro-batches of `micro_batch` x `seq_len` tokens:
+    (the forward without grad, the recompute + backward into an fp32 gradient), through `math` (the
+    model's layers, model/family.py; None: the native ones, fused where `fuse`)."""
+    import torch
+
     from slidedp.store.layout import unit_tensors
 
-    _, unit, views = flat_layer(cfg, dtype, device)
-    p = L.fuse_projections(views) if fuse else views
-    acc = unit_tensors(torch.zeros(unit.numel, dtype=torch.float32, device=device), unit, strip="model.layers.0.")
-    acc = L.fuse_projections(acc) if fuse else acc
-    attns = pass_attention(cfg, micro_batch, seq_len, passes, device, dtype, documents)
+    math = math or _native(cfg, device, dtype)
+    _, unit, views = flat_layer(cfg, dtype, device, layer)
+    p = math.prepare(layer, views) if fuse else views
+    acc = unit_tensors(torch.zeros(unit.numel, dtype=torch.float32, device=device), unit,
+                       strip=f"model.layers.{layer}.")
+    acc = math.prepare(layer, acc) if fuse else acc
+    ctxs = [math.batch_context(a, pos, numbers)
+            for a, pos, numbers in pass_rows(cfg, micro_batch, seq_len, passes, device, dtype, documents, math, layer)]
     xs = [torch.randn(micro_batch, seq_len, cfg.hidden_size, device=device, dtype=dtype) for _ in range(passes)]
     gys = [torch.randn_like(x) * 1e-3 for x in xs]
 
     def forward() -> None:
         with torch.no_grad():
-            for x, attn in zip(xs, attns):
-                L.layer_forward(cfg, p, x, attn, tile)
+            for x, ctx in zip(xs, ctxs):
+                math.layer_forward(layer, p, x, ctx, tile)
 
     def backward() -> None:
-        for x, gy, attn in zip(xs, gys, attns):
-            L.layer_backward(cfg, p, x, attn, gy.clone(), tile, acc)
+        for x, gy, ctx in zip(xs, gys, ctxs):
+            math.layer_backward(layer, p, x, ctx, gy.clone(), tile, acc)
 
     return forward, backward
 
 
 def loss_work(cfg: ModelConfig, micro_batch: int, seq_len: int, passes: int, tile: int, chunk: int, device,
-              dtype) -> Callable[[], None]:
+              dtype, math=None) -> Callable[[], None]:
     """The engine's loss for `passes` micro-batches: final norm + chunked cross-entropy and its backward,
-    the head's gradient added into fp32."""
+    the head's gradient added into fp32, through `math` (None: the native layers' loss)."""
     import torch
 
-    from slidedp.model.loss import norm_head_backward
-
+    math = math or _native(cfg, device, dtype)
     h, v = cfg.hidden_size, cfg.vocab_size
     head = torch.empty(v, h, device=device, dtype=dtype).normal_(0, 0.02)
-    norm_w = torch.ones(h, device=device, dtype=dtype)
+    norm_p = {n: torch.ones(shape, device=device, dtype=dtype) for n, shape in cfg.norm_parameter_shapes()}
     xs = [torch.randn(micro_batch, seq_len, h, device=device, dtype=dtype) for _ in range(passes)]
     targets = [torch.randint(0, v, (micro_batch, seq_len), device=device) for _ in range(passes)]
-    norm_acc = torch.zeros(h, device=device)
+    norm_acc = {n: torch.zeros(t.shape, device=device) for n, t in norm_p.items()}
     head_acc = torch.zeros(v, h, device=device)
     scale = 1.0 / (passes * micro_batch * seq_len)
 
     def run() -> None:
         for x, t in zip(xs, targets):
-            norm_head_backward(x.clone(), t, norm_w, head, cfg.rms_norm_eps, scale, tile, chunk, norm_acc, head_acc)
+            math.loss_and_backward(x.clone(), t, norm_p, head, scale, tile, chunk, norm_acc, head_acc)
 
     return run
 
@@ -303,33 +330,46 @@ def _device_tools(device: str) -> tuple[Callable[[], None], Callable[[Callable[[
 
 def measure_blocks(model: ModelConfig, seq_len: int, compute_dtype: str, compiled: bool, sizes: Iterable[Size],
                    local_batch: int, device: str = "cuda", repeat: int = 5, compile_fallback: bool = True,
-                   device_name: str = "", documents: DocumentLoad | None = None) -> MeasuredBlocks:
+                   device_name: str = "", documents: DocumentLoad | None = None, layers: str = "native") -> MeasuredBlocks:
     """Time one layer's forward, its recompute + backward and the loss at each size, on `device`, with
-    the engine's code (compiled pointwise pieces where `compiled`). Each time is per micro-batch pass,
-    averaged over the passes of one rank's step (local_batch / micro_batch of them)."""
+    the engine's code (`layers`: SlideDP's or transformers' layers; compiled pointwise pieces where
+    `compiled`). Each time is per micro-batch pass, averaged over the passes of one rank's step
+    (local_batch / micro_batch of them); where layers differ (hybrid models: full and linear attention,
+    sliding and global) one layer of each structure is timed and the layer's time is their mean over the
+    model's layers, its workspace the largest."""
     import torch
 
     from slidedp.model import layers as L
+    from slidedp.model.family import math_for
 
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[compute_dtype]
     sync, peak_of = _device_tools(device)
     sizes = sorted({(m, normalized(m, seq_len, tile), chunk) for m, tile, chunk in sizes})
+    compiled = compiled and layers == "native"
     if compiled:
         L.compile_kernels(fallback=compile_fallback)
-    layers: dict[tuple[int, int], LayerTime] = {}
+    math = math_for(model, layers, torch.device(device), dtype)
+    structures = math.structures()  # a layer of each structure -> how many layers have it
+    layer_times: dict[tuple[int, int], LayerTime] = {}
     losses: list[LossTime] = []
     try:
         for m, tile, chunk in sizes:
             if local_batch % m:
                 raise MeasureError(f"micro_batch {m} does not divide the {local_batch} sequences per rank")
             passes = local_batch // m
-            if (m, tile) not in layers:
-                forward, backward = layer_work(model, m, seq_len, passes, tile, device, dtype, documents=documents)
-                fwd = timed(forward, sync, repeat, min_window_s=BLOCK_WINDOW_S)
-                bwd = timed(backward, sync, repeat, min_window_s=BLOCK_WINDOW_S)
-                layers[(m, tile)] = LayerTime(m, tile, fwd / passes, bwd / passes, peak_of(backward))
-                del forward, backward
-            run = loss_work(model, m, seq_len, passes, tile, chunk, device, dtype)
+            if (m, tile) not in layer_times:
+                fwd = bwd = 0.0
+                peak = 0
+                for layer, count in structures.items():
+                    forward, backward = layer_work(model, m, seq_len, passes, tile, device, dtype, documents=documents,
+                                                   math=math, layer=layer)
+                    fwd += count * timed(forward, sync, repeat, min_window_s=BLOCK_WINDOW_S)
+                    bwd += count * timed(backward, sync, repeat, min_window_s=BLOCK_WINDOW_S)
+                    peak = max(peak, peak_of(backward))
+                    del forward, backward
+                n = model.num_layers
+                layer_times[(m, tile)] = LayerTime(m, tile, fwd / n / passes, bwd / n / passes, peak)
+            run = loss_work(model, m, seq_len, passes, tile, chunk, device, dtype, math)
             losses.append(LossTime(m, tile, chunk, timed(run, sync, repeat, min_window_s=BLOCK_WINDOW_S) / passes,
                                    peak_of(run)))
             del run
@@ -338,8 +378,8 @@ def measure_blocks(model: ModelConfig, seq_len: int, compute_dtype: str, compile
     finally:
         if compiled:
             L.compile_kernels(False)
-    return MeasuredBlocks(shape_key(model, seq_len, compute_dtype, compiled, documents), device_name or device,
-                          tuple(layers[k] for k in sorted(layers)), tuple(losses))
+    return MeasuredBlocks(shape_key(model, seq_len, compute_dtype, compiled, documents, layers), device_name or device,
+                          tuple(layer_times[k] for k in sorted(layer_times)), tuple(losses))
 
 
 def adamw_beside_copies(threads: int, device: str = "cuda", gpus: int = 1, params: int = 64 << 20,

@@ -146,15 +146,16 @@ def _base_choices(work: Workload, allowed: dict[str, tuple] | None = None) -> li
     return [
         StepPlan(micro_batch=work.micro_batch or 1, compute_dtype=work.compute_dtype, offload_layers=offloaded[a],
                  embedding=e, delivery=d, prefetch_depth=p, param_route=pr, grad_route=gr,
-                 chunk_rows=costs.default_chunk_rows(work.model), loss_chunk_tokens=_LOSS_CHUNKS[0])
+                 chunk_rows=costs.default_chunk_rows(work.model), loss_chunk_tokens=_LOSS_CHUNKS[0], layers=work.layers)
         for e in opts["embedding"] for a in opts["activations"] for d in deliveries for p in opts["prefetch_depth"]
         for pr in param_routes for gr in grad_routes
     ]
 
 
 def _seq_tiles(work: Workload, micro_batch: int) -> list[int]:
-    """Untiled, then the tiles smaller than a micro-batch of that size (tiles run over its m x T tokens)."""
-    return [t for t in _SEQ_TILES if t < micro_batch * work.seq_len]
+    """Untiled, then the tiles smaller than a micro-batch of that size (tiles run over its m x T tokens);
+    transformers' layers run untiled."""
+    return [t for t in _SEQ_TILES if t < micro_batch * work.seq_len and (not t or work.layers == "native")]
 
 
 def _smallest(lo: int, hi: int, ok: Callable[[int], bool]) -> int:

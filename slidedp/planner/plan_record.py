@@ -85,6 +85,8 @@ class Plan:
                    else "job's value" if s.micro_batch == w.micro_batch else f"job asked {w.micro_batch}")
         rows = [
             ("micro_batch", f"{s.micro_batch} ({mb_note}; {w.local_batch // s.micro_batch} per rank per step)"),
+            ("layers", "native (SlideDP's own)" if s.layers == "native" else "transformers (the family's own "
+             "layer modules, untiled)"),
             ("activations", s.activations if s.activations == "keep"
              else f"offload the first {s.offload_layers} of {m.num_layers} layers' inputs"),
             ("seq_tile_tokens", f"{s.seq_tile_tokens:,}" if s.seq_tile_tokens else "0 (untiled)"),

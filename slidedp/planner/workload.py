@@ -76,6 +76,7 @@ class Workload:
     compiled: bool = False  # the worker runs the layers' pointwise kernels compiled (train.compile)
     host_room: HostRoom | None = None  # None: the host's memory does not limit the plan (CPU, replays)
     documents: DocumentLoad | None = None  # rows of packed documents (None: each row is one sequence)
+    layers: str = "native"  # whose layers run the model (StepPlan.layers): transformers' are never tiled
 
     def __post_init__(self) -> None:
         for name in ("global_batch", "seq_len", "world", "updaters"):

@@ -24,6 +24,7 @@ from ..data.packing import DocBatches, PackedRows, SftBatch
 from ..data.stream import TokenStream
 from ..jobrecord import held_unit_names
 from ..model import layers as L
+from ..model.family import math_for
 from ..model.dtypes import torch_dtype
 from ..protocol import CONTROL_STOP, EvalLoss, WorkerStats
 from ..stepplan import StepPlan
@@ -134,7 +135,8 @@ class WorkerCore:
         self.batches = open_batches_for(job, cfg.vocab_size, tokens, docs)
         self.eval_rows = PackedRows.load(eval_docs, t.seq_len) if eval_docs is not None else None
         dtype = torch_dtype(plan.compute_dtype)
-        if L.compiled_kernels_wanted(t.compile, device):
+        math = math_for(cfg, plan.layers, device, dtype)
+        if math.name == "native" and L.compiled_kernels_wanted(t.compile, device):
             L.compile_kernels(fallback=t.compile == "auto")
             log.info("the layers' pointwise kernels go through torch.compile at first use (train.compile = %r%s)",
                      t.compile, ": eager where compiling fails" if t.compile == "auto" else "")
@@ -147,7 +149,7 @@ class WorkerCore:
                              t.max_grad_norm, self.held,
                              param_group=group if plan.param_route == "sharded" else None,
                              grad_group=group if plan.grad_route == "reduce_scatter" else None,
-                             shadow=store.flat("shadow") if plan.delivery == "bf16" else None)
+                             shadow=store.flat("shadow") if plan.delivery == "bf16" else None, math=math)
         self.tracer = Tracer(run_dir, f"worker{rank}", job.run.traced)
         self.engine.set_tracer(self.tracer)
         link.tracer = self.tracer
@@ -157,9 +159,9 @@ class WorkerCore:
     def run(self) -> None:
         """Steps start..end-1, or until a stop (SIGTERM, or the launcher's order)."""
         t, plan, start, end = self.job.train, self.plan, self.start, self.end
-        log.info("rank %d/%d on %s: steps %d..%d, %d micro-batch(es) of %d x %d tokens; params %s (%d ahead), grads %s; "
-                 "%s, %d layer(s) offloaded; held on the device: %s; weights delivered as %s", self.rank, self.world,
-                 self.device, start, end - 1,
+        log.info("rank %d/%d on %s: steps %d..%d, %s layers, %d micro-batch(es) of %d x %d tokens; params %s (%d ahead), "
+                 "grads %s; %s, %d layer(s) offloaded; held on the device: %s; weights delivered as %s", self.rank,
+                 self.world, self.device, start, end - 1, "SlideDP's" if plan.layers == "native" else "transformers'",
                  self.micro, plan.micro_batch, t.seq_len, "sharded" if self.engine.delivery.group else "replicated",
                  plan.prefetch_depth, "reduce_scatter" if self.engine.grads.group else "host",
                  f"seq tiles of {plan.seq_tile_tokens} tokens" if plan.seq_tile_tokens else "untiled",
