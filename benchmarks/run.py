@@ -9,6 +9,8 @@ under a per-system timeout. Whatever happens to a system (out of memory, not ins
 crashed, timed out) is a row that says so. After every system the JSON file is rewritten,
 so a run cut short keeps what it measured; `--merge A.json B.json` joins runs made in
 separate commands into one table. `--device cpu --shape tiny` is the CPU smoke version.
+`--model-dir DIR` trains a Hugging Face folder (benchmarks.make_hf_model) instead of `--shape`
+(SlideDP, hf and hf_liger; the other systems' rows say they do not support it).
 
 `--gpus N`: N ranks at the same global batch. SlideDP runs N workers (sharing a GPU when the
 machine has fewer), `slidedp_replicated` the same with the routes forced to replicated/host
@@ -113,12 +115,19 @@ def peer_argv(args: argparse.Namespace, json_path: Path) -> list[str]:
         argv += ["--exact-init"]
     if args.vocab:
         argv += ["--vocab", str(args.vocab)]
+    if args.model_dir:
+        argv += ["--model-dir", args.model_dir]
     return argv
+
+
+def model_name(args: argparse.Namespace) -> str:
+    """The workload's model as rows name it: --workload-label, else --model-dir's folder name, else --shape."""
+    return args.workload_label or (Path(args.model_dir).name if args.model_dir else args.shape)
 
 
 def workload(args: argparse.Namespace) -> dict[str, Any]:
     """The keys a row's workload is told by (every peer's row has them; rows the harness writes too)."""
-    return {"shape": args.workload_label or args.shape, "batch": args.batch, "seq": args.seq, "gpus": args.gpus,
+    return {"shape": model_name(args), "batch": args.batch, "seq": args.seq, "gpus": args.gpus,
             "tokens_per_step": args.batch * args.seq}
 
 
@@ -189,8 +198,8 @@ def run_system(name: str, system: System, args: argparse.Namespace, log_dir: Pat
     row.setdefault("config", " ".join(system.args))
     for key, value in workload(args).items():
         row.setdefault(key, value)
-    if args.workload_label:  # the model came from elsewhere (an HF folder): its row is not --shape's
-        row["shape"] = args.workload_label
+    if args.workload_label or args.model_dir:  # the model came from elsewhere (an HF folder): not --shape's
+        row["shape"] = model_name(args)
     row["system"] = name
     row.update(command=shlex.join(cmd), exit_code=rc, wall_s=wall, log=str(log_dir / f"{name}.log"))
     say(f"=== {name}: {row['status']} in {wall:.0f} s")
@@ -355,6 +364,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--workload-label", default="", metavar="NAME",
                    help="the rows' shape as tables and reports name it (default --shape): a model SlideDP reads "
                         "from --slidedp-set model.path, trained on --shape's token data")
+    p.add_argument("--model-dir", default="", metavar="DIR",
+                   help="the model is this Hugging Face folder (python -m benchmarks.make_hf_model), not --shape: "
+                        "SlideDP reads it (model.source = \"hf\"), hf/hf_liger load it with from_pretrained, other "
+                        "systems give a 'not supported' row; rows are named by the folder unless --workload-label")
     p.add_argument("--gpus", type=int, default=1, help="ranks: SlideDP workers, torchrun processes for FSDP2")
     p.add_argument("--exact-init", action="store_true", help="peers draw weights with slidedp.model.init (slow)")
     p.add_argument("--slidedp-set", action="append", default=[], metavar="SECTION.KEY=VALUE",
@@ -375,6 +388,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             p.error(f"{', '.join(packed)} train packed chat rows: give --chat DIR (python -m benchmarks.chat_data DIR)")
         if args.steps <= args.warmup:
             p.error(f"--steps ({args.steps}) must exceed --warmup ({args.warmup})")
+        if args.model_dir:
+            if not (Path(args.model_dir) / "config.json").is_file():
+                p.error(f"--model-dir {args.model_dir}: no config.json there (python -m benchmarks.make_hf_model)")
+            if args.vocab or args.chat:
+                p.error("--model-dir sets the model and its vocabulary: --vocab and --chat do not apply")
+            args.model_dir = str(Path(args.model_dir).resolve())  # the peers run in other directories
         if args.slidedp_micro_batch not in ("plan", "peers") and not args.slidedp_micro_batch.isdigit():
             p.error(f"--slidedp-micro-batch {args.slidedp_micro_batch!r}: expected plan, peers or a number")
     return args
@@ -395,10 +414,10 @@ def main(argv: list[str] | None = None) -> int:
         print(format_table(rows), flush=True)
         return 0
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    out = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / f"{args.shape}-{stamp}.json"
+    out = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / f"{model_name(args)}-{stamp}.json"
     log_dir = out.with_name(out.stem + ".logs")
     log_dir.mkdir(parents=True, exist_ok=True)
-    settings = {k: getattr(args, k) for k in ("shape", "batch", "micro_batch", "seq", "steps", "warmup", "budget_gib",
+    settings = {k: getattr(args, k) for k in ("shape", "model_dir", "batch", "micro_batch", "seq", "steps", "warmup", "budget_gib",
                                               "max_grad_norm", "slidedp_micro_batch", "device", "seed", "exact_init",
                                               "slidedp_set", "timeout")}
     settings["systems"] = args.system_names

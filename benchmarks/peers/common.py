@@ -194,6 +194,9 @@ def parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--chat", default="", metavar="DIR",
                    help="train on rows of packed chat conversations from DIR (benchmarks.chat_data) instead of "
                         "random tokens; needs --vocab 512, the conversations' tokenizer")
+    p.add_argument("--model-dir", default="", metavar="DIR",
+                   help="train this Hugging Face model folder (python -m benchmarks.make_hf_model) instead of "
+                        "--shape; the random tokens use its vocabulary")
     return p
 
 
@@ -207,13 +210,30 @@ def check_args(args: argparse.Namespace) -> None:
         raise SystemExit(f"--micro-batch ({args.micro_batch}) must divide --batch ({args.batch})")
     if args.max_grad_norm < 0:
         raise SystemExit(f"--max-grad-norm ({args.max_grad_norm}) must be >= 0 (0 = no clipping)")
+    if getattr(args, "model_dir", "") and (args.vocab or args.chat):
+        raise SystemExit("--model-dir sets the model and its vocabulary: --vocab and --chat do not apply")
     if args.gpus < 1 or args.batch % (args.gpus * args.micro_batch):
         raise SystemExit(f"--batch ({args.batch}) must be a multiple of --gpus ({args.gpus}) x --micro-batch "
                          f"({args.micro_batch})")
 
 
 def shape_of(args: argparse.Namespace) -> ModelConfig:
+    """The workload's model: --model-dir's folder as SlideDP reads it, else the named --shape."""
+    if getattr(args, "model_dir", ""):
+        from slidedp.model.hf import read_config
+
+        return read_config(args.model_dir)
     return named_shape(args.shape, getattr(args, "vocab", 0) or None)
+
+
+def model_name(args: argparse.Namespace) -> str:
+    """The rows' shape: --model-dir's folder name, else --shape."""
+    return Path(args.model_dir).name if getattr(args, "model_dir", "") else args.shape
+
+
+def model_dir_config(args: argparse.Namespace) -> dict[str, Any]:
+    """--model-dir's config.json."""
+    return json.loads((Path(args.model_dir) / "config.json").read_text())
 
 
 def chat_batches(args: argparse.Namespace, cfg: ModelConfig):
@@ -445,7 +465,8 @@ def base_row(system: str, config: str, args: argparse.Namespace) -> dict[str, An
         "system": system,
         "config": config,
         "status": "running",
-        "shape": args.shape,
+        "shape": model_name(args),
+        **({"model_dir": args.model_dir} if getattr(args, "model_dir", "") else {}),
         "batch": args.batch,
         "micro_batch": args.micro_batch or args.batch,
         "seq": args.seq,
@@ -455,7 +476,8 @@ def base_row(system: str, config: str, args: argparse.Namespace) -> dict[str, An
         "warmup": args.warmup,
         "device": args.device,
         "gpu_budget_gib": args.budget_gib or None,
-        "init": "cuda generator" if init_on(args) else "slidedp.model.init",
+        "init": ("the folder's weights" if getattr(args, "model_dir", "") else
+                 "cuda generator" if init_on(args) else "slidedp.model.init"),
         "max_grad_norm": args.max_grad_norm,
         "torch": torch.__version__,
         "python": platform.python_version(),
@@ -565,18 +587,21 @@ def single_process_env() -> None:
 
 
 def run_peer(system: str, config: str, args: argparse.Namespace,
-             body: Callable[[dict[str, Any], HostMemory], None], needs_cuda: bool = True, local_gpu: bool = True) -> int:
+             body: Callable[[dict[str, Any], HostMemory], None], needs_cuda: bool = True, local_gpu: bool = True,
+             model_dir_ok: bool = False) -> int:
     """Run one measurement and always write a row: ok, skipped, out of memory or failed.
 
     `body(row, host)` builds the system, runs the steps and fills the row's numbers.
     local_gpu=False: the GPU work happens in child processes (SlideDP's launcher), so this
-    process sets no memory cap and opens no CUDA context. Returns the process exit code
-    (0 for ok and skipped rows).
+    process sets no memory cap and opens no CUDA context. model_dir_ok: the peer trains a --model-dir
+    folder (the others' rows say they do not). Returns the process exit code (0 for ok and skipped rows).
     """
     row = base_row(system, config, args)
     host = HostMemory().start()
     try:
-        if args.device == "cuda" and not torch.cuda.is_available():
+        if getattr(args, "model_dir", "") and not model_dir_ok:
+            row["status"] = f"skipped: {system} is not supported with --model-dir (it builds named shapes only)"
+        elif args.device == "cuda" and not torch.cuda.is_available():
             row["status"] = "skipped: CUDA is not available"
         elif args.device == "cpu" and needs_cuda:
             row["status"] = f"skipped: {system} needs CUDA"

@@ -12,6 +12,10 @@ targets as every peer (`shift_labels`).
 --no-liger: the same model and loop without Liger (transformers' own kernels); it runs on the
 CPU too, which is how the tests check that this peer trains the harness's model.
 
+--model-dir DIR: the model is that Hugging Face folder (`from_pretrained`, fp32 parameters, the same weights
+SlideDP reads from it), patched by the Liger function of its model_type where Liger has one (gemma3_text;
+qwen3_5_text where the installed liger-kernel has it, else a row that says Liger has no kernels for it).
+
 --chat DIR: padding-free packed SFT as transformers does it: the rows of packed conversations that
 SlideDP trains (common.chat_batches), each with its position ids, which restart at every document;
 transformers turns them into a per-document mask for the attention implementation --attn
@@ -31,7 +35,13 @@ import torch
 from benchmarks.peers import common, hf_model
 
 _LIGER_APPLY = {"qwen3": "apply_liger_kernel_to_qwen3", "qwen2": "apply_liger_kernel_to_qwen2",
-                "llama": "apply_liger_kernel_to_llama", "mistral": "apply_liger_kernel_to_mistral"}
+                "llama": "apply_liger_kernel_to_llama", "mistral": "apply_liger_kernel_to_mistral",
+                "gemma3_text": "apply_liger_kernel_to_gemma3_text", "qwen3_5_text": "apply_liger_kernel_to_qwen3_5"}
+# the kernels asked of every family, as far as its patch function takes them (Gemma's MLP is GEGLU, not SwiGLU)
+_LIGER_KERNELS = {"rope": True, "rms_norm": True, "swiglu": True, "geglu": True, "cross_entropy": False,
+                  "fused_linear_cross_entropy": True}
+# Liger's RoPE does not cover Qwen3.5's partial rotary embedding (its patch refuses rope=True)
+_LIGER_NOT = {"qwen3_5_text": ("rope",)}
 
 
 def liger_patch(family: str) -> tuple[Callable[..., None], str]:
@@ -41,26 +51,54 @@ def liger_patch(family: str) -> tuple[Callable[..., None], str]:
         import liger_kernel.transformers as lt
     except Exception as e:  # noqa: BLE001 -- ImportError, or a triton/transformers mismatch at import
         raise common.Skip(f"import liger_kernel failed: {type(e).__name__}: {e}") from None
-    name = _LIGER_APPLY.get(family)
-    if name is None or not hasattr(lt, name):
-        raise common.Skip(f"liger-kernel has no patch for model family {family!r}")
     version = getattr(liger_kernel, "__version__", None)
     if version is None:
         from importlib.metadata import version as dist_version
 
         version = dist_version("liger-kernel")
+    name = _LIGER_APPLY.get(family)
+    if name is None or not hasattr(lt, name):
+        where = f" (liger-kernel {version} has no {name})" if name else ""
+        raise common.Skip(f"Liger has no kernels for {family}{where}")
     return getattr(lt, name), version
 
 
+def liger_kernels(apply: Callable[..., None], family: str) -> dict[str, bool]:
+    """The keyword arguments of `apply` that ask for _LIGER_KERNELS (those it takes; rope off where Liger's does
+    not fit the family)."""
+    import inspect
+
+    params = inspect.signature(apply).parameters
+    return {k: v and k not in _LIGER_NOT.get(family, ()) for k, v in _LIGER_KERNELS.items() if k in params}
+
+
+def load_folder(args: argparse.Namespace, device: str) -> torch.nn.Module:
+    """--model-dir's model as users load it: from_pretrained in fp32 (the Trainer's bf16=True math keeps fp32
+    parameters), its own weights, then moved to the device."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32,
+                                                 attn_implementation=args.attn)
+    model.config.use_cache = False  # training: no KV cache
+    return model.to(device)
+
+
 def measure(args: argparse.Namespace, row: dict[str, Any], host: common.HostMemory) -> None:
-    cfg, device = common.shape_of(args), args.device
+    device = args.device
+    family = common.model_dir_config(args)["model_type"] if args.model_dir else common.shape_of(args).family
     if args.liger:
-        apply, row["liger_kernel"] = liger_patch(cfg.family)
-        apply(rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=True)
+        apply, row["liger_kernel"] = liger_patch(family)
+        row["liger_kernels"] = kernels = liger_kernels(apply, family)
+        apply(**kernels)
     import transformers
 
     row["transformers"] = transformers.__version__
-    model = hf_model.build(cfg, device, torch.float32, args.seed, common.init_on(args), args.attn)
+    if args.model_dir:
+        model = load_folder(args, device)
+        row["init"] = f"the folder's weights ({args.model_dir})"
+    else:
+        model = hf_model.build(cfg=common.shape_of(args), device=device, dtype=torch.float32, seed=args.seed,
+                               on=common.init_on(args), attn_implementation=args.attn)
     if hasattr(model, "activation_checkpointing_enable"):  # newer transformers' name (the old one warns)
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     else:
@@ -132,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{args.device.upper()}, {amp}, gradient checkpointing, fused AdamW, {common.clip_text(args.max_grad_norm)}")
     system = "hf_liger" if args.liger else "hf"
     return common.run_peer(system, config, args, lambda row, host: measure(args, row, host),
-                           needs_cuda=args.liger)
+                           needs_cuda=args.liger, model_dir_ok=not args.chat)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """SlideDP itself, measured through its launcher exactly as a user runs it.
 
-Writes a job file (model: random weights of the shape; data: a .npy of the peers' one batch of
-random token ids, common.batch_stream, read again at every step as the peers do;
-no final checkpoint; a store that does not persist), runs `python -m slidedp.launch.cli JOB`
+Writes a job file (model: random weights of the shape, or --model-dir's folder as model.source = "hf";
+data: a .npy of the peers' one batch of random token ids, common.batch_stream, read again at every
+step as the peers do; no final checkpoint; a store that does not persist), runs `python -m slidedp.launch.cli JOB`
 as a child process, then reduces `<run dir>/metrics.jsonl` (one JSON object per step) like
 the other peers: the median of the steps after warm-up. A failed launch is a row carrying
 the tail of the launcher's output.
@@ -80,8 +80,9 @@ def job_dict(args: argparse.Namespace, data: Path, run_dir: Path, name: str) -> 
     dtype = args.compute_dtype or ("bf16" if args.device == "cuda" else "fp32")
     planned = plan_keys(job_micro_batch(args), dtype)
     job: dict[str, dict[str, Any]] = {
-        "model": {"source": "random", "shape": args.shape, "init_seed": args.seed,
-                  **({"vocab_size": args.vocab} if args.vocab else {})},
+        "model": ({"source": "hf", "path": str(Path(args.model_dir).resolve())} if args.model_dir else
+                  {"source": "random", "shape": args.shape, "init_seed": args.seed,
+                   **({"vocab_size": args.vocab} if args.vocab else {})}),
         "data": chat_data(args) if args.chat else {"path": str(data), "format": "npy"},
         # The peers' optimizer: constant lr, no weight decay, the peers' clipping (--max-grad-norm).
         "train": {"steps": args.steps, "global_batch": args.batch, "seq_len": args.seq, "lr": common.LR,
@@ -216,7 +217,8 @@ def measure(args: argparse.Namespace, row: dict[str, Any], host: common.HostMemo
     if not args.chat:
         write_tokens(data, cfg, args.batch, args.seq, args.seed)
     job_path.write_text(to_toml(job_dict(args, data, run_dir, name)))
-    row.update(job_file=str(job_path), run_dir=str(run_dir), init=f"SlideDP store (random, seed {args.seed})")
+    init = f"the folder's weights ({args.model_dir})" if args.model_dir else f"SlideDP store (random, seed {args.seed})"
+    row.update(job_file=str(job_path), run_dir=str(run_dir), init=init)
     # Run from the work dir with the repo root LAST on the path: an installed slidedp (with its
     # slidedp.launch and slidedp.daemons) wins over the source tree, whose launch/ is outside slidedp/.
     env = dict(os.environ)
@@ -303,7 +305,7 @@ def run(argv: list[str] | None = None) -> int:
             row["micro_batch"] = "plan"
         measure(args, row, host)
 
-    return common.run_peer("slidedp", config, args, body, needs_cuda=False, local_gpu=False)
+    return common.run_peer("slidedp", config, args, body, needs_cuda=False, local_gpu=False, model_dir_ok=True)
 
 
 def _on_sigterm(signum: int, frame: object) -> None:
