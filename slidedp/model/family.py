@@ -98,10 +98,13 @@ class NativeMath:
         return chunked_cross_entropy_sum(h, head_w, targets.reshape(-1), chunk)
 
 
-def math_for(cfg: ModelConfig, layers: str, device: torch.device, dtype: torch.dtype) -> ModelMath:
-    """The model's math on this device: SlideDP's layers (layers = "native") or transformers'."""
+def math_for(cfg: ModelConfig, layers: str, device: torch.device, dtype: torch.dtype,
+             compile: bool = False) -> ModelMath:
+    """The model's math on this device: SlideDP's layers (layers = "native") or transformers' (each layer
+    structure through torch.compile where `compile`; the native layers compile their pointwise pieces
+    process-wide instead, layers.compile_kernels)."""
     if layers == "native":
         return NativeMath(cfg, device, dtype)
     from .generic import TransformersMath  # imports transformers: only where its layers run
 
-    return TransformersMath(cfg, device, dtype)
+    return TransformersMath(cfg, device, dtype, compile)

@@ -17,9 +17,10 @@ A probe at load checks the contract this relies on: the layers are called in ord
 one's output, the embedding reaches layer 0 scaled by at most a constant, and the final norm is all that
 follows the last layer. A family that breaks it (per-layer inputs, shared KV caches) is refused by name.
 
-Attention goes through `slidedp`, an attention function registered with transformers: it receives the
-micro-batch's `Attention` (attention.py) among the layer's keywords and runs it at the module's sliding
+Attention goes through `slidedp`, an attention function registered with transformers: it finds the
+micro-batch's `Attention` (attention.py) set beside the layer's call and runs it at the module's sliding
 window, scale, sinks and softcap: SDPA, the variable-length kernel for packed rows, or explicit scores.
+With `compile`, each structure's layer runs through torch.compile around it (the attention stays eager).
 No mask is made (transformers makes none for an attention function without a mask function).
 
 Packed rows through a layer that mixes tokens without attention (Gated DeltaNet, convolutions) would leak
@@ -42,8 +43,19 @@ from .config import ModelConfig
 from .loss import chunked_cross_entropy_sum, norm_head_backward
 
 ATTENTION_NAME = "slidedp"
-CONTEXT_KEY = "slidedp_attention"  # the layer keyword that carries the micro-batch's Attention
 _calls = [0]  # attention calls so far: tells a structure that attends from one that does not
+# The micro-batch's Attention while a layer runs: beside the call, not among its keywords, so a compiled
+# layer neither guards on it nor recompiles for each micro-batch's documents.
+_current: list[Attention | None] = [None]
+
+
+@contextmanager
+def _attending(attn: Attention | None) -> Iterator[None]:
+    _current[0] = attn
+    try:
+        yield
+    finally:
+        _current[0] = None
 
 
 class UnsupportedModel(ValueError):
@@ -55,7 +67,7 @@ def _attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, att
                s_aux: Tensor | None = None, **kwargs) -> tuple[Tensor, None]:
     """transformers' attention-function contract: q [b, heads, t, d], k, v [b, kv_heads, t, d] ->
     ([b, t, heads, d], no weights)."""
-    attn: Attention | None = kwargs.get(CONTEXT_KEY)
+    attn = _current[0]
     if attn is None:
         raise RuntimeError(f"{type(module).__name__} called SlideDP's attention without the micro-batch's context")
     if not getattr(module, "is_causal", True):
@@ -73,7 +85,8 @@ def _attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, att
 def register_attention() -> None:
     from transformers import AttentionInterface
 
-    AttentionInterface.register(ATTENTION_NAME, _attention)
+    # never traced: a compiled layer runs in pieces around it (the kernels and the Attention stay eager)
+    AttentionInterface.register(ATTENTION_NAME, torch.compiler.disable(_attention))
 
 
 @contextmanager
@@ -140,7 +153,9 @@ class TransformersMath:
     name = "transformers"
     tiles = False
 
-    def __init__(self, cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: ModelConfig, device: torch.device, dtype: torch.dtype, compile: bool = False) -> None:
+        """compile: run each structure's layer through torch.compile (attention stays eager, outside the
+        graph; packed rows of layers that run one document at a time stay eager too)."""
         import transformers
 
         self.cfg, self.device, self.dtype = cfg, device, dtype
@@ -186,7 +201,8 @@ class TransformersMath:
         self._calls: list = []
         self.decoder.layers = nn.ModuleList([_Recorder(m, i, self._calls) for i, m in enumerate(layers)])
         self.decoder.norm = _Recorder(self.norm, -1, self._calls)
-        self._doc_kwargs: dict[int, tuple[dict, ...]] = {}
+        self._doc_kwargs: dict[int, dict] = {}
+        self._compiled = {s: _compiled_layer(m) for s, m in self.templates.items()} if compile else {}
         self._input_scale = self._probe()
 
     # ---- load ------------------------------------------------------------------------------
@@ -262,44 +278,47 @@ class TransformersMath:
             pos = positions.to(self.device)
             spans = tuple(_spans(documents)) if documents is not None else None
         calls, _ = self._record(rows, t, pos)
-        return Batch(attn, tuple({**kw, CONTEXT_KEY: attn} for _, _, kw in calls[:-1]), spans)
+        return Batch(attn, tuple(kw for _, _, kw in calls[:-1]), spans)
 
     def prepare(self, layer: int, p: dict[str, Tensor]) -> dict[str, Tensor]:
         return p
 
-    def _call(self, layer: int, p: Mapping[str, Tensor], x: Tensor, kwargs: dict) -> Tensor:
-        out = torch.func.functional_call(self.templates[self._structure[layer]], dict(p), (x,), kwargs)
+    def _call(self, layer: int, p: Mapping[str, Tensor], x: Tensor, kwargs: dict, attn: Attention | None,
+              compiled: bool = True) -> Tensor:
+        s = self._structure[layer]
+        with _attending(attn):
+            if compiled and s in self._compiled:
+                out = self._compiled[s](dict(p), x, kwargs)
+            else:
+                out = torch.func.functional_call(self.templates[s], dict(p), (x,), kwargs)
         return out[0] if isinstance(out, tuple) else out
 
     def _run(self, layer: int, p: Mapping[str, Tensor], x: Tensor, ctx: Batch) -> Tensor:
         s = self._structure[layer]
-        if ctx.spans is None or self._attends.get(s, True) is True and s in self._attends:
-            return self._call(layer, p, x, ctx.layer_kwargs[layer])
-        if s not in self._attends:  # the first packed call: does this structure attend through us?
+        if s not in self._attends:  # the structure's first call (eager): does it attend through us?
             before = _calls[0]
-            y = self._call(layer, p, x, ctx.layer_kwargs[layer])
+            y = self._call(layer, p, x, ctx.layer_kwargs[layer], ctx.attn, compiled=False)
             self._attends[s] = _calls[0] > before
-            if self._attends[s]:
+            if self._attends[s] or ctx.spans is None:
                 return y
+        elif self._attends[s] or ctx.spans is None:
+            return self._call(layer, p, x, ctx.layer_kwargs[layer], ctx.attn)
         rows = [[] for _ in range(x.shape[0])]
-        for r, a, b in ctx.spans:  # one document at a time, as the model's forward would see it alone
-            rows[r].append(self._call(layer, p, x[r:r + 1, a:b], self._alone(b - a)))
+        for r, a, b in ctx.spans:  # one document at a time, as the model's forward would see it alone (eager:
+            # a compiled layer would compile again for every document length)
+            rows[r].append(self._call(layer, p, x[r:r + 1, a:b], self._alone(b - a), None, compiled=False))
         return torch.cat([torch.cat(pieces, dim=1) for pieces in rows])
 
     def _alone(self, length: int) -> dict:
+        """The keywords the model's forward gives each layer of a sequence of `length` tokens alone."""
         if length not in self._doc_kwargs:
             if len(self._doc_kwargs) > 4096:
                 self._doc_kwargs.clear()
             calls, _ = self._record(1, length, torch.arange(length, device=self.device)[None])
-            self._doc_kwargs[length] = tuple(calls[0][2] for _ in range(1))
-        return {**self._doc_kwargs[length][0], CONTEXT_KEY: None}
+            self._doc_kwargs[length] = calls[0][2]
+        return self._doc_kwargs[length]
 
     def layer_forward(self, layer: int, p: Mapping[str, Tensor], x: Tensor, ctx: Batch, tile: int) -> Tensor:
-        if ctx.spans is None and self._structure[layer] not in self._attends:
-            before = _calls[0]
-            y = self._call(layer, p, x, ctx.layer_kwargs[layer])
-            self._attends[self._structure[layer]] = _calls[0] > before
-            return y
         return self._run(layer, p, x, ctx)
 
     def layer_backward(self, layer: int, p: Mapping[str, Tensor], x: Tensor, ctx: Batch, grad_y: Tensor,
@@ -344,6 +363,13 @@ class TransformersMath:
     def loss(self, x, targets, norm_p, head_w, chunk) -> Tensor:
         h = self._norm(x, norm_p).reshape(-1, x.shape[-1])
         return chunked_cross_entropy_sum(h, head_w, targets.reshape(-1), chunk, self.softcap)
+
+
+def _compiled_layer(template: nn.Module):
+    def run(p: dict[str, Tensor], x: Tensor, kwargs: dict):
+        return torch.func.functional_call(template, p, (x,), kwargs)
+
+    return torch.compile(run, dynamic=False)
 
 
 def _spans(documents: Tensor) -> Iterator[tuple[int, int, int]]:

@@ -188,7 +188,7 @@ def plan_for(job: JobConfig, store_facts: StoreFacts = StoreFacts(), host_room: 
     layers = _layers(job, cfg)
     work = Workload(model=cfg, global_batch=t.global_batch, seq_len=t.seq_len, world=rt.workers,
                     micro_batch=p.chosen("micro_batch") or 0, compute_dtype=p.dtype, clip=t.max_grad_norm > 0,
-                    updaters=max(1, rt.updaters), compiled=t.compile in ("auto", "on") and layers == "native",
+                    updaters=max(1, rt.updaters), compiled=t.compile in ("auto", "on"),
                     host_room=host_room,
                     documents=documents, layers=layers)
     budget = int(job.memory.device_budget_gib * GiB)

@@ -132,14 +132,14 @@ def shape_key(model: ModelConfig, seq_len: int, compute_dtype: str, compiled: bo
     table, by hash)."""
     m = model
     window = m.window_of(0)
-    compiled = compiled and layers == "native"  # transformers' layers run as transformers wrote them
     if layers != "native":
         import hashlib
 
         table = json.dumps([m.source_config or m.to_hf(), m.to_dict().get("layer_tables")], sort_keys=True)
         return (f"{m.family} transformers layers {hashlib.sha256(table.encode()).hexdigest()[:12]} "
                 f"h{m.hidden_size} {m.num_layers} layers vocab {m.vocab_size}; seq {seq_len}"
-                f"{f', {documents.key}' if documents is not None else ''}; {compute_dtype}")
+                f"{f', {documents.key}' if documents is not None else ''}; {compute_dtype}; "
+                f"{'compiled' if compiled else 'eager'}")
     return (f"{m.family} h{m.hidden_size} i{m.intermediate_size} heads {m.num_heads}/{m.num_kv_heads}x{m.head_dim}"
             f"{' qk-norm' if m.qk_norm else ''}{' bias' if m.attention_bias else ''} vocab {m.vocab_size}; "
             f"seq {seq_len}{f' window {window}' if window is not None and window < seq_len else ''}"
@@ -345,10 +345,9 @@ def measure_blocks(model: ModelConfig, seq_len: int, compute_dtype: str, compile
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[compute_dtype]
     sync, peak_of = _device_tools(device)
     sizes = sorted({(m, normalized(m, seq_len, tile), chunk) for m, tile, chunk in sizes})
-    compiled = compiled and layers == "native"
     if compiled:
         L.compile_kernels(fallback=compile_fallback)
-    math = math_for(model, layers, torch.device(device), dtype)
+    math = math_for(model, layers, torch.device(device), dtype, compile=compiled)
     structures = math.structures()  # a layer of each structure -> how many layers have it
     layer_times: dict[tuple[int, int], LayerTime] = {}
     losses: list[LossTime] = []

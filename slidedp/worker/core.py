@@ -135,8 +135,9 @@ class WorkerCore:
         self.batches = open_batches_for(job, cfg.vocab_size, tokens, docs)
         self.eval_rows = PackedRows.load(eval_docs, t.seq_len) if eval_docs is not None else None
         dtype = torch_dtype(plan.compute_dtype)
-        math = math_for(cfg, plan.layers, device, dtype)
-        if math.name == "native" and L.compiled_kernels_wanted(t.compile, device):
+        compiled = L.compiled_kernels_wanted(t.compile, device)
+        math = math_for(cfg, plan.layers, device, dtype, compile=compiled)
+        if compiled:  # the native pieces, and dynamo's settings for transformers' compiled layers
             L.compile_kernels(fallback=t.compile == "auto")
             log.info("the layers' pointwise kernels go through torch.compile at first use (train.compile = %r%s)",
                      t.compile, ": eager where compiling fails" if t.compile == "auto" else "")

@@ -17,6 +17,7 @@ transformers = pytest.importorskip("transformers")
 
 from families import FAMILIES, write_family_folder  # noqa: E402
 from slidedp.model import hf  # noqa: E402
+from slidedp.model.family import math_for  # noqa: E402
 from slidedp.model.generic import TransformersMath, UnsupportedModel  # noqa: E402
 from slidedp.stepplan import StepPlan  # noqa: E402
 from slidedp.store.layout import make_layout  # noqa: E402
@@ -56,7 +57,7 @@ def packed_batch(vocab: int, seed: int, packed: bool = True):
     return ids, targets, positions, documents, docs
 
 
-def engine_step(folder, batch, layers: str = "transformers"):
+def engine_step(folder, batch, layers: str = "transformers", device: str = "cpu", dtype=torch.float32):
     """(loss sum, name -> gradient of the summed loss) of one engine step over the folder's weights."""
     cfg = hf.read_config(folder)
     layout = make_layout(cfg)
@@ -66,31 +67,31 @@ def engine_step(folder, batch, layers: str = "transformers"):
         hf.load_tensor(folder, span.name, master[span.offset:span.offset + math.prod(span.shape)].view(span.shape),
                        index)
     link = FakeLink(len(layout.chunks))
-    slots = torch.zeros(len(layout.chunks), layout.max_chunk_numel)
-    cpu = torch.device("cpu")
-    from slidedp.model.family import math_for
-
-    engine = Engine(cfg, layout, master, cpu, torch.float32, link, lambda slot, numel: slots[slot, :numel], 1,
-                    StepPlan(), math=math_for(cfg, layers, cpu, torch.float32))
+    slots = torch.zeros(len(layout.chunks), layout.max_chunk_numel, device=device)
+    dev = torch.device(device)
+    engine = Engine(cfg, layout, master, dev, dtype, link, lambda slot, numel: slots[slot, :numel], 1,
+                    StepPlan(compute_dtype="bf16" if dtype == torch.bfloat16 else "fp32"),
+                    math=math_for(cfg, layers, dev, dtype))
     ids, targets, positions, documents, _ = batch
     times = engine.run_step(0, ids, targets, positions, documents, scale=1.0)
     flat = torch.zeros(layout.total_numel)
     for c in layout.chunks:
         slot, _ = link.landed[c.id]
-        flat[c.offset:c.offset + c.numel] = slots[slot, :c.numel]
+        flat[c.offset:c.offset + c.numel] = slots[slot, :c.numel].cpu()
     grads = {s.name: flat[s.offset:s.offset + math.prod(s.shape)].view(s.shape) for s in layout.tensors}
     return times.loss_sum, grads
 
 
-def reference_step(folder, docs):
-    """transformers, each document alone: the summed loss and the gradients."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager")
-    total = torch.zeros(())
+def reference_step(folder, docs, device: str = "cpu", dtype=torch.float32):
+    """transformers, each document alone: the summed loss and the gradients (fp32, on the CPU)."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="eager")
+    model.to(device)
+    total = torch.zeros((), device=device)
     for ids, targets in docs:
-        logits = model(input_ids=ids[None]).logits[0].float()
-        total = total + F.cross_entropy(logits, targets, ignore_index=-100, reduction="sum")
+        logits = model(input_ids=ids[None].to(device)).logits[0].float()
+        total = total + F.cross_entropy(logits, targets.to(device), ignore_index=-100, reduction="sum")
     total.backward()
-    return float(total.detach()), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    return float(total.detach()), {n: p.grad.float().cpu() for n, p in model.named_parameters() if p.grad is not None}
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -138,9 +139,9 @@ def test_layers_that_would_leak_run_one_document_at_a_time(folders):
     p = {s.name[len(prefix):]: hf.load_tensor(folders["qwen3_5"], s.name, index=index)
          for s in layout.tensors if s.name.startswith(prefix)}
     x = torch.randn(1, 20, cfg.hidden_size)
-    whole = m._call(linear, p, x, m._alone(20))
-    second_alone = m._call(linear, p, x[:, 8:], m._alone(12))
-    assert torch.allclose(whole[:, :8], m._call(linear, p, x[:, :8], m._alone(8)), atol=1e-6)
+    whole = m._call(linear, p, x, m._alone(20), None)
+    second_alone = m._call(linear, p, x[:, 8:], m._alone(12), None)
+    assert torch.allclose(whole[:, :8], m._call(linear, p, x[:, :8], m._alone(8), None), atol=1e-6)
     assert (whole[:, 8:] - second_alone).abs().max() > 1e-3
 
 
@@ -159,3 +160,55 @@ def test_refuses_layers_tied_together(tmp_path):
     cfg = hf.read_config(tmp_path / "shared")
     with pytest.raises(UnsupportedModel, match=r"num_kv_shared_layers = 2 \(key/value caches shared across layers\)"):
         TransformersMath(cfg, torch.device("cpu"), torch.float32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", FAMILIES)
+def test_packed_step_on_cuda_in_bf16(folders, family):
+    """CUDA, bf16: packed rows through the variable-length kernel (explicit scores for gpt-oss's sinks)
+    against the fp32 reference on each document alone, as close as transformers' own bf16 run of each
+    document is (twice its distance, or 5% of the loss and 10% of a gradient where that is closer): a
+    document leaking into the next one, a wrong window or a dropped scale is off by far more."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    batch = packed_batch(512, seed=7)
+    loss, grads = engine_step(folders[family], batch, device="cuda", dtype=torch.bfloat16)
+    want_loss, want = reference_step(folders[family], batch[4])
+    bf16_loss, bf16 = reference_step(folders[family], batch[4], "cuda", torch.bfloat16)
+    assert abs(loss - want_loss) <= max(0.05 * want_loss, 2 * abs(bf16_loss - want_loss))
+    for n in want:
+        err, theirs = rel_err(grads[n], want[n]), rel_err(bf16[n], want[n])
+        assert err <= max(0.1, 2 * theirs), (n, err, theirs)
+
+
+def test_compiled_layers_give_the_same_step(folders, monkeypatch):
+    """train.compile: each structure's layer through torch.compile (attention eager, outside the graph)
+    gives the eager step's numbers, and a second micro-batch of other documents reuses the compiled code."""
+    import torch._dynamo
+
+    monkeypatch.setattr(torch._dynamo.config, "cache_size_limit", 64)
+    batch = packed_batch(512, seed=7)
+    want_loss, want = engine_step(folders["gemma3"], batch)
+    monkeypatch.setitem(globals(), "math_for",
+                        lambda cfg, layers, dev, dtype: TransformersMath(cfg, dev, dtype, compile=True))
+    with _count_compiles() as first:
+        loss, grads = engine_step(folders["gemma3"], batch)
+    assert first() > 0  # it did compile
+    assert loss == pytest.approx(want_loss, rel=1e-6)
+    assert max(rel_err(grads[n], want[n]) for n in want) < 1e-5
+    with _count_compiles() as count:
+        engine_step(folders["gemma3"], packed_batch(512, seed=8))
+    assert count() == 0
+
+
+class _count_compiles:
+    """The number of graphs dynamo compiles inside the block."""
+
+    def __enter__(self):
+        from torch._dynamo.utils import counters
+
+        self._counters, self._before = counters, counters["stats"]["unique_graphs"]
+        return lambda: self._counters["stats"]["unique_graphs"] - self._before
+
+    def __exit__(self, *exc) -> None:
+        return None
