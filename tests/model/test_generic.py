@@ -212,3 +212,15 @@ class _count_compiles:
 
     def __exit__(self, *exc) -> None:
         return None
+
+
+def test_router_auxiliary_loss_is_refused(folders, tmp_path):
+    import json
+    import shutil
+
+    shutil.copytree(folders["gpt_oss"], tmp_path / "m")
+    conf = json.loads((tmp_path / "m" / "config.json").read_text())
+    (tmp_path / "m" / "config.json").write_text(json.dumps({**conf, "output_router_logits": True}))
+    with pytest.raises(hf.CheckpointError, match="output_router_logits=true: SlideDP does not add the router's "
+                                                 "auxiliary loss yet; set it to false"):
+        hf.read_config(tmp_path / "m")
