@@ -9,6 +9,7 @@ Reading and writing tensors is hf.py's (it imports torch).
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from slidedp.model.config import _ARCHITECTURES, FAMILIES, ModelConfig, ModelCon
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 _MAX_HEADER = 100 * 2**20  # a header larger than this is corruption, not a model
+_PER_EXPERT = re.compile(r"(^|\.)experts\.\d+\.")
 
 # safetensors dtype tag -> bytes per element
 ELEMENT_BYTES: dict[str, int] = {
@@ -119,6 +121,12 @@ def transformers_config(folder: Path, hf: dict) -> ModelConfig:
         raise CheckpointError(
             f"{folder}: SlideDP trains the tensors model.embed_tokens, model.layers.N.*, model.norm.* and lm_head "
             f"of a causal LM (floating point, at least 1-D); this folder also has {', '.join(other[:5])}{more}")
+    per_expert = sorted({n.split(".experts.")[0] for t in layer_tables for n, _ in t if _PER_EXPERT.search(n)})
+    if per_expert:  # transformers fuses them into 3-D tensors on load: the store would not match its modules
+        raise CheckpointError(
+            f"{folder}: its Mixture-of-Experts layers keep one tensor per expert ({per_expert[0]}.experts.0.*, as "
+            "transformers saves them); SlideDP does not yet convert them to the fused expert tensors transformers' "
+            "modules train (gpt-oss's fused format is supported)")
     empty = [i for i, t in enumerate(layer_tables) if not t]
     if empty or not norm:
         raise CheckpointError(f"{folder}: config.json says {layers} layers, but the safetensors hold no tensors for "

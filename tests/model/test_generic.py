@@ -224,3 +224,16 @@ def test_router_auxiliary_loss_is_refused(folders, tmp_path):
     with pytest.raises(hf.CheckpointError, match="output_router_logits=true: SlideDP does not add the router's "
                                                  "auxiliary loss yet; set it to false"):
         hf.read_config(tmp_path / "m")
+
+
+def test_per_expert_checkpoints_are_refused(tmp_path):
+    """transformers saves Mixtral's experts one tensor each and fuses them on load: the folder's table would
+    not be its modules', so the folder is refused before any store is made."""
+    config = transformers.MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                        num_attention_heads=2, num_key_value_heads=1, num_local_experts=2,
+                                        num_experts_per_tok=1)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    assert any(".experts.0." in n for n in hf.tensor_index(tmp_path))
+    with pytest.raises(hf.CheckpointError, match=r"its Mixture-of-Experts layers keep one tensor per expert "
+                                                 r"\(block_sparse_moe.experts.0.\*, as transformers saves them\)"):
+        hf.read_config(tmp_path)
