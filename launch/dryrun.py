@@ -33,7 +33,7 @@ from slidedp.store.shm import SHM_DIR, list_store_segments, segment_name, shm_fr
 
 from .admission import Admission, AdmissionFacts, CheckpointFacts, HostFacts, StoreFacts, admit
 from .host_room import size, unplanned_need, unplanned_step
-from .planning import document_load
+from .planning import check_layers, document_load
 from .preflight import cuda_probe
 
 # What a check can raise for bad input: ConfigError, DataError, ModelConfigError (ValueError);
@@ -127,10 +127,12 @@ class DryRun:
                 from slidedp.model import hf_folder
 
                 hf_folder.check_folder(m.path, cfg)
+            layers = check_layers(self.job, cfg)
             self.cfg, self.layout = cfg, make_layout(cfg)
             what = f"random:{m.shape}" if m.source == "random" else m.path
             self.say("model", f"{what}: {cfg.family}, {cfg.num_layers} layers, vocabulary {cfg.vocab_size:,}, "
-                              f"{cfg.num_parameters():,} parameters in {len(self.layout.chunks)} chunks")
+                              f"{cfg.num_parameters():,} parameters in {len(self.layout.chunks)} chunks; "
+                              + ("SlideDP's" if layers == "native" else "transformers'") + " layers")
 
     def data(self) -> None:
         from slidedp.data import setup as data_setup

@@ -40,7 +40,7 @@ from slidedp.transport import bind_router, connect_dealer, identity, recv_dealer
 
 from . import children
 from .admission import AdmissionFacts, CheckpointFacts, HostFacts, StoreFacts, admit
-from .planning import document_load, record_training
+from .planning import check_layers, document_load, record_training
 from .preflight import cuda_probe
 from .rundir import RunDirInUse, check_run_dir, write_run_record
 from .schedule_note import schedule_note
@@ -113,6 +113,7 @@ class JobRun:
         job = self.job
         self.run_dir.mkdir(parents=True, exist_ok=True)
         cfg = model_config(job)
+        check_layers(job, cfg)  # a model transformers' layers cannot run is refused before anything is made
         self._open_data(cfg.vocab_size)
         self.daemons = children.ensure_daemons(self.store, job.runtime.updaters, job.runtime.updater_threads, self.timeout,
                                                reserve_cpus=self.reserved_cpus)

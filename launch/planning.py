@@ -16,7 +16,23 @@ from slidedp.planner.job import DeliveryError, JobPlan, StoreFacts, plan_for
 from slidedp.planner.learn import record_training
 from slidedp.planner.workload import DocumentLoad, HostRoom
 
-__all__ = ["DeliveryError", "JobPlan", "document_load", "plan_job", "record_training"]
+__all__ = ["DeliveryError", "JobPlan", "check_layers", "document_load", "plan_job", "record_training"]
+
+
+def check_layers(job: JobConfig, cfg) -> str:
+    """Whose layers run the job's model (plan.layers resolved), checked before any store is made: for
+    transformers' layers, that transformers builds this family from its config.json with the folder's
+    very tensors (a model it cannot stream, or another model's tensors, is refused naming why)."""
+    from slidedp.planner.job import resolve_layers
+
+    layers = resolve_layers(job, cfg)
+    if layers == "transformers":
+        import torch
+
+        from slidedp.model.generic import build
+
+        build(cfg, torch.float32)
+    return layers
 
 
 def document_load(batches) -> DocumentLoad | None:

@@ -147,6 +147,50 @@ class Batch:
     spans: tuple[tuple[int, int, int], ...] | None
 
 
+def build(cfg: ModelConfig, dtype: torch.dtype) -> tuple:
+    """(transformers' config, its causal LM with parameters on the meta device) for the store's model,
+    refused with UnsupportedModel where transformers does not know the family, its layers are tied together,
+    or its tensors are not the store's."""
+    import transformers
+
+    register_attention()
+    source = dict(cfg.source() or cfg.to_hf())
+    model_type = source.pop("model_type", cfg.family)
+    try:
+        config = transformers.AutoConfig.for_model(model_type, **source)
+    except (ValueError, KeyError) as e:
+        raise UnsupportedModel(f"transformers {transformers.__version__} does not know model_type "
+                               f"{model_type!r}: {e}") from None
+    for key, what in (("hidden_size_per_layer_input", "per-layer inputs"),
+                      ("num_kv_shared_layers", "key/value caches shared across layers")):
+        if getattr(config, key, 0):
+            raise UnsupportedModel(f"{model_type}: {key} = {getattr(config, key)} ({what}) ties layers together; "
+                                   "SlideDP streams layers that depend on nothing but the previous layer's output")
+    config.use_cache = False
+    with _parameters_on_meta():
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=ATTENTION_NAME)
+    _check_table(cfg, model)
+    return config, model
+
+
+def _check_table(cfg: ModelConfig, model: nn.Module) -> None:
+    # parameters and persistent buffers (Gemma 4's layer_scalar): both stream, a buffer unchanged by AdamW
+    # (it gets no gradient, so its moments stay 0 and its update is 0)
+    built = {n: tuple(t.shape) for n, t in model.state_dict().items()}
+    if cfg.tie_word_embeddings:
+        built.pop("lm_head.weight", None)
+    stored = dict(cfg.parameter_shapes())
+    if built != stored:
+        missing = sorted(set(built) - set(stored))
+        extra = sorted(set(stored) - set(built))
+        shapes = sorted(n for n in set(built) & set(stored) if built[n] != stored[n])
+        raise UnsupportedModel(
+            f"the {cfg.family} model transformers builds from this config.json ({type(model).__name__}) does not "
+            "have the folder's tensors: "
+            + "; ".join(f"{what} {names[:4]}" for what, names in (("it has, the folder lacks", missing),
+                        ("the folder has, it lacks", extra), ("other shapes", shapes)) if names))
+
+
 class TransformersMath:
     """transformers' layers for any causal LM of the store's layout (see the module docstring)."""
 
@@ -156,27 +200,8 @@ class TransformersMath:
     def __init__(self, cfg: ModelConfig, device: torch.device, dtype: torch.dtype, compile: bool = False) -> None:
         """compile: run each structure's layer through torch.compile (attention stays eager, outside the
         graph; packed rows of layers that run one document at a time stay eager too)."""
-        import transformers
-
         self.cfg, self.device, self.dtype = cfg, device, dtype
-        register_attention()
-        source = dict(cfg.source() or cfg.to_hf())
-        model_type = source.pop("model_type", cfg.family)
-        try:
-            config = transformers.AutoConfig.for_model(model_type, **source)
-        except (ValueError, KeyError) as e:
-            raise UnsupportedModel(f"transformers {transformers.__version__} does not know model_type "
-                                   f"{model_type!r}: {e}") from None
-        for key, what in (("hidden_size_per_layer_input", "per-layer inputs"), ("num_kv_shared_layers",
-                                                                               "key/value caches shared across layers")):
-            if getattr(config, key, 0):
-                raise UnsupportedModel(f"{model_type}: {key} = {getattr(config, key)} ({what}) ties layers together; "
-                                       "SlideDP streams layers that depend on nothing but the previous layer's output")
-        config.use_cache = False
-        with _parameters_on_meta():
-            model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype,
-                                                                  attn_implementation=ATTENTION_NAME)
-        self._check_table(model)
+        config, model = build(cfg, dtype)
         for module in model.modules():  # buffers (rotary tables) to the device; parameters stay on meta
             for k, b in module._buffers.items():
                 if b is not None:
@@ -206,22 +231,6 @@ class TransformersMath:
         self._input_scale = self._probe()
 
     # ---- load ------------------------------------------------------------------------------
-    def _check_table(self, model: nn.Module) -> None:
-        # parameters and persistent buffers (Gemma 4's layer_scalar): both stream, a buffer unchanged by AdamW
-        # (it gets no gradient, so its moments stay 0 and its update is 0)
-        built = {n: tuple(t.shape) for n, t in model.state_dict().items()}
-        if self.cfg.tie_word_embeddings:
-            built.pop("lm_head.weight", None)
-        stored = dict(self.cfg.parameter_shapes())
-        if built != stored:
-            missing = sorted(set(built) - set(stored))
-            extra = sorted(set(stored) - set(built))
-            shapes = sorted(n for n in set(built) & set(stored) if built[n] != stored[n])
-            raise UnsupportedModel(
-                f"transformers' {type(model).__name__} does not have the store's tensors: "
-                + "; ".join(f"{what} {names[:4]}" for what, names in (("missing from the store", missing),
-                            ("not in the model", extra), ("other shapes", shapes)) if names))
-
     def _record(self, rows: int, seq_len: int, position_ids: Tensor, embeds: Tensor | None = None
                 ) -> tuple[list, Tensor]:
         """Run the model's forward with the layers recording: each layer's (input, keywords), and its output."""

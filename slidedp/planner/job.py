@@ -130,7 +130,7 @@ def _routes(p: PlanSection, calib: Calibration) -> dict[str, tuple[str, ...]]:
             "grad_route": options(p.grad_route, ("host", "reduce_scatter"))}
 
 
-def _layers(job: JobConfig, cfg) -> str:
+def resolve_layers(job: JobConfig, cfg) -> str:
     """plan.layers resolved (model/config.py:layers_for); a sequence tile asks for SlideDP's layers."""
     try:
         layers = layers_for(cfg, job.plan.chosen("layers"))
@@ -152,7 +152,7 @@ def _cpu_plan(job: JobConfig, options: tuple[str, ...], store: StoreFacts, notes
     the store has (or gets) the shadow anyway."""
     p, cfg, world = job.plan, model_config(job), job.runtime.workers
     nl, one = cfg.num_layers, world == 1  # one rank: nothing to shard
-    layers = _layers(job, cfg)
+    layers = resolve_layers(job, cfg)
     delivery = options[-1] if len(options) == 1 else "fp32"
     step = StepPlan(
         micro_batch=p.chosen("micro_batch") or cpu_micro_batch(job.train.global_batch // world), delivery=delivery,
@@ -185,7 +185,7 @@ def plan_for(job: JobConfig, store_facts: StoreFacts = StoreFacts(), host_room: 
         return _cpu_plan(job, options, store_facts, notes)
     cfg = model_config(job)
     nl, one = cfg.num_layers, rt.workers == 1
-    layers = _layers(job, cfg)
+    layers = resolve_layers(job, cfg)
     work = Workload(model=cfg, global_batch=t.global_batch, seq_len=t.seq_len, world=rt.workers,
                     micro_batch=p.chosen("micro_batch") or 0, compute_dtype=p.dtype, clip=t.max_grad_norm > 0,
                     updaters=max(1, rt.updaters), compiled=t.compile in ("auto", "on"),
