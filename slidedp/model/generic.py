@@ -170,7 +170,55 @@ def build(cfg: ModelConfig, dtype: torch.dtype) -> tuple:
     with _parameters_on_meta():
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=ATTENTION_NAME)
     _check_table(cfg, model)
+    _head_scale(cfg, config, model)
     return config, model
+
+
+def _head_scale(cfg: ModelConfig, config, model: nn.Module) -> float:
+    """The constant the causal LM's forward multiplies the head's logits by (Cohere's logit_scale, Granite's
+    1 / logits_scaling; 1.0 for most), found by running its forward on a stand-in decoder and head; set as
+    config.slidedp_logit_scale. Refused where the forward does more to the logits than that and the
+    config's final_logit_softcapping."""
+    from transformers.modeling_outputs import BaseModelOutputWithPast
+
+    gen = torch.Generator().manual_seed(0)
+    h = torch.randn(1, 3, cfg.hidden_size, generator=gen)
+    w = torch.randn(5, cfg.hidden_size, generator=gen) * cfg.hidden_size**-0.5
+
+    class Output(BaseModelOutputWithPast):
+        def __getattr__(self, name: str):  # what else a family's forward reads (router_logits...): nothing
+            if name.startswith("__"):
+                raise AttributeError(name)
+            return None
+
+    class Decoder(nn.Module):
+        def forward(self, *args, **kwargs):
+            return Output(last_hidden_state=h)
+
+    decoder = model.get_decoder()
+    name = next(n for n, m in model.named_children() if m is decoder)
+    head = nn.Linear(cfg.hidden_size, 5, bias=False)
+    head.weight = nn.Parameter(w)
+    setattr(model, name, Decoder())
+    model.set_output_embeddings(head)
+    try:
+        with torch.no_grad():
+            got = model(input_ids=torch.zeros(1, 3, dtype=torch.long), use_cache=False).logits.float()
+    finally:
+        setattr(model, name, decoder)
+    raw = h @ w.T
+    cap = getattr(config, "final_logit_softcapping", None)
+    before_cap = got if cap is None else cap * torch.atanh(got / cap)
+    ratio = (before_cap / raw).flatten()
+    scale = float(ratio.median())
+    want = raw * scale
+    if cap is not None:
+        want = torch.tanh(want / cap) * cap
+    if not torch.allclose(got, want, rtol=1e-4, atol=1e-5):
+        raise UnsupportedModel(f"{type(model).__name__}'s forward transforms the head's logits beyond a constant "
+                               "scale and the config's final_logit_softcapping; SlideDP's loss cannot reproduce it")
+    config.slidedp_logit_scale = 1.0 if abs(scale - 1.0) < 1e-6 else scale
+    return scale
 
 
 def _check_table(cfg: ModelConfig, model: nn.Module) -> None:
@@ -223,6 +271,7 @@ class TransformersMath:
         scale = getattr(embed, "embed_scale", None)
         self._embed_scale = None if scale is None else torch.as_tensor(scale, dtype=torch.float32)
         self.softcap = getattr(config, "final_logit_softcapping", None)
+        self.logit_scale = config.slidedp_logit_scale  # set by build()
         self._calls: list = []
         self.decoder.layers = nn.ModuleList([_Recorder(m, i, self._calls) for i, m in enumerate(layers)])
         self.decoder.norm = _Recorder(self.norm, -1, self._calls)
@@ -367,11 +416,11 @@ class TransformersMath:
 
     def loss_and_backward(self, x, targets, norm_p, head_w, scale, tile, chunk, norm_acc, head_acc) -> Tensor:
         return norm_head_backward(x, targets, self._norm, norm_p, head_w, scale, 0, chunk, norm_acc, head_acc,
-                                  self.softcap)
+                                  self.softcap, self.logit_scale)
 
     def loss(self, x, targets, norm_p, head_w, chunk) -> Tensor:
         h = self._norm(x, norm_p).reshape(-1, x.shape[-1])
-        return chunked_cross_entropy_sum(h, head_w, targets.reshape(-1), chunk, self.softcap)
+        return chunked_cross_entropy_sum(h, head_w, targets.reshape(-1), chunk, self.softcap, self.logit_scale)
 
 
 def _compiled_layer(template: nn.Module):

@@ -25,32 +25,37 @@ _log = slog.get("loss")
 
 
 
-def _logits(h: Tensor, weight: Tensor, softcap: float | None) -> tuple[Tensor, Tensor | None]:
-    """fp32 logits of h @ weight.T, and (softcap: Gemma's cap * tanh(logits / cap)) the tanh, for the backward."""
+def _logits(h: Tensor, weight: Tensor, softcap: float | None, scale: float = 1.0) -> tuple[Tensor, Tensor | None]:
+    """fp32 logits of h @ weight.T times `scale` (Cohere's logit_scale, Granite's 1 / logits_scaling), and
+    (softcap: Gemma's cap * tanh(logits / cap)) the tanh, for the backward."""
     logits = (h @ weight.T).float()
+    if scale != 1.0:
+        logits.mul_(scale)
     if softcap is None:
         return logits, None
     tanh = torch.tanh(logits / softcap)
     return tanh * softcap, tanh
 
 
-def _uncap_(grad: Tensor, tanh: Tensor | None) -> Tensor:
-    """In place: the gradient of capped logits becomes that of the logits under the cap."""
-    return grad if tanh is None else grad.mul_(1 - tanh * tanh)
+def _uncap_(grad: Tensor, tanh: Tensor | None, scale: float = 1.0) -> Tensor:
+    """In place: the gradient of the final logits becomes that of h @ weight.T (under the cap and the scale)."""
+    if tanh is not None:
+        grad.mul_(1 - tanh * tanh)
+    return grad if scale == 1.0 else grad.mul_(scale)
 
 
 class _ChunkedCrossEntropySum(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, chunk_tokens: int,
-                softcap: float | None = None) -> Tensor:
+                softcap: float | None = None, scale: float = 1.0) -> Tensor:
         n = hidden.shape[0]
         lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         for s in token_slices(n, chunk_tokens):
-            lse[s], loss = _chunk_loss(_logits(hidden[s], weight, softcap)[0], targets[s])
+            lse[s], loss = _chunk_loss(_logits(hidden[s], weight, softcap, scale)[0], targets[s])
             total += loss
         ctx.save_for_backward(hidden, weight, targets, lse)
-        ctx.chunk_tokens, ctx.softcap = chunk_tokens, softcap
+        ctx.chunk_tokens, ctx.softcap, ctx.scale = chunk_tokens, softcap, scale
         return total
 
     @staticmethod
@@ -62,13 +67,13 @@ class _ChunkedCrossEntropySum(torch.autograd.Function):
         g_out = grad_out.float()
         for s in token_slices(hidden.shape[0], ctx.chunk_tokens):
             h = hidden[s]
-            logits, tanh = _logits(h, weight, ctx.softcap)
-            g = _uncap_(_logit_grad_(logits, lse[s], targets[s], g_out), tanh).to(hidden.dtype)
+            logits, tanh = _logits(h, weight, ctx.softcap, ctx.scale)
+            g = _uncap_(_logit_grad_(logits, lse[s], targets[s], g_out), tanh, ctx.scale).to(hidden.dtype)
             if need_h:
                 grad_h[s] = g @ weight
             if need_w:
                 add_matmul_(grad_w, g.T, h)
-        return grad_h, (grad_w.to(weight.dtype) if need_w else None), None, None, None
+        return grad_h, (grad_w.to(weight.dtype) if need_w else None), None, None, None, None
 
 
 def _logit_grad_(logits: Tensor, lse: Tensor, targets: Tensor, g_out: Tensor) -> Tensor:
@@ -112,14 +117,16 @@ def add_matmul_(acc: Tensor, a: Tensor, b: Tensor) -> None:
 
 @torch.no_grad()  # the logits are rewritten in place: nothing here is for autograd
 def cross_entropy_sum_and_grad(hidden: Tensor, weight: Tensor, targets: Tensor, chunk_tokens: int, scale: float,
-                               weight_grad_acc: Tensor, softcap: float | None = None) -> tuple[Tensor, Tensor]:
+                               weight_grad_acc: Tensor, softcap: float | None = None,
+                               logit_scale: float = 1.0) -> tuple[Tensor, Tensor]:
     """Forward and backward of the chunked cross-entropy at once, for a caller that needs both now.
 
     Returns (sum of token losses, fp32 scalar; gradient of scale * that sum with respect to hidden,
     in hidden's dtype) and adds the gradient with respect to weight into weight_grad_acc (fp32
     [V, H]). Each chunk's logits are made once and turned into their gradient in place: no
     recompute, one GEMM fewer per chunk than forward + backward through autograd. softcap: the logits
-    are cap * tanh(logits / cap) (Gemma's final_logit_softcapping).
+    are cap * tanh(logits / cap) (Gemma's final_logit_softcapping); logit_scale multiplies the logits
+    before it (Cohere's logit_scale, Granite's 1 / logits_scaling).
     """
     grad_h = torch.empty_like(hidden)
     total = torch.zeros((), dtype=torch.float32, device=hidden.device)
@@ -127,10 +134,10 @@ def cross_entropy_sum_and_grad(hidden: Tensor, weight: Tensor, targets: Tensor, 
     g_out = torch.full((), scale, dtype=torch.float32, device=hidden.device)
     for s in token_slices(hidden.shape[0], chunk_tokens):
         h, tgt = hidden[s], targets[s]
-        logits, tanh = _logits(h, weight, softcap)
+        logits, tanh = _logits(h, weight, softcap, logit_scale)
         lse, loss = _chunk_loss(logits, tgt)
         total += loss
-        g = _uncap_(_logit_grad_(logits, lse, tgt, g_out), tanh).to(hidden.dtype)
+        g = _uncap_(_logit_grad_(logits, lse, tgt, g_out), tanh, logit_scale).to(hidden.dtype)
         del logits, tanh
         grad_h[s] = g @ weight
         add_matmul_(weight_grad_acc, g.T, h)
@@ -138,7 +145,7 @@ def cross_entropy_sum_and_grad(hidden: Tensor, weight: Tensor, targets: Tensor, 
 
 
 def chunked_cross_entropy_sum(hidden: Tensor, weight: Tensor, targets: Tensor, chunk_tokens: int = 4096,
-                              softcap: float | None = None) -> Tensor:
+                              softcap: float | None = None, logit_scale: float = 1.0) -> Tensor:
     """Sum (not mean) of token cross-entropies of `hidden @ weight.T` against `targets`, an fp32 scalar.
 
     hidden [N, H], weight [V, H] (same dtype), targets [N] int64 (IGNORE_INDEX = -100 skipped).
@@ -153,20 +160,21 @@ def chunked_cross_entropy_sum(hidden: Tensor, weight: Tensor, targets: Tensor, c
         raise ValueError(f"chunked_cross_entropy_sum: hidden is {hidden.dtype} but weight is {weight.dtype}")
     if chunk_tokens <= 0:
         raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
-    return _ChunkedCrossEntropySum.apply(hidden, weight, targets.long(), int(chunk_tokens), softcap)
+    return _ChunkedCrossEntropySum.apply(hidden, weight, targets.long(), int(chunk_tokens), softcap, logit_scale)
 
 
 def norm_head_backward(x: Tensor, targets: Tensor, norm: Callable[[Tensor, Mapping[str, Tensor]], Tensor],
                        norm_p: Mapping[str, Tensor], head_w: Tensor, scale: float, tile_tokens: int, chunk_tokens: int,
-                       norm_acc: Mapping[str, Tensor], head_acc: Tensor, softcap: float | None = None) -> Tensor:
+                       norm_acc: Mapping[str, Tensor], head_acc: Tensor, softcap: float | None = None,
+                       logit_scale: float = 1.0) -> Tensor:
     """Final norm + chunked cross-entropy of x [..., H] against targets [...], with its backward.
 
     norm(x, norm_p) is the family's final norm over its tensors norm_p (name -> tensor). tile_tokens > 0:
     over the flattened tokens, that many at a time (0: all at once). Returns the sum of token losses (fp32
     scalar, no graph). x is overwritten with the gradient of scale * loss (a tile's input is dead once its
     gradient exists); the weights' gradients are added into norm_acc (name -> fp32 tensor) and head_acc
-    [V, H] (the head's straight from each chunk's GEMM, in head_acc's precision). softcap: see
-    cross_entropy_sum_and_grad.
+    [V, H] (the head's straight from each chunk's GEMM, in head_acc's precision). softcap, logit_scale:
+    see cross_entropy_sum_and_grad.
     """
     names = list(norm_p)
     leaves = {n: norm_p[n].detach().requires_grad_(True) for n in names}
@@ -182,7 +190,7 @@ def norm_head_backward(x: Tensor, targets: Tensor, norm: Callable[[Tensor, Mappi
         xt = xs.detach().requires_grad_(True)
         normed = norm(xt, leaves).reshape(-1, h)
         loss, grad_normed = cross_entropy_sum_and_grad(normed.detach(), head_w, ts.reshape(-1).long(), chunk_tokens,
-                                                       scale, head_acc, softcap)
+                                                       scale, head_acc, softcap, logit_scale)
         got = torch.autograd.grad(normed, [xt] + [leaves[n] for n in names], grad_normed)
         xs.copy_(got[0])
         total += loss

@@ -237,3 +237,34 @@ def test_per_expert_checkpoints_are_refused(tmp_path):
     with pytest.raises(hf.CheckpointError, match=r"its Mixture-of-Experts layers keep one tensor per expert "
                                                  r"\(block_sparse_moe.experts.0.\*, as transformers saves them\)"):
         hf.read_config(tmp_path)
+
+
+# Families whose forward does something between the layers and the loss: Gemma 2 scales the embeddings in
+# the model's forward (not the embedding module) and softcaps both the scores and the logits; Cohere 2
+# multiplies the logits by logit_scale; Granite multiplies embeddings and residuals and divides the logits.
+HEAD_AND_INPUT = {
+    "gemma2": dict(layer_types=["sliding_attention", "full_attention", "sliding_attention"], sliding_window=12,
+                   query_pre_attn_scalar=16, head_dim=16),
+    "cohere2": dict(head_dim=16, sliding_window=12, logit_scale=0.5),
+    "granite": dict(logits_scaling=4.0, embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.2),
+}
+
+
+@pytest.mark.parametrize("model_type", sorted(HEAD_AND_INPUT))
+def test_what_the_forward_does_around_the_layers(tmp_path, model_type):
+    config = transformers.AutoConfig.for_model(
+        model_type, vocab_size=512, hidden_size=64, intermediate_size=112, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, eos_token_id=2, pad_token_id=0, bos_token_id=None,
+        attention_dropout=0.0, **HEAD_AND_INPUT[model_type])
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_((0.02 if p.ndim >= 2 else 0.1) * torch.randn_like(p))
+    model.save_pretrained(tmp_path)
+    batch = packed_batch(512, seed=7)
+    loss, grads = engine_step(tmp_path, batch)
+    want_loss, want = reference_step(tmp_path, batch[4])
+    assert loss == pytest.approx(want_loss, rel=1e-5)
+    worst = max((rel_err(grads[n], want[n]), n) for n in want)
+    assert worst[0] < 1e-4, worst
