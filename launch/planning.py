@@ -21,17 +21,18 @@ __all__ = ["DeliveryError", "JobPlan", "check_layers", "document_load", "plan_jo
 
 def check_layers(job: JobConfig, cfg) -> str:
     """Whose layers run the job's model (plan.layers resolved), checked before any store is made: for
-    transformers' layers, that transformers builds this family from its config.json with the folder's
-    very tensors (a model it cannot stream, or another model's tensors, is refused naming why)."""
+    transformers' layers, the worker's own set-up on the CPU (transformers builds this family from its
+    config.json with the folder's very tensors, and the forward passes the probes of streaming; a model it
+    cannot stream, or another model's tensors, is refused naming why)."""
     from slidedp.planner.job import resolve_layers
 
     layers = resolve_layers(job, cfg)
     if layers == "transformers":
         import torch
 
-        from slidedp.model.generic import build
+        from slidedp.model.generic import TransformersMath
 
-        build(cfg, torch.float32)
+        TransformersMath(cfg, torch.device("cpu"), torch.float32)
     return layers
 
 

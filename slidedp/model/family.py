@@ -28,8 +28,6 @@ from .loss import chunked_cross_entropy_sum, norm_head_backward, rms_norm_of
 
 class ModelMath(Protocol):
     cfg: ModelConfig
-    name: str  # "native" | "transformers"
-    tiles: bool  # whether seq_tile_tokens tiles the layers' MLPs (the native layers only)
 
     def structures(self) -> dict[int, int]: ...  # a layer of each distinct structure -> how many layers share it
     def rope(self, seq_len: int) -> tuple[Tensor, Tensor]: ...  # the tables an Attention is built on
@@ -49,9 +47,6 @@ class ModelMath(Protocol):
 
 class NativeMath:
     """SlideDP's own layers (layers.py) for the families they model."""
-
-    name = "native"
-    tiles = True
 
     def __init__(self, cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> None:
         if not cfg.native:

@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .attention import Attention
+from .attention import Attention, document_bounds
 from .config import ModelConfig
 from .loss import chunked_cross_entropy_sum, norm_head_backward
 
@@ -148,9 +148,10 @@ class Batch:
 
 
 def build(cfg: ModelConfig, dtype: torch.dtype) -> tuple:
-    """(transformers' config, its causal LM with parameters on the meta device) for the store's model,
-    refused with UnsupportedModel where transformers does not know the family, its layers are tied together,
-    or its tensors are not the store's."""
+    """(transformers' config, its causal LM with parameters on the meta device, the factor its forward puts
+    on the logits) for the store's model, refused with UnsupportedModel where transformers does not know the
+    family, its layers are tied together, its tensors are not the store's or its head does more than a
+    factor and a softcap."""
     import transformers
 
     register_attention()
@@ -170,15 +171,13 @@ def build(cfg: ModelConfig, dtype: torch.dtype) -> tuple:
     with _parameters_on_meta():
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=ATTENTION_NAME)
     _check_table(cfg, model)
-    _head_scale(cfg, config, model)
-    return config, model
+    return config, model, _head_scale(cfg, config, model)
 
 
 def _head_scale(cfg: ModelConfig, config, model: nn.Module) -> float:
     """The constant the causal LM's forward multiplies the head's logits by (Cohere's logit_scale, Granite's
-    1 / logits_scaling; 1.0 for most), found by running its forward on a stand-in decoder and head; set as
-    config.slidedp_logit_scale. Refused where the forward does more to the logits than that and the
-    config's final_logit_softcapping."""
+    1 / logits_scaling; 1.0 for most), found by running its forward on a stand-in decoder and head. Refused
+    where the forward does more to the logits than that and the config's final_logit_softcapping."""
     from transformers.modeling_outputs import BaseModelOutputWithPast
 
     gen = torch.Generator().manual_seed(0)
@@ -217,8 +216,7 @@ def _head_scale(cfg: ModelConfig, config, model: nn.Module) -> float:
     if not torch.allclose(got, want, rtol=1e-4, atol=1e-5):
         raise UnsupportedModel(f"{type(model).__name__}'s forward transforms the head's logits beyond a constant "
                                "scale and the config's final_logit_softcapping; SlideDP's loss cannot reproduce it")
-    config.slidedp_logit_scale = 1.0 if abs(scale - 1.0) < 1e-6 else scale
-    return scale
+    return 1.0 if abs(scale - 1.0) < 1e-6 else scale
 
 
 def _check_table(cfg: ModelConfig, model: nn.Module) -> None:
@@ -242,14 +240,11 @@ def _check_table(cfg: ModelConfig, model: nn.Module) -> None:
 class TransformersMath:
     """transformers' layers for any causal LM of the store's layout (see the module docstring)."""
 
-    name = "transformers"
-    tiles = False
-
     def __init__(self, cfg: ModelConfig, device: torch.device, dtype: torch.dtype, compile: bool = False) -> None:
         """compile: run each structure's layer through torch.compile (attention stays eager, outside the
         graph; packed rows of layers that run one document at a time stay eager too)."""
         self.cfg, self.device, self.dtype = cfg, device, dtype
-        config, model = build(cfg, dtype)
+        config, model, self.logit_scale = build(cfg, dtype)
         for module in model.modules():  # buffers (rotary tables) to the device; parameters stay on meta
             for k, b in module._buffers.items():
                 if b is not None:
@@ -271,7 +266,6 @@ class TransformersMath:
         scale = getattr(embed, "embed_scale", None)
         self._embed_scale = None if scale is None else torch.as_tensor(scale, dtype=torch.float32)
         self.softcap = getattr(config, "final_logit_softcapping", None)
-        self.logit_scale = config.slidedp_logit_scale  # set by build()
         self._calls: list = []
         self.decoder.layers = nn.ModuleList([_Recorder(m, i, self._calls) for i, m in enumerate(layers)])
         self.decoder.norm = _Recorder(self.norm, -1, self._calls)
@@ -431,10 +425,9 @@ def _compiled_layer(template: nn.Module):
 
 
 def _spans(documents: Tensor) -> Iterator[tuple[int, int, int]]:
-    """(row, start, end) of each run of one document number in documents [rows, T] (CPU)."""
-    for r, row in enumerate(documents.tolist()):
-        start = 0
-        for i in range(1, len(row) + 1):
-            if i == len(row) or row[i] != row[start]:
-                yield r, start, i
-                start = i
+    """(row, start, end) of each document of documents [rows, T] (CPU), from the bounds the varlen kernel
+    takes (a document never crosses a row's end)."""
+    t = documents.shape[1]
+    cu = document_bounds(documents)[0].tolist()
+    for a, b in zip(cu[:-1], cu[1:]):
+        yield a // t, a % t, b - a // t * t
