@@ -120,7 +120,8 @@ def initial_params(job: JobConfig) -> dict[str, torch.Tensor]:
         from slidedp.model import hf
 
         index = hf.tensor_index(job.model.path)
-        return {n: hf.load_tensor(job.model.path, n, index=index).float() for n, _ in cfg.parameter_shapes()}
+        return {n: hf.load_model_tensor(job.model.path, cfg, n, torch.empty(s), index=index)
+                for n, s in cfg.parameter_shapes()}
     from slidedp.model.init import init_params
 
     return init_params(cfg, job.model.init_seed)

@@ -4,7 +4,8 @@ Each family gets a config small enough to run on a CPU in milliseconds (vocab 51
 tokenizer fits; hidden 64; 3 or 4 layers; 4 heads of 16, 2 kv heads) that still keeps what makes the family
 itself: qwen3_5's Gated DeltaNet layers beside full attention, gemma3/gemma4's sliding and full layers (gemma4
 with a wider global head), gpt_oss's experts and attention sinks, mistral's sliding window, olmo2's
-post-norms, phi3's fused projections. `write_family_folder` saves such a model as the hub would ship it, with
+post-norms, phi3's fused projections; the MoE families' routers (softmax, sigmoid with groups), shared experts
+and dense first layers, deepseek_v3's latent attention, qwen3_5_moe's DeltaNet beside experts. `write_family_folder` saves such a model as the hub would ship it, with
 every weight pushed off its trivial init (a norm of exact ones, a zero bias or sink would hide a weight that
 was dropped or misplaced), so that transformers' own forward is an oracle for SlideDP's.
 """
@@ -19,17 +20,23 @@ ROOT = Path(__file__).resolve().parents[1]
 CHAT = ROOT / "examples" / "data" / "chat"
 VOCAB = 512
 
-FAMILIES = ("llama", "qwen3", "qwen3_5", "gemma3", "gemma4", "gpt_oss", "phi3", "olmo2", "mistral")
+# Mixture-of-Experts families (gpt_oss aside, which keeps its experts fused on disk): transformers saves their
+# experts one tensor each and fuses them on load, as SlideDP's store does (model/expert_files.py).
+MOE_FAMILIES = ("gpt_oss", "qwen3_moe", "mixtral", "olmoe", "qwen3_5_moe", "glm4_moe", "deepseek_v3")
+FAMILIES = ("llama", "qwen3", "qwen3_5", "gemma3", "gemma4", "phi3", "olmo2", "mistral") + MOE_FAMILIES
 
 # The model_type each family's text-only causal LM is registered under.
 MODEL_TYPES = {
     "llama": "llama", "qwen3": "qwen3", "qwen3_5": "qwen3_5_text", "gemma3": "gemma3_text",
     "gemma4": "gemma4_text", "gpt_oss": "gpt_oss", "phi3": "phi3", "olmo2": "olmo2", "mistral": "mistral",
+    "qwen3_moe": "qwen3_moe", "mixtral": "mixtral", "olmoe": "olmoe", "qwen3_5_moe": "qwen3_5_moe_text",
+    "glm4_moe": "glm4_moe", "deepseek_v3": "deepseek_v3",
 }
 
 # The kinds of layer each family's tiny model mixes (config.layer_types); absent: one kind only.
 LAYER_KINDS = {
     "qwen3_5": {"linear_attention", "full_attention"},
+    "qwen3_5_moe": {"linear_attention", "full_attention"},
     "gemma3": {"sliding_attention", "full_attention"},
     "gemma4": {"sliding_attention", "full_attention"},
     "gpt_oss": {"sliding_attention", "full_attention"},
@@ -51,12 +58,29 @@ def config_kwargs(family: str, tied: bool | None = None) -> dict:
     kw = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=112, num_hidden_layers=3,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6,
               eos_token_id=2, pad_token_id=0, bos_token_id=None, attention_dropout=0.0)
-    if family in ("llama", "qwen3", "mistral", "gemma3", "gemma4", "gpt_oss", "qwen3_5"):
+    if family in ("llama", "qwen3", "mistral", "gemma3", "gemma4", "gpt_oss", "qwen3_5", "qwen3_moe", "mixtral",
+                  "qwen3_5_moe", "glm4_moe"):
         kw["head_dim"] = 16
-    if family == "qwen3_5":
+    # 4 experts, 2 per token; a dense first layer where the family has one (qwen3_moe, glm4_moe, deepseek_v3)
+    experts = dict(num_experts_per_tok=2, moe_intermediate_size=48)
+    if family in ("qwen3_5", "qwen3_5_moe"):
         kw.update(num_hidden_layers=4, layer_types=["linear_attention", "full_attention"] * 2,
                   linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16,
                   linear_num_key_heads=2, linear_num_value_heads=4)
+    if family == "qwen3_5_moe":
+        kw.update(num_experts=4, shared_expert_intermediate_size=48, **experts)
+    elif family == "qwen3_moe":
+        kw.update(num_experts=4, mlp_only_layers=[0], **experts)
+    elif family == "mixtral":
+        kw.update(num_local_experts=4, num_experts_per_tok=2, intermediate_size=48)
+    elif family == "olmoe":
+        kw.update(num_experts=4, num_experts_per_tok=2, intermediate_size=48)
+    elif family in ("glm4_moe", "deepseek_v3"):
+        kw.update(n_routed_experts=4, n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1,
+                  **experts)
+    if family == "deepseek_v3":  # multi-head latent attention: its heads are all key-value heads
+        kw.update(num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=8,
+                  v_head_dim=16)
     elif family == "gemma3":
         kw.update(layer_types=_alternating(3), sliding_window=SLIDING_WINDOW, query_pre_attn_scalar=16)
     elif family == "gemma4":

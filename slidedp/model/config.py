@@ -69,6 +69,9 @@ class ModelConfig:
     source_config: str = ""
     layer_tables: tuple[Table, ...] = ()
     norm_table: Table = ()
+    # Tensors the folder keeps in another form than the store (expert_files.py: one tensor per expert of a
+    # fused expert tensor; a renamed router): (name on disk, store name, element offset, shape on disk).
+    disk_pieces: tuple[tuple[str, str, int, tuple[int, ...]], ...] = ()
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES and not self.layer_tables:
@@ -148,6 +151,18 @@ class ModelConfig:
         if not self.tie_word_embeddings:
             out.append(("lm_head.weight", (self.vocab_size, self.hidden_size)))
         return out
+
+    def disk_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
+        """Every tensor as the model's folder holds it: parameter_shapes() with each tensor kept in pieces on
+        disk replaced by its pieces (in element order)."""
+        pieces: dict[str, list[tuple[str, tuple[int, ...]]]] = {}
+        for disk, stored, _, shape in self.disk_pieces:
+            pieces.setdefault(stored, []).append((disk, shape))
+        return [entry for name, shape in self.parameter_shapes() for entry in pieces.get(name, [(name, shape)])]
+
+    def pieces_of(self, name: str) -> list[tuple[str, int, tuple[int, ...]]]:
+        """The pieces (name on disk, element offset, shape) tensor `name` is kept in on disk; [] when whole."""
+        return [(disk, offset, shape) for disk, stored, offset, shape in self.disk_pieces if stored == name]
 
     def norm_parameter_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
         """The final norm's tensors, names under `model.norm.`."""
@@ -287,11 +302,15 @@ class ModelConfig:
         d["rope_scaling"] = [list(kv) for kv in self.rope_scaling]
         d["layer_types"] = list(self.layer_types)
         if not self.layer_tables:  # native layouts keep the keys (and the hash) they always had
-            for key in ("source_config", "layer_tables", "norm_table"):
+            for key in ("source_config", "layer_tables", "norm_table", "disk_pieces"):
                 del d[key]
         else:
             d["layer_tables"] = [_table_to_json(t) for t in self.layer_tables]
             d["norm_table"] = _table_to_json(self.norm_table)
+            if self.disk_pieces:
+                d["disk_pieces"] = [[disk, stored, offset, list(shape)] for disk, stored, offset, shape in self.disk_pieces]
+            else:  # layouts of folders without pieces keep the hash they had
+                del d["disk_pieces"]
         return d
 
     @classmethod
@@ -301,6 +320,8 @@ class ModelConfig:
         d["layer_types"] = tuple(d.get("layer_types", ()))
         d["layer_tables"] = tuple(_table_from_json(t) for t in d.get("layer_tables", ()))
         d["norm_table"] = _table_from_json(d.get("norm_table", ()))
+        d["disk_pieces"] = tuple((str(a), str(b), int(o), tuple(int(x) for x in shape))
+                                 for a, b, o, shape in d.get("disk_pieces", ()))
         return cls(**d)
 
 

@@ -72,6 +72,20 @@ def load_tensor(folder, name: str, out: Tensor | None = None, index: Mapping[str
         return buf.float() if out is None else out.copy_(buf)
 
 
+def load_model_tensor(folder, cfg: ModelConfig, name: str, out: Tensor,
+                      index: Mapping[str, TensorInfo] | None = None) -> Tensor:
+    """Read the store's tensor `name` of model `cfg` from its folder into `out` (fp32): whole, or assembled
+    from the pieces the folder keeps it in (one tensor per expert: expert_files.py)."""
+    pieces = cfg.pieces_of(name)
+    if not pieces:
+        return load_tensor(folder, name, out=out, index=index)
+    index = tensor_index(folder) if index is None else index
+    flat = out.view(-1)
+    for disk, offset, shape in pieces:
+        load_tensor(folder, disk, out=flat[offset:offset + torch.Size(shape).numel()].view(shape), index=index)
+    return out
+
+
 # ---- writing ---------------------------------------------------------------------------
 def fsync_dir(path: Path) -> None:
     """Make a rename or a new file in `path` durable."""
@@ -155,13 +169,31 @@ def _read_source_config(path: Path) -> dict:
     return conf
 
 
+def _disk_getter(cfg: ModelConfig, get: Callable[[str], Tensor]) -> Callable[[str], Tensor]:
+    """Tensors by their names on disk: a piece (expert_files.py) is a view of its store tensor, which is
+    fetched once for all its pieces (they are written one after another)."""
+    where = {disk: (stored, offset, shape) for disk, stored, offset, shape in cfg.disk_pieces}
+    last: list = [None, None]
+
+    def by_disk_name(name: str) -> Tensor:
+        if name not in where:
+            return get(name)
+        stored, offset, shape = where[name]
+        if last[0] != stored:
+            last[:] = [stored, get(stored)]
+        return last[1].reshape(-1)[offset:offset + torch.Size(shape).numel()].view(shape)
+
+    return by_disk_name
+
+
 def write_folder(folder, cfg: ModelConfig, tensors: Mapping[str, Tensor] | Callable[[str], Tensor],
                  dtype: torch.dtype = torch.bfloat16, max_shard_bytes: int = 5 * 2**30,
                  extra_files: Iterable[str | os.PathLike] = ()) -> None:
     """Write a checkpoint folder loadable by `transformers`, atomically.
 
-    `tensors` maps full names to tensors, or is a callable fetched one name at a time (so a
-    huge store never needs a second copy). `extra_files` (e.g. tokenizer files) are copied in; a
+    `tensors` maps the store's full names to tensors, or is a callable fetched one name at a time (so a
+    huge store never needs a second copy); tensors the folder keeps in pieces (one per expert) are written
+    as those pieces, in the source folder's format. `extra_files` (e.g. tokenizer files) are copied in; a
     `config.json` among them is the source model's, whose fields are kept under the ones written
     here, and a `generation_config.json` replaces the one made from the config.
     An existing folder is replaced only after the new one is complete and synced, and only if
@@ -173,11 +205,11 @@ def write_folder(folder, cfg: ModelConfig, tensors: Mapping[str, Tensor] | Calla
     if folder.exists() and not (folder.is_dir() and (
             not any(folder.iterdir()) or (folder / "config.json").exists() or any(folder.glob("*.safetensors")))):
         raise CheckpointError(f"{folder} exists and is not a checkpoint folder; refusing to replace it")
-    get = tensors if callable(tensors) else tensors.__getitem__
+    get = _disk_getter(cfg, tensors if callable(tensors) else tensors.__getitem__)
     itemsize = torch.empty((), dtype=dtype).element_size()
     shards: list[list[tuple[str, tuple[int, ...]]]] = [[]]
     size = total = 0
-    for name, shape in cfg.parameter_shapes():
+    for name, shape in cfg.disk_shapes():
         nbytes = itemsize * torch.Size(shape).numel()
         if shards[-1] and size + nbytes > max_shard_bytes:
             shards.append([])

@@ -9,16 +9,15 @@ Reading and writing tensors is hf.py's (it imports torch).
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from slidedp.model.config import _ARCHITECTURES, FAMILIES, ModelConfig, ModelConfigError
+from slidedp.model.expert_files import ExpertFormatError, expert_pieces, per_expert
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 _MAX_HEADER = 100 * 2**20  # a header larger than this is corruption, not a model
-_PER_EXPERT = re.compile(r"(^|\.)experts\.\d+\.")
 
 # safetensors dtype tag -> bytes per element
 ELEMENT_BYTES: dict[str, int] = {
@@ -102,18 +101,28 @@ def transformers_config(folder: Path, hf: dict) -> ModelConfig:
     index = tensor_index(folder)
     # config.json may leave tying to the class's default, which only transformers knows: the files tell
     tied = bool(hf["tie_word_embeddings"]) if "tie_word_embeddings" in hf else "lm_head.weight" not in index
-    layer_tables: list[list[tuple[str, tuple[int, ...]]]] = [[] for _ in range(layers)]
-    norm, other = [], []
+    shapes, other = {}, []
     for name, info in index.items():
-        parts = name.split(".")
         if name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight"):
             continue
         if info.dtype not in FLOAT_TAGS or not info.shape:
             other.append(f"{name} ({info.dtype}, shape {list(info.shape)})")
-        elif parts[:2] == ["model", "layers"] and len(parts) > 3 and parts[2].isdigit() and int(parts[2]) < layers:
-            layer_tables[int(parts[2])].append((".".join(parts[3:]), info.shape))
+        else:
+            shapes[name] = info.shape
+    pieces: list = []
+    if per_expert(shapes):  # transformers fuses them into 3-D tensors on load: so does the store
+        try:
+            shapes, pieces = expert_pieces(str(hf.get("model_type")), shapes)
+        except ExpertFormatError as e:
+            raise CheckpointError(f"{folder}: its Mixture-of-Experts layers keep one tensor per expert: {e}") from None
+    layer_tables: list[list[tuple[str, tuple[int, ...]]]] = [[] for _ in range(layers)]
+    norm = []
+    for name, shape in shapes.items():
+        parts = name.split(".")
+        if parts[:2] == ["model", "layers"] and len(parts) > 3 and parts[2].isdigit() and int(parts[2]) < layers:
+            layer_tables[int(parts[2])].append((".".join(parts[3:]), shape))
         elif parts[:2] == ["model", "norm"]:
-            norm.append((".".join(parts[2:]), info.shape))
+            norm.append((".".join(parts[2:]), shape))
         elif name not in ("model.embed_tokens.weight", "lm_head.weight"):
             other.append(name)
     if other:
@@ -121,12 +130,6 @@ def transformers_config(folder: Path, hf: dict) -> ModelConfig:
         raise CheckpointError(
             f"{folder}: SlideDP trains the tensors model.embed_tokens, model.layers.N.*, model.norm.* and lm_head "
             f"of a causal LM (floating point, at least 1-D); this folder also has {', '.join(other[:5])}{more}")
-    per_expert = sorted({n.split(".experts.")[0] for t in layer_tables for n, _ in t if _PER_EXPERT.search(n)})
-    if per_expert:  # transformers fuses them into 3-D tensors on load: the store would not match its modules
-        raise CheckpointError(
-            f"{folder}: its Mixture-of-Experts layers keep one tensor per expert ({per_expert[0]}.experts.0.*, as "
-            "transformers saves them); SlideDP does not yet convert them to the fused expert tensors transformers' "
-            "modules train (gpt-oss's fused format is supported)")
     empty = [i for i, t in enumerate(layer_tables) if not t]
     if empty or not norm:
         raise CheckpointError(f"{folder}: config.json says {layers} layers, but the safetensors hold no tensors for "
@@ -142,7 +145,7 @@ def transformers_config(folder: Path, hf: dict) -> ModelConfig:
             bos_token_id=hf.get("bos_token_id") if isinstance(hf.get("bos_token_id"), int) else None,
             eos_token_id=hf["eos_token_id"][0] if isinstance(hf.get("eos_token_id"), list) else hf.get("eos_token_id"),
             source_config=json.dumps(hf, sort_keys=True), norm_table=tuple(norm),
-            layer_tables=tuple(tuple(t) for t in layer_tables),
+            layer_tables=tuple(tuple(t) for t in layer_tables), disk_pieces=tuple(pieces),
         )
     except (ModelConfigError, TypeError, ValueError) as e:
         raise CheckpointError(f"{path}: {e}") from None
@@ -227,7 +230,7 @@ def check_folder(folder, cfg: ModelConfig) -> None:
     """Every tensor `cfg` needs is present with its shape in a float dtype, and nothing unexpected is."""
     folder = Path(folder)
     index = tensor_index(folder)
-    expected = dict(cfg.parameter_shapes())
+    expected = dict(cfg.disk_shapes())
     missing = [n for n in expected if n not in index]
     if missing:
         more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""

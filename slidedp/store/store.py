@@ -206,9 +206,11 @@ def fill_from_hf(folder: str | os.PathLike) -> Callable[[HostStore], None]:
     from ..model import hf
 
     def fill(store: HostStore) -> None:
-        hf.check_folder(folder, store.layout.model)
+        cfg = store.layout.model
+        hf.check_folder(folder, cfg)
+        index = hf.tensor_index(folder)
         for name, view in store.tensors("master"):
-            hf.load_tensor(folder, name, out=view)
+            hf.load_model_tensor(folder, cfg, name, view, index=index)
 
     return fill
 

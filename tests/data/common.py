@@ -51,11 +51,12 @@ def hf_reference(folder: Path, steps_docs: list[list[tuple[torch.Tensor, torch.T
     """transformers model + torch AdamW: each document alone, loss = sum of its trained targets' losses
     over the step / the step's trained targets; weight decay on matrices only, optional clipping.
     dtype: the reference's precision (float64: the truth an fp32 run is measured against, where fp32's
-    own rounding is large, as in gradients that are sums of cancelling terms).
-    Returns (losses, grad norms, state dict)."""
+    own rounding is large, as in gradients that are sums of cancelling terms; experts then run transformers'
+    eager loop, grouped_mm having no float64). Returns (losses, grad norms, state dict)."""
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation=attn)
+    experts = {"experts_implementation": "eager"} if dtype == torch.float64 else {}
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation=attn, **experts)
     params = dict(model.named_parameters())
     opt = torch.optim.AdamW(
         [{"params": [p for p in params.values() if p.ndim >= 2], "weight_decay": train.weight_decay},

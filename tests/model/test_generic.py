@@ -64,8 +64,8 @@ def engine_step(folder, batch, layers: str = "transformers", device: str = "cpu"
     master = torch.zeros(layout.total_numel)
     index = hf.tensor_index(folder)
     for span in layout.tensors:
-        hf.load_tensor(folder, span.name, master[span.offset:span.offset + math.prod(span.shape)].view(span.shape),
-                       index)
+        hf.load_model_tensor(folder, cfg, span.name,
+                             master[span.offset:span.offset + math.prod(span.shape)].view(span.shape), index)
     link = FakeLink(len(layout.chunks))
     slots = torch.zeros(len(layout.chunks), layout.max_chunk_numel, device=device)
     dev = torch.device(device)
@@ -226,17 +226,30 @@ def test_router_auxiliary_loss_is_refused(folders, tmp_path):
         hf.read_config(tmp_path / "m")
 
 
-def test_per_expert_checkpoints_are_refused(tmp_path):
-    """transformers saves Mixtral's experts one tensor each and fuses them on load: the folder's table would
-    not be its modules', so the folder is refused before any store is made."""
-    config = transformers.MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
-                                        num_attention_heads=2, num_key_value_heads=1, num_local_experts=2,
-                                        num_experts_per_tok=1)
-    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
-    assert any(".experts.0." in n for n in hf.tensor_index(tmp_path))
-    with pytest.raises(hf.CheckpointError, match=r"its Mixture-of-Experts layers keep one tensor per expert "
-                                                 r"\(block_sparse_moe.experts.0.\*, as transformers saves them\)"):
-        hf.read_config(tmp_path)
+def test_per_expert_folders_fill_the_fused_store_and_are_written_back(folders, tmp_path):
+    """Mixtral's folder keeps each expert's w1/w2/w3 and names its MoE block `block_sparse_moe`; the store holds
+    transformers' fused, renamed tensors, equal to what from_pretrained builds, and writing the store back gives
+    the folder's own tensors, byte for byte in fp32."""
+    folder = folders["mixtral"]
+    on_disk = hf.tensor_index(folder)
+    assert "model.layers.1.block_sparse_moe.experts.3.w1.weight" in on_disk
+    cfg = hf.read_config(folder)
+    table = dict(cfg.layer_parameter_shapes(1))
+    assert table["mlp.experts.gate_up_proj"] == (4, 96, 64) and table["mlp.experts.down_proj"] == (4, 64, 48)
+    assert "mlp.gate.weight" in table and not any(".experts.0." in n or "block_sparse" in n for n in table)
+    assert sorted(n for n, _ in cfg.disk_shapes()) == sorted(n for n in on_disk if n != "lm_head.weight"
+                                                              or not cfg.tie_word_embeddings)
+    index = hf.tensor_index(folder)
+    store = {n: hf.load_model_tensor(folder, cfg, n, torch.empty(s), index=index) for n, s in cfg.parameter_shapes()}
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    want = model.state_dict()
+    for n, t in store.items():
+        assert torch.equal(t, want[n]), n
+    hf.write_folder(tmp_path / "out", cfg, store, dtype=torch.float32)
+    written = hf.tensor_index(tmp_path / "out")
+    assert set(written) == set(n for n, _ in cfg.disk_shapes())
+    for n in written:
+        assert torch.equal(hf.load_tensor(tmp_path / "out", n), hf.load_tensor(folder, n)), n
 
 
 # Families whose forward does something between the layers and the loss: Gemma 2 scales the embeddings in

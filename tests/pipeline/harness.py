@@ -61,8 +61,15 @@ def metrics(run_dir: Path) -> list[dict]:
 
 
 def checkpoint_weights(path: Path) -> dict[str, torch.Tensor]:
+    """A checkpoint's model/ weights in fp32 by the store's names (experts kept one tensor each on disk fused,
+    as transformers loads them)."""
     folder = path / "model"
-    return {name: hf.load_tensor(folder, name) for name in hf.tensor_index(folder)}
+    cfg = hf.read_config(folder)
+    index = hf.tensor_index(folder)
+    shapes = cfg.parameter_shapes()
+    if cfg.tie_word_embeddings and "lm_head.weight" in index:  # a redundant copy of the tied head
+        shapes.append(("lm_head.weight", index["lm_head.weight"].shape))
+    return {n: hf.load_model_tensor(folder, cfg, n, torch.empty(s), index=index) for n, s in shapes}
 
 
 def checkpoint_state(path: Path) -> dict[str, torch.Tensor]:
