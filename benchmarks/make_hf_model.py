@@ -11,6 +11,10 @@ initialisation takes seconds there) and written with `save_pretrained` (safetens
   gemma3-4b    the text model of google/gemma-3-4b-pt (Gemma3TextConfig, model_type gemma3_text)
   qwen3.5-4b   the text model of Qwen/Qwen3.5-4B (Qwen3_5TextConfig, model_type qwen3_5_text): Gated
                DeltaNet linear attention in 3 layers of 4, full attention in the 4th
+  qwen3-moe-5.8b  a Qwen3-MoE shape (Qwen3MoeConfig, model_type qwen3_moe) of 5.8 B parameters, 1.5 B active:
+               Qwen3-30B-A3B's layer (hidden 2,048, 32 heads of 128, 4 kv heads, experts of 768, top-8) with 64
+               experts and 16 layers, so that transformers' own run fits one H200 beside it; the folder keeps one
+               tensor per expert, as transformers saves it
   tiny-gemma3, tiny-qwen3.5   the same families at hidden 64, 4 layers, vocabulary 512 (CPU tests)
 """
 
@@ -58,6 +62,13 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
         linear_value_head_dim=128, linear_num_key_heads=16, linear_num_value_heads=32,
         rope_parameters=_QWEN3_5_ROPE, rms_norm_eps=1e-6, tie_word_embeddings=True,
         max_position_embeddings=262_144, attention_dropout=0.0, attention_bias=False)),
+    "qwen3-moe-5.8b": ("qwen3_moe", dict(
+        vocab_size=151_936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+        num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=64,
+        num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+        output_router_logits=False, hidden_act="silu", rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+        rms_norm_eps=1e-6, tie_word_embeddings=False, max_position_embeddings=32_768, attention_dropout=0.0,
+        attention_bias=False)),
     "tiny-gemma3": ("gemma3_text", dict(
         vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, hidden_activation="gelu_pytorch_tanh", sliding_window=16,

@@ -36,7 +36,8 @@ from benchmarks.peers import common, hf_model
 
 _LIGER_APPLY = {"qwen3": "apply_liger_kernel_to_qwen3", "qwen2": "apply_liger_kernel_to_qwen2",
                 "llama": "apply_liger_kernel_to_llama", "mistral": "apply_liger_kernel_to_mistral",
-                "gemma3_text": "apply_liger_kernel_to_gemma3_text", "qwen3_5_text": "apply_liger_kernel_to_qwen3_5"}
+                "gemma3_text": "apply_liger_kernel_to_gemma3_text", "qwen3_5_text": "apply_liger_kernel_to_qwen3_5",
+                "qwen3_moe": "apply_liger_kernel_to_qwen3_moe"}
 # the kernels asked of every family, as far as its patch function takes them (Gemma's MLP is GEGLU, not SwiGLU)
 _LIGER_KERNELS = {"rope": True, "rms_norm": True, "swiglu": True, "geglu": True, "cross_entropy": False,
                   "fused_linear_cross_entropy": True}

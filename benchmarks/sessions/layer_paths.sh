@@ -13,6 +13,9 @@
 #                  way; hf_liger is a "Liger has no kernels" row where the installed liger-kernel lacks
 #                  apply_liger_kernel_to_qwen3_5. Without flash-linear-attention / causal-conv1d on the machine
 #                  SlideDP and hf both run transformers' torch fallback of the linear attention.
+#   qwen3-moe-b8   a Qwen3-MoE shape of 5.8 B parameters (64 experts, top-8, 16 layers of Qwen3-30B-A3B's size;
+#                  benchmarks/make_hf_model.py), 8 x 2,048: slidedp, hf, hf_liger (apply_liger_kernel_to_qwen3_moe)
+#   qwen3-moe-b32  the same at 32 x 2,048
 # Each PART writes OUT/PART.json (+ .md, .png), merged from its systems' runs in OUT/parts/ (one harness
 # command per system: a fresh process each, under TIMEOUT).
 #   bash benchmarks/sessions/layer_paths.sh OUT [PART ...]
@@ -55,8 +58,10 @@ for part in "${parts[@]}"; do
     qwen3-4b-b32) table "$part" 32 slidedp,slidedp_transformers --shape qwen3-4b ;;
     gemma3-4b | qwen3.5-4b)
       folder "$part" && table "$part" 8 slidedp,hf,hf_liger --model-dir "$models/$part" ;;
+    qwen3-moe-b8 | qwen3-moe-b32)
+      folder qwen3-moe-5.8b && table "$part" "${part#qwen3-moe-b}" slidedp,hf,hf_liger --model-dir "$models/qwen3-moe-5.8b" ;;
     *)
-      echo "unknown PART $part (qwen3-4b-b8, qwen3-4b-b32, gemma3-4b, qwen3.5-4b)" >&2
+      echo "unknown PART $part (qwen3-4b-b8, qwen3-4b-b32, gemma3-4b, qwen3.5-4b, qwen3-moe-b8, qwen3-moe-b32)" >&2
       exit 2 ;;
   esac
 done
