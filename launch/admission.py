@@ -46,6 +46,7 @@ class StoreFacts:
     shadow: bool = False  # it holds the bf16 shadow of the weights
     committed_step: int = 0
     torn: str | None = None  # why it cannot be trained from as it is (None: clean, or mid-step in a running job)
+    layer_chunk_numel: int | None = None  # where its layers are cut (0: whole layers; None: not said)
 
     @classmethod
     def from_status(cls, status: Mapping[str, Any]) -> StoreFacts:
@@ -54,7 +55,7 @@ class StoreFacts:
             return cls()
         return cls(True, status["model"], status["parameters"], status["layout_hash"],
                    status.get("model_config") or {}, status.get("chunk_rows"), "shadow" in status.get("segments", {}),
-                   status["committed_step"], status.get("torn"))
+                   status["committed_step"], status.get("torn"), status.get("layer_chunk_numel"))
 
 
 @dataclass(frozen=True)
@@ -132,10 +133,15 @@ class Admission:
         return [f.text for f in self.problems if f.topic == topic], [f.text for f in self.warnings if f.topic == topic]
 
 
+def job_layout(job: JobConfig, model: ModelConfig) -> Layout:
+    """The job's chunk table: its model cut as plan.layer_chunk_numel says ("auto": the layout's rule)."""
+    return make_layout(model, layer_chunk_numel=job.plan.chosen("layer_chunk_numel"))
+
+
 def admit(facts: AdmissionFacts) -> Admission:
     """The decision on a job, from its facts; see the module's docstring."""
     job, store, host = facts.job, facts.store, facts.host
-    layout = make_layout(facts.model)
+    layout = job_layout(job, facts.model)
     exists = store.exists
     resume, start, resume_problems = _resume_point(facts, layout)
     warnings: list[Finding] = []
@@ -178,9 +184,10 @@ def admit(facts: AdmissionFacts) -> Admission:
 
 def _another_model(job: JobConfig, store: StoreFacts, layout: Layout) -> str:
     name = job.store_name
+    diff = describe_mismatch(dict(store.model_config), store.chunk_rows, store.layout_hash, layout,
+                             held_layer_chunk_numel=store.layer_chunk_numel)
     return (f"store {name!r} holds another model ({store.source}, {store.parameters:,} parameters) than this job "
-            f"({job.model.source}:{job.model.shape or job.model.path}): "
-            f"{describe_mismatch(dict(store.model_config), store.chunk_rows, store.layout_hash, layout)}; "
+            f"({job.model.source}:{job.model.shape or job.model.path}): {diff}; "
             f"set store.name to another store, or destroy it with `slidedp-store destroy {name}`")
 
 

@@ -27,11 +27,11 @@ from slidedp.config import JobConfig, model_config
 from slidedp.model.config import ModelConfig
 from slidedp.store import checkpoint as ckpt
 from slidedp.store.ephemeral import left_behind
-from slidedp.store.layout import Layout, make_layout
+from slidedp.store.layout import Layout
 from slidedp.store.manifest import Manifest
 from slidedp.store.shm import SHM_DIR, list_store_segments, segment_name, shm_free_bytes
 
-from .admission import Admission, AdmissionFacts, CheckpointFacts, HostFacts, StoreFacts, admit
+from .admission import Admission, AdmissionFacts, CheckpointFacts, HostFacts, StoreFacts, admit, job_layout
 from .host_room import size, unplanned_need, unplanned_step
 from .planning import check_layers, document_load
 from .preflight import cuda_probe
@@ -128,7 +128,7 @@ class DryRun:
 
                 hf_folder.check_folder(m.path, cfg)
             layers = check_layers(self.job, cfg)
-            self.cfg, self.layout = cfg, make_layout(cfg)
+            self.cfg, self.layout = cfg, job_layout(self.job, cfg)
             what = f"random:{m.shape}" if m.source == "random" else m.path
             self.say("model", f"{what}: {cfg.family}, {cfg.num_layers} layers, vocabulary {cfg.vocab_size:,}, "
                               f"{cfg.num_parameters():,} parameters in {len(self.layout.chunks)} chunks; "
@@ -278,7 +278,8 @@ class DryRun:
             # a running job's store is mid-step (chunk versions mixed, layers leased), not torn
             torn = None if live else m.torn_reason(allow_leased=False)
             return StoreFacts(True, m.meta.get("source", "?"), held.num_parameters, held.hash(), held.model.to_dict(),
-                              held.chunk_rows, bool(m.meta.get("shadow")), m.committed_step, torn)
+                              held.chunk_rows, bool(m.meta.get("shadow")), m.committed_step, torn,
+                              held.layer_chunk_numel)
         finally:
             m.close()
 

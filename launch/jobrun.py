@@ -151,6 +151,7 @@ class JobRun:
                      " with the bf16 shadow of the weights" if adm.shadow else "")
             t0 = time.perf_counter()
             st = self._call("create", max(self.timeout, 3600), shadow_bf16=adm.shadow,
+                            layer_chunk_numel=job.plan.chosen("layer_chunk_numel"),
                             persist=job.store.persist, creator=creator_record(job.run.name), **model_source(job))
             self.created_store = True
             log.info("store %s created: %.3f B parameters, %.2f bytes/parameter, in %.2f s", self.store,

@@ -63,6 +63,9 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--vocab-size", type=int, default=0, help="vocabulary size for random:SHAPE (0 = the shape's)")
     c.add_argument("--init-seed", type=int, default=0)
     c.add_argument("--chunk-rows", type=int, default=0, help="rows per embedding/head chunk (0 = one layer's size)")
+    c.add_argument("--layer-chunk-numel", type=int, default=None,
+                   help="cut layers larger than this many elements into chunks (0 = whole layers; default: the "
+                        "layout's rule, which cuts Mixture-of-Experts layers between experts)")
     c.add_argument("--shadow-bf16", action="store_true", help="also keep a bf16 shadow of the weights (2 B/param)")
     s = sub.add_parser("status", help="model, parameters, segment sizes, committed step, attached job")
     s.add_argument("store")
@@ -94,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
                        "init_seed": args.init_seed}
             else:
                 src = {"source": "hf", "path": args.model}
-            st = call(args.store, "create", chunk_rows=args.chunk_rows, shadow_bf16=args.shadow_bf16, **src)
+            st = call(args.store, "create", chunk_rows=args.chunk_rows, layer_chunk_numel=args.layer_chunk_numel,
+                      shadow_bf16=args.shadow_bf16, **src)
             print(f"created store {args.store} in {st['create_s']:.2f} s (page touch {st['touch_gbps']:.2f} GB/s)")
             print_status(dict(st, daemon=daemon_running(args.store), daemon_pid=holder_pid(args.store, "hoststate")))
         elif args.cmd == "status":

@@ -24,7 +24,7 @@ AUTO = "auto"
 INTEGERS: dict[str, tuple[int, int | None]] = {
     "micro_batch": (1, None), "prefetch_depth": (1, 8), "chunk_rows": (1, None), "resident_layers": (0, None),
     "offload_layers": (0, None), "seq_tile_tokens": (0, None), "loss_chunk_tokens": (1, None),
-    "device_layers": (0, None)}
+    "device_layers": (0, None), "layer_chunk_numel": (0, None)}
 WORDS: dict[str, tuple[str, ...]] = {
     "compute_dtype": COMPUTE_DTYPES, "layers": LAYERS, "param_route": PARAM_ROUTES, "delivery": DELIVERIES, "embedding": PLACES,
     "grad_route": GRAD_ROUTES}
@@ -41,6 +41,9 @@ class PlanSection(Section):
     delivery: str = AUTO  # what crosses PCIe: "fp32" (the master) | "bf16" (the store's bf16 shadow)
     prefetch_depth: int | str = AUTO  # layer copies running ahead of the compute, 1-8
     chunk_rows: int | str = AUTO  # rows per embedding/head chunk: the store's layout's, so "auto" only
+    layer_chunk_numel: int | str = AUTO  # the store's layout: layers larger than this many elements are cut into
+    # chunks of at most that many (experts whole); 0: one chunk a layer; auto: Mixture-of-Experts layers at their
+    # active parameters (store/layout.py:default_layer_chunk_numel)
     resident_layers: int | str = AUTO  # the last layers kept on the device from forward to backward
     offload_layers: int | str = AUTO  # the first layers whose saved inputs wait in host memory
     seq_tile_tokens: int | str = AUTO  # tokens per MLP/norm/head tile; 0: untiled

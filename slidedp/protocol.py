@@ -305,6 +305,7 @@ class Create:
     init_seed: int = 0
     path: str = ""
     chunk_rows: int = 0  # 0: one decoder layer's parameters per embedding/head chunk
+    layer_chunk_numel: int | None = None  # the most elements of a layer's chunk (None: the layout's rule; 0: whole layers)
     shadow_bf16: bool = False
     persist: bool = True  # False: a job's own store, destroyed when it ends (found left behind: its creator died)
     creator: dict | None = None  # with persist False: the creating job (pid, start time, name)

@@ -43,7 +43,8 @@ class StepPlan:
     param_route: str = "replicated"  # | "sharded": each rank copies 1/N of a unit in, the ranks all-gather it
     delivery: str = "fp32"  # what crosses PCIe: the fp32 master (cast on the device) | the bf16 shadow
     prefetch_depth: int = 1  # layer copies running ahead of the compute (one device buffer each)
-    chunk_rows: int = 0  # rows per embedding/head chunk; 0: the store's default (one layer's parameters)
+    chunk_rows: int = 0  # rows per embedding/head chunk; 0: the store's default (one layer chunk's parameters)
+    layer_chunk_numel: int = 0  # the store's layout: layers cut into chunks of at most this many elements; 0: whole
     # activations
     resident_layers: int = 0  # the last layers kept on the device from forward to backward (no re-fetch)
     offload_layers: int = 0  # the first layers whose saved inputs wait in pinned host memory until backward
@@ -68,7 +69,8 @@ class StepPlan:
             if getattr(self, name) not in options:
                 raise StepPlanError(f"plan: {name} must be one of {', '.join(map(repr, options))}, "
                                     f"got {getattr(self, name)!r}")
-        for name in ("resident_layers", "offload_layers", "seq_tile_tokens", "device_layers", "chunk_rows"):
+        for name in ("resident_layers", "offload_layers", "seq_tile_tokens", "device_layers", "chunk_rows",
+                     "layer_chunk_numel"):
             if getattr(self, name) < 0:
                 raise StepPlanError(f"plan: {name} must be >= 0, got {getattr(self, name)}")
         if self.micro_batch < 1 or self.loss_chunk_tokens < 1:

@@ -16,10 +16,13 @@ What is counted, and what is deliberately not:
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from slidedp import hosttraffic
+from slidedp.model import moe_shape
 from slidedp.model.config import ModelConfig
+from slidedp.store import layout as store_layout
 
 # --------------------------------------------------------------------------------------
 # parameters
@@ -44,9 +47,49 @@ def gathers_rows(model: ModelConfig, embedding: str) -> bool:
     return embedding == "host" and not model.tie_word_embeddings
 
 
-def default_chunk_rows(model: ModelConfig) -> int:
-    """Rows per embedding/head block: as many as fit in one decoder layer's parameter count."""
-    return max(1, min(model.vocab_size, layer_params(model) // model.hidden_size))
+def default_chunk_rows(model: ModelConfig, layer_chunk_numel: int = 0) -> int:
+    """Rows per embedding/head block: as many as fit in one decoder layer's parameter count, or where the
+    layers are cut (layer_chunk_numel), in one layer chunk's (store/layout.py:default_chunk_rows)."""
+    size = min(layer_chunk_numel, layer_params(model)) if layer_chunk_numel else layer_params(model)
+    return max(1, min(model.vocab_size, size // model.hidden_size))
+
+
+@functools.lru_cache(maxsize=64)
+def layer_cut(model: ModelConfig, layer_chunk_numel: int | None = None) -> int:
+    """Where the store's layout cuts the layers for the job's plan.layer_chunk_numel (None: "auto", the
+    layout's rule, store/layout.py:default_layer_chunk_numel); 0: whole layers."""
+    return store_layout.layer_split(model, layer_chunk_numel)
+
+
+def largest_chunk(model: ModelConfig, layer_chunk_numel: int, chunk_rows: int = 0) -> int:
+    """The store's largest chunk (elements): a layer, or its largest chunk where layers are cut, or an
+    embedding/head row block: what a gradient slot and an aggregator's reduction slot hold."""
+    layer = max(map(model.layer_numel, range(model.num_layers)))
+    if layer_chunk_numel:
+        big = max(range(model.num_layers), key=model.layer_numel)
+        layer = max(store_layout.layer_chunk_sizes(model, big, layer_chunk_numel))
+    rows = chunk_rows or default_chunk_rows(model, layer_chunk_numel)
+    return max(layer, min(rows, model.vocab_size) * model.hidden_size)
+
+
+@functools.lru_cache(maxsize=64)
+def layer_chunk_shares(model: ModelConfig, layer_chunk_numel: int) -> tuple[float, ...]:
+    """Each of a layer's chunks as a share of the layer, as the store's layout cuts its largest layer at
+    layer_chunk_numel (0: one chunk, (1.0,)). The step model applies them to the mean layer."""
+    if not layer_chunk_numel:
+        return (1.0,)
+    big = max(range(model.num_layers), key=model.layer_numel)
+    sizes = store_layout.layer_chunk_sizes(model, big, layer_chunk_numel)
+    return tuple(s / sum(sizes) for s in sizes)
+
+
+@functools.lru_cache(maxsize=64)
+def active_layer_params(model: ModelConfig) -> int:
+    """Parameters a token computes with in one decoder layer (the mean over layers): all of a dense
+    layer; the dense part and top_k / E of the routed experts of a Mixture-of-Experts layer
+    (model/moe_shape.py). GPU time scales with these; copies, sums and AdamW with layer_params."""
+    shapes = [moe_shape.layer_shape(model, i) for i in range(model.num_layers)]
+    return sum(s.active for s in shapes) // model.num_layers
 
 
 def row_blocks(rows: int, chunk_rows: int) -> list[int]:
@@ -67,9 +110,13 @@ def layer_forward_flops_per_token(model: ModelConfig, seq_len: float) -> float:
     (Workload.attended_len), since each document attends only to itself.
     (Qwen3-4B, L=2048: 218.6 MFLOP/token; x3 for forward+backward on 16,384 tokens = 10.7 TFLOP,
     which at the prototype's measured 26.5 ms is its 405 TFLOP/s.)
+    Mixture-of-Experts layers: 2 per active parameter (active_layer_params: a token's top_k experts, not
+    all E) plus the same attention term.
     """
     h, i = model.hidden_size, model.intermediate_size
     q, kv = model.num_heads * model.head_dim, model.num_kv_heads * model.head_dim
+    if moe_shape.num_experts(model):
+        return 2.0 * active_layer_params(model) + 2.0 * seq_len * q
     return 2.0 * h * (2 * q + 2 * kv) + 2.0 * seq_len * q + 6.0 * h * i
 
 

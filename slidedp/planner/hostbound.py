@@ -12,6 +12,8 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
+from slidedp.jobrecord import sums_on_host
+from slidedp.model import moe_shape
 from slidedp.planner import costs
 from slidedp.planner.calibration import Calibration
 from slidedp.planner.costs import GiB
@@ -51,18 +53,35 @@ def host_lines(work: Workload, ch: StepPlan, calib: Calibration, busy: dict[str,
     what, seconds = bound
     lines.append(f"the host bounds the step: {what} takes {seconds:.3f} s per step, the GPU {busy['device']:.3f} s. "
                  f"What would help:")
-    lines += [f"  - {a}" for a in advice(work, ch, total, seconds / busy["device"])]
+    lines += [f"  - {a}" for a in advice(work, ch, total, seconds / busy["device"], what)]
     return lines
 
 
-def advice(work: Workload, ch: StepPlan, total: int, over: float) -> list[str]:
-    """The levers, each with what it changes; over: the host's time over the GPU's."""
+def advice(work: Workload, ch: StepPlan, total: int, over: float, what: str = "") -> list[str]:
+    """The levers, each with what it changes; over: the host's time over the GPU's; what: which of the host's
+    work bounds the step (host_bound's name)."""
     out = []
+    m = work.model
+    if moe_shape.is_moe(m):
+        active = costs.active_layer_params(m) / costs.layer_params(m)
+        out.append(f"this Mixture-of-Experts model's GPU work is that of its active parameters ({active:.0%} of each "
+                   f"layer's: {moe_shape.experts_per_token(m)} of {moe_shape.num_experts(m)} experts a token), the "
+                   "host's copies, sums and AdamW that of all of them: it is host-bound at batches where a dense model "
+                   "of its size is not, and the levers below move the balance")
+    if what == "the updaters' AdamW":
+        out.append(f"more updater cores or memory bandwidth: the updaters' AdamW runs over every host parameter "
+                   f"({costs.host_updated_params(m, ch.embedding, ch.device_layers) / 1e9:.2f} B a step) on "
+                   f"{work.updaters} updater process(es) (runtime.updaters: one per NUMA node by default, each on its "
+                   "node's cores); a host with more of either, or fewer other processes on it")
+    if what == "the aggregator's sums" or (what and sums_on_host(work.world, ch.grad_route)):
+        out.append(f"the aggregator sums {work.world} ranks' whole gradients in host memory: plan.grad_route = "
+                   "\"reduce_scatter\" sums them on the GPUs (each rank copies out 1/N, nothing to sum), or fewer "
+                   "ranks sum less")
     unit = work.world * (ch.micro_batch or work.micro_batch or 1)
     batch = math.ceil(work.global_batch * over / unit) * unit
     out.append(f"more tokens per step: the host's work per step stays, the GPU's grows with the tokens; "
                f"train.global_batch = {batch} (now {work.global_batch}) would give the GPU about as long as the host")
-    m, p_layer = work.model, costs.layer_params(work.model)
+    p_layer = costs.layer_params(m)
     streamed = m.num_layers - ch.device_layers
     if streamed > 0:
         held = host_traffic(work, replace(ch, device_layers=ch.device_layers + 1,

@@ -26,7 +26,7 @@ from slidedp.planner.plan import device_work_sizes, make_plan
 from slidedp.planner.plan_record import Plan
 from slidedp.planner.workload import DocumentLoad, HostRoom, Workload
 from slidedp.stepplan import StepPlan
-from slidedp.store.layout import default_chunk_rows
+from slidedp.store.layout import default_chunk_rows, layer_split
 
 _log = log.get("planner")
 
@@ -154,9 +154,10 @@ def _cpu_plan(job: JobConfig, options: tuple[str, ...], store: StoreFacts, notes
     nl, one = cfg.num_layers, world == 1  # one rank: nothing to shard
     layers = resolve_layers(job, cfg)
     delivery = options[-1] if len(options) == 1 else "fp32"
+    cut = layer_split(cfg, p.chosen("layer_chunk_numel"))  # the store's layout's
     step = StepPlan(
         micro_batch=p.chosen("micro_batch") or cpu_micro_batch(job.train.global_batch // world), delivery=delivery,
-        compute_dtype=p.dtype, chunk_rows=default_chunk_rows(cfg), resident_layers=p.chosen("resident_layers") or 0,
+        compute_dtype=p.dtype, chunk_rows=default_chunk_rows(cfg, cut), layer_chunk_numel=cut, resident_layers=p.chosen("resident_layers") or 0,
         prefetch_depth=p.chosen("prefetch_depth") or 1, embedding=p.chosen("embedding") or "host",
         seq_tile_tokens=p.chosen("seq_tile_tokens") or 0, layers=layers,
         loss_chunk_tokens=p.chosen("loss_chunk_tokens") or StepPlan.loss_chunk_tokens,
@@ -190,7 +191,7 @@ def plan_for(job: JobConfig, store_facts: StoreFacts = StoreFacts(), host_room: 
                     micro_batch=p.chosen("micro_batch") or 0, compute_dtype=p.dtype, clip=t.max_grad_norm > 0,
                     updaters=max(1, rt.updaters), compiled=t.compile in ("auto", "on"),
                     host_room=host_room,
-                    documents=documents, layers=layers)
+                    documents=documents, layers=layers, layer_chunk_numel=p.chosen("layer_chunk_numel"))
     budget = int(job.memory.device_budget_gib * GiB)
     allowed = {
         "activations": ("keep",) if p.chosen("offload_layers") == 0 else ("keep", "offload"),

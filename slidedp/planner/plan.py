@@ -12,7 +12,9 @@ import math
 from dataclasses import replace
 from typing import Callable
 
-from slidedp.jobrecord import sums_on_host
+from slidedp.jobrecord import ring_slots, sums_on_host
+from slidedp.protocol import REDUCE_SLOTS
+from slidedp.model import moe_shape
 from slidedp.planner import costs
 from slidedp.planner.calibration import Calibration
 from slidedp.planner.costs import GiB
@@ -72,7 +74,8 @@ def _memory(work: Workload, ch: StepPlan) -> list[tuple[str, int]]:
         work.model, tokens=work.local_tokens, seq_len=work.seq_len, micro_batch=micro_batch_of(work, ch),
         world=work.world, delivery=ch.delivery, activations=ch.activations, embedding=ch.embedding,
         prefetch_depth=ch.prefetch_depth, resident_layers=ch.resident_layers,
-        chunk_rows=ch.chunk_rows or costs.default_chunk_rows(work.model), loss_chunk_tokens=ch.loss_chunk_tokens,
+        chunk_rows=ch.chunk_rows or costs.default_chunk_rows(work.model, ch.layer_chunk_numel),
+        loss_chunk_tokens=ch.loss_chunk_tokens,
         compute_dtype=work.compute_dtype, offload_layers=ch.offload_layers, seq_tile_tokens=ch.seq_tile_tokens,
         device_layers=ch.device_layers,
     )
@@ -146,7 +149,8 @@ def _base_choices(work: Workload, allowed: dict[str, tuple] | None = None) -> li
     return [
         StepPlan(micro_batch=work.micro_batch or 1, compute_dtype=work.compute_dtype, offload_layers=offloaded[a],
                  embedding=e, delivery=d, prefetch_depth=p, param_route=pr, grad_route=gr,
-                 chunk_rows=costs.default_chunk_rows(work.model), loss_chunk_tokens=_LOSS_CHUNKS[0], layers=work.layers)
+                 chunk_rows=costs.default_chunk_rows(work.model, work.layer_cut), layer_chunk_numel=work.layer_cut,
+                 loss_chunk_tokens=_LOSS_CHUNKS[0], layers=work.layers)
         for e in opts["embedding"] for a in opts["activations"] for d in deliveries for p in opts["prefetch_depth"]
         for pr in param_routes for gr in grad_routes
     ]
@@ -427,6 +431,44 @@ def _choose_micro_batch(work: Workload, budget: int, calib: Calibration, allowed
     return best, every, tuple(weighed)
 
 
+def _moe_note(work: Workload) -> str | None:
+    """A Mixture-of-Experts model: the GPU computes with its active parameters, the host moves all of them."""
+    m = work.model
+    experts = moe_shape.num_experts(m)
+    if not experts or not moe_shape.is_moe(m):
+        return None
+    nl, active = m.num_layers, costs.active_layer_params(m)
+    return (f"Mixture-of-Experts: {experts} experts, {moe_shape.experts_per_token(m)} a token: the GPU's layer time is "
+            f"charged for {active * nl / 1e9:.2f} B active layer parameters ({active / costs.layer_params(m):.0%} of "
+            f"{costs.layer_params(m) * nl / 1e9:.2f} B; measured blocks route as the model does), the copies, sums "
+            "and AdamW for all of them")
+
+
+def _cut_note(work: Workload, ch: StepPlan, calib: Calibration, step: float) -> str | None:
+    """Layers cut into chunks: what the cut buys against whole layers, in gradient slot memory and in the step."""
+    if not ch.layer_chunk_numel:
+        return None
+    m = work.model
+    shares = costs.layer_chunk_shares(m, ch.layer_chunk_numel)
+    whole = replace(ch, layer_chunk_numel=0, chunk_rows=costs.default_chunk_rows(m))
+    slot, whole_slot = (costs.largest_chunk(m, c.layer_chunk_numel, c.chunk_rows) * costs.GRAD_BYTES for c in (ch, whole))
+    slots, summed = ring_slots(0, m.num_layers), sums_on_host(work.world, ch.grad_route)
+    shard = work.world if ch.grad_route == "reduce_scatter" and work.world > 1 else 1  # slots of one rank's shard
+
+    def rings(b: int) -> float:  # the ranks' rings of the default slot count, and the aggregator's slots
+        return (work.world * slots * b / shard + (REDUCE_SLOTS * b if summed else 0)) / GiB
+
+    ring = (f"a gradient slot {slot / shard / 2**20:,.0f} MiB instead of {whole_slot / shard / 2**20:,.0f} MiB: "
+            f"{rings(slot):.2f} GiB of gradient rings ({work.world} rank(s) x {slots} slots"
+            + (f" and the aggregator's {REDUCE_SLOTS}" if summed else "") + f") instead of {rings(whole_slot):.2f} GiB")
+    if work.clip and not sums_on_host(work.world, ch.grad_route):
+        ring = (f"a gradient slot {slot / shard / 2**20:,.0f} MiB instead of {whole_slot / shard / 2**20:,.0f} MiB (with "
+                "exact clipping the rings hold a slot per chunk: the whole model either way)")
+    return (f"layers cut into {len(shares)} chunks of at most {ch.layer_chunk_numel / 1e6:,.1f} M parameters "
+            f"(plan.layer_chunk_numel; experts whole): {ring}; the last layer's gradient leaves, is summed and updated "
+            f"chunk by chunk: {step:.3f} s a step, {predict_step(work, whole, calib)[2]:.3f} s with whole layers")
+
+
 def _device_time_note(work: Workload, ch: StepPlan, calib: Calibration) -> str:
     """Where the plan's GPU time comes from: the blocks measured on this GPU, or the FLOPs."""
     b, source = calib.blocks, device_time_source(work, ch, calib)
@@ -536,6 +578,7 @@ def _plan(work: Workload, budget_bytes: int, calib: Calibration, allowed: dict[s
                      f"room for ({_host_room_words(work)})")
     notes.append(_update_rate_note(work, best, calib))
     notes.append(_device_time_note(work, best, calib))
+    notes += [n for n in (_moe_note(work), _cut_note(work, best, calib, step)) if n]
     if costs.gathers_rows(work.model, best.embedding):
         notes.append(_embedding_rows_note(work, best, calib))
     workspace = _workspace_note(work, best, calib, dict(items)["layer workspace"])

@@ -96,6 +96,8 @@ class Plan:
             ("resident_layers", f"{s.resident_layers} of {m.num_layers}"),
             ("device_layers", f"{s.device_layers} of {m.num_layers}" + (" (AdamW on the GPU)" if s.device_layers else "")),
             ("chunk_rows", f"{s.chunk_rows:,}"),
+            ("layer_chunk_numel", f"{s.layer_chunk_numel:,} ({len(costs.layer_chunk_shares(m, s.layer_chunk_numel))} "
+             "chunks a layer, experts whole)" if s.layer_chunk_numel else "0 (one chunk a layer)"),
             ("loss_chunk_tokens", f"{s.loss_chunk_tokens:,}"),
             ("routes", f"params {s.param_route}, grads {s.grad_route}"),
         ]

@@ -128,7 +128,13 @@ def _tasks(work: Workload, ch: StepPlan, calib: Calibration) -> list[_Task]:
         return _Job(name, params * red_scale, params * upd_scale)
 
     host_emb = ch.embedding == "host"
-    rows = costs.row_blocks(v, ch.chunk_rows or costs.default_chunk_rows(m))
+    rows = costs.row_blocks(v, ch.chunk_rows or costs.default_chunk_rows(m, ch.layer_chunk_numel))
+    # a layer's chunks (one, or where the store's layout cuts layers, several): each leaves the GPU and is
+    # summed and updated on its own; the next forward's copy of the layer waits for all of them
+    shares = costs.layer_chunk_shares(m, ch.layer_chunk_numel)
+
+    def layer_jobs(c: int) -> tuple[str, ...]:
+        return (f"layer {c}",) if len(shares) == 1 else tuple(f"layer {c}:{j}" for j in range(len(shares)))
     embedding_blocks = tuple(f"embedding:{j}" for j in range(len(rows)))
     tasks: list[_Task] = []
     # ---- forward
@@ -140,7 +146,7 @@ def _tasks(work: Workload, ch: StepPlan, calib: Calibration) -> list[_Task]:
     for c in range(nl):
         tasks.append(_Task(
             f"layer {c} fwd", h2d_s=params_in(p_layer, fwd_in) if c >= held else 0.0, device_s=g_fwd,
-            d2h_s=act / fwd_out if c < off else 0.0, gate=(f"layer {c}",) if c >= held else (),
+            d2h_s=act / fwd_out if c < off else 0.0, gate=layer_jobs(c) if c >= held else (),
         ))
     # ---- loss: the final norm and the head (an untied host-held head: fetched as one unit, once all of
     # its row blocks are updated, as the engine fetches it)
@@ -159,10 +165,15 @@ def _tasks(work: Workload, ch: StepPlan, calib: Calibration) -> list[_Task]:
     # ---- backward
     for c in reversed(range(nl)):
         fetch = (0.0 if c >= nl - k or c < held else params_in(p_layer, bwd_in)) + (act / bwd_in if c < off else 0.0)
+        names = layer_jobs(c)
         tasks.append(_Task(
-            f"layer {c} bwd", h2d_s=fetch, device_s=g_bwd, d2h_s=grads_out(p_layer, bwd_out) if c >= held else 0.0,
-            jobs=(job(f"layer {c}", p_layer),) if c >= held else (),
+            f"layer {c} bwd", h2d_s=fetch, device_s=g_bwd,
+            d2h_s=grads_out(p_layer * shares[0], bwd_out) if c >= held else 0.0,
+            jobs=(job(names[0], p_layer * shares[0]),) if c >= held else (),
         ))
+        if c >= held:  # the layer's later chunks copy out behind its first, the updaters already on it
+            tasks += [_Task(f"{names[j]} grad", d2h_s=grads_out(p_layer * shares[j], bwd_out),
+                            jobs=(job(names[j], p_layer * shares[j]),)) for j in range(1, len(shares))]
     if host_emb:  # the whole embedding gradient leaves the GPU, then the updaters update it block by block
         emb_jobs = tuple(job(f"embedding:{j}", r * h) for j, r in enumerate(rows))
         tasks += [

@@ -77,6 +77,7 @@ class Workload:
     host_room: HostRoom | None = None  # None: the host's memory does not limit the plan (CPU, replays)
     documents: DocumentLoad | None = None  # rows of packed documents (None: each row is one sequence)
     layers: str = "native"  # whose layers run the model (StepPlan.layers): transformers' are never tiled
+    layer_chunk_numel: int | None = None  # the job's plan.layer_chunk_numel (None: "auto", the layout's rule)
 
     def __post_init__(self) -> None:
         for name in ("global_batch", "seq_len", "world", "updaters"):
@@ -92,6 +93,11 @@ class Workload:
                 f"(global_batch / world = {self.local_batch})"
             )
         costs.dtype_bytes(self.compute_dtype)
+
+    @property
+    def layer_cut(self) -> int:
+        """Where the store's layout cuts the layers into chunks (StepPlan.layer_chunk_numel; 0: whole layers)."""
+        return costs.layer_cut(self.model, self.layer_chunk_numel)
 
     @property
     def local_batch(self) -> int:

@@ -90,7 +90,10 @@ class HostStateCore:
         cfg, meta = model_from_source(req)
         if not req.persist:  # made by a job for itself: whoever finds it left behind must know
             meta.update(persist=False, creator=dict(req.creator or {}))
-        layout = make_layout(cfg, int(req.chunk_rows or 0) or None)
+        limit = req.layer_chunk_numel
+        if limit is not None and (not isinstance(limit, int) or limit < 0):
+            raise RequestError(f"create: layer_chunk_numel must be an integer >= 0 (0: whole layers), got {limit!r}")
+        layout = make_layout(cfg, int(req.chunk_rows or 0) or None, limit)
         fill = fill_random(meta["init_seed"]) if req.source == "random" else fill_from_hf(req.path)
         t0 = time.perf_counter()
         log.info("creating store %s: %s, %s parameters, %d chunks", self.name, meta["source"],

@@ -169,6 +169,7 @@ class HostStore:
             "layout_hash": self.layout.hash(),
             "model_config": self.layout.model.to_dict(),  # a job for another model is told which fields differ
             "chunk_rows": self.layout.chunk_rows,
+            "layer_chunk_numel": self.layout.layer_chunk_numel,
             "torn": m.torn_reason(),
             "attached_pid": m.attached_pid,
             "job": m.job() if m.attached_pid else {},

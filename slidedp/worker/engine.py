@@ -294,13 +294,13 @@ class Engine:
 
         # ---- backward, layer by layer in reverse -------------------------------------------------
         for layer in reversed(range(cfg.num_layers)):
-            chunk = self.units[f"layer.{layer}"].chunks[0]
+            unit = self.units[f"layer.{layer}"]
             p = self._layer_params(layer, step, backward=True)
             if layer > 0:
                 self.saved.prefetch(layer - 1)  # one layer ahead of the compute that needs it
-            acc = torch.zeros(chunk.numel, dtype=torch.float32, device=self.device)
-            acc_views = self.math.prepare(layer, unit_tensors(acc, self.units[f"layer.{layer}"],
-                                                              strip=f"model.layers.{layer}."))
+            # the whole layer's gradient (the backward computes it at once); it leaves chunk by chunk
+            acc = torch.zeros(unit.numel, dtype=torch.float32, device=self.device)
+            acc_views = self.math.prepare(layer, unit_tensors(acc, unit, strip=f"model.layers.{layer}."))
             with self._span(f"backward layer {layer}", step, layer=layer):
                 for i in range(M):
                     grads_out[i] = self.math.layer_backward(layer, p, self.saved.get(layer, i), attns[i], grads_out[i],
@@ -311,8 +311,8 @@ class Engine:
             if f"layer.{layer}" in self.held:  # reduced, reported and updated on the device after backward
                 held_grads[f"layer.{layer}"] = acc
                 self._flush(step, block=False)  # no send to announce the host's gradients that land meanwhile
-            else:
-                self._send(chunk, acc, step)
+            else:  # a layer cut into chunks: the updaters start on the first while the later ones copy out
+                self._send_rows(unit, acc, step)
             del acc
 
         # ---- embedding: scatter the input gradients into rows (tied: onto the head's gradient) ----
@@ -356,7 +356,8 @@ class Engine:
                 self.held[name].update(g, step, coef)
 
     def _send_rows(self, unit: Unit, full_grad: torch.Tensor, step: int) -> None:
-        """Send a unit's flat gradient as its row-block chunks (one contiguous range each)."""
+        """Send a unit's flat gradient chunk by chunk (one contiguous range each: the embedding's or the
+        head's row blocks, a layer's chunks), each announced as it lands."""
         for c in unit.chunks:
             start = c.offset - unit.offset
             self._send(c, full_grad[start:start + c.numel], step)

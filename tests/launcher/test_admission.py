@@ -270,3 +270,17 @@ def test_the_dry_run_and_the_launcher_reach_the_same_admission(tmp_path, monkeyp
     assert dry.problem is None and dry.store_exists and run_facts.store.committed_step == 5
     assert (dry.resume, dry.start) == (Path(ck), 3)
     assert f"resume     {ck}: step 3, files verified; would restore it into the store" in out.getvalue()
+
+
+def test_a_store_of_another_layer_cut_is_refused_naming_both():
+    """plan.layer_chunk_numel is part of the job's layout: a store of whole layers does not serve a job that
+    cuts them, and one cut so does."""
+    cut = make_layout(named_shape("tiny", 512), layer_chunk_numel=5000)
+    assert cut.layer_chunk_numel == 5000 and len(cut.layer_chunks(0)) > 1
+    a = admit(facts("plan.layer_chunk_numel=5000", store=existing(layer_chunk_numel=0)))
+    assert not a.matches and a.layout == cut
+    assert ("layer_chunk_numel: store 0 (one chunk a layer), job 5,000 (layers cut into chunks of at most that many "
+            "elements) (plan.layer_chunk_numel)") in a.problem
+    ok = admit(facts("plan.layer_chunk_numel=5000", store=existing(cut, layer_chunk_numel=5000)))
+    assert ok.problem is None and ok.matches and ok.plan.step.layer_chunk_numel == 5000
+    assert admit(facts("plan.layer_chunk_numel=0")).layout == TINY_LAYOUT  # whole layers: the dense default

@@ -1,0 +1,80 @@
+"""The planner on Mixture-of-Experts models: GPU time by active parameters, the host's work by all of them,
+the layers cut into chunks the store's layout chooses, and what `--plan` says where the host bounds the step."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from slidedp.model.config import named_shape
+from slidedp.planner import REFERENCE_CALIBRATION, Workload, costs, make_plan
+from slidedp.planner.step_model import device_times, predict_step
+from slidedp.store.layout import default_layer_chunk_numel, make_layout
+
+from moe_configs import qwen3_30b_a3b, qwen3_moe_like
+
+GiB = 1 << 30
+
+
+def _work(model, **kw) -> Workload:
+    args = dict(global_batch=8, seq_len=4096, world=1, micro_batch=1, clip=False, compiled=True, layers="transformers")
+    return Workload(model, **dict(args, **kw))
+
+
+def test_gpu_time_scales_with_active_parameters_and_the_host_with_all_of_them():
+    calib = REFERENCE_CALIBRATION
+    few, many = (qwen3_moe_like(layers=4, experts=64, top_k=k, hidden=1024, inter=512, vocab=4096, heads=8,
+                                kv_heads=2, head_dim=128) for k in (2, 8))
+    assert few.num_parameters() == many.num_parameters()
+    plan = make_plan(_work(few), 60 * GiB, calib).step
+    seq = 4096
+    q = few.num_heads * few.head_dim
+    for m in (few, many):  # 2 FLOPs per active parameter, and attention's
+        assert costs.layer_forward_flops_per_token(m, seq) == 2.0 * costs.active_layer_params(m) + 2.0 * seq * q
+    expert = 64 * 3 * 1024 * 512 // 64  # one expert's parameters
+    assert costs.active_layer_params(many) - costs.active_layer_params(few) == 6 * expert
+    (fwd_few, bwd_few, _), (fwd_many, bwd_many, _) = (device_times(_work(m), plan, calib) for m in (few, many))
+    attention = 2.0 * seq * q
+    ratio = (2.0 * costs.active_layer_params(many) + attention) / (2.0 * costs.active_layer_params(few) + attention)
+    assert abs(fwd_many / fwd_few - ratio) < 1e-9 and abs(bwd_many / bwd_few - ratio) < 1e-9
+    busy_few, busy_many = (predict_step(_work(m), plan, calib)[0] for m in (few, many))
+    assert busy_many["device"] > busy_few["device"]
+    for r in ("h2d", "d2h", "update"):  # copies and AdamW: every parameter, routed or not
+        assert abs(busy_many[r] - busy_few[r]) < 1e-12
+
+
+def test_the_plan_cuts_a_big_moe_model_into_chunks_and_leaves_a_dense_one_whole():
+    big, dense = qwen3_30b_a3b(), named_shape("qwen3-4b")
+    cut = default_layer_chunk_numel(big)
+    assert _work(big).layer_cut == cut > 0 and _work(dense, layers="native").layer_cut == 0
+    plan = make_plan(_work(big, global_batch=8, micro_batch=0), 120 * GiB, REFERENCE_CALIBRATION)
+    assert plan.step.layer_chunk_numel == cut == make_layout(big).layer_chunk_numel
+    assert plan.step.chunk_rows == cut // big.hidden_size  # the head's blocks no larger than a layer chunk
+    text = plan.describe()
+    assert f"layer_chunk_numel     {cut:,} (11 chunks a layer, experts whole)" in text
+    assert "layers cut into 11 chunks of at most 56.9 M parameters" in text
+    assert "a gradient slot 217 MiB instead of 2,377 MiB" in text
+    assert "Mixture-of-Experts: 128 experts, 8 a token" in text
+    assert make_plan(_work(dense, layers="native"), 24 * GiB, REFERENCE_CALIBRATION).step.layer_chunk_numel == 0
+    # the job's own value: whole layers
+    assert _work(big, layer_chunk_numel=0).layer_cut == 0
+
+
+def test_the_cut_overlaps_the_last_layers_update_with_its_copies_out():
+    """The tail after the last backward: with whole layers the last layer's gradient leaves, then is updated;
+    cut, the updaters start on its first chunk while the later ones copy out. Never slower."""
+    big = qwen3_30b_a3b()
+    work = _work(big, world=2, clip=False)
+    plan = make_plan(work, 120 * GiB, REFERENCE_CALIBRATION).step
+    cut = predict_step(work, plan, REFERENCE_CALIBRATION)[2]
+    whole = predict_step(work, replace(plan, layer_chunk_numel=0, chunk_rows=costs.default_chunk_rows(big)),
+                         REFERENCE_CALIBRATION)[2]
+    assert cut < whole
+    assert abs(sum(costs.layer_chunk_shares(big, plan.layer_chunk_numel)) - 1) < 1e-12
+
+
+def test_a_host_bound_moe_plan_says_what_bounds_it_and_what_would_help():
+    text = make_plan(_work(qwen3_30b_a3b(), micro_batch=0), 120 * GiB, REFERENCE_CALIBRATION).describe()
+    assert "the host bounds the step: the updaters' AdamW takes" in text
+    assert "this Mixture-of-Experts model's GPU work is that of its active parameters" in text
+    assert "more updater cores or memory bandwidth" in text
+    assert "more tokens per step" in text
