@@ -2,8 +2,9 @@
 
 Encoding: one type byte, then the fields packed with `struct` (little-endian); a message
 whose last field is `text` carries a length-prefixed UTF-8 string (JSON for control
-requests, prose for errors). Messages carry descriptors (chunk, step, rank, slot), never
-tensors, and never pickle. `decode` validates type, size and ranges; receivers drop what
+requests, prose for errors), one whose last field is `values` a length-prefixed array of
+float64 (a few hundred statistics, such as the routers' expert counts). Messages carry
+descriptors (chunk, step, rank, slot) and such small sums, never tensors, and never pickle. `decode` validates type, size and ranges; receivers drop what
 fails it (`ProtocolError`) and log it, never crash on it.
 """
 
@@ -16,6 +17,7 @@ from dataclasses import MISSING, asdict, astuple, dataclass, fields
 from typing import ClassVar
 
 MAX_TEXT = 1 << 20
+MAX_VALUES = 1 << 16
 _I32 = (-(2**31), 2**31 - 1)
 
 
@@ -31,9 +33,16 @@ class Message:
     FORMAT: ClassVar[str]  # struct format of the fixed fields (after the type byte), without `text`
     _struct: ClassVar[struct.Struct]
     _has_text: ClassVar[bool]
+    _has_values: ClassVar[bool]
 
     def encode(self) -> bytes:
         values = astuple(self)  # type: ignore[call-overload]
+        if self._has_values:
+            array = values[-1]
+            if len(array) > MAX_VALUES:
+                raise ProtocolError(f"{type(self).__name__} carries {len(array)} values, over {MAX_VALUES}")
+            return (bytes([self.TYPE]) + self._struct.pack(*values[:-1]) + struct.pack("<I", len(array))
+                    + struct.pack(f"<{len(array)}d", *array))
         if self._has_text:
             text = values[-1].encode()
             if len(text) > MAX_TEXT:
@@ -49,6 +58,8 @@ class Message:
                 raise ProtocolError(f"{type(self).__name__}.{f.name} is NaN")
             if isinstance(v, int) and f.name in ("rank", "chunk", "slot", "step", "version", "world") and v < 0:
                 raise ProtocolError(f"{type(self).__name__}.{f.name} = {v} is negative")
+            if f.name == "values" and not all(math.isfinite(x) for x in v):
+                raise ProtocolError(f"{type(self).__name__}.values holds a value that is not finite")
 
 
 def message(type_byte: int, fmt: str):
@@ -57,8 +68,9 @@ def message(type_byte: int, fmt: str):
         names = [f.name for f in fields(cls)]
         cls.TYPE, cls.FORMAT = type_byte, fmt
         cls._has_text = bool(names) and names[-1] == "text"
+        cls._has_values = bool(names) and names[-1] == "values"
         cls._struct = struct.Struct("<" + fmt)
-        n_fixed = len(names) - cls._has_text
+        n_fixed = len(names) - cls._has_text - cls._has_values
         if len(cls._struct.unpack(bytes(cls._struct.size))) != n_fixed:
             raise TypeError(f"{cls.__name__}: format {fmt!r} does not match its {n_fixed} fixed fields")
         if type_byte in _REGISTRY:
@@ -83,7 +95,14 @@ def decode(data: bytes, expect: tuple[type[Message], ...] | None = None) -> Mess
         raise ProtocolError(f"{cls.__name__} truncated: {len(body)} bytes, needs {size}")
     values = list(cls._struct.unpack_from(body, 0))
     rest = body[size:]
-    if cls._has_text:
+    if cls._has_values:
+        if len(rest) < 4:
+            raise ProtocolError(f"{cls.__name__} truncated: no count of values")
+        (n,) = struct.unpack_from("<I", rest, 0)
+        if n > MAX_VALUES or len(rest) != 4 + 8 * n:
+            raise ProtocolError(f"{cls.__name__}: {n} values do not match the {len(rest) - 4} bytes present")
+        values.append(struct.unpack_from(f"<{n}d", rest, 4))
+    elif cls._has_text:
         if len(rest) < 4:
             raise ProtocolError(f"{cls.__name__} truncated: no text length")
         (n,) = struct.unpack_from("<I", rest, 0)
@@ -142,6 +161,24 @@ class Go(Message):
     step: int
     skip: int
     loss: float  # mean token loss of the global batch
+
+
+@message(12, "iqd")
+class Routing(Message):
+    """Worker -> aggregator after its forward, before its Loss (a model whose routers add the auxiliary
+    loss): its share of the routers' statistics (slidedp/model/router_aux.py: rows, each expert's top-k
+    selections, each expert's summed probability) and the loss's coefficient."""
+    rank: int
+    step: int
+    coef: float
+    values: tuple[float, ...]
+
+
+@message(22, "q")
+class RoutingTotal(Message):
+    """Aggregator -> workers, before the step's Go: the routers' statistics summed over every rank."""
+    step: int
+    values: tuple[float, ...]
 
 
 @message(5, "ii")

@@ -20,7 +20,8 @@ import zmq
 
 from slidedp.faults import ENV as HOLD_ENV
 from slidedp.paths import socket_address
-from slidedp.protocol import _REGISTRY, MAX_TEXT, Ack, Grad, JobStart, ProtocolError, Reply, Request, decode, request
+from slidedp.protocol import (_REGISTRY, MAX_TEXT, MAX_VALUES, Ack, Grad, JobStart, ProtocolError, Reply, Request, Routing,
+                              decode, request)
 from slidedp.store.client import call
 from slidedp.transport import recv_dealer, send
 
@@ -30,7 +31,8 @@ from . import (TINY, RunningJob, daemon_pids, drop_store, fast_sets, start_daemo
                wait_marker)
 
 _EXAMPLES = {  # one valid instance of each message type with fixed fields, for truncating and padding
-    t: cls(*[("{}" if f == "text" else 1) for f in cls.__dataclass_fields__]) for t, cls in _REGISTRY.items()
+    t: cls(*[("{}" if f == "text" else (1.0, 2.0) if f == "values" else 1) for f in cls.__dataclass_fields__])
+    for t, cls in _REGISTRY.items()
 }
 
 
@@ -53,6 +55,10 @@ def undecodable(rng: random.Random) -> list[bytes]:
     out.append(bytes([Request.TYPE, 4]) + struct.pack("<I", 1 << 30) + b"{}")  # text length that lies
     out.append(bytes([Request.TYPE, 200]) + struct.pack("<I", 2) + b"{}")  # a request kind from the future
     out.append(Grad(-1, 0, 0, 0, 0.0).encode())  # a negative rank
+    routing = Routing(0, 0, 0.1, (1.0, 2.0)).encode()
+    out.append(routing[:-8] + struct.pack("<d", float("nan")))  # a statistic that is not finite
+    out.append(routing[:-16] + struct.pack("<I", MAX_VALUES + 1))  # more values than allowed
+    out.append(routing[:-20] + struct.pack("<I", 3) + routing[-16:])  # a count that lies
     out.append(bytes([Request.TYPE]) + os.urandom(16 << 20))  # 16 MiB
     for p in out:
         with pytest.raises(ProtocolError):
@@ -251,3 +257,12 @@ def test_updater_drops_queued_updates_when_the_job_ends():
         assert core.next() is None
     finally:
         drop_store(store)
+
+
+def test_router_statistics_travel_bit_for_bit():
+    """A Routing's values are float64 on the wire: counts past 2**24 and sums of probabilities come back exact."""
+    values = (float(2**40 + 1), 0.1, 1 / 3, 16_777_217.0, 5e-324)
+    raw = Routing(3, 7, 0.001, values).encode()
+    assert len(raw) == 1 + struct.calcsize("<iqd") + 4 + 8 * len(values)
+    assert decode(raw) == Routing(3, 7, 0.001, values)
+    assert decode(Routing(0, 0, 0.0, ()).encode()).values == ()
