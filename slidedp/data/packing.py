@@ -36,15 +36,20 @@ _FILES = ("tokens", "trained", "offsets", "row_docs", "row_offsets")
 
 @dataclass(frozen=True)
 class SftBatch:
-    """A batch of rows, each [rows, seq_len]: ids, targets (IGNORE_INDEX where untrained), positions, segments."""
+    """A batch of rows, each [rows, seq_len]: ids, targets (IGNORE_INDEX where untrained), positions, segments,
+    and which positions hold a document (real; the rest is padding)."""
 
     ids: np.ndarray
     targets: np.ndarray
     positions: np.ndarray
     segments: np.ndarray
+    real: np.ndarray
 
     def rows(self, sl: slice | np.ndarray) -> "SftBatch":
-        return SftBatch(self.ids[sl], self.targets[sl], self.positions[sl], self.segments[sl])
+        return SftBatch(self.ids[sl], self.targets[sl], self.positions[sl], self.segments[sl], self.real[sl])
+
+    def arrays(self) -> tuple[np.ndarray, ...]:
+        return self.ids, self.targets, self.positions, self.segments, self.real
 
     @property
     def trained_tokens(self) -> int:
@@ -121,6 +126,11 @@ class PackedRows:
         return h.hexdigest()[:16]
 
     def row(self, r: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """ids, targets, positions, segments of row r."""
+        return self._row(r)[:4]
+
+    def _row(self, r: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
+        """row(r), and how many of its positions its documents hold (the rest is padding)."""
         L = self.seq_len
         ids = np.zeros(L, dtype=np.int64)
         targets = np.full(L, IGNORE_INDEX, dtype=np.int64)
@@ -139,16 +149,19 @@ class PackedRows:
             last = positions[at - 1] + 1 if at else 0
             positions[at:] = last + np.arange(L - at)
             segments[at:] = seg
-        return ids, targets, positions, segments
+        return ids, targets, positions, segments, at
 
     def rows_batch(self, rows: np.ndarray) -> SftBatch:
-        parts = [self.row(int(r)) for r in rows]
-        return SftBatch(*(np.stack([p[i] for p in parts]) for i in range(4)))
+        parts = [self._row(int(r)) for r in rows]
+        used = np.array([p[4] for p in parts], dtype=np.int64).reshape(-1, 1)
+        return SftBatch(*(np.stack([p[i] for p in parts]).reshape(-1, self.seq_len) for i in range(4)),
+                        np.arange(self.seq_len)[None, :] < used)
 
     def empty_rows(self, n: int) -> SftBatch:
         L = self.seq_len
         z = np.zeros((n, L), dtype=np.int64)
-        return SftBatch(z, np.full((n, L), IGNORE_INDEX, dtype=np.int64), np.tile(np.arange(L), (n, 1)), z.copy())
+        return SftBatch(z, np.full((n, L), IGNORE_INDEX, dtype=np.int64), np.tile(np.arange(L), (n, 1)), z.copy(),
+                        np.zeros((n, L), dtype=bool))
 
     # ---- files the launcher writes once and every worker maps ------------------------------------
     def save(self, folder: Path) -> None:
@@ -200,5 +213,4 @@ def eval_batch(rows: PackedRows, i: int, global_batch: int) -> SftBatch:
     if not short:
         return b
     e = rows.empty_rows(short)
-    return SftBatch(*(np.concatenate([x, y]) for x, y in zip(
-        (b.ids, b.targets, b.positions, b.segments), (e.ids, e.targets, e.positions, e.segments))))
+    return SftBatch(*(np.concatenate([x, y]) for x, y in zip(b.arrays(), e.arrays())))

@@ -11,17 +11,18 @@ from .evaluate import eval_loss
 
 
 def rank_tensors(batch: SftBatch, rank: int, world: int, micro: int, mbs: int) -> list[torch.Tensor]:
-    """[ids, targets, positions, segments] of this rank's rows, each [micro, mbs, seq_len] int64."""
+    """[ids, targets, positions, segments] (int64) and real (bool) of this rank's rows, each [micro, mbs, seq_len]."""
     L = batch.ids.shape[1]
-    return [torch.from_numpy(np.ascontiguousarray(rank_slice(a, rank, world), dtype=np.int64)).view(micro, mbs, L)
-            for a in (batch.ids, batch.targets, batch.positions, batch.segments)]
+    return [torch.from_numpy(np.ascontiguousarray(rank_slice(a, rank, world))).view(micro, mbs, L).long()
+            for a in (batch.ids, batch.targets, batch.positions, batch.segments)] + [
+        torch.from_numpy(np.ascontiguousarray(rank_slice(batch.real, rank, world))).view(micro, mbs, L)]
 
 
 def run_step(engine, batch: SftBatch, step: int, rank: int, world: int, micro: int, mbs: int):
     """One training step on document rows: the loss scale is 1 / the global batch's trained targets,
     which every rank counts alike (the batch is a pure function of the step)."""
-    ids, targets, positions, segments = rank_tensors(batch, rank, world, micro, mbs)
-    return engine.run_step(step, ids, targets, positions, segments, scale=1.0 / batch.trained_tokens)
+    ids, targets, positions, segments, real = rank_tensors(batch, rank, world, micro, mbs)
+    return engine.run_step(step, ids, targets, positions, segments, scale=1.0 / batch.trained_tokens, real=real)
 
 
 def run_eval(engine, rows: PackedRows, version: int, rank: int, world: int, micro: int, mbs: int,
@@ -29,7 +30,8 @@ def run_eval(engine, rows: PackedRows, version: int, rank: int, world: int, micr
     """This rank's (summed token loss, trained targets) over the held-out rows at weights `version`."""
     total, count = 0.0, 0
     for i in range(eval_rounds(rows, global_batch)):
-        ids, targets, positions, segments = rank_tensors(eval_batch(rows, i, global_batch), rank, world, micro, mbs)
+        ids, targets, positions, segments, _ = rank_tensors(eval_batch(rows, i, global_batch), rank, world, micro,
+                                                            mbs)
         s, n = eval_loss(engine, version, ids, targets, positions, segments)
         total, count = total + s, count + n
     return total, count
