@@ -11,6 +11,7 @@ store the job creates is the admission's question (`host_room.shadow_fits`).
 from __future__ import annotations
 
 from slidedp.config import JobConfig
+from slidedp.section import ConfigError
 from slidedp.planner.calibration import Calibration
 from slidedp.planner.job import DeliveryError, JobPlan, StoreFacts, plan_for
 from slidedp.planner.learn import record_training
@@ -23,16 +24,23 @@ def check_layers(job: JobConfig, cfg) -> str:
     """Whose layers run the job's model (plan.layers resolved), checked before any store is made: for
     transformers' layers, the worker's own set-up on the CPU (transformers builds this family from its
     config.json with the folder's very tensors, and the forward passes the probes of streaming; a model it
-    cannot stream, or another model's tensors, is refused naming why)."""
+    cannot stream, or another model's tensors, is refused naming why; so is train.router_aux_loss = "on" for a
+    model whose transformers class adds no auxiliary loss)."""
     from slidedp.planner.job import resolve_layers
 
+    from slidedp.model.router_aux import wanted
+
     layers = resolve_layers(job, cfg)
+    aux = wanted(job.train.router_aux_loss, cfg.source())
     if layers == "transformers":
         import torch
 
         from slidedp.model.generic import TransformersMath
 
-        TransformersMath(cfg, torch.device("cpu"), torch.float32)
+        TransformersMath(cfg, torch.device("cpu"), torch.float32, router_aux=aux)
+    elif aux:
+        raise ConfigError(f"train.router_aux_loss = \"on\": this {cfg.family} model has no routers (SlideDP's own "
+                          "layers run it); set it to \"auto\" or \"off\"")
     return layers
 
 

@@ -139,6 +139,7 @@ class TrainSection(Section):
     seed: int = 0
     compile: str = "auto"  # the layers' pointwise kernels through torch.compile: auto (on CUDA), on, off
     eval_every: int = 0  # steps between eval losses over data.eval_path (and one at the end); 0 = none
+    router_aux_loss: str = "auto"  # MoE routers' load-balancing loss: auto (config.json's output_router_logits), on, off
 
     def validate(self) -> None:
         for name in ("steps", "global_batch", "seq_len"):
@@ -161,6 +162,7 @@ class TrainSection(Section):
         self._range("seed", 0)
         self._choice("compile", ("auto", "on", "off"))
         self._range("eval_every", 0)
+        self._choice("router_aux_loss", ("auto", "on", "off"))
 
 
 @dataclass(frozen=True)

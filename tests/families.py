@@ -24,6 +24,9 @@ VOCAB = 512
 # experts one tensor each and fuses them on load, as SlideDP's store does (model/expert_files.py).
 MOE_FAMILIES = ("gpt_oss", "qwen3_moe", "mixtral", "olmoe", "qwen3_5_moe", "glm4_moe", "deepseek_v3")
 FAMILIES = ("llama", "qwen3", "qwen3_5", "gemma3", "gemma4", "phi3", "olmo2", "mistral") + MOE_FAMILIES
+# The MoE families whose causal LM adds the routers' auxiliary loss when config.json says output_router_logits
+# (GLM-4-MoE's and DeepSeek-V3's routers balance by a bias instead).
+AUX_FAMILIES = ("gpt_oss", "qwen3_moe", "mixtral", "olmoe", "qwen3_5_moe")
 
 # The model_type each family's text-only causal LM is registered under.
 MODEL_TYPES = {
@@ -139,3 +142,14 @@ def write_family_folder(folder: Path, family: str, seed: int = 0, tied: bool | N
     tiny_model(family, seed, tied).save_pretrained(folder)
     transformers.AutoTokenizer.from_pretrained(CHAT).save_pretrained(folder)
     return folder
+
+
+def with_router_aux(folder: Path, coef: float) -> Path:
+    """The folder's config.json set to add the routers' auxiliary loss at `coef` (transformers' default 0.001
+    would hide its gradient under float32 rounding in a test)."""
+    import json
+
+    path = Path(folder) / "config.json"
+    conf = json.loads(path.read_text())
+    path.write_text(json.dumps({**conf, "output_router_logits": True, "router_aux_loss_coef": coef}, indent=2))
+    return Path(folder)

@@ -188,6 +188,7 @@ def test_wrong_type(jobdir, override, message):
         ("train.eps=0", "train.eps must be > 0; got 0.0"),
         ("train.max_grad_norm=-1", "train.max_grad_norm must be >= 0; got -1.0"),
         ("train.schedule='step'", "train.schedule must be one of 'cosine', 'constant', 'linear'; got 'step'"),
+        ("train.router_aux_loss=maybe", "train.router_aux_loss must be one of 'auto', 'on', 'off'; got 'maybe'"),
         ("plan.compute_dtype=fp16", "plan.compute_dtype must be one of 'auto', 'bf16', 'fp32'; got 'fp16'"),
         ("memory.device_budget_gib=0", "memory.device_budget_gib must be > 0; got 0.0"),
         ("plan.prefetch_depth=0", 'plan.prefetch_depth must be "auto" or an integer in [1, 8]; got 0'),
@@ -251,7 +252,7 @@ def test_bad_overrides(jobdir):
     assert error(p, ["train.stepz=3"]).endswith("unknown key train.stepz; allowed keys in [train]: steps, "
                                                  "global_batch, seq_len, lr, min_lr_ratio, warmup_steps, schedule, "
                                                  "schedule_start, schedule_steps, weight_decay, beta1, beta2, eps, "
-                                                 "max_grad_norm, seed, compile, eval_every")
+                                                 "max_grad_norm, seed, compile, eval_every, router_aux_loss")
 
 
 def test_overrides_parse_toml_values_else_strings(jobdir, monkeypatch):

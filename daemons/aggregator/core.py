@@ -24,8 +24,10 @@ from slidedp import hosttraffic, log as slog
 from slidedp.clipping import StepNorm, history_of, norm_order, speculates_after
 from slidedp.store.layout import Shard
 from slidedp.jobrecord import JobRecord, attach_job, detach_job, reduction_slots
+from slidedp.model.router_aux import aux_loss
 from slidedp.protocol import (SLOT_DEVICE, SOURCE_NONE, SOURCE_RANK_SHARD, SOURCE_RANK_SLOT, SOURCE_REDUCE, Credit, Go,
-                              Grad, Loss, Message, Norm, Ready, StepDone, Update, Updated)
+                              Grad, Loss, Message, Norm, Ready, Routing, RoutingTotal, StepDone, Update,
+                              Updated)
 from slidedp.store.layout import Layout
 from slidedp.store.manifest import KEPT
 from slidedp.store.rings import GradRings
@@ -54,6 +56,7 @@ def assign_updaters(layout: Layout, count: int, device_chunks: frozenset[int] = 
 @dataclass
 class _Step:
     losses: dict[int, Loss] = field(default_factory=dict)
+    routing: dict[int, Routing] = field(default_factory=dict)  # each rank's router statistics (auxiliary loss)
     loss: float = math.nan
     skipped: bool = False
     sqnorm: float = 0.0
@@ -143,6 +146,26 @@ class AggregatorCore:
         return [(self.updaters[self.owner[chunk]], msg)]
 
     # ---- events --------------------------------------------------------------------------
+    def on_routing(self, msg: Routing) -> Outbox:
+        """A rank's router statistics; they come before its Loss (one socket, in order)."""
+        if self.job is None or msg.rank >= self.world:
+            raise ValueError(f"Routing from rank {msg.rank} outside the job")
+        self._step(msg.step).routing[msg.rank] = msg
+        return []
+
+    def _routing_total(self, step: int, st: _Step) -> RoutingTotal | None:
+        """Every rank's router statistics summed (in rank order), and the auxiliary loss added to the step's
+        loss as transformers logs it; None where the model adds none."""
+        if not st.routing:
+            return None
+        shares = [st.routing.get(r) for r in range(self.world)]
+        if any(m is None for m in shares) or len({(len(m.values), m.coef) for m in shares}) != 1:  # type: ignore[union-attr]
+            raise ValueError(f"step {step}: router statistics from ranks {sorted(st.routing)} of {self.world}, "
+                             "or of different shapes: every rank must send the same kind")
+        total = tuple(math.fsum(v) for v in zip(*(m.values for m in shares)))  # type: ignore[union-attr]
+        st.loss += shares[0].coef * aux_loss(total)  # type: ignore[union-attr]
+        return RoutingTotal(step, total)
+
     def on_loss(self, msg: Loss) -> Outbox:
         if self.job is None or msg.rank >= self.world:
             raise ValueError(f"Loss from rank {msg.rank} outside the job")
@@ -152,8 +175,10 @@ class AggregatorCore:
             return []
         tokens = sum(m.tokens for m in st.losses.values())
         st.loss = sum(m.loss_sum for m in st.losses.values()) / max(tokens, 1)
+        routing = self._routing_total(msg.step, st)
         st.skipped = not all(m.finite for m in st.losses.values()) or not math.isfinite(st.loss)
-        out = self._to_workers(Go(msg.step, int(st.skipped), st.loss))
+        out = self._to_workers(routing) if routing is not None else []
+        out += self._to_workers(Go(msg.step, int(st.skipped), st.loss))
         if st.skipped:
             log.warning("step %d: non-finite loss on a rank; skipping the step everywhere", msg.step)
             self._decided(msg.step, history_of(None))

@@ -16,7 +16,7 @@ from slidedp import log as slog
 from slidedp.daemons.aggregator.core import AggregatorCore, Outbox
 from slidedp.jobrecord import JobRecord
 from slidedp.protocol import (ROLE_LAUNCHER, ROLE_UPDATER, Ack, Fault, Grad, Hello, JobEnd, JobStart, Loss, Message,
-                              Updated)
+                              Routing, Updated)
 from slidedp.transport import identity
 
 log = slog.get("aggregator")
@@ -134,6 +134,8 @@ def route(core: AggregatorCore, handshake: JobHandshake, peer: bytes, msg: Messa
             return core.on_updated(msg)
         if isinstance(msg, Loss):
             return core.on_loss(msg)
+        if isinstance(msg, Routing):
+            return core.on_routing(msg)
         if isinstance(msg, Hello):
             return handshake.on_hello(peer, msg)
         if isinstance(msg, JobStart):

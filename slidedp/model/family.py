@@ -25,13 +25,16 @@ from . import layers as L
 from .attention import Attention
 from .config import ModelConfig
 from .loss import chunked_cross_entropy_sum, norm_head_backward, rms_norm_of
+from .router_aux import Routing
 
 class ModelMath(Protocol):
     cfg: ModelConfig
+    routing: Routing | None  # the routers' auxiliary loss (router_aux.py), where the job adds it
 
     def structures(self) -> dict[int, int]: ...  # a layer of each distinct structure -> how many layers share it
     def rope(self, seq_len: int) -> tuple[Tensor, Tensor]: ...  # the tables an Attention is built on
-    def batch_context(self, attn: Attention, positions: Tensor | None, documents: Tensor | None) -> object: ...
+    def batch_context(self, attn: Attention, positions: Tensor | None, documents: Tensor | None,
+                      real: Tensor | None = None) -> object: ...  # real: the tokens that are not padding
     def prepare(self, layer: int, p: dict[str, Tensor]) -> dict[str, Tensor]: ...  # params and gradient views
     def layer_forward(self, layer: int, p: Mapping[str, Tensor], x: Tensor, ctx, tile: int) -> Tensor: ...
     def layer_backward(self, layer: int, p: Mapping[str, Tensor], x: Tensor, ctx, grad_y: Tensor, tile: int,
@@ -52,6 +55,7 @@ class NativeMath:
         if not cfg.native:
             raise ValueError(f"SlideDP's own layers do not model this {cfg.family} configuration")
         self.cfg, self.device, self.dtype = cfg, device, dtype
+        self.routing = None  # no routers
         self._rope: dict[int, tuple[Tensor, Tensor]] = {}
         self._norm = rms_norm_of(cfg.rms_norm_eps)
 
@@ -63,7 +67,8 @@ class NativeMath:
             self._rope[seq_len] = L.rope_tables(self.cfg, seq_len, self.device, self.dtype)
         return self._rope[seq_len]
 
-    def batch_context(self, attn: Attention, positions: Tensor | None, documents: Tensor | None) -> Attention:
+    def batch_context(self, attn: Attention, positions: Tensor | None, documents: Tensor | None,
+                      real: Tensor | None = None) -> Attention:
         return attn
 
     def prepare(self, layer: int, p: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -94,12 +99,14 @@ class NativeMath:
 
 
 def math_for(cfg: ModelConfig, layers: str, device: torch.device, dtype: torch.dtype,
-             compile: bool = False) -> ModelMath:
+             compile: bool = False, router_aux: bool = False) -> ModelMath:
     """The model's math on this device: SlideDP's layers (layers = "native") or transformers' (each layer
     structure through torch.compile where `compile`; the native layers compile their pointwise pieces
-    process-wide instead, layers.compile_kernels)."""
+    process-wide instead, layers.compile_kernels). router_aux: add the routers' auxiliary loss."""
     if layers == "native":
+        if router_aux:
+            raise ValueError("the routers' auxiliary loss needs transformers' layers (plan.layers)")
         return NativeMath(cfg, device, dtype)
     from .generic import TransformersMath  # imports transformers: only where its layers run
 
-    return TransformersMath(cfg, device, dtype, compile)
+    return TransformersMath(cfg, device, dtype, compile, router_aux)

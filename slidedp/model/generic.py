@@ -23,6 +23,9 @@ window, scale, sinks and softcap: SDPA, the variable-length kernel for packed ro
 With `compile`, each structure's layer runs through torch.compile around it (the attention stays eager).
 No mask is made (transformers makes none for an attention function without a mask function).
 
+Mixture-of-Experts routers add transformers' auxiliary load-balancing loss where the job asks
+(router_aux.py): hooks on the templates' routers catch their logits in each layer's forward and recompute.
+
 Packed rows through a layer that mixes tokens without attention (Gated DeltaNet, convolutions) would leak
 across documents: a structure whose first forward called no attention is, on packed rows, run one document
 at a time, each with the keywords the model's forward gives a sequence of that length. Exact, slower.
@@ -41,6 +44,7 @@ from torch import Tensor, nn
 from .attention import Attention, document_bounds
 from .config import ModelConfig
 from .loss import chunked_cross_entropy_sum, norm_head_backward
+from .router_aux import RouterAuxError, Routing
 
 ATTENTION_NAME = "slidedp"
 _calls = [0]  # attention calls so far: tells a structure that attends from one that does not
@@ -139,12 +143,18 @@ def _settings(layer: nn.Module) -> tuple:
 
 @dataclass(frozen=True, eq=False)
 class Batch:
-    """One micro-batch's context: its Attention, each layer's keywords from the model's forward, and (packed
-    rows) its documents as (row, start, end) spans for layers that must see one document at a time."""
+    """One micro-batch's context: its Attention, each layer's keywords from the model's forward, (packed
+    rows) its documents as (row, start, end) spans for layers that must see one document at a time, and
+    which of its tokens are real (not padding: what the routers' auxiliary loss counts; None: all)."""
 
     attn: Attention
     layer_kwargs: tuple[dict, ...]
     spans: tuple[tuple[int, int, int], ...] | None
+    real: Tensor | None = None
+
+    @property
+    def tokens(self) -> int:
+        return self.attn.rows * self.attn.seq_len
 
 
 def build(cfg: ModelConfig, dtype: torch.dtype) -> tuple:
@@ -240,9 +250,11 @@ def _check_table(cfg: ModelConfig, model: nn.Module) -> None:
 class TransformersMath:
     """transformers' layers for any causal LM of the store's layout (see the module docstring)."""
 
-    def __init__(self, cfg: ModelConfig, device: torch.device, dtype: torch.dtype, compile: bool = False) -> None:
+    def __init__(self, cfg: ModelConfig, device: torch.device, dtype: torch.dtype, compile: bool = False,
+                 router_aux: bool = False) -> None:
         """compile: run each structure's layer through torch.compile (attention stays eager, outside the
-        graph; packed rows of layers that run one document at a time stay eager too)."""
+        graph; packed rows of layers that run one document at a time stay eager too). router_aux: add the
+        routers' auxiliary loss (refused, UnsupportedModel, for a model whose transformers class adds none)."""
         self.cfg, self.device, self.dtype = cfg, device, dtype
         config, model, self.logit_scale = build(cfg, dtype)
         for module in model.modules():  # buffers (rotary tables) to the device; parameters stay on meta
@@ -272,6 +284,12 @@ class TransformersMath:
         self._doc_kwargs: dict[int, dict] = {}
         self._compiled = {s: _compiled_layer(m) for s, m in self.templates.items()} if compile else {}
         self._input_scale = self._probe()
+        self.routing: Routing | None = None
+        if router_aux:
+            try:
+                self.routing = Routing(model, self.templates, device)
+            except RouterAuxError as e:
+                raise UnsupportedModel(str(e)) from None
 
     # ---- load ------------------------------------------------------------------------------
     def _record(self, rows: int, seq_len: int, position_ids: Tensor, embeds: Tensor | None = None
@@ -321,7 +339,9 @@ class TransformersMath:
         z = torch.zeros(seq_len, 1, device=self.device, dtype=self.dtype)
         return z, z
 
-    def batch_context(self, attn: Attention, positions: Tensor | None, documents: Tensor | None) -> Batch:
+    def batch_context(self, attn: Attention, positions: Tensor | None, documents: Tensor | None,
+                      real: Tensor | None = None) -> Batch:
+        """real [rows, T] bool (None: every token): the tokens that are not padding."""
         rows, t = attn.rows, attn.seq_len
         if positions is None:
             pos = torch.arange(t, device=self.device)[None].expand(rows, t)
@@ -330,7 +350,9 @@ class TransformersMath:
             pos = positions.to(self.device)
             spans = tuple(_spans(documents)) if documents is not None else None
         calls, _ = self._record(rows, t, pos)
-        return Batch(attn, tuple(kw for _, _, kw in calls[:-1]), spans)
+        if real is not None:
+            real = None if bool(real.all()) else real.reshape(-1).to(self.device, torch.float32)
+        return Batch(attn, tuple(kw for _, _, kw in calls[:-1]), spans, real)
 
     def prepare(self, layer: int, p: dict[str, Tensor]) -> dict[str, Tensor]:
         return p
@@ -353,6 +375,8 @@ class TransformersMath:
             self._attends[s] = _calls[0] > before
             if self._attends[s] or ctx.spans is None:
                 return y
+            if self.routing is not None:  # its routers' logits come again, document by document
+                self.routing.forget()
         elif self._attends[s] or ctx.spans is None:
             return self._call(layer, p, x, ctx.layer_kwargs[layer], ctx.attn)
         rows = [[] for _ in range(x.shape[0])]
@@ -371,17 +395,32 @@ class TransformersMath:
         return self._doc_kwargs[length]
 
     def layer_forward(self, layer: int, p: Mapping[str, Tensor], x: Tensor, ctx: Batch, tile: int) -> Tensor:
-        return self._run(layer, p, x, ctx)
+        routing = self.routing
+        if routing is None or not routing.collecting:
+            return self._run(layer, p, x, ctx)
+        with routing.caught() as logits:
+            y = self._run(layer, p, x, ctx)
+        routing.add(logits, ctx.real, ctx.tokens)
+        return y
 
     def layer_backward(self, layer: int, p: Mapping[str, Tensor], x: Tensor, ctx: Batch, grad_y: Tensor,
                        tile: int, acc: Mapping[str, Tensor]) -> Tensor:
         x = x.detach().requires_grad_(True)
         buffers = self._buffers[self._structure[layer]]  # stream with the layer, never trained
         leaves = {k: v.detach().requires_grad_(k not in buffers) for k, v in p.items()}
+        routing = self.routing if self.routing is not None and self.routing.active else None
         with torch.enable_grad():
-            y = self._run(layer, leaves, x, ctx)
+            if routing is None:
+                outputs, grads = [self._run(layer, leaves, x, ctx)], [grad_y]
+            else:  # the auxiliary loss's term of this layer's routers joins the backward
+                with routing.caught() as logits:
+                    outputs, grads = [self._run(layer, leaves, x, ctx)], [grad_y]
+                term = routing.backward_term(logits, ctx.real, ctx.tokens)
+                if term is not None:
+                    outputs.append(term)
+                    grads.append(torch.ones_like(term))
         names = [n for n in leaves if n not in buffers]
-        got = torch.autograd.grad(y, [x] + [leaves[n] for n in names], grad_y, allow_unused=True)
+        got = torch.autograd.grad(outputs, [x] + [leaves[n] for n in names], grads, allow_unused=True)
         for n, g in zip(names, got[1:]):
             if g is not None:
                 acc[n].add_(g)

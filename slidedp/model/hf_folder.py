@@ -89,9 +89,6 @@ def transformers_config(folder: Path, hf: dict) -> ModelConfig:
     if drops:  # transformers drops in training; SlideDP's layers run as in eval
         raise CheckpointError(f"{path}: config.json {drops[0]}={hf[drops[0]]} is not supported (SlideDP trains "
                               "without dropout); set it to 0.0")
-    if hf.get("output_router_logits"):  # transformers would add the router's auxiliary loss
-        raise CheckpointError(f"{path}: config.json output_router_logits=true: SlideDP does not add the router's "
-                              "auxiliary loss yet; set it to false (the loss is then the cross-entropy alone)")
     try:
         layers, hidden, vocab = (int(hf[k]) for k in ("num_hidden_layers", "hidden_size", "vocab_size"))
     except KeyError as e:

@@ -4,7 +4,8 @@ forward   embedding rows; for each layer: wait for its version, fetch (prefetchi
           next), run all micro-batches, keep each micro-batch's layer input (on the device,
           or offloaded to host memory for the first `offload_layers` layers)
 loss      final norm + chunked cross-entropy (never the full logits), and its backward at
-          once; the ranks agree the loss is finite before any gradient leaves
+          once; the ranks agree the loss is finite before any gradient leaves (and, where the
+          routers add their auxiliary loss, sum their statistics for the backward: router_aux.py)
 backward  for each layer in reverse: fetch again, recompute from the saved input, backward,
           accumulate the chunk gradient in fp32 on the device, send it out
 embedding its gradient (tied: plus the head's) goes out last
@@ -38,6 +39,7 @@ from .device_state import DeviceHeld
 from ..model.attention import choose_backend, packed_rows, plain_rows, single_document
 from ..model.config import ModelConfig
 from ..model.family import ModelMath, NativeMath
+from ..model.router_aux import RoutingShare
 from ..data.targets import IGNORE_INDEX
 from ..stepplan import StepPlan
 from ..tracing import NULL, Tracer
@@ -50,7 +52,9 @@ class Link(Protocol):
     def acquire_slot(self, while_waiting: Callable[[], None]) -> int: ...  # calls while_waiting as it waits
     def grad_landed(self, chunk: Chunk, slot: int, sqnorm: float, step: int) -> None: ...
     def device_grad(self, chunk: Chunk, sqnorm: float, step: int) -> None: ...  # a device-held chunk's norm
-    def agree_loss(self, step: int, loss_sum: float, tokens: int, finite: bool) -> bool: ...  # True: skip the step
+    def agree_loss(self, step: int, loss_sum: float, tokens: int, finite: bool,
+                   routing: RoutingShare | None = None) -> bool: ...  # True: skip the step
+    def routing_total(self, step: int) -> tuple[float, ...]: ...  # after agree_loss: every rank's statistics
     def wait_norm(self, step: int) -> float: ...  # the step's global gradient norm (exact clipping)
 
 
@@ -195,11 +199,12 @@ class Engine:
 
     # ---- the step --------------------------------------------------------------------------
     def micro_attention(self, M: int, m: int, T: int, positions: torch.Tensor | None = None,
-                        segments: torch.Tensor | None = None) -> list:
+                        segments: torch.Tensor | None = None, real: torch.Tensor | None = None) -> list:
         """Each micro-batch's attention (attention.py) as the model's math takes it (its batch context), built
         once for every layer's forward, recompute and backward: plain causal rows, or rows of packed documents
         (positions, segments [M, m, T] on the CPU: each token's position in its document and the document's
-        number in its row), through the variable-length kernel on CUDA and the dense mask elsewhere."""
+        number in its row), through the variable-length kernel on CUDA and the dense mask elsewhere. real
+        [M, m, T] bool: the tokens that are not padding (None: all)."""
         rope, cfg = self.math.rope(T), self.cfg
         windowed = any(w is not None and w < T for w in map(cfg.window_of, range(cfg.num_layers)))
         out = []
@@ -208,21 +213,26 @@ class Engine:
             backend = choose_backend(self.device, self.dtype, cfg.head_dim, packed, windowed)
             attn = packed_rows(rope, positions[i], segments[i], backend) if packed else plain_rows(rope, m, T, backend)
             out.append(self.math.batch_context(attn, positions[i] if packed else None,
-                                               segments[i] if packed else None))
+                                               segments[i] if packed else None, None if real is None else real[i]))
         return out
 
     def run_step(self, step: int, ids: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor | None = None,
-                 segments: torch.Tensor | None = None, scale: float | None = None) -> StepTimes:
+                 segments: torch.Tensor | None = None, scale: float | None = None,
+                 real: torch.Tensor | None = None) -> StepTimes:
         """ids, targets: [M, m, T] int64 on the CPU (M local micro-batches of m sequences); targets equal to
         IGNORE_INDEX are not trained. positions, segments [M, m, T]: rows of packed documents (None: plain
         causal rows). scale: the step's loss scale, 1 / the global batch's trained targets (None: the
-        engine's 1 / (global batch x seq_len), every target trained)."""
+        engine's 1 / (global batch x seq_len), every target trained). real [M, m, T] bool: the tokens that
+        are not padding, which the routers' auxiliary loss counts (None: all)."""
         times = StepTimes(tokens=int((targets != IGNORE_INDEX).sum()))
         t0 = time.perf_counter()
         cfg, H, tile = self.cfg, self.cfg.hidden_size, self.plan.seq_tile_tokens
         M, m, T = ids.shape
-        attns = self.micro_attention(M, m, T, positions, segments)
+        attns = self.micro_attention(M, m, T, positions, segments, real)
         scale = self.scale if scale is None else scale
+        routing = self.math.routing
+        if routing is not None:
+            routing.begin()
         ids_dev = ids.to(self.device)
         targets_dev = targets.to(self.device)
         tied = cfg.tie_word_embeddings
@@ -276,7 +286,15 @@ class Engine:
         loss_value = float(loss_sum)
         times.loss_sum = loss_value
         finite = bool(torch.isfinite(loss_sum))
-        if self.link.agree_loss(step, loss_value, times.tokens, finite):
+        if routing is None:
+            skip = self.link.agree_loss(step, loss_value, times.tokens, finite)
+        else:
+            skip = self.link.agree_loss(step, loss_value, times.tokens, finite, routing.share())
+            if not skip:
+                routing.set_totals(self.link.routing_total(step))
+        if skip:
+            if routing is not None:
+                routing.end()
             times.skipped = True
             self._resident.clear()
             self.saved.clear()
@@ -327,6 +345,8 @@ class Engine:
         else:
             self._send_rows(embed_unit, embed_grad, step)
         del embed_grad, embed_grad_2d
+        if routing is not None:
+            routing.end()
         self._update_held(held_grads, step)
         self._flush(step, block=True)
         times.backward_s = time.perf_counter() - t1

@@ -13,7 +13,9 @@ from typing import Callable
 import zmq
 
 from .. import log as slog
-from ..protocol import SLOT_DEVICE, Control, Credit, Go, Grad, Loss, Message, Norm, Ready, WorkerStats
+from ..model.router_aux import RoutingShare
+from ..protocol import (SLOT_DEVICE, Control, Credit, Go, Grad, Loss, Message, Norm, Ready, Routing, RoutingTotal,
+                        WorkerStats)
 from ..stopflag import StopFlag
 from ..store.layout import Chunk, Unit
 from ..store.rings import GradRings
@@ -37,6 +39,7 @@ class WorkerLink:
         self.free_slots = list(range(rings.slots))
         self.go: dict[int, Go] = {}
         self.norms: dict[int, float] = {}
+        self.routing: dict[int, tuple[float, ...]] = {}  # step -> the ranks' summed router statistics
         self.waits = {"version": 0.0, "slot": 0.0, "loss": 0.0}
         self.tracer = NULL
         self.step = -1
@@ -46,7 +49,7 @@ class WorkerLink:
         if not self.agg.poll(timeout_ms):
             return
         while True:
-            msg = recv_dealer(self.agg, (Credit, Go, Ready, Norm))
+            msg = recv_dealer(self.agg, (Credit, Go, Ready, Norm, RoutingTotal))
             if isinstance(msg, Credit):
                 if msg.rank != self.rank or msg.slot >= self.rings.slots or msg.slot in self.free_slots:
                     log.warning("dropped a bad credit %s", msg)
@@ -56,6 +59,8 @@ class WorkerLink:
                 self.go[msg.step] = msg
             elif isinstance(msg, Norm):
                 self.norms[msg.step] = msg.grad_norm
+            elif isinstance(msg, RoutingTotal):
+                self.routing[msg.step] = msg.values
             if not self.agg.poll(0):
                 return
 
@@ -102,10 +107,21 @@ class WorkerLink:
         self._wait(lambda: step in self.norms, f"the global gradient norm of step {step} (from the aggregator)", "slot")
         return self.norms.pop(step)
 
-    def agree_loss(self, step: int, loss_sum: float, tokens: int, finite: bool) -> bool:
+    def agree_loss(self, step: int, loss_sum: float, tokens: int, finite: bool,
+                   routing: RoutingShare | None = None) -> bool:
+        if routing is not None:  # before the Loss: the aggregator has every rank's when the last Loss comes
+            send(self.agg, Routing(self.rank, step, routing.coef, routing.values))
         send(self.agg, Loss(self.rank, step, loss_sum if finite else 0.0, tokens, int(finite)))
         self._wait(lambda: step in self.go, f"the other ranks' loss of step {step} (via the aggregator)", "loss")
         return bool(self.go.pop(step).skip)
+
+    def routing_total(self, step: int) -> tuple[float, ...]:
+        """The router statistics of every rank, summed: they came just before the step's Go."""
+        values = self.routing.pop(step, None)
+        if values is None:
+            raise RuntimeError(f"rank {self.rank}: the aggregator sent step {step}'s Go without the ranks' router "
+                               "statistics (an aggregator of an older SlideDP?)")
+        return values
 
 
 class LauncherLink:

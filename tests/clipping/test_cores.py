@@ -18,7 +18,7 @@ from slidedp.clipping import norm_order
 from slidedp.store.layout import Shard
 from slidedp.daemons.aggregator.core import AggregatorCore
 from slidedp.daemons.updater.core import UpdaterCore
-from slidedp.protocol import Grad, Loss, Norm, StepDone, Update, Updated
+from slidedp.protocol import Go, Grad, Loss, Norm, Routing, RoutingTotal, StepDone, Update, Updated
 from slidedp.schedule import lr_at
 from slidedp.store.layout import unit_name
 from slidedp.store import checkpoint as ckpt
@@ -345,3 +345,26 @@ def test_the_decision_survives_a_checkpoint_and_restore(stores, tmp_path):
     (path / "state.json").write_text(json.dumps(record))
     ckpt.restore_checkpoint(other.store, path)
     assert other.store.manifest.clip_history == KEPT
+
+
+def test_router_statistics_are_summed_over_the_ranks_before_the_backward(stores):
+    """Each rank's Routing comes before its Loss; with the last Loss every rank gets the sum (RoutingTotal)
+    before the step's Go, and the step's logged loss is the cross-entropy plus coef x aux of that sum."""
+    cores = stores(max_norm=0.0, world=2)
+    agg = cores.agg
+    shares = {0: (6.0, 4.0, 8.0, 2.5, 3.5), 1: (2.0, 3.0, 1.0, 1.25, 0.75)}  # [R, c0, c1, S0, S1]
+    out = []
+    for r in (0, 1):
+        assert agg.on_routing(Routing(r, 0, 0.25, shares[r])) == []
+        out += agg.on_loss(Loss(r, 0, 30.0 + r, 10, 1))
+    sent = [(to, m) for to, m in out if isinstance(m, (RoutingTotal, Go))]
+    assert [type(m).__name__ for _, m in sent] == ["RoutingTotal", "RoutingTotal", "Go", "Go"]
+    total = sent[0][1].values
+    assert total == (8.0, 7.0, 9.0, 3.75, 4.25)
+    aux = 2 * (7.0 * 3.75 + 9.0 * 4.25) / 64
+    assert sent[2][1].loss == pytest.approx(61.0 / 20 + 0.25 * aux, rel=1e-12)
+    # a rank that sends none while another does is an error, not a silent loss without the term
+    agg.on_routing(Routing(0, 1, 0.25, shares[0]))
+    agg.on_loss(Loss(0, 1, 30.0, 10, 1))
+    with pytest.raises(ValueError, match=r"step 1: router statistics from ranks \[0\] of 2"):
+        agg.on_loss(Loss(1, 1, 31.0, 10, 1))

@@ -46,10 +46,24 @@ def write_model_folder(folder: Path, family: str = "qwen3", tied: bool = True, s
     return folder
 
 
+def router_aux_loss(model, outs) -> torch.Tensor | None:
+    """transformers' routers' auxiliary loss over the outputs of several forwards (documents run alone) taken
+    as one batch, by the family's own load_balancing_loss_func; None where the model adds none."""
+    import sys
+
+    if not getattr(model.config, "output_router_logits", False) or not hasattr(model, "router_aux_loss_coef"):
+        return None
+    balance = sys.modules[type(model).__module__].load_balancing_loss_func
+    layers = len(outs[0].router_logits)
+    gates = tuple(torch.cat([o.router_logits[i] for o in outs]) for i in range(layers))
+    return balance(gates, model.num_experts, model.num_experts_per_tok, None)
+
+
 def hf_reference(folder: Path, steps_docs: list[list[tuple[torch.Tensor, torch.Tensor]]], train, lr_of,
                  attn: str = "eager", dtype: torch.dtype = torch.float32):
     """transformers model + torch AdamW: each document alone, loss = sum of its trained targets' losses
-    over the step / the step's trained targets; weight decay on matrices only, optional clipping.
+    over the step / the step's trained targets (+ the routers' auxiliary loss over the step's documents
+    taken as one batch, where config.json asks for it); weight decay on matrices only, optional clipping.
     dtype: the reference's precision (float64: the truth an fp32 run is measured against, where fp32's
     own rounding is large, as in gradients that are sums of cancelling terms; experts then run transformers'
     eager loop, grouped_mm having no float64). Returns (losses, grad norms, state dict)."""
@@ -66,11 +80,14 @@ def hf_reference(folder: Path, steps_docs: list[list[tuple[torch.Tensor, torch.T
     for step, docs in enumerate(steps_docs):
         count = sum(int((t != -100).sum()) for _, t in docs)
         opt.zero_grad(set_to_none=True)
-        total = torch.zeros(())
+        total, outs = torch.zeros(()), []
         for ids, targets in docs:
-            logits = model(input_ids=ids[None]).logits[0].float()
-            total = total + F.cross_entropy(logits, targets, ignore_index=-100, reduction="sum")
+            outs.append(model(input_ids=ids[None]))
+            total = total + F.cross_entropy(outs[-1].logits[0].float(), targets, ignore_index=-100, reduction="sum")
         loss = total / count
+        aux = router_aux_loss(model, outs)
+        if aux is not None:
+            loss = loss + model.router_aux_loss_coef * aux
         loss.backward()
         if train.max_grad_norm > 0:
             norm = torch.nn.utils.clip_grad_norm_(list(params.values()), train.max_grad_norm)

@@ -5,7 +5,10 @@ final weights to float32 rounding: within 1e-5 of a float64 run of the reference
 distance of transformers' own float32 run from it where a family's numbers are more sensitive than that. The checkpoint loads in transformers and generates.
 
 The default suite runs each family once (but four of the MoE families), the (ranks, micro-batches) pairs spread
-over the families; the full grid (N in 1..3, M in 1..2, each family) runs with -m slow.
+over the families; the full grid (N in 1..3, M in 1..2, each family) runs with -m slow. The MoE families whose
+transformers class adds the routers' auxiliary loss run again with it on (config.json output_router_logits,
+coefficient 0.5): its statistics summed over micro-batches and ranks before the backward, the logged loss the
+cross-entropy plus coef x aux, as transformers takes it over the global batch.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from slidedp.schedule import lr_at
 
 from data.common import hf_reference
 from data.test_equivalence import STEPS, job_sets
-from families import FAMILIES, write_family_folder
+from families import AUX_FAMILIES, FAMILIES, with_router_aux, write_family_folder
 from pipeline.harness import TINY, checkpoint_weights, launch, metrics, rel_err, store_segments, unique_store
 
 transformers = pytest.importorskip("transformers")
@@ -31,12 +34,20 @@ PAIRS = [(1, 2), (2, 1), (3, 2), (2, 2), (3, 1), (1, 1)]
 SLOW_ONLY = ("olmoe", "qwen3_5_moe", "glm4_moe", "deepseek_v3")
 FAST = [(f, *PAIRS[i % len(PAIRS)]) for i, f in enumerate(FAMILIES) if f not in SLOW_ONLY]
 SLOW = [(f, n, m) for f in FAMILIES for n in (1, 2, 3) for m in (1, 2) if (f, n, m) not in FAST]
+AUX_FAST = [("qwen3_moe", 2, 2), ("gpt_oss", 3, 1)]
+AUX_SLOW = [(f, n, m) for f in AUX_FAMILIES for n, m in ((1, 1), (2, 2), (3, 1)) if (f, n, m) not in AUX_FAST]
 
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("families")
     return {f: write_family_folder(root / f, f, seed=4) for f in FAMILIES}
+
+
+@pytest.fixture(scope="module")
+def aux_folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("aux")
+    return {f: with_router_aux(write_family_folder(root / f, f, seed=4), 0.5) for f in AUX_FAMILIES}
 
 
 _refs: dict = {}
@@ -100,3 +111,14 @@ def test_family_matches_transformers(tmp_path, folders, family, workers, micro):
 @pytest.mark.parametrize("family,workers,micro", SLOW)
 def test_family_matches_transformers_full_grid(tmp_path, folders, family, workers, micro):
     check_family(tmp_path, folders[family], workers, micro)
+
+
+@pytest.mark.parametrize("family,workers,micro", AUX_FAST)
+def test_family_with_router_aux_loss_matches_transformers(tmp_path, aux_folders, family, workers, micro):
+    check_family(tmp_path, aux_folders[family], workers, micro)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family,workers,micro", AUX_SLOW)
+def test_family_with_router_aux_loss_full_grid(tmp_path, aux_folders, family, workers, micro):
+    check_family(tmp_path, aux_folders[family], workers, micro)

@@ -57,8 +57,10 @@ def packed_batch(vocab: int, seed: int, packed: bool = True):
     return ids, targets, positions, documents, docs
 
 
-def engine_step(folder, batch, layers: str = "transformers", device: str = "cpu", dtype=torch.float32):
-    """(loss sum, name -> gradient of the summed loss) of one engine step over the folder's weights."""
+def engine_step(folder, batch, layers: str = "transformers", device: str = "cpu", dtype=torch.float32,
+                router_aux: bool = False, real=None, routing: list | None = None):
+    """(loss sum, name -> gradient of the summed loss) of one engine step over the folder's weights (real: the
+    tokens that are not padding; routing: gets the step's router statistics where router_aux adds the loss)."""
     cfg = hf.read_config(folder)
     layout = make_layout(cfg)
     master = torch.zeros(layout.total_numel)
@@ -71,9 +73,11 @@ def engine_step(folder, batch, layers: str = "transformers", device: str = "cpu"
     dev = torch.device(device)
     engine = Engine(cfg, layout, master, dev, dtype, link, lambda slot, numel: slots[slot, :numel], 1,
                     StepPlan(compute_dtype="bf16" if dtype == torch.bfloat16 else "fp32"),
-                    math=math_for(cfg, layers, dev, dtype))
+                    math=math_for(cfg, layers, dev, dtype, router_aux=router_aux))
     ids, targets, positions, documents, _ = batch
-    times = engine.run_step(0, ids, targets, positions, documents, scale=1.0)
+    times = engine.run_step(0, ids, targets, positions, documents, scale=1.0, real=real)
+    if routing is not None:
+        routing.append(link.routing)
     flat = torch.zeros(layout.total_numel)
     for c in layout.chunks:
         slot, _ = link.landed[c.id]
@@ -190,7 +194,8 @@ def test_compiled_layers_give_the_same_step(folders, monkeypatch):
     batch = packed_batch(512, seed=7)
     want_loss, want = engine_step(folders["gemma3"], batch)
     monkeypatch.setitem(globals(), "math_for",
-                        lambda cfg, layers, dev, dtype: TransformersMath(cfg, dev, dtype, compile=True))
+                        lambda cfg, layers, dev, dtype, router_aux=False: TransformersMath(cfg, dev, dtype, compile=True,
+                                                                                          router_aux=router_aux))
     with _count_compiles() as first:
         loss, grads = engine_step(folders["gemma3"], batch)
     assert first() > 0  # it did compile
@@ -212,18 +217,6 @@ class _count_compiles:
 
     def __exit__(self, *exc) -> None:
         return None
-
-
-def test_router_auxiliary_loss_is_refused(folders, tmp_path):
-    import json
-    import shutil
-
-    shutil.copytree(folders["gpt_oss"], tmp_path / "m")
-    conf = json.loads((tmp_path / "m" / "config.json").read_text())
-    (tmp_path / "m" / "config.json").write_text(json.dumps({**conf, "output_router_logits": True}))
-    with pytest.raises(hf.CheckpointError, match="output_router_logits=true: SlideDP does not add the router's "
-                                                 "auxiliary loss yet; set it to false"):
-        hf.read_config(tmp_path / "m")
 
 
 def test_per_expert_folders_fill_the_fused_store_and_are_written_back(folders, tmp_path):

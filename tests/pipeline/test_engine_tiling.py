@@ -46,8 +46,12 @@ class FakeLink:
     def device_grad(self, chunk: Chunk, sqnorm: float, step: int) -> None:
         raise AssertionError("no device-held chunks here")
 
-    def agree_loss(self, step: int, loss_sum: float, tokens: int, finite: bool) -> bool:
+    def agree_loss(self, step: int, loss_sum: float, tokens: int, finite: bool, routing=None) -> bool:
+        self.routing = routing  # one rank: its router statistics are the total
         return False
+
+    def routing_total(self, step: int) -> tuple[float, ...]:
+        return self.routing.values
 
     def wait_norm(self, step: int) -> float:
         return 0.0
@@ -291,7 +295,7 @@ def test_a_skipped_step_leaves_no_copy_behind():
     """The backward's first copy starts before the loss; a step the ranks skip never takes it."""
 
     class SkippingLink(FakeLink):
-        def agree_loss(self, step: int, loss_sum: float, tokens: int, finite: bool) -> bool:
+        def agree_loss(self, step: int, loss_sum: float, tokens: int, finite: bool, routing=None) -> bool:
             return True
 
     cfg = replace(NAMED_SHAPES["tiny"], num_layers=6)
