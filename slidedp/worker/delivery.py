@@ -11,7 +11,7 @@ prefetches: the step plan's prefetch_depth) and D2H on another; every buffer has
 On CPU the same calls are plain (zero-copy when the compute dtype is fp32).
 
 Routes. `replicated`: every rank copies the whole unit in. `sharded`: each rank copies
-1/N of it and the ranks all-gather (on the copy stream, so compute waits on one event
+1/N of each of its chunks and the ranks all-gather (on the copy stream, so compute waits on one event
 as before). Gradients: `host` copies the whole chunk out and the aggregator sums the
 ranks; `reduce_scatter` sums on the devices and each rank copies out its 1/N only.
 """
@@ -62,38 +62,43 @@ class ParamDelivery:
         if key in self._inflight:
             return
         self.wait_ready(unit, step)
-        shard = self.group.shard(unit.numel) if self.group is not None else None
-        lo, hi = (shard.start, shard.end) if shard else (0, unit.numel)
-        src = self.source[unit.offset + lo:unit.offset + hi]
-        nbytes = src.numel() * src.element_size()
+        cut = _UnitShards(unit, self.group) if self.group is not None else None
+        # (source start, end, where in the buffer): the whole unit, or this rank's shard of each of its chunks
+        pieces = cut.pieces() if cut is not None else [(unit.offset, unit.offset + unit.numel, 0)]
+        size = cut.padded if cut is not None else unit.numel
+        nbytes = sum(hi - lo for lo, hi, _ in pieces) * self.source.element_size()
         self.h2d_bytes += nbytes
         t0 = time.time()
         if not self.cuda:
-            if shard is None:
+            if cut is None:
+                src = self.source[unit.offset:unit.offset + unit.numel]
                 out = src if src.dtype == self.dtype else src.to(self.dtype)
             else:
-                out = torch.empty(shard.padded, dtype=self.dtype)
-                out[lo:hi].copy_(src)
-                self.group.all_gather(out)  # type: ignore[union-attr]
-                out = out[:unit.numel]
+                buf = torch.empty(size, dtype=self.dtype)
+                for lo, hi, at in pieces:
+                    buf[at:at + hi - lo].copy_(self.source[lo:hi])
+                self.group.all_gather(buf)  # type: ignore[union-attr]
+                out = cut.assemble(buf)
             self._inflight[key] = (out, None)
             self.tracer.event(f"fetch {unit.name}", "h2d", step, t0, time.time(), bytes=nbytes)
             return
         with torch.cuda.stream(self.stream), torch.autograd.profiler.record_function(f"h2d:{unit.name}"), \
                 self.tracer.device_span(f"h2d {unit.name}", "h2d", step, self.stream, bytes=nbytes):
-            out = torch.empty(shard.padded if shard else unit.numel, dtype=self.dtype, device=self.device)
-            if src.dtype == self.dtype:  # fp32 compute, or the bf16 shadow: straight into the buffer
-                out[lo:hi].copy_(src, non_blocking=True)
-            else:  # fp32 arrives through a fixed staging piece and is cast on the device piece by piece,
-                # so a big unit (the whole embedding) never needs a second, fp32-sized device buffer
-                staging = self._staging_buffer()
-                for a in range(0, hi - lo, staging.numel()):
-                    k = min(staging.numel(), hi - lo - a)
-                    staging[:k].copy_(src[a:a + k], non_blocking=True)
-                    out[lo + a:lo + a + k].copy_(staging[:k])
-            if shard is not None:
+            out = torch.empty(size, dtype=self.dtype, device=self.device)
+            for lo, hi, at in pieces:
+                src = self.source[lo:hi]
+                if src.dtype == self.dtype:  # fp32 compute, or the bf16 shadow: straight into the buffer
+                    out[at:at + hi - lo].copy_(src, non_blocking=True)
+                else:  # fp32 arrives through a fixed staging piece and is cast on the device piece by piece,
+                    # so a big unit (the whole embedding) never needs a second, fp32-sized device buffer
+                    staging = self._staging_buffer()
+                    for a in range(0, hi - lo, staging.numel()):
+                        k = min(staging.numel(), hi - lo - a)
+                        staging[:k].copy_(src[a:a + k], non_blocking=True)
+                        out[at + a:at + a + k].copy_(staging[:k])
+            if cut is not None:
                 self.group.all_gather(out)  # type: ignore[union-attr]
-                out = out[:unit.numel]
+                out = cut.assemble(out)
             event = torch.cuda.Event()
             event.record(self.stream)
         self._inflight[key] = (out, event)
@@ -123,6 +128,37 @@ class ParamDelivery:
         if event is not None:
             torch.cuda.current_stream(self.device).wait_event(event)
             out.record_stream(torch.cuda.current_stream(self.device))
+        return out
+
+
+class _UnitShards:
+    """A unit on the sharded route: each of its chunks cut among the group's ranks as the reduce_scatter
+    route cuts its gradient (so on several hosts a rank reads only the range its own host updates), this
+    rank's shards of them side by side in its segment of the gathered buffer [world, sum of shard sizes]."""
+
+    def __init__(self, unit: Unit, group: Group) -> None:
+        self.unit, self.world, self.rank = unit, group.world, group.rank
+        self.shards = [group.shard(c.numel) for c in unit.chunks]
+        self.at = [0]
+        for sh in self.shards:
+            self.at.append(self.at[-1] + sh.size)
+        self.segment = self.at[-1]
+        self.padded = self.segment * self.world
+
+    def pieces(self) -> list[tuple[int, int, int]]:
+        base = self.rank * self.segment
+        return [(c.offset + sh.start, c.offset + sh.end, base + a)
+                for c, sh, a in zip(self.unit.chunks, self.shards, self.at)]
+
+    def assemble(self, gathered: torch.Tensor) -> torch.Tensor:
+        """The unit's flat parameters from the gathered buffer (a view of it where the unit is one chunk)."""
+        if len(self.shards) == 1:
+            return gathered[:self.unit.numel]
+        out = torch.empty(self.unit.numel, dtype=gathered.dtype, device=gathered.device)
+        rows = gathered.view(self.world, self.segment)
+        for c, sh, a in zip(self.unit.chunks, self.shards, self.at):
+            start = c.offset - self.unit.offset
+            out[start:start + c.numel].copy_(rows[:, a:a + sh.size].reshape(-1)[:c.numel])
         return out
 
 
