@@ -10,6 +10,7 @@ attaches to them; spawns one worker per rank; exits non-zero on failure.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -32,6 +33,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--store", help="attach to this store (sets store.name)")
     p.add_argument("--resume", help="'latest' or a checkpoint path (sets checkpoint.resume)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a job-file value")
+    hosts = p.add_argument_group("several hosts (docs/multi-host.md; torchrun's flags, or its NNODES, NODE_RANK, "
+                                 "MASTER_ADDR, MASTER_PORT environment variables)")
+    hosts.add_argument("--nnodes", type=int, help="hosts in the job (sets runtime.nnodes)")
+    hosts.add_argument("--node-rank", type=int, help="this host's rank among them, 0 first (sets runtime.node_rank)")
+    hosts.add_argument("--master-addr", help="host 0's address (sets runtime.master_addr)")
+    hosts.add_argument("--master-port", type=int, help="the rendezvous port on host 0 (sets runtime.master_port)")
     p.add_argument("--plan", action="store_true", help="print the plan (chunking, memory, predicted step time) and exit")
     p.add_argument("--dry-run", action="store_true",
                    help="check the job file, model, data, store space, resume checkpoint and plan; start nothing; "
@@ -51,6 +58,20 @@ def overrides(args: argparse.Namespace) -> list[str]:
         out.append(f'store.name="{args.store}"')
     if args.resume:
         out.append(f'checkpoint.resume="{args.resume}"')
+    return out + host_overrides(args, os.environ)
+
+
+def host_overrides(args: argparse.Namespace, env) -> list[str]:
+    """The several-hosts flags as runtime keys; where a flag is absent, torchrun's environment variable."""
+    out = []
+    for flag, var, key, quote in (("nnodes", "NNODES", "nnodes", False), ("node_rank", "NODE_RANK", "node_rank", False),
+                                  ("master_addr", "MASTER_ADDR", "master_addr", True),
+                                  ("master_port", "MASTER_PORT", "master_port", False)):
+        value = getattr(args, flag, None)
+        if value is None:
+            value = env.get(var)
+        if value is not None and value != "":
+            out.append(f'runtime.{key}="{value}"' if quote else f"runtime.{key}={value}")
     return out
 
 

@@ -196,7 +196,7 @@ class JobRun:
         record = JobRecord(job=job.run.name, store=self.store, world=self.world, train=job_to_dict(job)["train"],
                            layout_hash=self.layout.hash(), grad_slots=slots, device_chunks=device_chunks,
                            run_dir=str(self.run_dir), trace_steps=job.run.traced, grad_route=step.grad_route,
-                           reduce_slots=reduce_slots)
+                           reduce_slots=reduce_slots, nnodes=job.runtime.nnodes, node_rank=job.runtime.node_rank)
         att = self._call("attach", self.timeout, job=job.run.name, pid=os.getpid(),
                    layout_hash=self.layout.hash(), model_desc=f"{cfg.family}, {cfg.num_parameters():,} parameters",
                    world=self.world, grad_slots=slots, full_reduce=record.full_reduce,

@@ -13,7 +13,7 @@ from typing import Any
 from .config import TrainSection
 from .protocol import GRAD_SLOTS, REDUCE_SLOTS
 from .stepplan import StepPlan
-from .store.layout import unit_name
+from .store.layout import Shard, unit_name
 
 
 @dataclass(frozen=True)
@@ -29,15 +29,26 @@ class JobRecord:
     run_dir: str = ""  # where the daemons write their trace events
     trace_steps: tuple[int, ...] = ()
     grad_route: str = "host"  # "host": ranks' whole gradients summed here | "reduce_scatter": each rank sends its summed shard
+    nnodes: int = 1  # hosts in the job: this host's `world` ranks are ranks node_rank * world.. of nnodes * world
+    node_rank: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "device_chunks", tuple(self.device_chunks))
         object.__setattr__(self, "trace_steps", tuple(self.trace_steps))
         if self.world < 1:
             raise ValueError(f"job record: world must be >= 1, got {self.world}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"job record: node_rank {self.node_rank} is not one of {self.nnodes} hosts")
+        if self.nnodes > 1 and self.grad_route != "reduce_scatter":
+            raise ValueError("job record: several hosts take the reduce_scatter route")
         if self.grad_route not in ("host", "reduce_scatter"):
             raise ValueError(f"job record: grad_route must be 'host' or 'reduce_scatter', got {self.grad_route!r}")
         TrainSection(**self.train)  # validates
+
+    def shard(self, numel: int, rank: int) -> Shard:
+        """Local rank `rank`'s shard of a chunk of `numel` elements on the reduce_scatter route: its part of
+        the cut among every rank of every host."""
+        return Shard(numel, self.nnodes * self.world, self.node_rank * self.world + rank)
 
     @property
     def train_section(self) -> TrainSection:

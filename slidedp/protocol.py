@@ -181,6 +181,14 @@ class RoutingTotal(Message):
     values: tuple[float, ...]
 
 
+@message(19, "qd")
+class GlobalNorm(Message):
+    """Worker (local rank 0) -> aggregator, several hosts: the step's squared gradient norm summed over every
+    rank of every host (the aggregator's own sum covers its host's shards only)."""
+    step: int
+    sqnorm: float
+
+
 @message(5, "ii")
 class Credit(Message):
     """Aggregator -> worker: gradient slot `slot` of `rank` is free again."""

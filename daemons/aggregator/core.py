@@ -21,12 +21,11 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from slidedp import hosttraffic, log as slog
-from slidedp.clipping import StepNorm, history_of, norm_order, speculates_after
-from slidedp.store.layout import Shard
+from slidedp.clipping import StepNorm, Verdict, history_of, norm_order, speculates_after
 from slidedp.jobrecord import JobRecord, attach_job, detach_job, reduction_slots
 from slidedp.model.router_aux import aux_loss
 from slidedp.protocol import (SLOT_DEVICE, SOURCE_NONE, SOURCE_RANK_SHARD, SOURCE_RANK_SLOT, SOURCE_REDUCE, Credit, Go,
-                              Grad, Loss, Message, Norm, Ready, Routing, RoutingTotal, StepDone, Update,
+                              GlobalNorm, Grad, Loss, Message, Norm, Ready, Routing, RoutingTotal, StepDone, Update,
                               Updated)
 from slidedp.store.layout import Layout
 from slidedp.store.manifest import KEPT
@@ -57,6 +56,8 @@ def assign_updaters(layout: Layout, count: int, device_chunks: frozenset[int] = 
 class _Step:
     losses: dict[int, Loss] = field(default_factory=dict)
     routing: dict[int, Routing] = field(default_factory=dict)  # each rank's router statistics (auxiliary loss)
+    global_sq: float | None = None  # several hosts: the squared norm over every host (GlobalNorm)
+    done_held: bool = False  # several hosts: committed, its StepDone waiting for the global norm
     loss: float = math.nan
     skipped: bool = False
     sqnorm: float = 0.0
@@ -217,7 +218,7 @@ class AggregatorCore:
         chunk = self.store.layout.chunks[chunk_id]
         st = self._step(step)
         out: Outbox = []
-        if self.world == 1 and not self.rings.full_reduce:
+        if self.world == 1 and self.job.grad_route == "host" and not self.rings.full_reduce:  # the one rank's whole gradient
             sq = grads[0].sqnorm
             updates = [Update(chunk_id, step, SOURCE_RANK_SLOT, grads[0].rank, grads[0].slot)]
         elif self.job.grad_route == "reduce_scatter" and not self.rings.full_reduce:
@@ -233,7 +234,7 @@ class AggregatorCore:
             dst = self.rings.reduce_slot(j, chunk)
             if self.job.grad_route == "reduce_scatter":  # summed on the devices: lay the shards side by side
                 for g in grads:
-                    shard = Shard(chunk.numel, self.world, g.rank)
+                    shard = self.job.shard(chunk.numel, g.rank)
                     dst[shard.start:shard.end].copy_(self.rings.slot(g.rank, g.slot, shard.end - shard.start))
                 sq = sum(g.sqnorm for g in grads)
                 st.host_bytes += chunk.numel * hosttraffic.sum_bytes(1)
@@ -272,10 +273,44 @@ class AggregatorCore:
         out: Outbox = []
         for c, speculate in st.norm.add(chunk_id, sq):
             out += [m for u in st.undecided.pop(c) for m in self._to_owner(c, replace(u, speculative=int(speculate)))]
-        if not st.norm.complete:
+        if not st.norm.complete or (self._hosts and st.global_sq is None):
             return out
-        verdict = st.norm.verdict()
-        st.sqnorm = st.norm.sqnorm
+        return out + self._verdict(step, st)
+
+    @property
+    def _hosts(self) -> bool:
+        """Several hosts: this aggregator sees its host's shards; the step's norm is the workers' GlobalNorm."""
+        return self.job is not None and self.job.nnodes > 1
+
+    def _step_verdict(self, st: _Step) -> Verdict:
+        assert st.norm is not None
+        if self._hosts:
+            assert st.global_sq is not None
+            return Verdict.of(math.sqrt(st.global_sq), st.norm.max_norm)
+        return st.norm.verdict()
+
+    def on_global_norm(self, msg: GlobalNorm) -> Outbox:
+        """Several hosts: the step's squared gradient norm over every host, from this host's rank 0 once its
+        backward is done: the verdict (with clipping) and the logged norm come from it."""
+        if not self._hosts:
+            raise ValueError("GlobalNorm in a job of one host")
+        st = self._step(msg.step)
+        if st.global_sq is not None:
+            raise ValueError(f"a second GlobalNorm for step {msg.step}")
+        st.global_sq = msg.sqnorm
+        out: Outbox = []
+        if st.norm is not None and st.norm.complete:
+            out += self._verdict(msg.step, st)
+        if st.done_held:
+            out += self._step_done(msg.step, st)
+        return out
+
+    def _verdict(self, step: int, st: _Step) -> Outbox:
+        """The step's norm is known: the verdict to the updaters (and workers holding chunks)."""
+        assert st.norm is not None
+        verdict = self._step_verdict(st)
+        st.sqnorm = st.global_sq if st.global_sq is not None else st.norm.sqnorm
+        out: Outbox = []
         self._decided(step, history_of(verdict))
         if verdict.skip:
             st.skipped = True
@@ -322,12 +357,20 @@ class AggregatorCore:
         self.store.manifest.set_committed_step(step + 1, self.history.get(step, KEPT) if self.norm_order else KEPT)
         now = time.time()
         self.tracer.event(f"step {step} committed", "commit", step, now, now)
+        if self._hosts and st.reduced and st.global_sq is None:  # the logged norm is every host's
+            st.done_held = True
+            return []
+        return self._step_done(step, st)
+
+    def _step_done(self, step: int, st: _Step) -> Outbox:
         del self.steps[step]
+        if st.global_sq is not None:
+            st.sqnorm = st.global_sq
         if self.launcher is None:
             return []
         norm = math.sqrt(st.sqnorm) if st.reduced else math.nan  # a step skipped for its loss sent no gradient
         clip = st.norm
-        clipped = clip is not None and clip.complete and clip.verdict().clipped
+        clipped = clip is not None and clip.complete and self._step_verdict(st).clipped
         return [(self.launcher, StepDone(step, st.loss, norm, int(st.skipped), st.update_s, st.reduce_s, int(clipped),
                                          len(clip.speculated) if clip is not None else 0, st.corrected, st.correct_s,
                                          int(clip is not None and clip.speculate), st.host_bytes))]

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from slidedp import log as slog
 from slidedp.daemons.aggregator.core import AggregatorCore, Outbox
 from slidedp.jobrecord import JobRecord
-from slidedp.protocol import (ROLE_LAUNCHER, ROLE_UPDATER, Ack, Fault, Grad, Hello, JobEnd, JobStart, Loss, Message,
+from slidedp.protocol import (ROLE_LAUNCHER, ROLE_UPDATER, Ack, Fault, GlobalNorm, Grad, Hello, JobEnd, JobStart, Loss, Message,
                               Routing, Updated)
 from slidedp.transport import identity
 
@@ -136,6 +136,8 @@ def route(core: AggregatorCore, handshake: JobHandshake, peer: bytes, msg: Messa
             return core.on_loss(msg)
         if isinstance(msg, Routing):
             return core.on_routing(msg)
+        if isinstance(msg, GlobalNorm):
+            return core.on_global_norm(msg)
         if isinstance(msg, Hello):
             return handshake.on_hello(peer, msg)
         if isinstance(msg, JobStart):

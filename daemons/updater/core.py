@@ -21,7 +21,6 @@ from slidedp.clipping import Verdict
 from slidedp.adamw import step_
 from slidedp.clipping import rollback
 from slidedp.jobrecord import JobRecord, attach_job, detach_job
-from slidedp.store.layout import Shard
 from slidedp.protocol import (SOURCE_NONE, SOURCE_RANK_SHARD, SOURCE_RANK_SLOT, Ack, JobEnd, JobStart, Message, Norm,
                               Update, Updated)
 from slidedp.schedule import lr_at
@@ -158,7 +157,7 @@ class UpdaterCore:
         if work[0].source == SOURCE_RANK_SLOT:
             return [(0, n, self.rings.slot(work[0].rank, work[0].slot, n))]
         if work[0].source == SOURCE_RANK_SHARD:
-            shards = [(Shard(n, self.job.world, u.rank), u) for u in work]
+            shards = [(self.job.shard(n, u.rank), u) for u in work]
             return [(sh.start, sh.end, self.rings.slot(u.rank, u.slot, sh.end - sh.start)) for sh, u in shards]
         return [(0, n, self.rings.reduce_slot(work[0].slot, chunk))]
 

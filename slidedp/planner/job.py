@@ -147,10 +147,24 @@ def layers_note(layers: str, cfg) -> str:
             + ("SlideDP's own" if layers == "native" else f"transformers' {cfg.family} layer modules, untiled") + ")")
 
 
+def host_routes(job: JobConfig) -> dict[str, tuple[str, ...]]:
+    """Several hosts (docs/multi-host.md) take the sharded and reduce_scatter routes over every host's ranks
+    (each host's store keeps its range of every chunk current); a job file that names others is refused."""
+    rt, p = job.runtime, job.plan
+    if rt.nnodes == 1:
+        return {}
+    for key, need in (("param_route", "sharded"), ("grad_route", "reduce_scatter")):
+        chosen = getattr(p, key)
+        if chosen not in (AUTO, need):
+            raise ConfigError(f"plan.{key} = {chosen!r}: a job on several hosts (runtime.nnodes = {rt.nnodes}) "
+                              f"takes the {need} route (docs/multi-host.md); set it to \"auto\" or {need!r}")
+    return {"param_route": ("sharded",), "grad_route": ("reduce_scatter",)}
+
+
 def _cpu_plan(job: JobConfig, options: tuple[str, ...], store: StoreFacts, notes: tuple[str, ...]) -> JobPlan:
     """No planner: the job's values, and the CPU default where it says "auto"; the bf16 delivery where
     the store has (or gets) the shadow anyway."""
-    p, cfg, world = job.plan, model_config(job), job.runtime.workers
+    p, cfg, world = job.plan, model_config(job), job.runtime.world
     nl, one = cfg.num_layers, world == 1  # one rank: nothing to shard
     layers = resolve_layers(job, cfg)
     delivery = options[-1] if len(options) == 1 else "fp32"
@@ -164,6 +178,9 @@ def _cpu_plan(job: JobConfig, options: tuple[str, ...], store: StoreFacts, notes
         offload_layers=min(p.chosen("offload_layers") or 0, nl), device_layers=min(p.chosen("device_layers") or 0, nl),
         param_route="sharded" if p.param_route == "sharded" and not one else "replicated",
         grad_route="reduce_scatter" if p.grad_route == "reduce_scatter" and not one else "host")
+    hosts = host_routes(job)
+    if hosts:
+        step = replace(step, param_route=hosts["param_route"][0], grad_route=hosts["grad_route"][0])
     return JobPlan(step, shadow=_store_shadow(job, store.shadow, delivery), notes=(*notes, layers_note(layers, cfg)))
 
 
@@ -185,9 +202,10 @@ def plan_for(job: JobConfig, store_facts: StoreFacts = StoreFacts(), host_room: 
     if rt.device != "cuda":
         return _cpu_plan(job, options, store_facts, notes)
     cfg = model_config(job)
-    nl, one = cfg.num_layers, rt.workers == 1
+    nl, one = cfg.num_layers, rt.workers == 1 and rt.nnodes == 1
     layers = resolve_layers(job, cfg)
-    work = Workload(model=cfg, global_batch=t.global_batch, seq_len=t.seq_len, world=rt.workers,
+    # several hosts: this host's share of the batch over its own ranks (the network is not charged yet)
+    work = Workload(model=cfg, global_batch=t.global_batch // rt.nnodes, seq_len=t.seq_len, world=rt.workers,
                     micro_batch=p.chosen("micro_batch") or 0, compute_dtype=p.dtype, clip=t.max_grad_norm > 0,
                     updaters=max(1, rt.updaters), compiled=t.compile in ("auto", "on"),
                     host_room=host_room,
@@ -207,6 +225,7 @@ def plan_for(job: JobConfig, store_facts: StoreFacts = StoreFacts(), host_room: 
             "sizes": device_work_sizes(work, budget, allowed),
             **({"documents": documents.to_dict()} if documents is not None else {})})
     allowed.update(_routes(p, calibration))
+    allowed.update(host_routes(job))
     plan = make_plan(work, budget, calibration, allowed, device_layers=p.chosen("device_layers"))
     planned = plan.step
 

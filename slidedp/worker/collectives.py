@@ -65,11 +65,23 @@ class Group:
         dist.all_reduce(tensor)
 
 
-def join(rank: int, world: int, device: torch.device, shared_device: bool, rendezvous_file: str,
+def join(rank: int, world: int, device: torch.device, shared_device: bool, init_method: str,
          timeout_s: float) -> Group:
-    """Join the job's process group (NCCL for one GPU per rank, else gloo). A collective that waits
-    longer than timeout_s (runtime.timeout_s) for a rank fails instead of hanging."""
+    """Join the job's process group (NCCL for one GPU per rank, else gloo) at init_method (one host: a
+    rendezvous file, file://...; several: tcp://host 0's address and port). A collective that waits longer
+    than timeout_s (runtime.timeout_s) for a rank fails instead of hanging."""
     backend = "nccl" if device.type == "cuda" and not shared_device else "gloo"
-    dist.init_process_group(backend, init_method=f"file://{rendezvous_file}", rank=rank, world_size=world,
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=timeout_s))
     return Group(rank, world, backend)
+
+
+def rendezvous(runtime, dist_file: str) -> str:
+    """Where the ranks' process group meets: the launcher's file on one host; on several, host 0 at the port
+    after the launchers' (runtime.master_port + 1), served by global rank 0."""
+    if runtime.nnodes > 1:
+        return f"tcp://{runtime.master_addr}:{runtime.master_port + 1}"
+    if not dist_file:
+        raise RuntimeError("--dist-file is required when ranks talk among themselves (device-held units, "
+                           "sharded routes)")
+    return f"file://{dist_file}"

@@ -38,6 +38,7 @@ from . import feed
 from .collectives import Group
 from .device_state import DeviceHeld
 from .engine import Engine, units_of
+from .hosts import HostsLink, host_sums
 from .link import LauncherLink, WorkerLink
 
 log = slog.get("worker")
@@ -128,8 +129,11 @@ class WorkerCore:
         self.run_dir, self.start, self.end = run_dir, start, end
         self.done_steps = start
         self.orders = LauncherOrders()  # the launcher's stop, once it has asked for one
-        t = job.train
-        torch.manual_seed(t.seed + rank)
+        t, rt = job.train, job.runtime
+        # the data, the process group and the shards know the rank among every host's (docs/multi-host.md);
+        # the host's store, rings and aggregator know it as one of this host's `world`
+        self.global_rank, self.global_world = rt.global_rank(rank), rt.world
+        torch.manual_seed(t.seed + self.global_rank)
         cfg = model_config(job)
         if store.layout.model != cfg:
             raise RuntimeError(f"store {store.name!r} holds another model than the job describes")
@@ -146,17 +150,22 @@ class WorkerCore:
         check_delivery(plan, store)
         units = units_of(store.layout)
         names = held_unit_names(store.layout.model, plan)
-        self.held = {n: DeviceHeld(store, units[n], device, dtype, t, rank, group) for n in names}
+        self.held = {n: DeviceHeld(store, units[n], device, dtype, t, self.global_rank, group) for n in names}
+        self.group = group
+        if rt.nnodes > 1:
+            assert group is not None
+            link = HostsLink(link, group, device, rank)  # type: ignore[assignment]
         self.engine = Engine(cfg, store.layout, store.flat("master"), device, dtype, link,
                              lambda slot, numel: rings.slot(rank, slot, numel), t.global_batch * t.seq_len, plan,
                              t.max_grad_norm, self.held,
                              param_group=group if plan.param_route == "sharded" else None,
                              grad_group=group if plan.grad_route == "reduce_scatter" else None,
-                             shadow=store.flat("shadow") if plan.delivery == "bf16" else None, math=math)
+                             shadow=store.flat("shadow") if plan.delivery == "bf16" else None, math=math,
+                             rows_from_host=rt.nnodes == 1)
         self.tracer = Tracer(run_dir, f"worker{rank}", job.run.traced)
         self.engine.set_tracer(self.tracer)
         link.tracer = self.tracer
-        self.micro = t.global_batch // world // plan.micro_batch
+        self.micro = t.global_batch // self.global_world // plan.micro_batch
         self.profile_step = int(os.environ.get("SLIDEDP_PROFILE_STEP", "-1"))
 
     def run(self) -> None:
@@ -190,9 +199,10 @@ class WorkerCore:
         h2d0, d2h0 = engine.delivery.h2d_bytes, engine.grads.d2h_bytes
         batch, mbs = self.batches.batch(step), self.plan.micro_batch
         if isinstance(batch, SftBatch):  # rows of documents: masks, positions, the global trained count
-            run_step = lambda: feed.run_step(engine, batch, step, self.rank, self.world, self.micro, mbs)  # noqa: E731
+            run_step = lambda: feed.run_step(engine, batch, step, self.global_rank, self.global_world,  # noqa: E731
+                                             self.micro, mbs)
         else:
-            seqs = torch.from_numpy(rank_slice(batch, self.rank, self.world).astype(np.int64))
+            seqs = torch.from_numpy(rank_slice(batch, self.global_rank, self.global_world).astype(np.int64))
             seqs = seqs.view(self.micro, mbs, t.seq_len + 1)
             run_step = lambda: engine.run_step(step, seqs[..., :-1], seqs[..., 1:])  # noqa: E731
         if step == self.profile_step:
@@ -209,8 +219,12 @@ class WorkerCore:
                                            or self.done_steps == t.steps):
             # on the weights after this step (version done_steps), before held units are written back and
             # before the stats (so the launcher has every rank's share when it records the step)
-            loss_sum, count = feed.run_eval(engine, self.eval_rows, self.done_steps, self.rank, self.world,
-                                            self.micro, mbs, t.global_batch)
+            loss_sum, count = feed.run_eval(engine, self.eval_rows, self.done_steps, self.global_rank,
+                                            self.global_world, self.micro, mbs, t.global_batch)
+            if self.job.runtime.nnodes > 1:  # the launcher adds up its host's ranks: report every host's
+                assert self.group is not None
+                loss_sum, n = host_sums(self.group, [loss_sum, count], device, self.rank)
+                count = int(n)
             self.launcher.send(EvalLoss(self.rank, step, loss_sum, count))
         every, end = self.job.checkpoint.every, self.end
         write_back_s = 0.0

@@ -56,6 +56,7 @@ class Link(Protocol):
                    routing: RoutingShare | None = None) -> bool: ...  # True: skip the step
     def routing_total(self, step: int) -> tuple[float, ...]: ...  # after agree_loss: every rank's statistics
     def wait_norm(self, step: int) -> float: ...  # the step's global gradient norm (exact clipping)
+    def norms_reported(self, step: int) -> None: ...  # every gradient's norm of the step is reported
 
 
 @dataclass
@@ -73,10 +74,12 @@ class Engine:
                  dtype: torch.dtype, link: Link, slot_view, global_tokens: int, plan: StepPlan = StepPlan(),
                  max_grad_norm: float = 0.0, held: dict[str, DeviceHeld] | None = None, param_group: Group | None = None,
                  grad_group: Group | None = None, shadow: torch.Tensor | None = None,
-                 math: ModelMath | None = None) -> None:
+                 math: ModelMath | None = None, rows_from_host: bool = True) -> None:
         """master: the store's flat fp32 master; shadow: its bf16 shadow, which the plan's delivery = "bf16"
         streams instead (the layers, the norm, the head and the host embedding's rows). math: the model's
-        layers, embedding and loss (family.py; None: the native layers)."""
+        layers, embedding and loss (family.py; None: the native layers). rows_from_host: an embedding on the
+        host gives the batch's rows from the store (False on several hosts, where no store holds every row:
+        it is fetched whole, like the head)."""
         self.cfg, self.layout, self.master = cfg, layout, master
         self.math = math or NativeMath(cfg, device, dtype)
         if plan.delivery == "bf16" and shadow is None:
@@ -87,6 +90,7 @@ class Engine:
         self.max_grad_norm = max_grad_norm  # > 0: device-held chunks wait for the global norm before updating
         self.units = units_of(layout)
         self.held = held or {}  # unit name -> its device-held state ("layer.0".., "embed", "head" when untied)
+        self.rows_from_host = rows_from_host
         self.delivery = ParamDelivery(self.source, device, dtype, link.wait_ready, param_group)
         self.grads = GradOut(device, slot_view, grad_group)  # groups set: the sharded routes
         self.scale = 1.0 / global_tokens  # loss = sum of token losses / global token count
@@ -240,7 +244,7 @@ class Engine:
 
         # ---- forward ------------------------------------------------------------------------
         with torch.no_grad():
-            if tied or embed_held:  # the matrix is on the device (held, or fetched whole for the head)
+            if tied or embed_held or not self.rows_from_host:  # the matrix on the device (held, or fetched whole)
                 embed_w = self._weight("embed", step)
                 xs = [self.math.embed(embed_w, ids_dev[i]) for i in range(M)]
             else:  # gather only the batch's rows from the host copy
@@ -347,15 +351,16 @@ class Engine:
         del embed_grad, embed_grad_2d
         if routing is not None:
             routing.end()
+        self._report_held(held_grads, step)
+        self.link.norms_reported(step)
         self._update_held(held_grads, step)
         self._flush(step, block=True)
         times.backward_s = time.perf_counter() - t1
         return times
 
-    def _update_held(self, grads: dict[str, torch.Tensor], step: int) -> None:
-        """Reduce the device-held units' gradients among ranks, report their norms, update them on the device."""
-        if not grads:
-            return
+    def _report_held(self, grads: dict[str, torch.Tensor], step: int) -> None:
+        """Reduce the device-held units' gradients among ranks and report their norms; then every host
+        gradient's has been reported too."""
         # the norms below wait for the held layers' backward: announce each host gradient as it lands
         # first, or the updaters start the last fetched layers only after that backward, and the next
         # forward waits for them
@@ -365,6 +370,11 @@ class Engine:
             first = self.units[name].chunks[0]
             for c in self.units[name].chunks:  # one chunk carries the unit's norm, the others 0
                 self.link.device_grad(c, sq if c is first and self.held[name].rank == 0 else 0.0, step)
+
+    def _update_held(self, grads: dict[str, torch.Tensor], step: int) -> None:
+        """Update the device-held units on the device (with clipping, once the global norm is known)."""
+        if not grads:
+            return
         coef = None
         if self.max_grad_norm > 0:  # every host gradient is out (above): the global norm can be known
             verdict = Verdict.of(self.link.wait_norm(step), self.max_grad_norm)

@@ -27,7 +27,7 @@ def eval_loss(engine, version: int, ids: torch.Tensor, targets: torch.Tensor, po
     attns = engine.micro_attention(M, m, T, positions, segments)
     ids_dev = ids.to(engine.device)
     tied, held = cfg.tie_word_embeddings, engine.held
-    if tied or "embed" in held:
+    if tied or "embed" in held or not engine.rows_from_host:
         embed_w = engine._weight("embed", version)
         xs = [math.embed(embed_w, ids_dev[i]) for i in range(M)]
     else:

@@ -107,6 +107,9 @@ class WorkerLink:
         self._wait(lambda: step in self.norms, f"the global gradient norm of step {step} (from the aggregator)", "slot")
         return self.norms.pop(step)
 
+    def norms_reported(self, step: int) -> None:
+        """One host: the aggregator's sum of the reported norms is the step's (HostsLink adds the hosts')."""
+
     def agree_loss(self, step: int, loss_sum: float, tokens: int, finite: bool,
                    routing: RoutingShare | None = None) -> bool:
         if routing is not None:  # before the Loss: the aggregator has every rank's when the last Loss comes

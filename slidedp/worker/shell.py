@@ -34,7 +34,7 @@ from ..store.hostmem import Registration
 from ..store.rings import GradRings
 from ..store.store import HostStore
 from ..transport import connect_dealer, identity, send
-from .collectives import join
+from .collectives import join, rendezvous
 from .core import WorkerCore, needs_group
 from .link import LauncherLink, WorkerLink, WorkerStopped
 
@@ -102,11 +102,10 @@ def run(args: argparse.Namespace) -> int:
     core = None
     try:
         group = None
-        if needs_group(plan, world):
-            if not args.dist_file:
-                raise RuntimeError("--dist-file is required when ranks talk among themselves "
-                                   "(device-held units, sharded routes)")
-            group = join(rank, world, device, args.shared_device, args.dist_file, job.runtime.timeout_s)
+        rt = job.runtime
+        if needs_group(plan, world) or rt.nnodes > 1:  # several hosts: one group of every host's ranks
+            group = join(rt.global_rank(rank), rt.world, device, args.shared_device,
+                         rendezvous(rt, args.dist_file), rt.timeout_s)
         core = WorkerCore(job, plan, rank, world, device, store, rings, link, LauncherLink(job_sock), stop,
                           Path(args.job).parent, args.start, args.end, Path(args.tokens) if args.tokens else None, group,
                           Path(args.docs) if args.docs else None, Path(args.eval_docs) if args.eval_docs else None)

@@ -56,6 +56,9 @@ class FakeLink:
     def wait_norm(self, step: int) -> float:
         return 0.0
 
+    def norms_reported(self, step: int) -> None:
+        pass
+
 
 def initial_master(layout: Layout) -> torch.Tensor:
     master = torch.zeros(layout.total_numel)
