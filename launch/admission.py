@@ -27,8 +27,9 @@ from slidedp.planner import Calibration, PlanError
 from slidedp.planner.workload import DocumentLoad
 from slidedp.store.layout import Layout, make_layout
 from slidedp.store.mismatch import describe as describe_mismatch
+from slidedp.store.part import StorePart
 
-from .host_room import host_need, room_for_plan, room_problem, shadow_fits, unplanned_need
+from .host_room import host_need, job_part, room_for_plan, room_problem, shadow_fits, unplanned_need
 from .planning import DeliveryError, JobPlan, plan_job
 
 
@@ -47,6 +48,7 @@ class StoreFacts:
     committed_step: int = 0
     torn: str | None = None  # why it cannot be trained from as it is (None: clean, or mid-step in a running job)
     layer_chunk_numel: int | None = None  # where its layers are cut (0: whole layers; None: not said)
+    part: Mapping[str, int] | None = None  # several hosts: the host's part it holds (store/part.py)
 
     @classmethod
     def from_status(cls, status: Mapping[str, Any]) -> StoreFacts:
@@ -55,7 +57,7 @@ class StoreFacts:
             return cls()
         return cls(True, status["model"], status["parameters"], status["layout_hash"],
                    status.get("model_config") or {}, status.get("chunk_rows"), "shadow" in status.get("segments", {}),
-                   status["committed_step"], status.get("torn"), status.get("layer_chunk_numel"))
+                   status["committed_step"], status.get("torn"), status.get("layer_chunk_numel"), status.get("part"))
 
 
 @dataclass(frozen=True)
@@ -153,6 +155,9 @@ def admit(facts: AdmissionFacts) -> Admission:
 
     if exists and store.layout_hash != layout.hash():
         return refused(Finding("store", _another_model(job, store, layout)), matches=False)
+    part = job_part(job)
+    if exists and (StorePart(**store.part) if store.part else None) != part:
+        return refused(Finding("store", _another_part(job, store.part, part)), matches=False)
     if exists and job.store.shadow_bf16 != "auto" and store.shadow != job.store.shadow_bf16:
         warnings.append(Finding("store", f"store.shadow_bf16 = {str(job.store.shadow_bf16).lower()} but the existing "
                                          f"store was made {'with' if store.shadow else 'without'} the bf16 shadow; the "
@@ -180,6 +185,15 @@ def admit(facts: AdmissionFacts) -> Admission:
                         host.shm_free)
     problems = ((Finding("host", room),) if room else ()) + resume_problems
     return Admission(layout, exists, True, plan.shadow, plan, held, resume, start, problems, tuple(warnings))
+
+
+def _another_part(job: JobConfig, held: Mapping[str, int] | None, want: StorePart | None) -> str:
+    def say(p: StorePart | None) -> str:
+        return "every range of the state (one host)" if p is None else f"the ranges of {p.describe()}"
+
+    return (f"store {job.store_name!r} holds {say(StorePart(**held) if held else None)}, and this job needs "
+            f"{say(want)} (runtime.nnodes, node_rank, workers); give each host's job its own store (store.name), or "
+            f"destroy this one with `slidedp-store destroy {job.store_name}`")
 
 
 def _another_model(job: JobConfig, store: StoreFacts, layout: Layout) -> str:

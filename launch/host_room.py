@@ -23,7 +23,8 @@ from slidedp.stepplan import StepPlan
 from slidedp.store.layout import Layout
 from slidedp.store.rings import rings_bytes
 from slidedp.store.shm import SHM_DIR
-from slidedp.store.store import segment_sizes
+from slidedp.store.part import StorePart
+from slidedp.store.store import held_sizes
 
 GiB = 1 << 30
 
@@ -73,6 +74,12 @@ class HostNeed:
         return ", ".join(f"{what} {size(b)}" for what, b in self.items)
 
 
+def job_part(job: JobConfig) -> StorePart | None:
+    """The part of the state this host's store holds (several hosts: docs/multi-host.md)."""
+    rt = job.runtime
+    return StorePart.for_hosts(rt.nnodes, rt.node_rank, rt.workers)
+
+
 def process_bytes(job: JobConfig) -> int:
     """Host memory charged for the job's processes: PROCESS_BYTES per rank of its device kind."""
     return job.runtime.workers * PROCESS_BYTES["cuda" if job.runtime.device.startswith("cuda") else "cpu"]
@@ -92,7 +99,7 @@ def host_need(job: JobConfig, layout: Layout, step: StepPlan, store_exists: bool
     slots, reduce_slots, full = gradient_space(layout, world, step.grad_route, clip, job.store.grad_slots,
                                                device_chunks)
     rings = sum(rings_bytes(layout, world, slots, reduce_slots, full, shard_slots=step.grad_route == "reduce_scatter"))
-    state = 0 if store_exists else sum(segment_sizes(layout, {}, shadow).values())
+    state = 0 if store_exists else sum(held_sizes(layout, {}, shadow, job_part(job)).values())
     per_chunk = clip and not full and slots > ring_slots(job.store.grad_slots, layout.model.num_layers)
     return HostNeed(state, rings, process_bytes(job), world, per_chunk, shadow, offload_bytes(job, layout, step),
                     step.offloaded(layout.model.num_layers))
@@ -129,7 +136,7 @@ def room_for_plan(job: JobConfig, layout: Layout, store_exists: bool, available:
     file holds on the devices) and the processes."""
     step, held = held_by_the_job(job, layout, "host")
     base = host_need(job, layout, step, store_exists, shadow=False, device_chunks=held)
-    shadow = 0 if store_exists else sum(segment_sizes(layout, {}, True).values()) - base.state  # its 2 B/param
+    shadow = 0 if store_exists else sum(held_sizes(layout, {}, True, job_part(job)).values()) - base.state  # 2 B/param
     return HostRoom(free_bytes=available - base.total, shadow_bytes=shadow)
 
 

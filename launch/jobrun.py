@@ -40,6 +40,7 @@ from slidedp.transport import bind_router, connect_dealer, identity, recv_dealer
 
 from . import children
 from .admission import AdmissionFacts, CheckpointFacts, HostFacts, StoreFacts, admit
+from .host_room import job_part
 from .planning import check_layers, document_load, record_training
 from .preflight import cuda_probe
 from .rundir import RunDirInUse, check_run_dir, write_run_record
@@ -152,7 +153,8 @@ class JobRun:
             t0 = time.perf_counter()
             st = self._call("create", max(self.timeout, 3600), shadow_bf16=adm.shadow,
                             layer_chunk_numel=job.plan.chosen("layer_chunk_numel"),
-                            persist=job.store.persist, creator=creator_record(job.run.name), **model_source(job))
+                            persist=job.store.persist, creator=creator_record(job.run.name),
+                            part=part.to_dict() if (part := job_part(job)) else None, **model_source(job))
             self.created_store = True
             log.info("store %s created: %.3f B parameters, %.2f bytes/parameter, in %.2f s", self.store,
                      st["parameters"] / 1e9, st["bytes_per_parameter"], time.perf_counter() - t0)

@@ -354,6 +354,7 @@ class Create:
     shadow_bf16: bool = False
     persist: bool = True  # False: a job's own store, destroyed when it ends (found left behind: its creator died)
     creator: dict | None = None  # with persist False: the creating job (pid, start time, name)
+    part: dict | None = None  # several hosts: {"hosts", "host", "ranks"}, the host's part of the state (store/part.py)
 
 
 @dataclass(frozen=True)

@@ -153,12 +153,15 @@ def host_routes(job: JobConfig) -> dict[str, tuple[str, ...]]:
     rt, p = job.runtime, job.plan
     if rt.nnodes == 1:
         return {}
-    for key, need in (("param_route", "sharded"), ("grad_route", "reduce_scatter")):
+    for key, need in (("param_route", "sharded"), ("grad_route", "reduce_scatter"), ("embedding", "host")):
         chosen = getattr(p, key)
         if chosen not in (AUTO, need):
             raise ConfigError(f"plan.{key} = {chosen!r}: a job on several hosts (runtime.nnodes = {rt.nnodes}) "
-                              f"takes the {need} route (docs/multi-host.md); set it to \"auto\" or {need!r}")
-    return {"param_route": ("sharded",), "grad_route": ("reduce_scatter",)}
+                              f"takes {need!r} (docs/multi-host.md); set it to \"auto\" or {need!r}")
+    if p.chosen("device_layers"):  # each host holds only its range of a unit's master: none to copy whole
+        raise ConfigError(f"plan.device_layers = {p.device_layers}: a job on several hosts holds no layer on the "
+                          "devices yet (docs/multi-host.md); set it to \"auto\" or 0")
+    return {"param_route": ("sharded",), "grad_route": ("reduce_scatter",), "embedding": ("host",)}
 
 
 def _cpu_plan(job: JobConfig, options: tuple[str, ...], store: StoreFacts, notes: tuple[str, ...]) -> JobPlan:
@@ -180,7 +183,8 @@ def _cpu_plan(job: JobConfig, options: tuple[str, ...], store: StoreFacts, notes
         grad_route="reduce_scatter" if p.grad_route == "reduce_scatter" and not one else "host")
     hosts = host_routes(job)
     if hosts:
-        step = replace(step, param_route=hosts["param_route"][0], grad_route=hosts["grad_route"][0])
+        step = replace(step, param_route=hosts["param_route"][0], grad_route=hosts["grad_route"][0],
+                       embedding="host", device_layers=0)
     return JobPlan(step, shadow=_store_shadow(job, store.shadow, delivery), notes=(*notes, layers_note(layers, cfg)))
 
 
@@ -226,7 +230,7 @@ def plan_for(job: JobConfig, store_facts: StoreFacts = StoreFacts(), host_room: 
             **({"documents": documents.to_dict()} if documents is not None else {})})
     allowed.update(_routes(p, calibration))
     allowed.update(host_routes(job))
-    plan = make_plan(work, budget, calibration, allowed, device_layers=p.chosen("device_layers"))
+    plan = make_plan(work, budget, calibration, allowed, device_layers=0 if rt.nnodes > 1 else p.chosen("device_layers"))
     planned = plan.step
 
     def given(name: str) -> int:

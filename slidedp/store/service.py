@@ -28,6 +28,7 @@ from slidedp.store.layout import make_layout
 from slidedp.store.resume import restore_unless_held
 from slidedp.store.rings import GradRings
 from slidedp.store.shm import list_store_segments
+from slidedp.store.part import StorePart
 from slidedp.store.store import HostStore, fill_from_hf, fill_random
 
 log = slog.get("hoststate")
@@ -98,7 +99,11 @@ class HostStateCore:
         t0 = time.perf_counter()
         log.info("creating store %s: %s, %s parameters, %d chunks", self.name, meta["source"],
                  f"{layout.num_parameters:,}", len(layout.chunks))
-        self.store = HostStore.create(self.name, layout, meta, shadow=bool(req.shadow_bf16), fill=fill)
+        try:
+            part = StorePart(**req.part) if req.part else None
+        except (TypeError, ValueError) as e:
+            raise RequestError(f"create: part {req.part!r} is not a host's part of the state: {e}") from None
+        self.store = HostStore.create(self.name, layout, meta, shadow=bool(req.shadow_bf16), fill=fill, part=part)
         seconds = time.perf_counter() - t0
         st = self.store.status()
         log.info("store %s created in %.2f s (%.2f GB/s page touch, %.3f bytes/parameter)", self.name, seconds,

@@ -36,6 +36,18 @@ def shm_free_bytes() -> int:
     return st.f_bavail * st.f_frsize
 
 
+def page_ranges(ranges: list[tuple[int, int]], page: int = mmap.PAGESIZE) -> list[tuple[int, int]]:
+    """Byte ranges widened to whole pages and merged where they touch (sorted input)."""
+    out: list[tuple[int, int]] = []
+    for a, b in ranges:
+        a, b = a // page * page, -(-b // page) * page
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
 def check_space(needed: int, what: str) -> None:
     """Refuse before creating anything when /dev/shm or host RAM cannot hold `needed` bytes."""
     import psutil
@@ -62,12 +74,18 @@ class Segment:
     mm: mmap.mmap
 
     @classmethod
-    def create(cls, name: str, size: int, touch: bool = True) -> "Segment":
+    def create(cls, name: str, size: int, touch: bool = True,
+               ranges: list[tuple[int, int]] | None = None) -> "Segment":
+        """ranges: byte ranges [a, b) to reserve and touch, the rest left sparse (a host's part of a store,
+        part.py); None: all of it."""
         shm = posix_ipc.SharedMemory(name, flags=posix_ipc.O_CREX, mode=0o600, size=0)
+        pages = page_ranges(ranges) if ranges is not None else [(0, size)] if size else []
         try:
             os.fchmod(shm.fd, 0o600)  # the umask may not take bits away from posix_ipc's mode; make it exact
             if size:
-                os.posix_fallocate(shm.fd, 0, size)
+                os.ftruncate(shm.fd, size)
+            for a, b in pages:
+                os.posix_fallocate(shm.fd, a, min(b, size) - a)
             mm = mmap.mmap(shm.fd, max(size, 1))
         except BaseException:
             shm.close_fd()
@@ -77,7 +95,14 @@ class Segment:
         seg = cls(name, size, mm)
         seg.advise_huge()
         if touch and size:
-            seg.touch()
+            if ranges is None:
+                seg.touch()
+            else:
+                import torch
+
+                whole = seg.tensor(torch.uint8)
+                for a, b in pages:
+                    whole[a:min(b, size)].zero_()
         return seg
 
     @classmethod

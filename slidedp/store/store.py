@@ -7,6 +7,7 @@ manifest. Job-scoped gradient rings live in rings.py.
 
 from __future__ import annotations
 
+import math
 import os
 import secrets
 import time
@@ -18,7 +19,8 @@ if TYPE_CHECKING:  # imported where a tensor is made: the launcher sizes segment
 
 from .layout import Chunk, Layout, Member
 from .manifest import Manifest, ManifestError
-from .shm import Segment, check_space, list_store_segments, segment_name, unlink_store
+from .part import StorePart, overlaps
+from .shm import Segment, check_space, list_store_segments, page_ranges, segment_name, unlink_store
 
 STATE_KINDS = ("master", "exp_avg", "exp_avg_sq")
 
@@ -35,6 +37,17 @@ def segment_sizes(layout: Layout, meta: dict[str, Any], shadow: bool) -> dict[st
     return sizes
 
 
+def held_sizes(layout: Layout, meta: dict[str, Any], shadow: bool, part: StorePart | None) -> dict[str, int]:
+    """The memory each segment takes: segment_sizes, or for a host's part (part.py) its ranges' share."""
+    sizes = segment_sizes(layout, meta, shadow)
+    if part is not None:
+        owned = part.numel(layout)
+        for k in sizes:
+            if k != "manifest":
+                sizes[k] = owned * (2 if k == "shadow" else 4)
+    return sizes
+
+
 @dataclass
 class HostStore:
     name: str
@@ -45,23 +58,32 @@ class HostStore:
     # ---- lifecycle ----------------------------------------------------------------------
     @classmethod
     def create(cls, name: str, layout: Layout, meta: dict[str, Any], shadow: bool = False,
-               fill: Callable[["HostStore"], None] | None = None) -> "HostStore":
-        """Create every segment (space checked and reserved first), fill the master weights, zero the moments."""
+               fill: Callable[["HostStore"], None] | None = None, part: StorePart | None = None) -> "HostStore":
+        """Create every segment (space checked and reserved first), fill the master weights, zero the moments.
+        part: on several hosts, the host's part (part.py): only its ranges are reserved, zeroed and filled."""
         if list_store_segments().get(name):
             raise StoreError(f"store {name!r} already exists; destroy it first (`slidedp-store destroy {name}`) or attach to it")
         meta = dict(meta, shadow=shadow, created=time.time())
+        if part is not None:
+            meta["part"] = part.to_dict()
         sizes = segment_sizes(layout, meta, shadow)
-        check_space(sum(sizes.values()), f"store {name!r} ({layout.num_parameters / 1e9:.3f} B parameters)")
+        owned = part.ranges(layout) if part is not None else None
+        held = held_sizes(layout, meta, shadow, part)  # what the segments really take
+        what = f"store {name!r} ({layout.num_parameters / 1e9:.3f} B parameters{', ' + part.describe() if part else ''})"
+        check_space(sum(held.values()), what)
         generation = secrets.randbits(62)
         store = None
         try:
             t0 = time.perf_counter()
-            segs = {k: Segment.create(segment_name(name, k), sizes[k]) for k in sizes if k != "manifest"}
+            segs = {k: Segment.create(segment_name(name, k), sizes[k], ranges=None if owned is None else
+                                      [(a * (2 if k == "shadow" else 4), b * (2 if k == "shadow" else 4))
+                                       for a, b in owned])
+                    for k in sizes if k != "manifest"}
             touched = time.perf_counter() - t0
             manifest = Manifest.create(segment_name(name, "manifest"), layout, meta, generation)
             manifest.set_torn_flag(1)  # not trainable until filled
             store = cls(name, manifest, segs)
-            store.creation_gbps = sum(s.size for s in segs.values()) / max(touched, 1e-9) / 1e9
+            store.creation_gbps = sum(held[k] for k in segs) / max(touched, 1e-9) / 1e9
             if fill is not None:
                 fill(store)
             store.refresh_shadow()
@@ -120,6 +142,26 @@ class HostStore:
     def has_shadow(self) -> bool:
         return "shadow" in self.segments
 
+    @property
+    def part(self) -> StorePart | None:
+        """The host's part on several hosts (None: the store holds every range)."""
+        return StorePart.of(self.manifest.meta)
+
+    def owned(self) -> list[tuple[int, int]]:
+        """The flat ranges this store holds: everything, or its part's."""
+        part = self.part
+        return [(0, self.layout.total_numel)] if part is None else part.ranges(self.layout)
+
+    def owned_pages(self, kind: str) -> list[torch.Tensor]:
+        """Byte views of the pages of a segment that hold the store's ranges (what a worker registers with
+        CUDA: registering pins, so a part's store registers only its own pages)."""
+        import torch
+
+        seg = self.segments[kind]
+        elt = 2 if kind == "shadow" else 4
+        whole = seg.tensor(torch.uint8)
+        return [whole[a:min(b, seg.size)] for a, b in page_ranges([(x * elt, y * elt) for x, y in self.owned()])]
+
     def flat(self, kind: str) -> torch.Tensor:
         import torch
 
@@ -141,11 +183,12 @@ class HostStore:
             yield span.name, self.tensor(kind, span.name)
 
     def refresh_shadow(self, chunk: Chunk | None = None) -> None:
-        if self.has_shadow:
-            if chunk is None:
-                self.flat("shadow").copy_(self.flat("master"))
-            else:
-                self.chunk("shadow", chunk).copy_(self.chunk("master", chunk))
+        if not self.has_shadow:
+            return
+        lo, hi = (0, self.layout.total_numel) if chunk is None else (chunk.offset, chunk.offset + chunk.numel)
+        shadow, master = self.flat("shadow"), self.flat("master")
+        for a, b in overlaps(self.owned(), lo, hi):  # a part's store never reads (so never allocates) the rest
+            shadow[a:b].copy_(master[a:b])
 
     def segment_bytes(self) -> dict[str, int]:
         out = {"manifest": self.manifest.seg.size}
@@ -175,6 +218,7 @@ class HostStore:
             "job": m.job() if m.attached_pid else {},
             "last_train": m.job().get("hyper"),  # the [train] of the last job attached: what its LR schedule was
             "persist": bool(m.meta.get("persist", True)),  # false: made by a job for itself (store/ephemeral.py)
+            "part": m.meta.get("part"),  # several hosts: which host's ranges it holds (part.py)
             "creator": m.meta.get("creator"),
         }
 
@@ -194,10 +238,13 @@ def fill_random(seed: int, threads: int | None = None) -> Callable[[HostStore], 
     from ..model.init import init_tensor_
 
     def fill(store: HostStore) -> None:
-        views = sorted(store.tensors("master"), key=lambda nv: -nv[1].numel())
+        views = sorted(owned_tensors(store), key=lambda nv: -nv[1].numel())
         n = threads or len(os.sched_getaffinity(0))
+        if store.part is not None:  # a tensor cut by the part's range is drawn whole in scratch memory: few at once
+            n = min(n, 8)
         with ThreadPoolExecutor(max_workers=max(1, n), thread_name_prefix="fill") as pool:
-            for done in [pool.submit(init_tensor_, name, view, seed) for name, view in views]:
+            for done in [pool.submit(fill_owned, store, name, view, lambda out, name=name: init_tensor_(name, out, seed))
+                         for name, view in views]:
                 done.result()  # an error in any tensor is the creation's error
 
     return fill
@@ -210,11 +257,39 @@ def fill_from_hf(folder: str | os.PathLike) -> Callable[[HostStore], None]:
         cfg = store.layout.model
         hf.check_folder(folder, cfg)
         index = hf.tensor_index(folder)
-        for name, view in store.tensors("master"):
-            hf.load_model_tensor(folder, cfg, name, view, index=index)
+        for name, view in owned_tensors(store):
+            fill_owned(store, name, view, lambda out, name=name: hf.load_model_tensor(folder, cfg, name, out,
+                                                                                       index=index))
 
     return fill
 
 
+def owned_tensors(store: HostStore) -> Iterator[tuple[str, torch.Tensor]]:
+    """The master's tensors that hold any of the store's ranges."""
+    owned = store.owned()
+    for span in store.layout.tensors:
+        if overlaps(owned, span.offset, span.offset + math.prod(span.shape)):
+            yield span.name, store.tensor("master", span.name)
+
+
+def fill_owned(store: HostStore, name: str, view: torch.Tensor, make: Callable[[torch.Tensor], Any]) -> None:
+    """make(out) writes tensor `name`'s values into `out`: straight into the store where it holds all of
+    the tensor, else into a scratch tensor of which only the store's ranges are copied (a part never
+    writes, so never allocates, the rest)."""
+    import torch
+
+    span = store.layout.tensor(name)
+    lo, hi = span.offset, span.offset + view.numel()
+    pieces = overlaps(store.owned(), lo, hi)
+    if pieces == [(lo, hi)]:
+        make(view)
+        return
+    scratch = torch.empty(view.shape, dtype=view.dtype)
+    make(scratch)
+    flat, out = scratch.reshape(-1), store.flat("master")
+    for a, b in pieces:
+        out[a:b].copy_(flat[a - lo:b - lo])
+
+
 __all__ = ["HostStore", "StoreError", "ManifestError", "member_view", "fill_random", "fill_from_hf",
-           "segment_sizes", "STATE_KINDS"]
+           "segment_sizes", "held_sizes", "STATE_KINDS"]

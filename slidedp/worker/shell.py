@@ -84,9 +84,10 @@ def run(args: argparse.Namespace) -> int:
         t0 = time.perf_counter()
         # the master (the copies stream it, or, with the bf16 delivery, device-held units are copied from
         # and written back to it at checkpoints) and the bf16 shadow the copies stream instead (delivery.py)
-        pinned = [(store.flat("master"), "the master weights")]
+        # (a host's part of the state on several hosts: only its own pages, store/part.py)
+        pinned = [(view, "the master weights") for view in store.owned_pages("master")]
         if plan.delivery == "bf16" and store.has_shadow:  # without one, WorkerCore says what to do
-            pinned.append((store.flat("shadow"), "the bf16 shadow of the weights"))
+            pinned += [(view, "the bf16 shadow of the weights") for view in store.owned_pages("shadow")]
         for tensor, what in pinned:
             reg.register(tensor, what)
         reg.register(rings.rank_ring(rank), f"rank {rank}'s gradient ring")

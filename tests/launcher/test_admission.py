@@ -284,3 +284,27 @@ def test_a_store_of_another_layer_cut_is_refused_naming_both():
     ok = admit(facts("plan.layer_chunk_numel=5000", store=existing(cut, layer_chunk_numel=5000)))
     assert ok.problem is None and ok.matches and ok.plan.step.layer_chunk_numel == 5000
     assert admit(facts("plan.layer_chunk_numel=0")).layout == TINY_LAYOUT  # whole layers: the dense default
+
+
+HOSTS = ["runtime.nnodes=2", "runtime.node_rank=1", 'runtime.master_addr="10.0.0.1"', "runtime.workers=2",
+         "checkpoint.final=false", "train.global_batch=8"]
+
+
+def test_a_host_of_several_needs_its_own_part_of_the_state():
+    """On several hosts a job takes a store holding its host's part; a whole store, or another host's part,
+    is refused naming both; the state it would create is the part's, a third of the whole here."""
+    from slidedp.store.part import StorePart
+
+    mine = StorePart(2, 1, 2)
+    assert admit(facts(*HOSTS, store=existing(part=mine.to_dict()))).problem is None
+    for held, what in ((None, "every range of the state (one host)"),
+                       (StorePart(2, 0, 2).to_dict(), "the ranges of host 0 of 2 (2 rank(s) each)")):
+        a = admit(facts(*HOSTS, store=existing(part=held)))
+        assert not a.matches
+        assert a.problem == (f"store {load_job(TINY, HOSTS).store_name!r} holds {what}, and this "
+                                  "job needs the ranges of host 1 of 2 (2 rank(s) each) (runtime.nnodes, node_rank, "
+                                  "workers); give each host's job its own store (store.name), or destroy this one "
+                                  f"with `slidedp-store destroy {load_job(TINY, HOSTS).store_name}`")
+    one = unplanned_need(load_job(TINY, ["runtime.workers=2"]), TINY_LAYOUT, False).state
+    part = unplanned_need(load_job(TINY, HOSTS), TINY_LAYOUT, False).state
+    assert part < 0.55 * one  # manifest aside, half of the fp32 state

@@ -2,7 +2,7 @@
 workers, meeting over loopback (Gloo), against one host with the same global batch.
 
 Each "host" is a launcher started with --nnodes H --node-rank R --master-addr 127.0.0.1 --master-port P and a
-store of its own. The ranks of every host form one process group and take the sharded and reduce_scatter
+store of its own, which holds only its part of the state (store/part.py). The ranks of every host form one process group and take the sharded and reduce_scatter
 routes over it, so host R's updaters update host R's range of every chunk and nothing else: the union of
 the hosts' ranges must be the one-host store's weights and moments, to float32 rounding, and every host's
 logged loss and gradient norm the one host's (clipping at 0.5 crosses its threshold: the norms are ~2).
@@ -18,6 +18,7 @@ import sys
 import pytest
 import torch
 
+from slidedp.store.part import StorePart
 from slidedp.store.store import STATE_KINDS, HostStore
 
 from data.common import write_model_folder
@@ -82,6 +83,7 @@ def host_state(stores: list[str], workers: int) -> dict[str, torch.Tensor]:
     opened = [HostStore.attach(s) for s in stores]
     try:
         layout = opened[0].layout
+        assert [st.part for st in opened] == [StorePart(hosts, r, workers) for r in range(hosts)]
         out = {k: torch.empty(layout.total_numel) for k in STATE_KINDS}
         for c in layout.chunks:
             size = -(-c.numel // (hosts * workers))  # a rank's shard; a host owns `workers` of them side by side
