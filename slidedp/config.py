@@ -329,11 +329,6 @@ class JobConfig:
             )
         if not self.run.name:
             raise ConfigError("run.name is empty; set it, or load the job from a file whose stem names the run")
-        c = self.checkpoint
-        if self.runtime.nnodes > 1 and (c.every or c.final or c.resume):
-            raise ConfigError("checkpoints of a job on several hosts are not built yet (docs/multi-host.md, Status): "
-                              "set checkpoint.every = 0, checkpoint.final = false and no checkpoint.resume; keep "
-                              "each host's store (store.persist = true) to train on")
         d, m = self.data, self.model
         if d.format not in ("npy", "bin") and not d.tokenizer and not (
                 m.source == "hf" and (Path(m.path) / "tokenizer.json").is_file()):

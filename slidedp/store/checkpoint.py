@@ -70,12 +70,14 @@ def _releaser(store: HostStore, release) -> "callable":
 
 def write_checkpoint(store: HostStore, root: str | os.PathLike, step: int, extra: dict[str, Any] | None = None,
                      dtype: torch.dtype | None = None, keep: int = 3, extra_files: list[str] = (),
-                     release=None) -> Path:
+                     release=None, part_wait_s: float = 3600.0) -> Path:
     """Write the store's state at committed step `step` under root/step-XXXXXXXX; returns the path.
 
     The store is read once, chunk by chunk in store order, into state/ (fp32 master and moments);
     `release(chunk_id)` is called as each chunk is copied, so training may go on updating the chunks
-    already copied. model/ is then written from state/, not from the store. dtype: model/'s (None: bfloat16)."""
+    already copied. model/ is then written from state/, not from the store. dtype: model/'s (None: bfloat16).
+    A host's part on several hosts (store.part) writes its part instead, and host 0 completes the checkpoint
+    once every part is in, waiting up to part_wait_s (part_checkpoint.py); other hosts return their part's path."""
     import torch
 
     from ..model import hf
@@ -83,6 +85,8 @@ def write_checkpoint(store: HostStore, root: str | os.PathLike, step: int, extra
     dtype = torch.bfloat16 if dtype is None else dtype
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
+    if store.part is not None:  # several hosts: this host's part, and on host 0 the whole checkpoint
+        return _write_on_hosts(store, root, step, extra or {}, dtype, keep, list(extra_files), release, part_wait_s)
     final = root / f"step-{step:08d}"
     tmp = root / f".{final.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
@@ -129,6 +133,26 @@ def write_checkpoint(store: HostStore, root: str | os.PathLike, step: int, extra
     return final
 
 
+def _write_on_hosts(store: HostStore, root: Path, step: int, extra: dict[str, Any], dtype: torch.dtype, keep: int,
+                    extra_files: list[str], release, wait_s: float) -> Path:
+    from . import part_checkpoint
+
+    t0 = time.perf_counter()
+    clip_history = {v: k for k, v in _CLIP_HISTORY.items()}[store.manifest.clip_history]
+    path = part_checkpoint.write_part(store, root, step, extra, release)
+    if store.part.host != 0:  # type: ignore[union-attr]
+        return path
+
+    def record(fields: dict[str, Any]) -> dict[str, Any]:
+        return {"format": FORMAT, "step": step, "layout_hash": store.layout.hash(), "model": store.layout.model.to_dict(),
+                "last_step_norm": clip_history, "created": time.time(), **fields}
+
+    final = part_checkpoint.complete(store, root, step, dtype, extra_files, wait_s, record)
+    prune(root, keep)
+    (final / ".seconds").write_text(f"{time.perf_counter() - t0:.3f}\n")
+    return final
+
+
 def list_checkpoints(root: str | os.PathLike) -> list[Path]:
     root = Path(root)
     if not root.is_dir():
@@ -155,7 +179,7 @@ def read_record(path: str | os.PathLike, verify: bool = True) -> dict[str, Any]:
         raise CheckpointError(f"{path}/state.json is corrupt: {e}") from None
     if record.get("format") != FORMAT:
         raise CheckpointError(f"{path} has checkpoint format {record.get('format')}; this SlideDP reads {FORMAT}")
-    if record.get("master_in") not in ("state", "model"):
+    if record.get("master_in") not in ("state", "model", "parts"):
         raise CheckpointError(f"{path}/state.json: master_in must be 'state' or 'model', got {record.get('master_in')!r} "
                               f"(a checkpoint reads nothing outside its folder)")
     for rel, digest in record.get("files", {}).items():
@@ -197,16 +221,25 @@ def restore_checkpoint(store: HostStore, path: str | os.PathLike) -> dict[str, A
                               f"got {clip_history!r}")
     m = store.manifest
     m.set_torn_flag(1)  # a crash while loading leaves the store refusing to train
-    master_dir = path / record["master_in"]
-    state_dir = path / "state"
-    index_master = hf.tensor_index(master_dir)
-    index_state = hf.tensor_index(state_dir)
-    for span in store.layout.tensors:
-        name = span.name
-        hf.load_tensor(master_dir, f"master.{name}" if record["master_in"] == "state" else name,
-                       out=store.tensor("master", name), index=index_master)
-        hf.load_tensor(state_dir, f"exp_avg.{name}", out=store.tensor("exp_avg", name), index=index_state)
-        hf.load_tensor(state_dir, f"exp_avg_sq.{name}", out=store.tensor("exp_avg_sq", name), index=index_state)
+    if store.part is None and not record.get("parts"):
+        master_dir = path / record["master_in"]
+        state_dir = path / "state"
+        index_master = hf.tensor_index(master_dir)
+        index_state = hf.tensor_index(state_dir)
+        for span in store.layout.tensors:
+            name = span.name
+            hf.load_tensor(master_dir, f"master.{name}" if record["master_in"] == "state" else name,
+                           out=store.tensor("master", name), index=index_master)
+            hf.load_tensor(state_dir, f"exp_avg.{name}", out=store.tensor("exp_avg", name), index=index_state)
+            hf.load_tensor(state_dir, f"exp_avg_sq.{name}", out=store.tensor("exp_avg_sq", name), index=index_state)
+    else:  # a host's part, or a checkpoint of several hosts: range by range, whoever wrote it (flat_state.py)
+        from .flat_state import FlatState
+
+        state = FlatState(path, record, store.layout)
+        for kind in STATE_KINDS:
+            flat = store.flat(kind)
+            for a, b in store.owned():
+                flat[a:b] = state.read(kind, a, b)
     store.refresh_shadow()
     step = int(record["step"])
     m.adam_steps[:] = record["adam_steps"]

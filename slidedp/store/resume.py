@@ -30,6 +30,12 @@ def store_holds(store: HostStore, path: str | os.PathLike, record: dict[str, Any
     if (record.get("layout_hash") != store.layout.hash() or m.torn_reason() is not None
             or m.committed_step != int(record["step"]) or m.adam_steps.tolist() != list(record["adam_steps"])):
         return False
+    if store.part is not None or record.get("parts"):  # range by range (flat_state.py)
+        from .flat_state import FlatState
+
+        state = FlatState(path, record, store.layout)
+        return all(torch.equal(_bits(state.read(kind, a, b)), _bits(store.flat(kind)[a:b]))
+                   for kind in ("master", "exp_avg", "exp_avg_sq") for a, b in store.owned())
     master_dir, state_dir = path / record["master_in"], path / "state"
     index_master, index_state = hf.tensor_index(master_dir), hf.tensor_index(state_dir)
     for span in store.layout.tensors:

@@ -18,13 +18,16 @@ import sys
 import pytest
 import torch
 
+from slidedp.store import checkpoint as ckpt
 from slidedp.store.part import StorePart
 from slidedp.store.store import STATE_KINDS, HostStore
 
 from data.common import write_model_folder
 from data.test_equivalence import GLOBAL_BATCH, STEPS, job_sets
-from pipeline.harness import TINY, launch, metrics, rel_err, unique_store
+from pipeline.harness import TINY, checkpoint_weights, launch, metrics, rel_err, unique_store
 from reliability import drop_store
+
+transformers = pytest.importorskip("transformers")
 
 
 def free_ports() -> int:
@@ -44,22 +47,25 @@ def free_ports() -> int:
     raise RuntimeError("no two consecutive free ports")
 
 
-def host_sets(folder, workers: int, hosts: int, store: str, run_dir) -> list[str]:
+def host_sets(folder, workers: int, hosts: int, store: str, run_dir, checkpoints, *more: str) -> list[str]:
+    """The equivalence tests' job (packed chat rows, clipping at 0.5) on `hosts` hosts of `workers` ranks; a
+    checkpoint after step 2 and at the end, into `checkpoints` (one directory for every host)."""
     sets = [s for s in job_sets(folder, workers, 1, "packed", 0.5, store, run_dir) if not s.startswith("plan.micro")]
     return sets + [f"plan.micro_batch={GLOBAL_BATCH // (workers * hosts)}", "store.persist=true",
-                   "checkpoint.final=false"]
+                   "checkpoint.every=2", f'checkpoint.dir="{checkpoints}"', *more]
 
 
-def launch_hosts(tmp_path, folder, hosts: int, workers: int) -> tuple[list[str], list]:
+def launch_hosts(tmp_path, folder, hosts: int, workers: int, checkpoints, *more: str,
+                 name: str = "run") -> tuple[list[str], list]:
     """H launchers at once; returns (their stores, their run dirs) once all have ended well."""
     port = free_ports()
     stores = [unique_store(f"h{r}") for r in range(hosts)]
-    runs = [tmp_path / f"host{r}" for r in range(hosts)]
+    runs = [tmp_path / f"{name}-host{r}" for r in range(hosts)]
     procs = []
     for r in range(hosts):
         argv = [sys.executable, "-m", "slidedp.launch.cli", str(TINY), "--nnodes", str(hosts), "--node-rank", str(r),
                 "--master-addr", "127.0.0.1", "--master-port", str(port)]
-        for s in host_sets(folder, workers, hosts, stores[r], runs[r]):
+        for s in host_sets(folder, workers, hosts, stores[r], runs[r], checkpoints, *more):
             argv += ["--set", s]
         procs.append(subprocess.Popen(argv, cwd=tmp_path, env=dict(os.environ, PYTHONUNBUFFERED="1"),
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
@@ -111,33 +117,86 @@ def one_host_state(store: str) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def one_host(tmp_path_factory):
-    """The same job on one host of 2 ranks: its metrics and its store's state."""
+    """The same job on one host of 2 ranks: its model folder, metrics, store state and checkpoints."""
     tmp = tmp_path_factory.mktemp("one")
     folder = write_model_folder(tmp / "model", "qwen3", tied=False, seed=2)
     store, run_dir = unique_store("h"), tmp / "run"
-    proc = launch(TINY, *host_sets(folder, 2, 1, store, run_dir), cwd=tmp)
+    proc = launch(TINY, *host_sets(folder, 2, 1, store, run_dir, tmp / "checkpoints"), cwd=tmp)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     try:
-        yield folder, metrics(run_dir), one_host_state(store)
+        yield folder, metrics(run_dir), one_host_state(store), tmp / "checkpoints"
     finally:
         drop_store(store)
 
 
+def check_metrics(runs, want) -> None:
+    assert all(n["grad_norm"] > 0.5 for n in want)  # clipping acts
+    for run in runs:  # every host logs the global loss and norm
+        got = metrics(run)
+        assert [m["step"] for m in got] == [w["step"] for w in want][-len(got):]
+        for g, w in zip(got, want[-len(got):]):
+            assert g["loss"] == pytest.approx(w["loss"], rel=1e-6), (g, w)
+            assert g["grad_norm"] == pytest.approx(w["grad_norm"], rel=1e-5), (g, w)
+
+
 @pytest.mark.parametrize("hosts,workers", [(2, 2), (3, 1)])
 def test_hosts_train_what_one_host_trains(tmp_path, one_host, hosts, workers):
-    folder, want, want_state = one_host
-    stores, runs = launch_hosts(tmp_path, folder, hosts, workers)
+    """...and checkpoint it: the checkpoints exist whole under their names, their Hugging Face folders are
+    the one host's (fp32 here) and load in transformers."""
+    folder, want, want_state, want_checkpoints = one_host
+    stores, runs = launch_hosts(tmp_path, folder, hosts, workers, tmp_path / "checkpoints")
     try:
-        assert all(n["grad_norm"] > 0.5 for n in want)  # clipping acts
-        for run in runs:  # every host logs the global loss and norm
-            got = metrics(run)
-            assert [m["step"] for m in got] == list(range(STEPS))
-            for g, w in zip(got, want):
-                assert g["loss"] == pytest.approx(w["loss"], rel=1e-6), (g, w)
-                assert g["grad_norm"] == pytest.approx(w["grad_norm"], rel=1e-5), (g, w)
+        check_metrics(runs, want)
         state = host_state(stores, workers)
         for k in STATE_KINDS:
             assert rel_err(state[k], want_state[k]) < 1e-5, k
+        got = ckpt.list_checkpoints(tmp_path / "checkpoints")
+        assert [p.name for p in got] == ["step-00000002", f"step-{STEPS:08d}"]
+        assert not list((tmp_path / "checkpoints").glob(".step-*"))  # no part left outside a checkpoint
+        for path in got:
+            record = ckpt.read_record(path)  # every file's sha256, the parts' included
+            assert (record["parts"], record["ranks"]) == (hosts, workers)
+            assert sorted(d.name for d in path.glob("host-*")) == [f"host-{r}-of-{hosts}" for r in range(hosts)]
+            theirs = checkpoint_weights(want_checkpoints / path.name)
+            for n, w in checkpoint_weights(path).items():
+                assert rel_err(w, theirs[n]) < 1e-5, (path.name, n)
+        model = transformers.AutoModelForCausalLM.from_pretrained(got[-1] / "model", dtype=torch.float32)
+        assert model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=3, do_sample=False).shape[1] >= 4
     finally:
         for s in stores:
             drop_store(s)
+
+
+def test_a_resume_on_several_hosts_is_bit_identical_and_on_one_host_too(tmp_path, one_host):
+    """Two hosts train 3 steps with a checkpoint after step 2; two fresh hosts resumed from it train step 2
+    again to the same bits of every host's part; one host of 2 ranks resumed from it trains what the one-host
+    job trained, to float32 rounding (the checkpoint of H hosts is the flat state, whatever H reads it)."""
+    folder, want, want_state, _ = one_host
+    stores, _ = launch_hosts(tmp_path, folder, 2, 2, tmp_path / "checkpoints")
+    try:
+        first = host_state(stores, 2)
+    finally:
+        for s in stores:
+            drop_store(s)
+    step2 = tmp_path / "checkpoints" / "step-00000002"
+    stores, runs = launch_hosts(tmp_path, folder, 2, 2, tmp_path / "again", f'checkpoint.resume="{step2}"',
+                                name="resumed")
+    try:
+        check_metrics(runs, want)
+        assert [m["step"] for m in metrics(runs[0])] == [2]
+        again = host_state(stores, 2)
+        for k in STATE_KINDS:
+            assert torch.equal(again[k], first[k]), k
+    finally:
+        for s in stores:
+            drop_store(s)
+    store, run_dir = unique_store("h1"), tmp_path / "one-resumed"
+    proc = launch(TINY, *host_sets(folder, 2, 1, store, run_dir, tmp_path / "one", f'checkpoint.resume="{step2}"'),
+                  cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    try:
+        state = one_host_state(store)
+        for k in STATE_KINDS:
+            assert rel_err(state[k], want_state[k]) < 1e-5, k
+    finally:
+        drop_store(store)
