@@ -38,7 +38,7 @@ from . import feed
 from .collectives import Group
 from .device_state import DeviceHeld
 from .engine import Engine, units_of
-from .hosts import HostsLink, host_sums
+from .hosts import HostsLink, check_same_start, host_sums
 from .link import LauncherLink, WorkerLink
 
 log = slog.get("worker")
@@ -154,6 +154,7 @@ class WorkerCore:
         self.group = group
         if rt.nnodes > 1:
             assert group is not None
+            check_same_start(group, start, rt.nnodes, rt.node_rank, rank, device)
             link = HostsLink(link, group, device, rank)  # type: ignore[assignment]
         self.engine = Engine(cfg, store.layout, store.flat("master"), device, dtype, link,
                              lambda slot, numel: rings.slot(rank, slot, numel), t.global_batch * t.seq_len, plan,

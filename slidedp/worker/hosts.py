@@ -41,6 +41,20 @@ def host_sums(group: Group, values: Sequence[float], device: torch.device, local
     return total if local_rank == 0 else [0.0] * len(total)
 
 
+def check_same_start(group: Group, start: int, nnodes: int, node_rank: int, local_rank: int,
+                     device: torch.device) -> None:
+    """Every host must start at the same step (its store's committed step, or the checkpoint it resumed from):
+    hosts at different steps would train different batches against each other's weights."""
+    steps = [0.0] * nnodes
+    if local_rank == 0:
+        steps[node_rank] = float(start)
+    got = [int(x) for x in host_sums(group, steps, device, 0)]
+    if len(set(got)) > 1:
+        at = ", ".join(f"host {h} at step {s}" for h, s in enumerate(got))
+        raise RuntimeError(f"the hosts start at different steps ({at}): their stores were trained apart; resume "
+                           "every host from one checkpoint (--resume PATH on each)")
+
+
 class HostsLink:
     """WorkerLink with the loss, the router statistics and the gradient norm summed over every host."""
 

@@ -55,11 +55,12 @@ def host_sets(folder, workers: int, hosts: int, store: str, run_dir, checkpoints
                    "checkpoint.every=2", f'checkpoint.dir="{checkpoints}"', *more]
 
 
-def launch_hosts(tmp_path, folder, hosts: int, workers: int, checkpoints, *more: str,
-                 name: str = "run") -> tuple[list[str], list]:
-    """H launchers at once; returns (their stores, their run dirs) once all have ended well."""
+def launch_hosts(tmp_path, folder, hosts: int, workers: int, checkpoints, *more: str, name: str = "run",
+                 stores: list[str] | None = None, outputs: list | None = None) -> tuple[list[str], list]:
+    """H launchers at once; returns (their stores, their run dirs) once all have ended, well unless `outputs`
+    is given (it gets each launcher's (exit status, output))."""
     port = free_ports()
-    stores = [unique_store(f"h{r}") for r in range(hosts)]
+    stores = stores or [unique_store(f"h{r}") for r in range(hosts)]
     runs = [tmp_path / f"{name}-host{r}" for r in range(hosts)]
     procs = []
     for r in range(hosts):
@@ -77,6 +78,9 @@ def launch_hosts(tmp_path, folder, hosts: int, workers: int, checkpoints, *more:
         for p in procs:
             if p.poll() is None:
                 p.kill()
+    if outputs is not None:
+        outputs += [(p.returncode, out) for p, out in zip(procs, outs)]
+        return stores, runs
     for r, (p, out) in enumerate(zip(procs, outs)):
         assert p.returncode == 0, f"host {r}:\n{out[-6000:]}"
     return stores, runs
@@ -200,3 +204,28 @@ def test_a_resume_on_several_hosts_is_bit_identical_and_on_one_host_too(tmp_path
             assert rel_err(state[k], want_state[k]) < 1e-5, k
     finally:
         drop_store(store)
+
+
+def test_hosts_at_different_steps_are_refused_naming_them(tmp_path, one_host):
+    """A host whose store trained on while another's did not: the ranks stop before any step, naming each
+    host's step; neither store moves."""
+    folder = one_host[0]
+    stores, _ = launch_hosts(tmp_path, folder, 2, 1, tmp_path / "checkpoints", "checkpoint.final=false",
+                             "checkpoint.every=0")
+    fresh = unique_store("h1")
+    try:
+        outputs: list = []
+        launch_hosts(tmp_path, folder, 2, 1, tmp_path / "more", "train.steps=5", "checkpoint.final=false",
+                     "checkpoint.every=0", name="apart", stores=[stores[0], fresh], outputs=outputs)
+        for status, out in outputs:
+            assert status != 0, out[-3000:]
+            assert "the hosts start at different steps (host 0 at step 3, host 1 at step 0)" in out, out[-3000:]
+        held = [HostStore.attach(s) for s in (stores[0], fresh)]
+        try:
+            assert [st.manifest.committed_step for st in held] == [3, 0]
+        finally:
+            for st in held:
+                st.close()
+    finally:
+        for s in stores + [fresh]:
+            drop_store(s)
