@@ -41,6 +41,7 @@ from slidedp.transport import bind_router, connect_dealer, identity, recv_dealer
 from . import children
 from .admission import AdmissionFacts, CheckpointFacts, HostFacts, StoreFacts, admit
 from .host_room import job_part
+from .hosts import HostFault, HostLink
 from .planning import check_layers, document_load, record_training
 from .preflight import cuda_probe
 from .rundir import RunDirInUse, check_run_dir, write_run_record
@@ -100,6 +101,7 @@ class JobRun:
         self._gone: dict[str, str] = {}  # role -> how a daemon of the store died
         self._next_lock_check = 0.0
         self.gpus = 0  # CUDA devices the workers see (counted before the plan, for a CUDA job)
+        self.hosts: HostLink | None = None  # on several hosts: the launchers' rendezvous and heartbeats
         # GPU workers get cores of their own (an OpenMP updater thread that shares a core with a busy
         # worker stalls every parallel region of the fused AdamW); CPU workers compute on every
         # core, so nothing is set aside for them.
@@ -298,6 +300,7 @@ class JobRun:
             dead = self._dead_daemon(("aggregator", "updater"))
             if dead:
                 raise JobFailed(f"{dead}; no answer from {what}")
+            self._check_hosts()
         raise JobFailed(f"no answer from {what} within {self.timeout * 2:.0f} s")
 
     # ---- the daemons: liveness and requests -------------------------------------------------------
@@ -327,8 +330,28 @@ class JobRun:
             dead = self._dead_daemon(("hoststate",))
             if dead:
                 raise JobFailed(f"{dead}; its {kind} request was not answered")
+            self._check_hosts()
 
         return call(self.store, kind, timeout_s=timeout_s, check=check, **args)
+
+    def _check_hosts(self) -> None:
+        """On several hosts: fail at once, naming the host, when another host has failed or is lost."""
+        fault = self.hosts.fault() if self.hosts is not None else None
+        if fault:
+            raise HostFault(fault)
+
+    def hosts_ready(self, start: int) -> None:
+        """On several hosts, the barrier before the workers start: every host ready, at the same step."""
+        if self.hosts is None:
+            return
+
+        def check() -> None:
+            dead = self._dead_daemon()
+            if dead:
+                raise JobFailed(f"{dead} before the workers started")
+
+        log.info("waiting for every host to be ready (runtime.nnodes = %d)", self.job.runtime.nnodes)
+        self.hosts.ready(start, check)
 
     # ---- running ---------------------------------------------------------------------------------
     def spawn_workers(self, start: int, end: int) -> None:
@@ -380,6 +403,7 @@ class JobRun:
                 last_activity = time.monotonic()
             self._report_completed(ledger, progress)
             committed = ledger.committed
+            self._check_hosts()
             self._check_children(committed)
             if time.monotonic() - last_activity > self.timeout * 3 and not any(w.alive() for w in self.workers):
                 raise JobFailed(f"the workers exited but step {committed} was never committed")
@@ -427,10 +451,14 @@ class JobRun:
         """Workers write device-held state back as they finish: wait for them before the last checkpoint."""
         deadline = time.monotonic() + self.timeout
         for w in self.workers:
-            try:
-                w.proc.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                raise JobFailed(f"{w.name} did not exit within {self.timeout:.0f} s after the last step") from None
+            while True:
+                try:
+                    w.proc.wait(max(0.01, min(0.2, deadline - time.monotonic())))
+                    break
+                except subprocess.TimeoutExpired:
+                    if time.monotonic() >= deadline:
+                        raise JobFailed(f"{w.name} did not exit within {self.timeout:.0f} s after the last step") from None
+                    self._check_hosts()
             if w.proc.returncode != 0:
                 raise JobFailed(f"{w.describe_exit()} after the last step")
 
@@ -531,6 +559,21 @@ def _save_npy_atomic(path: Path, array: np.ndarray) -> None:
     os.replace(tmp, path)
 
 
+def host_failure(run: JobRun, e: Exception) -> str:
+    """The failure in words. On several hosts it is first told to the other hosts; where it is this host's
+    own (not a HostFault, which names another host already) and another host failed first or is lost, that
+    host is named: a worker in a collective with a dead peer fails too (its workers are stopped first, so
+    nothing trains on while the hosts' heartbeats tell, within runtime.timeout_s)."""
+    text = str(e)
+    if run.hosts is None:
+        return text
+    run.hosts.failed(text)
+    if isinstance(e, HostFault):
+        return text
+    children.stop(run.workers, timeout_s=5)
+    return run.hosts.explain(text)
+
+
 def run_job(job: JobConfig, job_path: Path, progress: Progress) -> int:
     run = JobRun(job, job_path)
 
@@ -544,8 +587,12 @@ def run_job(job: JobConfig, job_path: Path, progress: Progress) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     failed = True
     t0 = time.perf_counter()
+    rt = job.runtime
     try:
+        if rt.nnodes > 1:  # first: a host that never comes is named within runtime.timeout_s
+            run.hosts = HostLink(rt.nnodes, rt.node_rank, rt.master_addr, rt.master_port, rt.timeout_s)
         start, end = run.prepare()
+        run.hosts_ready(start)
         committed = start
         log.info("ready in %.2f s: store %s at step %d; training steps %d..%d on %d %s worker(s)",
                  time.perf_counter() - t0, run.store, start, start, end - 1, run.world, job.runtime.device)
@@ -569,16 +616,20 @@ def run_job(job: JobConfig, job_path: Path, progress: Progress) -> int:
             record_training(run.plan, progress.update_busy_s, progress.device_side_s, reduce_busy_s=progress.reduce_busy_s)
         failed = False
         if run.stop_signal:  # stopped cleanly, but not finished: a script must not take it for done
+            if run.hosts is not None:
+                run.hosts.failed(f"stopped by {signal.Signals(run.stop_signal).name} at step {committed}")
             log.warning("stopped by %s before train.steps = %d%s; exit status %d", signal.Signals(run.stop_signal).name,
                         end, f" (checkpoint {run.last_checkpoint})" if run.last_checkpoint else "", 128 + run.stop_signal)
             return 128 + run.stop_signal
         return 0
     except (JobFailed, StoreRequestError, TimeoutError, RuntimeError, OSError, ValueError) as e:
-        log.error("job failed: %s", e)
+        log.error("job failed: %s", host_failure(run, e))
         return 1
     finally:
         progress.end()
         run.teardown(failed)
+        if run.hosts is not None:
+            run.hosts.close(ok=not failed and not run.stop_signal)
         text = summary(progress.records, time.perf_counter() - t0, run.last_checkpoint,
                        "stopped early" if run.stop_signal else "failed" if failed else "")
         if text:
