@@ -207,8 +207,8 @@ def test_a_resume_on_several_hosts_is_bit_identical_and_on_one_host_too(tmp_path
 
 
 def test_hosts_at_different_steps_are_refused_naming_them(tmp_path, one_host):
-    """A host whose store trained on while another's did not: the ranks stop before any step, naming each
-    host's step; neither store moves."""
+    """A host whose store trained on while another's did not: the launchers stop before any worker starts,
+    naming each host's step (launch/hosts.py; the ranks would check it again); neither store moves."""
     folder = one_host[0]
     stores, _ = launch_hosts(tmp_path, folder, 2, 1, tmp_path / "checkpoints", "checkpoint.final=false",
                              "checkpoint.every=0")
@@ -219,7 +219,8 @@ def test_hosts_at_different_steps_are_refused_naming_them(tmp_path, one_host):
                      "checkpoint.every=0", name="apart", stores=[stores[0], fresh], outputs=outputs)
         for status, out in outputs:
             assert status != 0, out[-3000:]
-            assert "the hosts start at different steps (host 0 at step 3, host 1 at step 0)" in out, out[-3000:]
+            assert ("the hosts' stores are at different steps: host 0 (node rank 0) at step 3, host 1 (node rank 1) "
+                    "at step 0" in out), out[-3000:]
         held = [HostStore.attach(s) for s in (stores[0], fresh)]
         try:
             assert [st.manifest.committed_step for st in held] == [3, 0]

@@ -44,7 +44,8 @@ def start_hosts(tmp: Path, folder: Path, hosts: int, hold: dict[int, Path] | Non
         store, run_dir = unique_store(f"hf{r}"), tmp / f"host{r}"
         env = {"SLIDEDP_HOLD_AT": f"step@1:{hold[r]}"} if hold and r in hold else None
         extra = ("--nnodes", "2", "--node-rank", str(r), "--master-addr", "127.0.0.1", "--master-port", str(port))
-        runs.append(RunningJob.start(TINY, host_sets(folder, 1, 2, store, run_dir) + [TIMEOUT], tmp, store,
+        runs.append(RunningJob.start(TINY, host_sets(folder, 1, 2, store, run_dir, tmp / "checkpoints", "checkpoint.every=0",
+                                                       "checkpoint.final=false") + [TIMEOUT], tmp, store,
                                      extra=extra, env=env))
         stores.append(store)
         dirs.append(run_dir)
