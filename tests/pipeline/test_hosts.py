@@ -143,46 +143,62 @@ def check_metrics(runs, want) -> None:
             assert g["grad_norm"] == pytest.approx(w["grad_norm"], rel=1e-5), (g, w)
 
 
-@pytest.mark.parametrize("hosts,workers", [(2, 2), (3, 1)])
-def test_hosts_train_what_one_host_trains(tmp_path, one_host, hosts, workers):
-    """...and checkpoint it: the checkpoints exist whole under their names, their Hugging Face folders are
-    the one host's (fp32 here) and load in transformers."""
-    folder, want, want_state, want_checkpoints = one_host
-    stores, runs = launch_hosts(tmp_path, folder, hosts, workers, tmp_path / "checkpoints")
+@pytest.fixture(scope="module")
+def two_hosts(one_host, tmp_path_factory):
+    """The job on 2 hosts of 2 ranks, with its checkpoints: (stores, run dirs, checkpoint folder, state)."""
+    tmp = tmp_path_factory.mktemp("two")
+    stores, runs = launch_hosts(tmp, one_host[0], 2, 2, tmp / "checkpoints")
     try:
-        check_metrics(runs, want)
-        state = host_state(stores, workers)
-        for k in STATE_KINDS:
-            assert rel_err(state[k], want_state[k]) < 1e-5, k
-        got = ckpt.list_checkpoints(tmp_path / "checkpoints")
-        assert [p.name for p in got] == ["step-00000002", f"step-{STEPS:08d}"]
-        assert not list((tmp_path / "checkpoints").glob(".step-*"))  # no part left outside a checkpoint
-        for path in got:
-            record = ckpt.read_record(path)  # every file's sha256, the parts' included
-            assert (record["parts"], record["ranks"]) == (hosts, workers)
-            assert sorted(d.name for d in path.glob("host-*")) == [f"host-{r}-of-{hosts}" for r in range(hosts)]
-            theirs = checkpoint_weights(want_checkpoints / path.name)
-            for n, w in checkpoint_weights(path).items():
-                assert rel_err(w, theirs[n]) < 1e-5, (path.name, n)
-        model = transformers.AutoModelForCausalLM.from_pretrained(got[-1] / "model", dtype=torch.float32)
-        assert model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=3, do_sample=False).shape[1] >= 4
+        yield stores, runs, tmp / "checkpoints", host_state(stores, 2)
     finally:
         for s in stores:
             drop_store(s)
 
 
-def test_a_resume_on_several_hosts_is_bit_identical_and_on_one_host_too(tmp_path, one_host):
-    """Two hosts train 3 steps with a checkpoint after step 2; two fresh hosts resumed from it train step 2
-    again to the same bits of every host's part; one host of 2 ranks resumed from it trains what the one-host
-    job trained, to float32 rounding (the checkpoint of H hosts is the flat state, whatever H reads it)."""
+def check_hosts(one_host, stores, runs, checkpoints, hosts: int, workers: int) -> None:
+    """Every host logs the one-host job's loss and norm, the hosts' parts are its state, and its checkpoints
+    exist whole under their names, their Hugging Face folders the one host's (fp32 here), loading in
+    transformers."""
+    _, want, want_state, want_checkpoints = one_host
+    check_metrics(runs, want)
+    state = host_state(stores, workers)
+    for k in STATE_KINDS:
+        assert rel_err(state[k], want_state[k]) < 1e-5, k
+    got = ckpt.list_checkpoints(checkpoints)
+    assert [p.name for p in got] == ["step-00000002", f"step-{STEPS:08d}"]
+    assert not list(checkpoints.glob(".step-*"))  # no part left outside a checkpoint
+    for path in got:
+        record = ckpt.read_record(path)  # every file's sha256, the parts' included
+        assert (record["parts"], record["ranks"]) == (hosts, workers)
+        assert sorted(d.name for d in path.glob("host-*")) == [f"host-{r}-of-{hosts}" for r in range(hosts)]
+        theirs = checkpoint_weights(want_checkpoints / path.name)
+        for n, w in checkpoint_weights(path).items():
+            assert rel_err(w, theirs[n]) < 1e-5, (path.name, n)
+    model = transformers.AutoModelForCausalLM.from_pretrained(got[-1] / "model", dtype=torch.float32)
+    assert model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=3, do_sample=False).shape[1] >= 4
+
+
+def test_two_hosts_train_and_checkpoint_what_one_host_does(one_host, two_hosts):
+    stores, runs, checkpoints, _ = two_hosts
+    check_hosts(one_host, stores, runs, checkpoints, 2, 2)
+
+
+def test_three_hosts_train_and_checkpoint_what_one_host_does(tmp_path, one_host):
+    stores, runs = launch_hosts(tmp_path, one_host[0], 3, 1, tmp_path / "checkpoints")
+    try:
+        check_hosts(one_host, stores, runs, tmp_path / "checkpoints", 3, 1)
+    finally:
+        for s in stores:
+            drop_store(s)
+
+
+def test_a_resume_on_several_hosts_is_bit_identical_and_on_one_host_too(tmp_path, one_host, two_hosts):
+    """Two fresh hosts resumed from the two hosts' checkpoint after step 2 train step 2 again to the same bits
+    of every host's part; one host of 2 ranks resumed from it trains what the one-host job trained, to float32
+    rounding (the checkpoint of H hosts is the flat state, whatever H reads it)."""
     folder, want, want_state, _ = one_host
-    stores, _ = launch_hosts(tmp_path, folder, 2, 2, tmp_path / "checkpoints")
-    try:
-        first = host_state(stores, 2)
-    finally:
-        for s in stores:
-            drop_store(s)
-    step2 = tmp_path / "checkpoints" / "step-00000002"
+    _, _, checkpoints, first = two_hosts
+    step2 = checkpoints / "step-00000002"
     stores, runs = launch_hosts(tmp_path, folder, 2, 2, tmp_path / "again", f'checkpoint.resume="{step2}"',
                                 name="resumed")
     try:
@@ -206,27 +222,24 @@ def test_a_resume_on_several_hosts_is_bit_identical_and_on_one_host_too(tmp_path
         drop_store(store)
 
 
-def test_hosts_at_different_steps_are_refused_naming_them(tmp_path, one_host):
-    """A host whose store trained on while another's did not: the launchers stop before any worker starts,
-    naming each host's step (launch/hosts.py; the ranks would check it again); neither store moves."""
+def test_hosts_at_different_steps_are_refused_naming_them(tmp_path, one_host, two_hosts):
+    """Host 0's store trained to step 3 beside a fresh store for host 1: the launchers stop before any worker
+    starts, naming each host's step (launch/hosts.py; the ranks would check it again); neither store moves."""
     folder = one_host[0]
-    stores, _ = launch_hosts(tmp_path, folder, 2, 1, tmp_path / "checkpoints", "checkpoint.final=false",
-                             "checkpoint.every=0")
-    fresh = unique_store("h1")
+    trained, fresh = two_hosts[0][0], unique_store("h1")
     try:
         outputs: list = []
-        launch_hosts(tmp_path, folder, 2, 1, tmp_path / "more", "train.steps=5", "checkpoint.final=false",
-                     "checkpoint.every=0", name="apart", stores=[stores[0], fresh], outputs=outputs)
+        launch_hosts(tmp_path, folder, 2, 2, tmp_path / "more", "train.steps=5", name="apart",
+                     stores=[trained, fresh], outputs=outputs)
         for status, out in outputs:
             assert status != 0, out[-3000:]
             assert ("the hosts' stores are at different steps: host 0 (node rank 0) at step 3, host 1 (node rank 1) "
                     "at step 0" in out), out[-3000:]
-        held = [HostStore.attach(s) for s in (stores[0], fresh)]
+        held = [HostStore.attach(s) for s in (trained, fresh)]
         try:
             assert [st.manifest.committed_step for st in held] == [3, 0]
         finally:
             for st in held:
                 st.close()
     finally:
-        for s in stores + [fresh]:
-            drop_store(s)
+        drop_store(fresh)
