@@ -20,7 +20,9 @@
 # command per system: a fresh process each, under TIMEOUT).
 #   bash benchmarks/sessions/layer_paths.sh OUT [PART ...]
 # SYSTEMS=... runs only those of each PART; STEPS (default 6, 2 of warm-up) and TIMEOUT (per system, default
-# 300 s); MODELS (default /tmp/layer-paths-models) holds the folders.
+# 300 s); MODELS (default /tmp/layer-paths-models) holds the folders; SLIDEDP_SETS="SECTION.KEY=VALUE ..." adds
+# job-file values to the slidedp systems (e.g. SLIDEDP_SETS=run.trace_steps=3,4: the timeline of two timed steps,
+# <run dir>/trace.json).
 # The device command (carry [".whl"], timeout_s 600; wheels from ../shared/device/prep liger-kernel==0.8.5; one
 # or two PARTs per command: a HF PART is three systems, so give it TIMEOUT=170 or split it with
 # SYSTEMS=slidedp and SYSTEMS=hf,hf_liger and merge the returned parts here with
@@ -41,7 +43,10 @@ table() {  # PART BATCH DEFAULT_SYSTEMS [harness args]: each system in its own h
   shift 3
   for system in ${systems//,/ }; do
     budget=()
-    [[ $system == slidedp* ]] && budget=(--slidedp-set memory.device_budget_gib=24)
+    if [[ $system == slidedp* ]]; then
+      budget=(--slidedp-set memory.device_budget_gib=24)
+      for kv in ${SLIDEDP_SETS:-}; do budget+=(--slidedp-set "$kv"); done
+    fi
     python3 -m benchmarks.run --batch "$batch" --seq 2048 --steps "$steps" --warmup $warm --systems "$system" \
       --max-grad-norm 1.0 "${budget[@]}" --timeout "$timeout" --out "$out/parts/$part-$system.json" --quiet "$@"
   done

@@ -234,11 +234,12 @@ def device_times(work: Workload, ch: StepPlan, calib: Calibration) -> tuple[floa
 def measured(work: Workload, ch: StepPlan, calib: Calibration,
              nearest: bool = False) -> tuple[LayerTime | None, LossTime | None]:
     """The layer and the loss measured on the GPU at this plan's sizes (None: not measured; blocks of
-    another job's shape are not this one's); nearest: else the measured sizes nearest to them (the
-    closest micro-batch, then the same tile and loss chunk)."""
+    another job's shape are not this one's, nor blocks of the other layers: transformers' layer modules
+    and SlideDP's own are timed under keys of their own); nearest: else the measured sizes nearest to
+    them (the closest micro-batch, then the same tile and loss chunk)."""
     blocks = calib.blocks
     if blocks is None or blocks.shape != shape_key(work.model, work.seq_len, work.compute_dtype, work.compiled,
-                                                   work.documents):
+                                                   work.documents, work.layers):
         return None, None
     m = micro_batch_of(work, ch)
     tile = normalized(m, work.seq_len, ch.seq_tile_tokens)

@@ -78,3 +78,40 @@ def test_a_host_bound_moe_plan_says_what_bounds_it_and_what_would_help():
     assert "this Mixture-of-Experts model's GPU work is that of its active parameters" in text
     assert "more updater cores or memory bandwidth" in text
     assert "more tokens per step" in text
+
+
+def test_blocks_timed_on_transformers_layers_are_what_the_plan_charges():
+    """An MoE model runs on transformers' layer modules, whose blocks the launcher times under a shape key of
+    their own (measure.shape_key(..., layers="transformers")). The step model charges those blocks, not the
+    FLOPs of the active parameters: the 5.8B Qwen3-MoE shape's layer took about twice its FLOPs' time on
+    an H200 (benchmarks/RESULTS.md, "Mixture of experts"), and a plan that fell back to the FLOPs predicted
+    a GPU half as busy as it was. The layer workspace its backward measured bounds the memory item too."""
+    from slidedp.planner import plan as plan_mod  # noqa: PLC0415
+    from slidedp.planner.measure import LayerTime, LossTime, MeasuredBlocks, shape_key  # noqa: PLC0415
+    from slidedp.planner.step_model import device_time_source  # noqa: PLC0415
+    from slidedp.stepplan import StepPlan  # noqa: PLC0415
+
+    model = qwen3_moe_like(layers=4, experts=64, top_k=8, hidden=1024, inter=512, vocab=4096, heads=8, kv_heads=2,
+                           head_dim=128)
+    work = _work(model, global_batch=8, seq_len=2048, micro_batch=2, clip=False)
+    ch = StepPlan(embedding="host", micro_batch=2, loss_chunk_tokens=1024)
+    workspace = 3 * GiB  # the backward's allocator peak above its inputs
+    key = shape_key(model, 2048, "bf16", True, None, "transformers")
+    assert key != shape_key(model, 2048, "bf16", True)  # SlideDP's own layers: another key
+    blocks = MeasuredBlocks(key, "GPU T", (LayerTime(2, 0, 0.011, 0.033, workspace),), (LossTime(2, 0, 1024, 0.004),))
+    calib = replace(REFERENCE_CALIBRATION, blocks=blocks)
+    # 8 sequences a step in passes of 2: 4 passes of each block
+    assert device_times(work, ch, calib) == (0.011 * 4, 0.033 * 4, 0.004 * 4)
+    assert device_time_source(work, ch, calib) == "measured"
+    busy = predict_step(work, ch, calib)[0]
+    assert abs(busy["device"] - (4 * 4 * (0.011 + 0.033) + 4 * 0.004)) < 1e-12  # 4 layers, 4 passes, the loss
+    # the same blocks under SlideDP's layers' key are another shape's: the FLOPs are charged
+    native = replace(calib, blocks=replace(blocks, shape=shape_key(model, 2048, "bf16", True)))
+    assert device_time_source(work, ch, native) == "FLOPs"
+    flops_fwd = work.local_tokens * costs.layer_forward_flops_per_token(model, 2048) / (
+        REFERENCE_CALIBRATION.device_tflops * 1e12) / costs.COMPILED_LAYER_SPEEDUP
+    assert abs(device_times(work, ch, native)[0] - flops_fwd) < 1e-15
+    # the memory: the measured workspace, less the layer's bf16 gradient and the incoming gradient counted elsewhere
+    counted = dict(plan_mod._bounded_memory(work, ch, calib))["layer workspace"]
+    assert counted == workspace - (costs.layer_params(model) + 2 * 2048 * 1024) * 2
+    assert counted > dict(plan_mod._bounded_memory(work, ch, native))["layer workspace"]
