@@ -34,7 +34,7 @@ PAIRS = [(1, 2), (2, 1), (3, 2), (2, 2), (3, 1), (1, 1)]
 SLOW_ONLY = ("olmoe", "qwen3_5_moe", "glm4_moe", "deepseek_v3")
 FAST = [(f, *PAIRS[i % len(PAIRS)]) for i, f in enumerate(FAMILIES) if f not in SLOW_ONLY]
 SLOW = [(f, n, m) for f in FAMILIES for n in (1, 2, 3) for m in (1, 2) if (f, n, m) not in FAST]
-AUX_FAST = [("qwen3_moe", 2, 2), ("gpt_oss", 3, 1)]
+AUX_FAST = [("qwen3_moe", 2, 2)]
 AUX_SLOW = [(f, n, m) for f in AUX_FAMILIES for n, m in ((1, 1), (2, 2), (3, 1)) if (f, n, m) not in AUX_FAST]
 
 

@@ -79,7 +79,8 @@ def finish(runs: list[RunningJob], stores: list[str], markers: list[Path]) -> No
         drop_store(s)
 
 
-@pytest.mark.parametrize("victim", [1, 0])
+# host 0's launcher (which serves the rendezvous) under -m slow: the suite's time
+@pytest.mark.parametrize("victim", [1, pytest.param(0, marks=pytest.mark.slow)])
 def test_a_killed_launcher_is_named_by_the_other_host(tmp_path, folder, victim):
     """Host 1's launcher; or host 0's, which serves the launchers' store: host 1 names it when the store breaks."""
     marker, survivor = tmp_path / "held", 1 - victim
@@ -125,6 +126,7 @@ def test_a_killed_updater_is_named_by_its_host_and_its_host_by_the_other(tmp_pat
         finish(runs, stores, [marker])
 
 
+@pytest.mark.slow
 def test_a_host_that_never_joins_is_named(tmp_path, folder):
     """Host 1 is never started: host 0 names it once runtime.timeout_s has passed, and starts no worker."""
     runs, stores, _ = start_hosts(tmp_path, folder, 1)
