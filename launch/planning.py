@@ -28,10 +28,8 @@ def check_layers(job: JobConfig, cfg) -> str:
     model whose transformers class adds no auxiliary loss)."""
     from slidedp.planner.job import resolve_layers
 
-    from slidedp.model.router_aux import wanted
-
     layers = resolve_layers(job, cfg)
-    aux = wanted(job.train.router_aux_loss, cfg.source())
+    aux = job.train.adds_router_aux(cfg.source())
     if layers == "transformers":
         import torch
 

@@ -164,6 +164,13 @@ class TrainSection(Section):
         self._range("eval_every", 0)
         self._choice("router_aux_loss", ("auto", "on", "off"))
 
+    def adds_router_aux(self, source: dict) -> bool:
+        """Whether the job adds an MoE model's router auxiliary loss: router_aux_loss "on", "off", or "auto" (as
+        the model's config.json says: output_router_logits; source: that config, model.config.source())."""
+        if self.router_aux_loss == "auto":
+            return bool(source.get("output_router_logits"))
+        return self.router_aux_loss == "on"
+
 
 @dataclass(frozen=True)
 class MemorySection(Section):

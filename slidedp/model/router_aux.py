@@ -53,14 +53,6 @@ def aux_loss(values: Sequence[float]) -> float:
     return experts * sum(c * s for c, s in zip(counts, probs)) / (rows * rows)
 
 
-def wanted(setting: str, source: dict) -> bool:
-    """Whether the job adds the auxiliary loss: train.router_aux_loss "on", "off", or "auto" (as the
-    model's config.json says: output_router_logits)."""
-    if setting == "auto":
-        return bool(source.get("output_router_logits"))
-    return setting == "on"
-
-
 def _router_spec(model: nn.Module) -> tuple[type, int, str | None] | None:
     """(router class, output index, layer name) transformers records router logits from, None if none."""
     spec = (getattr(model, "_can_record_outputs", None) or {}).get("router_logits")

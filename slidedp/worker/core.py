@@ -24,7 +24,6 @@ from ..data.packing import DocBatches, PackedRows, SftBatch
 from ..data.stream import TokenStream
 from ..jobrecord import held_unit_names
 from ..model import layers as L
-from ..model import router_aux
 from ..model.family import math_for
 from ..model.dtypes import torch_dtype
 from ..protocol import CONTROL_STOP, EvalLoss, WorkerStats
@@ -142,7 +141,7 @@ class WorkerCore:
         dtype = torch_dtype(plan.compute_dtype)
         compiled = L.compiled_kernels_wanted(t.compile, device)
         math = math_for(cfg, plan.layers, device, dtype, compile=compiled,
-                        router_aux=router_aux.wanted(t.router_aux_loss, cfg.source()))
+                        router_aux=t.adds_router_aux(cfg.source()))
         if compiled:  # the native pieces, and dynamo's settings for transformers' compiled layers
             L.compile_kernels(fallback=t.compile == "auto")
             log.info("the layers' pointwise kernels go through torch.compile at first use (train.compile = %r%s)",

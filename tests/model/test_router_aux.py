@@ -23,7 +23,8 @@ from model.test_generic import M, ROWS, T, engine_step, packed_batch  # noqa: E4
 from pipeline.harness import rel_err  # noqa: E402
 from slidedp.model import hf  # noqa: E402
 from slidedp.model.generic import TransformersMath, UnsupportedModel  # noqa: E402
-from slidedp.model.router_aux import aux_loss, wanted  # noqa: E402
+from slidedp.config import TrainSection  # noqa: E402
+from slidedp.model.router_aux import aux_loss  # noqa: E402
 
 COEF = 1.0
 PAD = 7  # padding positions at the end of the last row of each micro-batch
@@ -116,8 +117,11 @@ def test_the_aggregate_is_transformers_formula():
 
 
 def test_the_job_setting_and_the_config():
-    assert wanted("auto", {"output_router_logits": True}) and not wanted("auto", {})
-    assert wanted("on", {}) and not wanted("off", {"output_router_logits": True})
+    def train(setting: str) -> TrainSection:
+        return TrainSection(steps=1, global_batch=1, seq_len=8, lr=1e-3, router_aux_loss=setting)
+
+    assert train("auto").adds_router_aux({"output_router_logits": True}) and not train("auto").adds_router_aux({})
+    assert train("on").adds_router_aux({}) and not train("off").adds_router_aux({"output_router_logits": True})
 
 
 def test_a_model_without_the_loss_is_refused_when_asked(folders):
