@@ -98,7 +98,8 @@ def host_need(job: JobConfig, layout: Layout, step: StepPlan, store_exists: bool
     world, clip = job.runtime.workers, job.train.max_grad_norm > 0
     slots, reduce_slots, full = gradient_space(layout, world, step.grad_route, clip, job.store.grad_slots,
                                                device_chunks)
-    rings = sum(rings_bytes(layout, world, slots, reduce_slots, full, shard_slots=step.grad_route == "reduce_scatter"))
+    rings = sum(rings_bytes(layout, world, slots, reduce_slots, full, shard_slots=step.grad_route == "reduce_scatter",
+                            shard_ranks=job.runtime.world))
     state = 0 if store_exists else sum(held_sizes(layout, {}, shadow, job_part(job)).values())
     per_chunk = clip and not full and slots > ring_slots(job.store.grad_slots, layout.model.num_layers)
     return HostNeed(state, rings, process_bytes(job), world, per_chunk, shadow, offload_bytes(job, layout, step),

@@ -205,6 +205,7 @@ class JobRun:
                    layout_hash=self.layout.hash(), model_desc=f"{cfg.family}, {cfg.num_parameters():,} parameters",
                    world=self.world, grad_slots=slots, full_reduce=record.full_reduce,
                    reduce_slots=record.reduce_slots, shard_slots=record.grad_route == "reduce_scatter",
+                   shard_ranks=job.runtime.world,
                    hyper=job_to_dict(job)["train"])
         self.attached_token = att["token"]
         note = schedule_note(previous_train, job.train, att["committed_step"])

@@ -369,6 +369,7 @@ class Attach:
     reduce_slots: int = REDUCE_SLOTS
     full_reduce: bool = False  # one full-model reduction buffer (exact clipping) instead of reduce_slots
     shard_slots: bool = False  # slots sized for one rank's shard (the reduce_scatter route)
+    shard_ranks: int = 0  # the ranks a chunk is cut among on that route (several hosts: all of them; 0: world)
     hyper: dict | None = None  # the job's [train] section, kept in the manifest's job record
 
 

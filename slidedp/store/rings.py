@@ -23,16 +23,17 @@ _MAGIC = b"SDPRING2"
 _HDR = 4096
 
 
-def grad_slot_numel(layout: Layout, world: int, shard_slots: bool) -> int:
+def grad_slot_numel(layout: Layout, world: int, shard_slots: bool, shard_ranks: int = 0) -> int:
     """A rank's gradient slot: the largest chunk, or with shard_slots (reduce-scattered gradients, each
     rank copying out only its 1/N) the largest chunk's shard, so that the ranks' rings together
-    take what one rank's would whatever the number of ranks."""
-    return -(-layout.max_chunk_numel // world) if shard_slots else layout.max_chunk_numel
+    take what one rank's would whatever the number of ranks. shard_ranks: the ranks a chunk is cut among
+    (several hosts: every host's, so a host's rings take 1/H of one host's; 0: this host's `world`)."""
+    return -(-layout.max_chunk_numel // (shard_ranks or world)) if shard_slots else layout.max_chunk_numel
 
 
 def rings_bytes(layout: Layout, world: int, slots: int, reduce_slots: int, full_reduce: bool,
-                shard_slots: bool = False) -> tuple[int, int]:
-    grads = _HDR + world * slots * grad_slot_numel(layout, world, shard_slots) * 4
+                shard_slots: bool = False, shard_ranks: int = 0) -> tuple[int, int]:
+    grads = _HDR + world * slots * grad_slot_numel(layout, world, shard_slots, shard_ranks) * 4
     reduce = _HDR + (layout.total_numel * 4 if full_reduce
                      else (reduce_slots * layout.max_chunk_numel * 4 if world > 1 else 0))
     return grads, reduce
@@ -51,8 +52,8 @@ class GradRings:
 
     @classmethod
     def create(cls, store: str, layout: Layout, world: int, slots: int, reduce_slots: int, full_reduce: bool,
-               shard_slots: bool = False) -> "GradRings":
-        g, r = rings_bytes(layout, world, slots, reduce_slots, full_reduce, shard_slots)
+               shard_slots: bool = False, shard_ranks: int = 0) -> "GradRings":
+        g, r = rings_bytes(layout, world, slots, reduce_slots, full_reduce, shard_slots, shard_ranks)
         check_space(g + r, f"gradient rings of store {store!r} for {world} rank(s)")
         grads = Segment.create(segment_name(store, "grads"), g)
         try:
@@ -61,7 +62,7 @@ class GradRings:
             grads.close()
             grads.unlink()
             raise
-        slot = grad_slot_numel(layout, world, shard_slots)
+        slot = grad_slot_numel(layout, world, shard_slots, shard_ranks)
         grads.mm[0:_HEADER.size] = _HEADER.pack(_MAGIC, world, slots, reduce_slots, int(full_reduce), slot,
                                                 layout.max_chunk_numel)
         return cls(grads, reduce, world, slots, reduce_slots, full_reduce, slot, layout.max_chunk_numel)

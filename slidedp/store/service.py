@@ -163,7 +163,7 @@ class HostStateCore:
             raise RequestError(f"attach: world must be >= 1 and grad_slots >= 2 (got {world}, {slots})")
         full = bool(req.full_reduce)
         self.rings = GradRings.create(self.name, store.layout, world, slots, int(req.reduce_slots), full,
-                                      shard_slots=bool(req.shard_slots))
+                                      shard_slots=bool(req.shard_slots), shard_ranks=int(req.shard_ranks or 0))
         token = int.from_bytes(os.urandom(6), "little")
         record = {k: getattr(req, k) for k in ("job", "world", "grad_slots", "full_reduce", "hyper")}
         m.set_job(dict(record, attached=time.time(), token=token))
