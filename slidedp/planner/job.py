@@ -208,8 +208,10 @@ def plan_for(job: JobConfig, store_facts: StoreFacts = StoreFacts(), host_room: 
     cfg = model_config(job)
     nl, one = cfg.num_layers, rt.workers == 1 and rt.nnodes == 1
     layers = resolve_layers(job, cfg)
-    # several hosts: this host's share of the batch over its own ranks (the network is not charged yet)
+    # several hosts: this host's share of the batch over its own ranks, the routes over every host's (the network
+    # between them as the job gives it, or assumed: network())
     work = Workload(model=cfg, global_batch=t.global_batch // rt.nnodes, seq_len=t.seq_len, world=rt.workers,
+                    nnodes=rt.nnodes,
                     micro_batch=p.chosen("micro_batch") or 0, compute_dtype=p.dtype, clip=t.max_grad_norm > 0,
                     updaters=max(1, rt.updaters), compiled=t.compile in ("auto", "on"),
                     host_room=host_room,
