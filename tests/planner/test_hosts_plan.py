@@ -7,10 +7,13 @@ import dataclasses
 
 import pytest
 
+from slidedp.config import load_job
 from slidedp.model.config import named_shape
-from slidedp.planner import REFERENCE_CALIBRATION, Workload, costs, make_plan
+from slidedp.planner import REFERENCE_CALIBRATION, Workload, costs, make_plan, plan_for
 from slidedp.planner.step_model import collective_s, network_busy_s, predict_step
 from slidedp.stepplan import StepPlan
+
+from pipeline.harness import TINY
 
 LINKS = dataclasses.replace(REFERENCE_CALIBRATION, bus_gpus=4, allreduce_gbps=240.0, h2d_total_gbps=220.0)
 ROUTES = {"param_route": ("sharded",), "grad_route": ("reduce_scatter",), "embedding": ("host",)}
@@ -105,3 +108,18 @@ def test_the_plan_shows_the_step_on_h_hosts_with_its_network_and_bound():
     assert "\n  network " in text and "tokens/s over the 2 hosts" in text
     assert "its store holds 1/2 of the state and its updaters update 1/2 of the parameters" in text
     assert "The step is bound by the network between hosts" in text
+
+
+def test_the_job_sets_the_network_and_the_plan_says_so():
+    sets = ['runtime.device="cuda"', "runtime.workers=2", "train.global_batch=8", "plan.compute_dtype=bf16",
+            "runtime.nnodes=2", 'runtime.master_addr="h0"']
+    assumed = plan_for(load_job(TINY, sets), calibration=LINKS)
+    given = plan_for(load_job(TINY, sets + ["runtime.network_gbps=400", "runtime.network_latency_us=5"]),
+                     calibration=LINKS)
+    assert "12.5 GB/s (100 Gb/s) each way per host, assumed; latency 20 us per ring step, assumed" in assumed.describe()
+    assert given.plan.calibration.internode_gbps == 50.0 and given.plan.calibration.internode_latency_us == 5.0
+    assert "50.0 GB/s (400 Gb/s) each way per host, set by the job; latency 5 us per ring step, set by the job" \
+        in given.describe()
+    assert given.plan.workload.nnodes == 2 and given.plan.workload.global_batch == 4
+    net = dict(assumed.plan.busy_s)["network"]
+    assert dict(given.plan.busy_s)["network"] < net
