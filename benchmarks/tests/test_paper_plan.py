@@ -60,3 +60,27 @@ def test_blocks_of_the_same_layers_written_by_another_transformers_are_taken_wit
     assert found is not None and found.shape == key and "the same layers" in note
     assert paper_plan.blocks_for({}, key) == (None, "no GPU blocks of this shape in the blocks file: the GPU time is "
                                                     "the FLOPs'")
+
+
+def test_several_hosts_plan_host_0_with_the_network_and_the_part(tmp_path, capsys):
+    config, cal = tmp_path / "config.json", tmp_path / "calibration.json"
+    config.write_text(json.dumps(SMALL_MOE))
+    cache.save(REFERENCE_CALIBRATION, cal)
+    args = [str(config), str(cal), "--gpus", "2", "--host-gib", "64", "--batch", "8", "--seq", "256",
+            "--bus-gbps", "240", "--h2d-total-gbps", "110"]
+    assert paper_plan.main(args) == 0
+    one = capsys.readouterr().out
+    assert paper_plan.main([*args, "--nnodes", "2", "--network-gbps", "200"]) == 0
+    out = capsys.readouterr().out
+    assert "on host 0 of 2, each 2 x NVIDIA H200" in out
+    assert "4 x 256 = 1,024 tokens/step on 2 rank(s) of this host, one of 2 hosts" in out
+    assert "25.0 GB/s (200 Gb/s) each way per host, set by the job; latency 20 us per ring step, assumed" in out
+    assert "routes                params sharded, grads reduce_scatter" in out and "\n  network " in out
+    assert "host memory of the planned job on each of the 2 hosts (its part: 1/2 of the state)" in out
+
+    def state(text: str) -> float:  # the store's state the job creates per B/param (12, or 14 with the shadow)
+        per, part = text.split("the store's state (")[1].split(" B/param) ")
+        part = part.split(",")[0]
+        return float(part.split()[0]) * (1024 if part.endswith("GiB") else 1) / int(per)
+
+    assert state(out) == pytest.approx(state(one) / 2, rel=0.05)  # its part: half, to the pages of small chunks

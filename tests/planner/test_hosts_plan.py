@@ -123,3 +123,15 @@ def test_the_job_sets_the_network_and_the_plan_says_so():
     assert given.plan.workload.nnodes == 2 and given.plan.workload.global_batch == 4
     net = dict(assumed.plan.busy_s)["network"]
     assert dict(given.plan.busy_s)["network"] < net
+
+
+def test_plan_on_several_hosts_prints_each_hosts_memory_with_its_part():
+    from slidedp.launch.cli import hosts_memory_line
+
+    sets = ['runtime.device="cuda"', "runtime.workers=2", "train.global_batch=16", "plan.compute_dtype=bf16",
+            'runtime.master_addr="h0"']
+    lines = {h: hosts_memory_line(job, plan_for(job, calibration=LINKS))
+             for h in (2, 4) for job in [load_job(TINY, sets + [f"runtime.nnodes={h}"])]}
+    assert lines[2].startswith("host memory per host (host 0 of 2: its part, 1/2 of the state): ")
+    assert "the store's state (12 B/param)" in lines[2] or "the store's state (14 B/param)" in lines[2]
+    assert "gradient rings" in lines[4] and "the job's processes (2 rank(s))" in lines[4]
