@@ -493,7 +493,7 @@ def _hosts_note(work: Workload, ch: StepPlan, calib: Calibration, busy: dict[str
     scattered = nl * p_layer + h + ((vh + costs.head_params(m)) if ch.embedding == "host" else 0)
     ag, rs = network_bytes(work, gathered * cb), network_bytes(work, scattered * gb)
     intra = (f"the GPU links among this host's {work.world} ({calib.allreduce_gbps:.0f} GB/s all-gather bus bandwidth"
-             + (", measured)" if calib.bus_gpus > 1 else ", not measured)") if work.world > 1 else "no GPU links (one GPU a host)")
+             + (")" if calib.bus_gpus > 1 else ", not measured)") if work.world > 1 else "no GPU links (one GPU a host)")
     layer_ag = collective_s(work, calib, p_layer * cb)
     return (f"{hosts} hosts x {work.world} ranks, one group of {work.ranks}; this host plans its {work.global_batch} of the "
             f"{work.global_batch * hosts} sequences, its store holds 1/{hosts} of the state and its updaters update 1/{hosts} "
