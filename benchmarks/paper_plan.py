@@ -30,6 +30,10 @@ memory, its share of the --batch sequences, with the step on H hosts: the networ
 --network-gbps (Gb/s each way per host) and --network-latency-us (runtime.network_gbps, network_latency_us; 0:
 the planner's assumption, 100 Gb/s and 20 us), the store's part (1/H of the state) against its memory.
 
+Another GPU than the calibration's (--device-name): its matmul rate and PCIe rates are the calibrated GPU's
+scaled by --tflops-scale and --pcie-scale (from public specs; the caller says which), its memory --gpu-mem-gib;
+the host's rates (memory, AdamW, the sum) stay the calibrated host's.
+
 It runs the launcher's admission (launch/admission.py:admit) on these facts: a store the job creates,
 --host-gib of host memory available and as much in /dev/shm (--shm-gib), N GPUs. It prints the plan as
 the launcher logs it before a run (`slidedp-launch --plan` prints the same table, planned without the
@@ -133,6 +137,14 @@ def job_dict(folder: Path, args: argparse.Namespace) -> dict[str, dict[str, Any]
 
 def calibration(args: argparse.Namespace, params: int) -> Calibration:
     calib = cache.load(args.calibration, params if args.learned else None)
+    if args.device_name:  # another GPU, from public specs: its matmul rate and PCIe against the measured one's
+        pcie = args.pcie_scale
+        calib = dataclasses.replace(
+            calib, device_name=args.device_name, device_tflops=calib.device_tflops * args.tflops_scale,
+            device_adamw_params_per_s=calib.device_adamw_params_per_s * args.tflops_scale,
+            device_mem_bytes=int(args.gpu_mem_gib * GiB) if args.gpu_mem_gib else calib.device_mem_bytes,
+            h2d_gbps=calib.h2d_gbps * pcie, d2h_gbps=calib.d2h_gbps * pcie, bidir_gbps=calib.bidir_gbps * pcie,
+            embedding_rows_gbps=calib.embedding_rows_gbps * pcie)
     if args.gpus > 1 and args.bus_gbps:
         calib = dataclasses.replace(calib, bus_gpus=args.gpus, allreduce_gbps=args.bus_gbps,
                                     h2d_total_gbps=args.h2d_total_gbps or 0.0)
@@ -155,6 +167,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--updaters", type=int, default=1, help="runtime.updaters")
     p.add_argument("--bus-gbps", type=float, default=0.0, help="NCCL all-gather bus bandwidth among the GPUs")
     p.add_argument("--h2d-total-gbps", type=float, default=0.0, help="all GPUs copying from host memory at once")
+    p.add_argument("--device-name", help="plan for this GPU instead of the calibration's: its figures scaled "
+                   "by --tflops-scale and --pcie-scale, its memory --gpu-mem-gib (the host's stay)")
+    p.add_argument("--tflops-scale", type=float, default=1.0, help="its matmul rate over the calibrated GPU's")
+    p.add_argument("--pcie-scale", type=float, default=1.0, help="its PCIe copy rates over the calibrated GPU's")
+    p.add_argument("--gpu-mem-gib", type=float, default=0.0, help="its memory, GiB (0: the calibrated GPU's)")
     p.add_argument("--nnodes", type=int, default=1, help="hosts, each of --gpus GPUs and --host-gib (runtime.nnodes)")
     p.add_argument("--network-gbps", type=float, default=0.0,
                    help="Gb/s each way per host between the hosts (runtime.network_gbps; 0: the planner's 100)")

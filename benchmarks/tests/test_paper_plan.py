@@ -84,3 +84,17 @@ def test_several_hosts_plan_host_0_with_the_network_and_the_part(tmp_path, capsy
         return float(part.split()[0]) * (1024 if part.endswith("GiB") else 1) / int(per)
 
     assert state(out) == pytest.approx(state(one) / 2, rel=0.05)  # its part: half, to the pages of small chunks
+
+
+def test_another_gpu_is_the_calibrated_one_scaled_as_the_command_says(tmp_path):
+    cal = tmp_path / "calibration.json"
+    cache.save(REFERENCE_CALIBRATION, cal)
+    a = paper_plan.argparse.Namespace(calibration=cal, learned=False, gpus=4, bus_gbps=15.0,
+                                      h2d_total_gbps=110.0, device_name="RTX 4090", tflops_scale=0.167,
+                                      pcie_scale=0.5, gpu_mem_gib=23.6)
+    c = paper_plan.calibration(a, 1)
+    r = REFERENCE_CALIBRATION
+    assert c.device_name == "RTX 4090" and c.device_tflops == pytest.approx(r.device_tflops * 0.167)
+    assert (c.h2d_gbps, c.d2h_gbps, c.bidir_gbps) == pytest.approx((r.h2d_gbps / 2, r.d2h_gbps / 2, r.bidir_gbps / 2))
+    assert c.device_mem_bytes == int(23.6 * 2**30) and c.adamw_params_per_s == r.adamw_params_per_s  # the host's stay
+    assert (c.bus_gpus, c.allreduce_gbps, c.h2d_total_gbps) == (4, 15.0, 110.0)
