@@ -3,7 +3,8 @@ G GiB of host memory, made here, off the GPU machine, from a calibration a devic
 
     python -m benchmarks.paper_plan CONFIG.json CAL.json --gpus 4 --host-gib 512 --batch 32 --seq 4096 \
         [--blocks BLOCKS.json] [--learned] [--budget-gib 24] [--clip 1.0] [--bus-gbps 240] \
-        [--h2d-total-gbps 220] [--updaters 1] [--set SECTION.KEY=VALUE ...]
+        [--h2d-total-gbps 220] [--updaters 1] [--nnodes H] [--network-gbps 100] [--network-latency-us 20]
+        [--set SECTION.KEY=VALUE ...]
 
 CONFIG.json is a Hugging Face config.json (a dict: a published model's own). The model is built by
 transformers on the meta device (no weights, no memory) and written as a folder of that config.json and a
@@ -23,6 +24,15 @@ A host of several GPUs: the calibration of a one-GPU host measured no links amon
 (the NCCL all-gather bus bandwidth among the N GPUs) and --h2d-total-gbps (all of them copying from host
 memory at once) stand for what a calibration of that host would measure; without them the plan offers no
 sharded route and each rank copies at the one GPU's rate.
+
+Several hosts (--nnodes H, docs/multi-host.md): the plan of host 0 of H, each of N GPUs and --host-gib of host
+memory, its share of the --batch sequences, with the step on H hosts: the network between them at
+--network-gbps (Gb/s each way per host) and --network-latency-us (runtime.network_gbps, network_latency_us; 0:
+the planner's assumption, 100 Gb/s and 20 us), the store's part (1/H of the state) against its memory.
+
+Another GPU than the calibration's (--device-name): its matmul rate and PCIe rates are the calibrated GPU's
+scaled by --tflops-scale and --pcie-scale (from public specs; the caller says which), its memory --gpu-mem-gib;
+the host's rates (memory, AdamW, the sum) stay the calibrated host's.
 
 It runs the launcher's admission (launch/admission.py:admit) on these facts: a store the job creates,
 --host-gib of host memory available and as much in /dev/shm (--shm-gib), N GPUs. It prints the plan as
@@ -110,6 +120,9 @@ def job_dict(folder: Path, args: argparse.Namespace) -> dict[str, dict[str, Any]
         "memory": {"device_budget_gib": args.budget_gib},
         "runtime": {"device": "cuda", "workers": args.gpus, "updaters": args.updaters},
     }
+    if args.nnodes > 1:  # host 0 of them: the others plan the same
+        d["runtime"].update(nnodes=args.nnodes, node_rank=0, master_addr="host-0", network_gbps=args.network_gbps,
+                            network_latency_us=args.network_latency_us)
     for s in args.set:
         key, _, value = s.partition("=")
         section, _, name = key.partition(".")
@@ -124,6 +137,14 @@ def job_dict(folder: Path, args: argparse.Namespace) -> dict[str, dict[str, Any]
 
 def calibration(args: argparse.Namespace, params: int) -> Calibration:
     calib = cache.load(args.calibration, params if args.learned else None)
+    if args.device_name:  # another GPU, from public specs: its matmul rate and PCIe against the measured one's
+        pcie = args.pcie_scale
+        calib = dataclasses.replace(
+            calib, device_name=args.device_name, device_tflops=calib.device_tflops * args.tflops_scale,
+            device_adamw_params_per_s=calib.device_adamw_params_per_s * args.tflops_scale,
+            device_mem_bytes=int(args.gpu_mem_gib * GiB) if args.gpu_mem_gib else calib.device_mem_bytes,
+            h2d_gbps=calib.h2d_gbps * pcie, d2h_gbps=calib.d2h_gbps * pcie, bidir_gbps=calib.bidir_gbps * pcie,
+            embedding_rows_gbps=calib.embedding_rows_gbps * pcie)
     if args.gpus > 1 and args.bus_gbps:
         calib = dataclasses.replace(calib, bus_gpus=args.gpus, allreduce_gbps=args.bus_gbps,
                                     h2d_total_gbps=args.h2d_total_gbps or 0.0)
@@ -146,6 +167,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--updaters", type=int, default=1, help="runtime.updaters")
     p.add_argument("--bus-gbps", type=float, default=0.0, help="NCCL all-gather bus bandwidth among the GPUs")
     p.add_argument("--h2d-total-gbps", type=float, default=0.0, help="all GPUs copying from host memory at once")
+    p.add_argument("--device-name", help="plan for this GPU instead of the calibration's: its figures scaled "
+                   "by --tflops-scale and --pcie-scale, its memory --gpu-mem-gib (the host's stay)")
+    p.add_argument("--tflops-scale", type=float, default=1.0, help="its matmul rate over the calibrated GPU's")
+    p.add_argument("--pcie-scale", type=float, default=1.0, help="its PCIe copy rates over the calibrated GPU's")
+    p.add_argument("--gpu-mem-gib", type=float, default=0.0, help="its memory, GiB (0: the calibrated GPU's)")
+    p.add_argument("--nnodes", type=int, default=1, help="hosts, each of --gpus GPUs and --host-gib (runtime.nnodes)")
+    p.add_argument("--network-gbps", type=float, default=0.0,
+                   help="Gb/s each way per host between the hosts (runtime.network_gbps; 0: the planner's 100)")
+    p.add_argument("--network-latency-us", type=float, default=0.0,
+                   help="latency of a ring step between the hosts (runtime.network_latency_us; 0: the planner's 20)")
     p.add_argument("--set", action="append", default=[], help="SECTION.KEY=VALUE of the job file (repeatable)")
     p.add_argument("--folder", type=Path, help="write the model folder here and keep it (default: a temporary one)")
     a = p.parse_args(argv)
@@ -165,7 +196,8 @@ def main(argv: list[str] | None = None) -> int:
             calib, notes = dataclasses.replace(calib, blocks=blocks), [note]
         host = HostFacts(int(a.host_gib * GiB), int((a.shm_gib or a.host_gib) * GiB))
         decision = admit(AdmissionFacts(job, model, StoreFacts(), host, gpus=a.gpus, calibration=calib))
-        print(f"paper plan: {a.config.name} on {a.gpus} x {calib.device_name} (calibration of {calib.host}, "
+        hosts = f"host 0 of {a.nnodes}, each " if a.nnodes > 1 else ""
+        print(f"paper plan: {a.config.name} on {hosts}{a.gpus} x {calib.device_name} (calibration of {calib.host}, "
               f"{a.calibration.name}), {a.host_gib:g} GiB of host memory; {model.num_parameters() / 1e9:.2f} B "
               f"parameters")
         for n in notes:
@@ -174,7 +206,9 @@ def main(argv: list[str] | None = None) -> int:
             print(decision.plan.describe())
             need = host_need(job, decision.layout, decision.plan.step, False, decision.plan.shadow,
                              decision.device_chunks)
-            print(f"\nhost memory of the planned job: {size(need.total)} of {size(host.available)} ({need.describe()})")
+            per = f" on each of the {a.nnodes} hosts (its part: 1/{a.nnodes} of the state)" if a.nnodes > 1 else ""
+            print(f"\nhost memory of the planned job{per}: {size(need.total)} of {size(host.available)} "
+                  f"({need.describe()})")
         for f in decision.problems:
             print(f"refused ({f.topic}): {f.text}")
         for f in decision.warnings:

@@ -93,7 +93,23 @@ def print_plan(job) -> int:
         print("CPU run: no GPU plan; " + ", ".join(f"{k}={v}" for k, v in run_plan.step.to_dict().items()))
     else:
         print(run_plan.plan.describe())
+        if job.runtime.nnodes > 1:
+            print(hosts_memory_line(job, run_plan))
     return 0
+
+
+def hosts_memory_line(job, run_plan) -> str:
+    """Several hosts: what the planned job takes of each host's memory, its part of the state included
+    (docs/multi-host.md): the launcher's own count (host_room.host_need) for a store the job creates."""
+    from slidedp.config import model_config
+
+    from .admission import job_layout
+    from .host_room import host_need, size
+
+    rt = job.runtime
+    need = host_need(job, job_layout(job, model_config(job)), run_plan.step, False, run_plan.shadow)
+    return (f"host memory per host (host {rt.node_rank} of {rt.nnodes}: its part, 1/{rt.nnodes} of the state): "
+            f"{size(need.total)} ({need.describe()})")
 
 
 def _asked_for_cuda(args: argparse.Namespace) -> str:

@@ -260,6 +260,10 @@ class RuntimeSection(Section):
     node_rank: int = 0  # this host's place among them (0: serves the rendezvous)
     master_addr: str = ""  # host 0's address every host reaches it by (needed with nnodes > 1)
     master_port: int = 29500  # the rendezvous' port on host 0; the ranks' process group meets on the next one
+    # the network between hosts, for the plan (docs/multi-host.md, "The step model"): Gb/s each way per host and
+    # the latency of one step of a ring; 0 = the planner's assumption (100 Gb/s, 20 us)
+    network_gbps: float = 0.0
+    network_latency_us: float = 0.0
 
     def validate(self) -> None:
         self._choice("device", ("cpu", "cuda"))
@@ -270,6 +274,8 @@ class RuntimeSection(Section):
         self._range("nnodes", 1)
         self._range("node_rank", 0)
         self._range("master_port", 1, 65534)
+        self._range("network_gbps", 0)
+        self._range("network_latency_us", 0)
         if not self.__dict__.get("_problems"):
             if self.node_rank >= self.nnodes:
                 self._report(f"runtime.node_rank ({self.node_rank}) must be below runtime.nnodes ({self.nnodes})")

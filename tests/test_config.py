@@ -199,6 +199,8 @@ def test_wrong_type(jobdir, override, message):
         ("runtime.device=tpu", "runtime.device must be one of 'cpu', 'cuda'; got 'tpu'"),
         ("runtime.workers=0", "runtime.workers must be >= 1; got 0"),
         ("runtime.timeout_s=0", "runtime.timeout_s must be > 0; got 0.0"),
+        ("runtime.network_gbps=-1", "runtime.network_gbps must be >= 0; got -1.0"),
+        ("runtime.network_latency_us=-5", "runtime.network_latency_us must be >= 0; got -5.0"),
         ("data.format=csv", "data.format must be one of 'jsonl', 'parquet', 'arrow', 'npy', 'bin'; got 'csv'"),
         ("data.dtype=int8", "data.dtype must be one of 'uint16', 'uint32', 'int32', 'int64'; got 'int8'"),
         ("model.shape=huge", "model.shape must be one of 'tiny', 'tiny-llama', 'small', 'qwen3-0.6b', 'qwen3-1.7b', "

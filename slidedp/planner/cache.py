@@ -28,8 +28,8 @@ from slidedp import log
 from slidedp.model.config import ModelConfig
 from slidedp.planner.calibrate import (HOST_RATE_FIELDS, calibrate, device_label, embedding_rows_fields,
                                        host_memory_fields, host_rates)
-from slidedp.planner.calibration import (LEARNED_FIELDS, LEARNED_GROUPS, MODEL_SHARES, NOTHING_LEARNED, RETIRED_FIELDS,
-                                         Calibration, CalibrationError)
+from slidedp.planner.calibration import (LEARNED_FIELDS, LEARNED_GROUPS, MODEL_SHARES, NETWORK_FIELDS, NOTHING_LEARNED,
+                                         RETIRED_FIELDS, Calibration, CalibrationError)
 from slidedp.planner.measure import SCHEMA as BLOCKS_SCHEMA
 from slidedp.planner.measure import MeasuredBlocks, MeasureError, Size, measure_blocks, normalized, shape_key
 from slidedp.planner.workload import DocumentLoad
@@ -167,7 +167,7 @@ def save(calib: Calibration, path: str | os.PathLike, learned: Mapping[int, Mapp
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".tmp{os.getpid()}")
-    figures = {k: v for k, v in _with_learned(calib, {}).to_dict().items() if k not in MODEL_SHARES}
+    figures = {k: v for k, v in _with_learned(calib, {}).to_dict().items() if k not in MODEL_SHARES + NETWORK_FIELDS}
     doc: dict[str, Any] = {"schema": SCHEMA, "calibration": figures}
     if learned:
         doc["learned"] = {str(k): dict(v) for k, v in sorted(learned.items())}
@@ -202,7 +202,7 @@ def _read(path: str | os.PathLike) -> tuple[Calibration, dict[int, dict[str, Any
     retired = sorted(set(doc["calibration"]) & set(RETIRED_FIELDS))
     try:
         calib = Calibration.from_dict({k: v for k, v in doc["calibration"].items()
-                                       if k not in RETIRED_FIELDS and k not in MODEL_SHARES})
+                                       if k not in RETIRED_FIELDS + MODEL_SHARES + NETWORK_FIELDS})
     except (TypeError, ValueError) as e:
         raise CalibrationError(f"calibration {path}: {e}") from None
     learned = _learned_of(calib)  # a file from before the per-model figures

@@ -192,6 +192,7 @@ def reduce_traffic_factor(world: int, grad_route: str = "host", clip: bool = Fal
 def host_traffic(
     model: ModelConfig, *, tokens: int, delivery: str, embedding: str, resident_layers: int, device_layers: int,
     offloaded: int, world: int, param_route: str, grad_route: str, compute_dtype: str, summed: bool,
+    nnodes: int = 1,
 ) -> dict[str, int]:
     """Host memory bytes one step reads and writes, all ranks together (slidedp/hosttraffic.py per element):
 
@@ -202,7 +203,9 @@ def host_traffic(
     offload   the offloaded layers' inputs, written in forward and read back in backward
     update    the updaters' AdamW over every host parameter, and the shadow refresh with bf16 delivery
     sum       the aggregator's sum of the ranks' gradients (summed: several ranks, host route), and its norm
-    tokens: one rank's tokens per step."""
+    tokens: one rank's tokens per step. nnodes: hosts in the job (docs/multi-host.md): the routes are sharded and
+    reduce_scatter over every host's ranks, so this host reads, writes and updates its 1/nnodes of every
+    chunk, and an untied embedding is fetched whole (sharded) instead of its rows."""
     fb = hosttraffic.fetch_bytes(delivery)
     p_layer, nl, h = layer_params(model), model.num_layers, model.hidden_size
     held = min(device_layers, nl)
@@ -214,14 +217,15 @@ def host_traffic(
     grads = (streamed * p_layer + h) * hosttraffic.FP32 * writers
     if embedding == "host":
         vh = embedding_params(model)
-        rows = tokens * world * h * fb if gathers_rows(model, embedding) else 0
-        fetch += rows + vh * fb * readers  # the batch's rows, the head's matrix (tied: the embedding)
+        rows = tokens * world * h * fb if gathers_rows(model, embedding) and nnodes == 1 else 0
+        whole = vh * fb * readers if gathers_rows(model, embedding) and nnodes > 1 else 0  # fetched whole, sharded
+        fetch += rows + whole + vh * fb * readers  # the batch's rows, the head's matrix (tied: the embedding)
         grads += (vh + head_params(model)) * hosttraffic.FP32 * writers
     updated = host_updated_params(model, embedding, device_layers)
     return {
-        "fetch": fetch, "grads": grads,
+        "fetch": fetch // nnodes, "grads": grads // nnodes,
         "offload": 2 * offloaded * activation_bytes(model, tokens, compute_dtype) * world,
-        "update": updated * hosttraffic.update_bytes(delivery == "bf16"),
+        "update": updated * hosttraffic.update_bytes(delivery == "bf16") // nnodes,
         "sum": updated * (hosttraffic.sum_bytes(world) + hosttraffic.FP32) if summed else 0,
     }
 
@@ -362,10 +366,11 @@ def device_memory_items(
     model: ModelConfig, *, tokens: int, seq_len: int, micro_batch: int, world: int, delivery: str,
     activations: str, embedding: str, prefetch_depth: int, resident_layers: int, chunk_rows: int,
     loss_chunk_tokens: int, compute_dtype: str = "bf16", offload_layers: int | None = None, seq_tile_tokens: int = 0,
-    device_layers: int = 0,
+    device_layers: int = 0, nnodes: int = 1,
 ) -> list[tuple[str, int]]:
     """GPU memory of one rank, item by item, each at its largest (`device_memory_peak` adds them up
-    phase by phase: not all of them are live at the same instant). tokens: the rank's tokens per step."""
+    phase by phase: not all of them are live at the same instant). tokens: the rank's tokens per step.
+    nnodes > 1: an untied host embedding is fetched whole (no host holds every row) and kept for the step."""
     cb = dtype_bytes(compute_dtype)
     db = delivery_bytes(delivery)
     h, v = model.hidden_size, model.vocab_size
@@ -412,6 +417,8 @@ def device_memory_items(
         items.append(("embedding/head weights", v * h * cb))
         items.append(("embedding/head gradient", v * h * GRAD_BYTES))
     else:
+        if nnodes > 1:  # several hosts: the matrix all-gathered for the lookup, held by the engine to the step's end
+            items.append(("embedding weights (fetched whole)", v * h * cb))
         items.append(("head weights (loss)", v * h * cb))
         items.append(("head gradient", v * h * GRAD_BYTES))
         items.append(("embedding gradient", v * h * GRAD_BYTES))

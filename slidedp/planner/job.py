@@ -164,6 +164,17 @@ def host_routes(job: JobConfig) -> dict[str, tuple[str, ...]]:
     return {"param_route": ("sharded",), "grad_route": ("reduce_scatter",), "embedding": ("host",)}
 
 
+def network(job: JobConfig, calib: Calibration) -> Calibration:
+    """The calibration with the network between hosts the job gives (runtime.network_gbps in Gb/s,
+    runtime.network_latency_us), where it gives one; else the calibration's (the assumed defaults: no host can
+    measure the network before the hosts are together)."""
+    rt = job.runtime
+    if not (rt.network_gbps or rt.network_latency_us):
+        return calib
+    return replace(calib, internode_gbps=rt.network_gbps / 8 or calib.internode_gbps,
+                   internode_latency_us=rt.network_latency_us or calib.internode_latency_us, internode_source="job")
+
+
 def _cpu_plan(job: JobConfig, options: tuple[str, ...], store: StoreFacts, notes: tuple[str, ...]) -> JobPlan:
     """No planner: the job's values, and the CPU default where it says "auto"; the bf16 delivery where
     the store has (or gets) the shadow anyway."""
@@ -208,8 +219,10 @@ def plan_for(job: JobConfig, store_facts: StoreFacts = StoreFacts(), host_room: 
     cfg = model_config(job)
     nl, one = cfg.num_layers, rt.workers == 1 and rt.nnodes == 1
     layers = resolve_layers(job, cfg)
-    # several hosts: this host's share of the batch over its own ranks (the network is not charged yet)
+    # several hosts: this host's share of the batch over its own ranks, the routes over every host's (the network
+    # between them as the job gives it, or assumed: network())
     work = Workload(model=cfg, global_batch=t.global_batch // rt.nnodes, seq_len=t.seq_len, world=rt.workers,
+                    nnodes=rt.nnodes,
                     micro_batch=p.chosen("micro_batch") or 0, compute_dtype=p.dtype, clip=t.max_grad_norm > 0,
                     updaters=max(1, rt.updaters), compiled=t.compile in ("auto", "on"),
                     host_room=host_room,
@@ -228,6 +241,7 @@ def plan_for(job: JobConfig, store_facts: StoreFacts = StoreFacts(), host_room: 
             "compiled": work.compiled, "compile_fallback": t.compile == "auto", "local_batch": work.local_batch,
             "sizes": device_work_sizes(work, budget, allowed),
             **({"documents": documents.to_dict()} if documents is not None else {})})
+    calibration = network(job, calibration)
     allowed.update(_routes(p, calibration))
     allowed.update(host_routes(job))
     plan = make_plan(work, budget, calibration, allowed, device_layers=0 if rt.nnodes > 1 else p.chosen("device_layers"))

@@ -38,7 +38,8 @@ def learned_update_rate(run_plan: JobPlan, update_busy_s: list[float]) -> float 
     busy = statistics.median(update_busy_s[1:])
     if busy <= 0:
         return None
-    params = costs.host_updated_params(w.model, plan.step.embedding, run_plan.step.device_layers)
+    # several hosts: this host's updaters update its 1/nnodes of every chunk
+    params = costs.host_updated_params(w.model, plan.step.embedding, run_plan.step.device_layers) / w.nnodes
     return params / busy * costs.update_bytes_per_param(plan.step.delivery) / 28.0
 
 

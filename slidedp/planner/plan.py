@@ -18,8 +18,8 @@ from slidedp.model import moe_shape
 from slidedp.planner import costs
 from slidedp.planner.calibration import Calibration
 from slidedp.planner.costs import GiB
-from slidedp.planner.step_model import (RESOURCES, device_time_source, embedding_rows_bytes, embedding_rows_s, measured,
-                                        micro_batch_of, predict_step)
+from slidedp.planner.step_model import (HOSTS_RESOURCES, collective_s, device_time_source, embedding_rows_bytes,
+                                        embedding_rows_s, measured, micro_batch_of, network_bytes, predict_step)
 from slidedp.planner.plan_record import Plan, Weighed
 from slidedp.planner.workload import Workload
 from slidedp.stepplan import StepPlan
@@ -77,7 +77,7 @@ def _memory(work: Workload, ch: StepPlan) -> list[tuple[str, int]]:
         chunk_rows=ch.chunk_rows or costs.default_chunk_rows(work.model, ch.layer_chunk_numel),
         loss_chunk_tokens=ch.loss_chunk_tokens,
         compute_dtype=work.compute_dtype, offload_layers=ch.offload_layers, seq_tile_tokens=ch.seq_tile_tokens,
-        device_layers=ch.device_layers,
+        device_layers=ch.device_layers, nnodes=work.nnodes,
     )
 
 
@@ -143,8 +143,8 @@ def _base_choices(work: Workload, allowed: dict[str, tuple] | None = None) -> li
     One rank has no routes to choose."""
     opts = dict(ALL_OPTIONS, **(allowed or {}))
     deliveries = opts["delivery"] if work.compute_dtype == "bf16" else ("fp32",)
-    param_routes = opts["param_route"] if work.world > 1 else ("replicated",)
-    grad_routes = opts["grad_route"] if work.world > 1 else ("host",)
+    param_routes = opts["param_route"] if work.ranks > 1 else ("replicated",)
+    grad_routes = opts["grad_route"] if work.ranks > 1 else ("host",)
     offloaded = {"keep": 0, "offload": work.model.num_layers}  # "offload": all, until fitted (_fewest_offloaded)
     return [
         StepPlan(micro_batch=work.micro_batch or 1, compute_dtype=work.compute_dtype, offload_layers=offloaded[a],
@@ -469,6 +469,42 @@ def _cut_note(work: Workload, ch: StepPlan, calib: Calibration, step: float) -> 
             f"chunk by chunk: {step:.3f} s a step, {predict_step(work, whole, calib)[2]:.3f} s with whole layers")
 
 
+def hosts_bound(busy: dict[str, float], step: float) -> str:
+    """What bounds a step on several hosts, in words: the busiest resource, and the network where it is the
+    busiest but for the copy streams that carry its collectives (they hold the PCIe copies besides)."""
+    bound = max(busy, key=busy.__getitem__)
+    names = {"device": "the GPU", "h2d": "the copy-in stream (PCIe copies and the all-gathers)",
+             "d2h": "the copy-out stream (the reduce-scatters and PCIe copies)", "reduce": "the aggregator's sums",
+             "update": "the updaters' AdamW", "host": "host memory traffic", "network": "the network between hosts"}
+    rest = {k: v for k, v in busy.items() if k not in ("h2d", "d2h")}
+    if bound in ("h2d", "d2h") and max(rest, key=rest.__getitem__) == "network" and busy["network"] > 0.5 * busy[bound]:
+        bound = "network"
+    return f"{names[bound]}, {busy[bound]:.3f} s of the {step:.3f} s step"
+
+
+def _hosts_note(work: Workload, ch: StepPlan, calib: Calibration, busy: dict[str, float], step: float) -> str:
+    """Several hosts: what the network between them carries per step and what it takes, and what bounds the step."""
+    m, hosts = work.model, work.nnodes
+    cb, gb = costs.dtype_bytes(work.compute_dtype), costs.GRAD_BYTES
+    nl, h, vh = m.num_layers, m.hidden_size, costs.embedding_params(m)
+    p_layer = costs.layer_params(m)
+    refetched = nl - ch.resident_layers
+    gathered = (nl + refetched) * p_layer + h + (vh if ch.embedding == "host" else 0) + costs.head_params(m)
+    scattered = nl * p_layer + h + ((vh + costs.head_params(m)) if ch.embedding == "host" else 0)
+    ag, rs = network_bytes(work, gathered * cb), network_bytes(work, scattered * gb)
+    intra = (f"the GPU links among this host's {work.world} ({calib.allreduce_gbps:.0f} GB/s all-gather bus bandwidth"
+             + (")" if calib.bus_gpus > 1 else ", not measured)") if work.world > 1 else "no GPU links (one GPU a host)")
+    layer_ag = collective_s(work, calib, p_layer * cb)
+    return (f"{hosts} hosts x {work.world} ranks, one group of {work.ranks}; this host plans its {work.global_batch} of the "
+            f"{work.global_batch * hosts} sequences, its store holds 1/{hosts} of the state and its updaters update 1/{hosts} "
+            f"of the parameters. Per step each host's network link carries, each way, {ag / 1e9:.1f} GB of all-gathers "
+            f"(every streamed unit's weights in {work.compute_dtype}, twice but for resident layers) and {rs / 1e9:.1f} GB of "
+            f"reduce-scatters (fp32 gradients): {busy.get('network', 0.0):.3f} s of the link a step (the "
+            f"{calib.network_words()}); each collective at the slower of {intra} and the link (a layer's all-gather "
+            f"{layer_ag * 1e3:.1f} ms alone; in a backward that re-fetches, the all-gather and the reduce-scatter share the link by their bytes). The step is bound by "
+            + hosts_bound(busy, step))
+
+
 def _device_time_note(work: Workload, ch: StepPlan, calib: Calibration) -> str:
     """Where the plan's GPU time comes from: the blocks measured on this GPU, or the FLOPs."""
     b, source = calib.blocks, device_time_source(work, ch, calib)
@@ -579,11 +615,13 @@ def _plan(work: Workload, budget_bytes: int, calib: Calibration, allowed: dict[s
     notes.append(_update_rate_note(work, best, calib))
     notes.append(_device_time_note(work, best, calib))
     notes += [n for n in (_moe_note(work), _cut_note(work, best, calib, step)) if n]
-    if costs.gathers_rows(work.model, best.embedding):
+    if costs.gathers_rows(work.model, best.embedding) and work.nnodes == 1:  # several hosts: fetched whole
         notes.append(_embedding_rows_note(work, best, calib))
     workspace = _workspace_note(work, best, calib, dict(items)["layer workspace"])
     if workspace:
         notes.append(workspace)
+    if work.nnodes > 1:
+        notes.append(_hosts_note(work, best, calib, busy, step))
     bound = max(busy, key=busy.__getitem__)
     notes.append(f"busiest resource: {bound}")
     total = costs.device_memory_peak(items, work.world).total_bytes
@@ -591,7 +629,8 @@ def _plan(work: Workload, budget_bytes: int, calib: Calibration, allowed: dict[s
                      predicted_corrected_step_s=corrected_step if work.clip else None, planned_device_bytes=total,
                      planned_by="planner")
     return Plan(
-        step=chosen, device_memory=tuple(items), busy_s=tuple((r, busy[r]) for r in RESOURCES), exposed_s=exposed,
+        step=chosen, device_memory=tuple(items), busy_s=tuple((r, busy[r]) for r in HOSTS_RESOURCES if r in busy),
+        exposed_s=exposed,
         workload=work, budget_bytes=shown_budget, calibration=calib, notes=tuple(notes), weighed=weighed,
     )
 

@@ -45,7 +45,8 @@ class Plan:
 
     @property
     def tokens_per_s(self) -> float:
-        return self.workload.tokens_per_step / self.step.predicted_step_s
+        """Tokens a second of the whole job: on several hosts, every host's (each plans its share of the batch)."""
+        return self.workload.tokens_per_step * self.workload.nnodes / self.step.predicted_step_s
 
     def _weighed_lines(self) -> list[str]:
         """The micro-batches weighed: each one's best plan (prediction, memory, where its GPU time came
@@ -75,9 +76,12 @@ class Plan:
         lines = [
             f"SlideDP plan: {m.family} {m.num_parameters() / 1e9:.2f} B params ({m.num_layers} layers, hidden "
             f"{m.hidden_size}, vocab {m.vocab_size:,}, {tied}); {w.global_batch} x {w.seq_len} = "
-            f"{w.tokens_per_step:,} tokens/step on {w.world} rank(s); clip {'on' if w.clip else 'off'}; "
-            f"{w.updaters} updater(s)",
+            f"{w.tokens_per_step:,} tokens/step on {w.world} rank(s)"
+            + (f" of this host, one of {w.nnodes} hosts ({w.global_batch * w.nnodes} x {w.seq_len} = "
+               f"{w.tokens_per_step * w.nnodes:,} tokens/step on {w.ranks} ranks)" if w.nnodes > 1 else "")
+            + f"; clip {'on' if w.clip else 'off'}; {w.updaters} updater(s)",
             f"calibration: {self.calibration.summary()}",
+            *([f"several hosts: {self.calibration.network_words()}"] if w.nnodes > 1 else []),
             "",
             "choices",
         ]
@@ -118,14 +122,16 @@ class Plan:
             "",
             f"predicted step {s.predicted_step_s:.3f} s (GPU busy {dict(self.busy_s)['device']:.3f} s, exposed "
             f"{self.exposed_s:.3f} s): {self.tokens_per_s:,.0f} tokens/s"
+            + (f" over the {w.nnodes} hosts" if w.nnodes > 1 else "")
             + (" when the gradient norm stays under max_grad_norm" if w.clip else ""),
         ]
+        tokens = w.tokens_per_step * w.nnodes
         if w.clip:
             lines.append(f"a step that clips      {s.predicted_clipped_step_s:.3f} s: "
-                         f"{w.tokens_per_step / s.predicted_clipped_step_s:,.0f} tokens/s after a clipped step (its "
+                         f"{tokens / s.predicted_clipped_step_s:,.0f} tokens/s after a clipped step (its "
                          f"updates wait for the global norm)")
             lines.append(f"  the first that clips {s.predicted_corrected_step_s:.3f} s: "
-                         f"{w.tokens_per_step / s.predicted_corrected_step_s:,.0f} tokens/s after one that did not "
+                         f"{tokens / s.predicted_corrected_step_s:,.0f} tokens/s after one that did not "
                          f"(it speculated: its updates are corrected after the backward)")
         lines += host_lines(w, self.step, self.calibration, dict(self.busy_s))
         lines += [f"note: {n}" for n in self.notes]

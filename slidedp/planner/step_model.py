@@ -51,6 +51,7 @@ from slidedp.planner.workload import Workload
 from slidedp.stepplan import StepPlan
 
 RESOURCES = ("device", "h2d", "d2h", "reduce", "update", "host")
+HOSTS_RESOURCES = RESOURCES + ("network",)  # several hosts: the network link between them too
 _STEPS = 8  # simulated steps; the period is averaged over the last _AVERAGE of them
 _AVERAGE = 4
 
@@ -75,6 +76,9 @@ class _Task:
     gate: tuple[str, ...] = ()  # jobs of the previous step that must be done before the copy-in
     jobs: tuple[_Job, ...] = ()
     clip_gated: bool = False  # an optimizer step on the GPU: needs the global norm when clipping
+    # several hosts: the seconds this task's collectives keep the host's network link busy (their bytes through
+    # it at its full rate and their rings' latency), within h2d_s / d2h_s / device_s; reported, not scheduled
+    net_s: float = 0.0
 
 
 def _rates(calib: Calibration, both: bool, ranks: int = 1) -> tuple[float, float]:
@@ -103,24 +107,45 @@ def _tasks(work: Workload, ch: StepPlan, calib: Calibration) -> list[_Task]:
     n, bus = work.world, calib.allreduce_gbps * 1e9
     fwd_in, fwd_out = _rates(calib, both=offload, ranks=n)
     held = min(ch.device_layers, nl)  # layers 0..held-1 never leave the GPU: no copies, no host update
-    bwd_in, bwd_out = _rates(calib, both=offload or k + held < nl, ranks=n)  # backward re-fetches, if any
+    refetch = k + held < nl  # backward re-fetches, if any
+    bwd_in, bwd_out = _rates(calib, both=offload or refetch, ranks=n)
     cb = costs.dtype_bytes(work.compute_dtype)
+    hosts = work.nnodes
+    # several hosts: a collective over every host's ranks is a ring through each host's network link; in a
+    # backward that re-fetches, the all-gather of the next layer and the reduce-scatter of this one's gradient
+    # run at once and share the link (each way) in proportion to their bytes, as the copy streams share PCIe
+    # both ways (`_rates`): each then takes as long as the two together would one after the other
+    net_fwd = 1.0
+    net_bwd_in = network_share(work, refetch, cb, costs.GRAD_BYTES)
+    net_bwd = network_share(work, refetch, costs.GRAD_BYTES, cb)
 
-    def params_in(params: float, rate: float) -> float:
+    def params_in(params: float, rate: float, share: float = 1.0) -> float:
         """Copy-stream time of `params` parameters: whole over PCIe, or 1/N over PCIe then the all-gather."""
-        if ch.param_route == "replicated" or n == 1:
+        if ch.param_route == "replicated" or (n == 1 and hosts == 1):
             return params * db / rate
-        return params * db / n / rate + params * cb * (n - 1) / n / bus
+        if hosts == 1:
+            return params * db / n / rate + params * cb * (n - 1) / n / bus
+        return params * db / work.ranks / rate + collective_s(work, calib, params * cb, share)
 
-    def grads_out(params: float, rate: float) -> float:
+    def grads_out(params: float, rate: float, share: float = 1.0) -> float:
         """Copy-out time of `params` fp32 gradients: whole, or the reduce-scatter then 1/N over PCIe."""
-        if ch.grad_route == "host" or n == 1:
+        if ch.grad_route == "host" or (n == 1 and hosts == 1):
             return params * gb / rate
-        return params * gb / n / rate + params * gb * (n - 1) / n / bus
+        if hosts == 1:
+            return params * gb / n / rate + params * gb * (n - 1) / n / bus
+        return params * gb / work.ranks / rate + collective_s(work, calib, params * gb, share)
+
+    def net(*collectives: tuple[float, int]) -> float:
+        """The network link's busy seconds of collectives of (parameters, bytes each) (0 on one host)."""
+        return sum(network_busy_s(work, calib, p * b) for p, b in collectives) if hosts > 1 else 0.0
+
+    sharded_in = ch.param_route == "sharded" and hosts > 1
 
     g_fwd, g_bwd, g_loss = device_times(work, ch, calib)
     summed = sums_on_host(work.world, ch.grad_route)
+    # several hosts: this host's updaters update its 1/nnodes of every chunk
     upd_scale = costs.update_bytes_per_param(ch.delivery) / 28.0 / calib.update_params_per_s(m.num_parameters(), summed)
+    upd_scale /= hosts
     red_scale = gb * costs.reduce_traffic_factor(work.world, ch.grad_route, work.clip) / (
         calib.reduce_rate_gbps(m.num_parameters(), summed) * 1e9)
 
@@ -137,55 +162,109 @@ def _tasks(work: Workload, ch: StepPlan, calib: Calibration) -> list[_Task]:
         return (f"layer {c}",) if len(shares) == 1 else tuple(f"layer {c}:{j}" for j in range(len(shares)))
     embedding_blocks = tuple(f"embedding:{j}" for j in range(len(rows)))
     tasks: list[_Task] = []
+    untied_host = costs.gathers_rows(m, ch.embedding)  # an untied embedding on the host, and its head
+    pin = cb if sharded_in else 0  # bytes a parameter takes in an all-gather across hosts (0: none)
+    gout = gb if ch.grad_route == "reduce_scatter" and hosts > 1 else 0  # ... in a reduce-scatter across hosts
     # ---- forward
-    if costs.gathers_rows(m, ch.embedding):
+    if untied_host and hosts == 1:
         # the worker gathers the rows once every block of the embedding is updated (Engine.host_embedding)
         tasks.append(_Task("embedding rows", h2d_s=embedding_rows_s(work, ch, calib), gate=embedding_blocks))
-    elif host_emb:  # tied: the engine fetches the whole matrix (the head's) once all of it is updated
-        tasks.append(_Task("embedding in", h2d_s=params_in(v * h, fwd_in), gate=embedding_blocks))
+    elif host_emb:  # tied (or several hosts, where no store holds every row): the engine fetches the whole
+        # matrix once all of it is updated
+        tasks.append(_Task("embedding in", h2d_s=params_in(v * h, fwd_in, net_fwd), gate=embedding_blocks,
+                           net_s=net((v * h, pin))))
     for c in range(nl):
         tasks.append(_Task(
-            f"layer {c} fwd", h2d_s=params_in(p_layer, fwd_in) if c >= held else 0.0, device_s=g_fwd,
+            f"layer {c} fwd", h2d_s=params_in(p_layer, fwd_in, net_fwd) if c >= held else 0.0, device_s=g_fwd,
             d2h_s=act / fwd_out if c < off else 0.0, gate=layer_jobs(c) if c >= held else (),
+            net_s=net((p_layer, pin)) if c >= held else 0.0,
         ))
     # ---- loss: the final norm and the head (an untied host-held head: fetched as one unit, once all of
     # its row blocks are updated, as the engine fetches it)
-    norm_in, norm_job = params_in(h, fwd_in), job("norm", h)
-    if costs.gathers_rows(m, ch.embedding):
+    norm_in, norm_job = params_in(h, fwd_in, net_fwd), job("norm", h)
+    if untied_host:
         head_gate = ("norm",) + tuple(f"head:{j}" for j in range(len(rows)))
-        tasks.append(_Task("norm and head in", h2d_s=norm_in + params_in(v * h, fwd_in), gate=head_gate))
-        tasks.append(_Task("loss", device_s=g_loss, d2h_s=grads_out(h, bwd_out), jobs=(norm_job,)))
+        tasks.append(_Task("norm and head in", h2d_s=norm_in + params_in(v * h, fwd_in, net_fwd), gate=head_gate,
+                           net_s=net((h, pin), (v * h, pin))))
+        tasks.append(_Task("loss", device_s=g_loss, d2h_s=grads_out(h, bwd_out, net_bwd), jobs=(norm_job,),
+                           net_s=net((h, gout))))
         # the untied head's gradient is complete now: out it goes
         tasks += [
-            _Task(f"head block {j} grad", d2h_s=grads_out(r * h, bwd_out), jobs=(job(f"head:{j}", r * h),))
+            _Task(f"head block {j} grad", d2h_s=grads_out(r * h, bwd_out, net_bwd), jobs=(job(f"head:{j}", r * h),),
+                  net_s=net((r * h, gout)))
             for j, r in enumerate(rows)
         ]
     else:
-        tasks.append(_Task("loss", h2d_s=norm_in, device_s=g_loss, d2h_s=grads_out(h, bwd_out), gate=("norm",), jobs=(norm_job,)))
+        tasks.append(_Task("loss", h2d_s=norm_in, device_s=g_loss, d2h_s=grads_out(h, bwd_out, net_bwd), gate=("norm",),
+                           jobs=(norm_job,), net_s=net((h, pin), (h, gout))))
     # ---- backward
     for c in reversed(range(nl)):
-        fetch = (0.0 if c >= nl - k or c < held else params_in(p_layer, bwd_in)) + (act / bwd_in if c < off else 0.0)
+        refetched = not (c >= nl - k or c < held)
+        fetch = (params_in(p_layer, bwd_in, net_bwd_in) if refetched else 0.0) + (act / bwd_in if c < off else 0.0)
         names = layer_jobs(c)
         tasks.append(_Task(
             f"layer {c} bwd", h2d_s=fetch, device_s=g_bwd,
-            d2h_s=grads_out(p_layer * shares[0], bwd_out) if c >= held else 0.0,
+            d2h_s=grads_out(p_layer * shares[0], bwd_out, net_bwd) if c >= held else 0.0,
             jobs=(job(names[0], p_layer * shares[0]),) if c >= held else (),
+            net_s=net((p_layer, pin if refetched else 0), (p_layer * shares[0], gout if c >= held else 0)),
         ))
         if c >= held:  # the layer's later chunks copy out behind its first, the updaters already on it
-            tasks += [_Task(f"{names[j]} grad", d2h_s=grads_out(p_layer * shares[j], bwd_out),
-                            jobs=(job(names[j], p_layer * shares[j]),)) for j in range(1, len(shares))]
+            tasks += [_Task(f"{names[j]} grad", d2h_s=grads_out(p_layer * shares[j], bwd_out, net_bwd),
+                            jobs=(job(names[j], p_layer * shares[j]),), net_s=net((p_layer * shares[j], gout)))
+                      for j in range(1, len(shares))]
     if host_emb:  # the whole embedding gradient leaves the GPU, then the updaters update it block by block
         emb_jobs = tuple(job(f"embedding:{j}", r * h) for j, r in enumerate(rows))
         tasks += [
-            _Task(f"embedding block {j} grad", d2h_s=grads_out(r * h, bwd_out), jobs=emb_jobs if j == len(rows) - 1 else ())
+            _Task(f"embedding block {j} grad", d2h_s=grads_out(r * h, bwd_out, net_bwd),
+                  jobs=emb_jobs if j == len(rows) - 1 else (), net_s=net((r * h, gout)))
             for j, r in enumerate(rows)
         ]
+    if hosts > 1:  # the loss's and the gradient norm's small all-reduces over every host's ranks: latency only
+        small = 2 * SMALL_ALLREDUCE_RING_STEPS * (work.ranks - 1) * calib.internode_latency_s
+        tasks.append(_Task("loss and norm all-reduces", device_s=small, net_s=small))
     device_held = held * p_layer + (0 if host_emb else costs.embedding_params(m) + costs.head_params(m))
     if device_held:  # the device-held units: gradients all-reduced among ranks, AdamW on the GPU, after backward
         allreduce = 2 * (work.world - 1) / work.world * device_held * gb / (calib.allreduce_gbps * 1e9)
         tasks.append(_Task("device-held AdamW (GPU)", device_s=device_held / calib.device_adamw_params_per_s + allreduce,
                            clip_gated=True))
     return tasks
+
+
+# a ring all-reduce is a reduce-scatter and an all-gather: twice a ring's steps
+SMALL_ALLREDUCE_RING_STEPS = 2
+
+
+def network_share(work: Workload, both: bool, mine: float, other: float) -> float:
+    """The share of a host's network link a collective of `mine` bytes a parameter gets: all of it, or where
+    an all-gather and a reduce-scatter run at once (both), its bytes' share of the two's."""
+    return mine / (mine + other) if both and work.nnodes > 1 else 1.0
+
+
+def network_bytes(work: Workload, nbytes: float) -> float:
+    """Bytes of a collective over every host's ranks (an all-gather of a chunk of `nbytes`, or a reduce-scatter
+    of one) through one host's network link, each way. NCCL runs both as a ring over the nnodes x world ranks
+    (one network hop per host and ring), which carries (R - 1) / R of the chunk over every hop, a host's link
+    included: more than the (H - 1) / H a host lacks, which NCCL's rings do not reach."""
+    r = work.ranks
+    return nbytes * (r - 1) / r
+
+
+def collective_s(work: Workload, calib: Calibration, nbytes: float, share: float = 1.0) -> float:
+    """Seconds of an all-gather (or reduce-scatter) of a chunk of `nbytes` over every host's ranks: its ring's
+    bytes at the slower of the GPU links within a host (the calibration's all-gather bus bandwidth among its
+    GPUs, as nccl-tests reports it; none with one GPU a host) and the host's network link (its `share` of
+    it), plus the ring's steps' latency (R - 1 network hops' worth)."""
+    rate = calib.internode_rate_gbps * 1e9 * share
+    if work.world > 1:
+        rate = min(rate, calib.allreduce_gbps * 1e9)
+    return network_bytes(work, nbytes) / rate + (work.ranks - 1) * calib.internode_latency_s
+
+
+def network_busy_s(work: Workload, calib: Calibration, nbytes: float) -> float:
+    """Seconds a collective of a chunk of `nbytes` keeps one host's network link busy: its bytes at the link's
+    full rate, and its ring's latency."""
+    return (network_bytes(work, nbytes) / (calib.internode_rate_gbps * 1e9)
+            + (work.ranks - 1) * calib.internode_latency_s)
 
 
 def embedding_rows_bytes(work: Workload, ch: StepPlan) -> int:
@@ -347,12 +426,13 @@ def _serve(released: list[tuple[_Job, float]], servers: list[float], floor: floa
 
 def host_traffic(work: Workload, ch: StepPlan) -> dict[str, int]:
     """Host memory bytes of one step, all ranks, by what moves them (costs.host_traffic)."""
+    one = work.ranks == 1
     return costs.host_traffic(
         work.model, tokens=work.local_tokens, delivery=ch.delivery, embedding=ch.embedding,
         resident_layers=ch.resident_layers, device_layers=ch.device_layers, offloaded=ch.offloaded(work.model.num_layers),
-        world=work.world, param_route=ch.param_route if work.world > 1 else "replicated",
-        grad_route=ch.grad_route if work.world > 1 else "host", compute_dtype=work.compute_dtype,
-        summed=sums_on_host(work.world, ch.grad_route))
+        world=work.world, param_route=ch.param_route if not one else "replicated",
+        grad_route=ch.grad_route if not one else "host", compute_dtype=work.compute_dtype,
+        summed=sums_on_host(work.world, ch.grad_route), nnodes=work.nnodes)
 
 
 def host_bound_s(work: Workload, ch: StepPlan, calib: Calibration) -> float:
@@ -382,6 +462,8 @@ def predict_step(work: Workload, choices: StepPlan, calib: Calibration, clips: b
         "update": sum(j.update_s for j in jobs) / work.updaters,
         "host": host_bound_s(work, choices, calib),
     }
+    if work.nnodes > 1:  # the network link between hosts: its collectives' bytes and latency (within h2d and d2h)
+        busy["network"] = sum(t.net_s for t in tasks)
     # the schedule's period, and never less than host memory needs to move the step's bytes
     step = max(_period(tuple(tasks), choices.prefetch_depth, work.updaters, work.clip, clips, corrected), busy["host"])
     return busy, step - busy["device"], step

@@ -78,9 +78,12 @@ class Workload:
     documents: DocumentLoad | None = None  # rows of packed documents (None: each row is one sequence)
     layers: str = "native"  # whose layers run the model (StepPlan.layers): transformers' are never tiled
     layer_chunk_numel: int | None = None  # the job's plan.layer_chunk_numel (None: "auto", the layout's rule)
+    # hosts in the job (docs/multi-host.md): `world` ranks on each, `global_batch` this host's share; the routes
+    # run over every host's ranks (nnodes x world), and this host's store and updaters hold 1/nnodes of the state
+    nnodes: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("global_batch", "seq_len", "world", "updaters"):
+        for name in ("global_batch", "seq_len", "world", "updaters", "nnodes"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"workload {name} must be a positive integer, got {getattr(self, name)!r}")
         if int(self.micro_batch) < 0:
@@ -98,6 +101,11 @@ class Workload:
     def layer_cut(self) -> int:
         """Where the store's layout cuts the layers into chunks (StepPlan.layer_chunk_numel; 0: whole layers)."""
         return costs.layer_cut(self.model, self.layer_chunk_numel)
+
+    @property
+    def ranks(self) -> int:
+        """Ranks over every host: what the sharded routes cut each chunk among."""
+        return self.world * self.nnodes
 
     @property
     def local_batch(self) -> int:
