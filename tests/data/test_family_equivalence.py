@@ -30,8 +30,10 @@ transformers = pytest.importorskip("transformers")
 
 PAIRS = [(1, 2), (2, 1), (3, 2), (2, 2), (3, 1), (1, 1)]
 # Four MoE families' launched runs wait for -m slow (the suite's time); their engine step is checked against
-# transformers in the default suite (tests/model/test_generic.py), like every family's.
-SLOW_ONLY = ("olmoe", "qwen3_5_moe", "glm4_moe", "deepseek_v3")
+# transformers in the default suite (tests/model/test_generic.py), like every family's. So do Llama's and Qwen3's,
+# which SlideDP's own layers run: a launched Qwen3 is held to transformers by tests/data/test_equivalence.py, a
+# launched Llama's checkpoint by tests/data/test_serve_and_eval.py.
+SLOW_ONLY = ("llama", "qwen3", "olmoe", "qwen3_5_moe", "glm4_moe", "deepseek_v3")
 FAST = [(f, *PAIRS[i % len(PAIRS)]) for i, f in enumerate(FAMILIES) if f not in SLOW_ONLY]
 SLOW = [(f, n, m) for f in FAMILIES for n in (1, 2, 3) for m in (1, 2) if (f, n, m) not in FAST]
 AUX_FAST = [("qwen3_moe", 2, 2)]
