@@ -31,7 +31,7 @@ CUT = 2 * EXPERT + 64
 
 # (ranks, micro-batches per rank, clipping, more job file values)
 CASES = [
-    (2, 1, 0.0, ()),  # the aggregator sums the ranks' chunks
+    pytest.param(2, 1, 0.0, (), marks=pytest.mark.slow),  # the aggregator sums the ranks' chunks (-m slow: time)
     (2, 2, 0.0, ('plan.grad_route="reduce_scatter"', 'plan.param_route="sharded"', "plan.device_layers=1")),
     (1, 2, 0.5, ()),  # clipping that acts: speculated, corrected and deferred chunks
 ]

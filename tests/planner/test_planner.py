@@ -406,6 +406,7 @@ def test_plan_never_exceeds_budget():
     assert fitted > 10 and refused > 0
 
 
+@pytest.mark.slow  # 20-35 s of planning three models at every budget: under -m slow for the suite's time
 def test_more_budget_never_gives_a_slower_plan():
     """Slower as the planner judges a first plan: the worse of its predictions at the charged share of the
     bare AdamW and at the lowest share measured (the held layers are chosen for both); with the rate
