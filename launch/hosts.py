@@ -7,8 +7,10 @@ Each launcher keeps there, from a thread:
 - `hb/<R>`: its heartbeat, a counter it raises about every second from the moment it joins;
 - `end/<R>`: how it ended, once it has: `done <seq>` or `failed <seq> <why>`, where seq orders the ends
   of every host (`ends`, a shared counter): the first host to fail is the one whose fault it was;
-- `ready/<R>`: the step it starts training at, once its store and daemons are ready (the barrier before
-  the workers start: every host's ranks then join their process group together).
+- `plan`: host 0's plan, which every host carries out (host_plan.py: their collectives must match);
+- `ready/<R>`: the step it starts training at and what its job must share with the others' (host_plan.py),
+  once its store and daemons are ready (the barrier before the workers start: every host's ranks then join
+  their process group together).
 
 `HostWatch` decides, from the time and what was read, which host to name: one that failed (the first),
 one that never joined or whose heartbeat has not advanced for runtime.timeout_s, or host 0 when the store
@@ -18,11 +20,14 @@ stops answering. It does no I/O and reads no clock; `HostLink` is the thin part 
 from __future__ import annotations
 
 import datetime
+import json
 import logging
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+from .host_plan import differences
 
 log = logging.getLogger("slidedp.launcher")
 
@@ -195,12 +200,37 @@ class HostLink:
         with self.lock:
             return None if self.own else self.watch.fault(self.clock())
 
-    def ready(self, start: int, check: Callable[[], None]) -> None:
-        """The barrier before the workers start: every host's store and daemons are ready, at the same step.
-        Raises HostFault naming a host that fails or is lost meanwhile; `check` raises on this host's own."""
+    def share_plan(self, plan: str) -> None:
+        """Host 0: the plan every host carries out (host_plan.SharedPlan as JSON), for the others to take."""
         with self.lock:
-            self.store.set(f"ready/{self.node_rank}", str(start))
-        keys = [f"ready/{r}" for r in range(self.nnodes)]
+            self.store.set("plan", plan)
+
+    def host0_plan(self, check: Callable[[], None]) -> str:
+        """Host 0's plan (as share_plan gave it), once it has planned. Raises HostFault naming a host that fails or
+        is lost meanwhile (host 0's own refusal of the job included); `check` raises on this host's own."""
+        return self._wait(["plan"], check)[0]
+
+    def ready(self, start: int, check: Callable[[], None], agreement: dict | None = None) -> None:
+        """The barrier before the workers start: every host's store and daemons are ready, at the same step, with
+        the same job (host_plan.agreement: the training settings, the model, the data, the plan). Raises HostFault
+        naming a host that fails or is lost meanwhile, StepsDiffer or JobsDiffer where the hosts disagree;
+        `check` raises on this host's own."""
+        with self.lock:
+            self.store.set(f"ready/{self.node_rank}", json.dumps({"step": start, "job": agreement or {}}))
+        got = [json.loads(v) for v in self._wait([f"ready/{r}" for r in range(self.nnodes)], check)]
+        steps = [g["step"] for g in got]
+        if len(set(steps)) > 1:
+            raise StepsDiffer("the hosts' stores are at different steps: " + ", ".join(
+                f"{host_name(r)} at step {s}" for r, s in enumerate(steps)) + "; every host's store must "
+                "be at the same committed step (restore them from the same checkpoint)")
+        for r, g in enumerate(got[1:], start=1):
+            differ = differences(g["job"], got[0]["job"])
+            if differ:
+                raise JobsDiffer(f"{host_name(r)}'s job differs from host 0's: {'; '.join(differ)}. Every host must "
+                                 "run the same job file (its [train], model and data) with the same runtime.workers")
+
+    def _wait(self, keys: list[str], check: Callable[[], None]) -> list[str]:
+        """The values of `keys` in the store once all are set, watching the other hosts and this one meanwhile."""
         while True:
             fault = self.fault()
             if fault:
@@ -208,16 +238,11 @@ class HostLink:
             check()
             with self.lock:
                 try:
-                    have = self.store.check(keys)
-                    steps = [int(v) for v in self.store.multi_get(keys)] if have else None
+                    values = [v.decode() for v in self.store.multi_get(keys)] if self.store.check(keys) else None
                 except Exception:  # noqa: BLE001 (the thread records a broken store)
-                    steps = None
-            if steps is not None:
-                if len(set(steps)) > 1:
-                    raise StepsDiffer("the hosts' stores are at different steps: " + ", ".join(
-                        f"{host_name(r)} at step {s}" for r, s in enumerate(steps)) + "; every host's store must "
-                        "be at the same committed step (restore them from the same checkpoint)")
-                return
+                    values = None
+            if values is not None:
+                return values
             time.sleep(0.1)
 
     def failed(self, text: str) -> None:
@@ -279,3 +304,7 @@ class HostFault(RuntimeError):
 
 class StepsDiffer(RuntimeError):
     """The hosts disagree (their stores' steps): nobody's fault in particular."""
+
+
+class JobsDiffer(RuntimeError):
+    """A host's job differs from host 0's (host_plan.agreement): the message names every difference."""

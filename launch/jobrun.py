@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -41,6 +42,7 @@ from slidedp.transport import bind_router, connect_dealer, identity, recv_dealer
 from . import children
 from .admission import AdmissionFacts, CheckpointFacts, HostFacts, StoreFacts, admit
 from .host_room import job_part
+from .host_plan import SharedPlan, adopted, agreement, job_with_choices
 from .hosts import HostFault, HostLink
 from .planning import check_layers, document_load, record_training
 from .preflight import cuda_probe
@@ -133,14 +135,28 @@ class JobRun:
                         self.store, dead_owner)
             self._call("destroy", self.timeout)
             status = self._call("status", self.timeout)
-        # the launcher's decision (admission.py), before anything is cleared, created, restored or written
-        self.admission = adm = admit(self._facts(cfg, status))
+        # the launcher's decision (admission.py), before anything is cleared, created, restored or written; on
+        # several hosts host 0's plan is every host's (host_plan.py)
+        facts = self._facts(cfg, status)
+        host0 = self._host0_plan()
+        if host0 is not None:
+            facts = replace(facts, job=job_with_choices(job, host0.step), calibration=host0.calibration)
+        self.admission = adm = admit(facts)
         if adm.problem:
-            raise JobFailed(adm.problem)
+            raise JobFailed(adm.problem if host0 is None else f"host 0's plan on this host: {adm.problem}")
         for w in adm.warnings:
             log.warning("%s", w.text)
         self.layout, self.plan = adm.layout, adm.plan
         assert self.plan is not None  # a plan is made where nothing refused the job
+        if host0 is not None:
+            try:
+                self.plan = replace(self.plan, step=adopted(self.plan.step, host0.step))
+            except ValueError as e:
+                raise JobFailed(str(e)) from None
+            log.info("planned with host 0's calibration and choices: every host carries out host 0's plan")
+        elif self.hosts is not None:
+            calib = self.plan.plan.calibration if self.plan.plan is not None else None
+            self.hosts.share_plan(SharedPlan(self.plan.step, calib).to_json())
         try:
             cleared = check_run_dir(job, status)
         except RunDirInUse as e:
@@ -352,7 +368,21 @@ class JobRun:
                 raise JobFailed(f"{dead} before the workers started")
 
         log.info("waiting for every host to be ready (runtime.nnodes = %d)", self.job.runtime.nnodes)
-        self.hosts.ready(start, check)
+        assert self.plan is not None and self.layout is not None and self.batches is not None
+        self.hosts.ready(start, check, agreement(self.job, self.layout.hash(), self.batches.state(start), self.plan.step))
+
+    def _host0_plan(self) -> SharedPlan | None:
+        """On a host other than host 0, host 0's plan once it has planned (None on host 0 and on one host)."""
+        if self.hosts is None or self.job.runtime.node_rank == 0:
+            return None
+        log.info("waiting for host 0's plan (every host carries it out)")
+
+        def check() -> None:
+            dead = self._dead_daemon()
+            if dead:
+                raise JobFailed(f"{dead} while waiting for host 0's plan")
+
+        return SharedPlan.from_json(self.hosts.host0_plan(check))
 
     # ---- running ---------------------------------------------------------------------------------
     def spawn_workers(self, start: int, end: int) -> None:

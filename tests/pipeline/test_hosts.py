@@ -56,9 +56,10 @@ def host_sets(folder, workers: int, hosts: int, store: str, run_dir, checkpoints
 
 
 def launch_hosts(tmp_path, folder, hosts: int, workers: int, checkpoints, *more: str, name: str = "run",
-                 stores: list[str] | None = None, outputs: list | None = None) -> tuple[list[str], list]:
+                 stores: list[str] | None = None, outputs: list | None = None,
+                 own: dict[int, tuple[str, ...]] | None = None) -> tuple[list[str], list]:
     """H launchers at once; returns (their stores, their run dirs) once all have ended, well unless `outputs`
-    is given (it gets each launcher's (exit status, output))."""
+    is given (it gets each launcher's (exit status, output)). own: a host's own job values, after the others."""
     port = free_ports()
     stores = stores or [unique_store(f"h{r}") for r in range(hosts)]
     runs = [tmp_path / f"{name}-host{r}" for r in range(hosts)]
@@ -66,7 +67,7 @@ def launch_hosts(tmp_path, folder, hosts: int, workers: int, checkpoints, *more:
     for r in range(hosts):
         argv = [sys.executable, "-m", "slidedp.launch.cli", str(TINY), "--nnodes", str(hosts), "--node-rank", str(r),
                 "--master-addr", "127.0.0.1", "--master-port", str(port)]
-        for s in host_sets(folder, workers, hosts, stores[r], runs[r], checkpoints, *more):
+        for s in host_sets(folder, workers, hosts, stores[r], runs[r], checkpoints, *more, *(own or {}).get(r, ())):
             argv += ["--set", s]
         procs.append(subprocess.Popen(argv, cwd=tmp_path, env=dict(os.environ, PYTHONUNBUFFERED="1"),
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
@@ -243,3 +244,26 @@ def test_hosts_at_different_steps_are_refused_naming_them(tmp_path, one_host, tw
                 st.close()
     finally:
         drop_store(fresh)
+
+
+@pytest.mark.slow
+def test_a_host_whose_job_differs_is_refused_naming_the_difference(tmp_path, one_host):
+    """Host 1's job file has another learning rate: both launchers stop at the ready barrier, before any worker
+    starts, naming it with both values (launch/host_plan.py); neither store trains."""
+    outputs: list = []
+    stores, _ = launch_hosts(tmp_path, one_host[0], 2, 1, tmp_path / "ck", name="differ", outputs=outputs,
+                             own={1: ("train.lr=0.002",)})
+    try:
+        for status, out in outputs:
+            assert status == 1, out[-3000:]
+            assert "host 1 (node rank 1)'s job differs from host 0's: train.lr 0.002 (host 0: " in out, out[-3000:]
+            assert "worker rank" not in out, out[-3000:]
+        held = [HostStore.attach(s) for s in stores]
+        try:
+            assert [st.manifest.committed_step for st in held] == [0, 0]
+        finally:
+            for st in held:
+                st.close()
+    finally:
+        for s in stores:
+            drop_store(s)
