@@ -5,16 +5,21 @@ serves (nothing else listens: the ranks' process group is torch.distributed's to
 Each launcher keeps there, from a thread:
 
 - `hb/<R>`: its heartbeat, a counter it raises about every second from the moment it joins;
-- `end/<R>`: how it ended, once it has: `done <seq>` or `failed <seq> <why>`, where seq orders the ends
-  of every host (`ends`, a shared counter): the first host to fail is the one whose fault it was;
+- `pr/<R>`: its ranks' progress through the collectives, read from their progress files at each beat
+  (launch/host_progress.py; empty until its workers start);
+- `end/<R>`: how it ended, once it has: `done <seq>`, `failed <seq> <why>` or `stalled <seq> <why>` (its
+  own ranks stalled), where seq orders the ends of every host (`ends`, a shared counter): the first host to
+  fail is the one whose fault it was, unless another host's ranks stalled and it failed waiting for them;
 - `plan`: host 0's plan, which every host carries out (host_plan.py: their collectives must match);
 - `ready/<R>`: the step it starts training at and what its job must share with the others' (host_plan.py),
   once its store and daemons are ready (the barrier before the workers start: every host's ranks then join
   their process group together).
 
 `HostWatch` decides, from the time and what was read, which host to name: one that failed (the first),
-one that never joined or whose heartbeat has not advanced for runtime.timeout_s, or host 0 when the store
-stops answering. It does no I/O and reads no clock; `HostLink` is the thin part that talks to the store.
+one that never joined or whose heartbeat has not advanced for runtime.timeout_s, one whose ranks stalled
+outside the collectives the others' ranks wait in (host_progress.py), or host 0 when the store stops
+answering; and whether this host's own ranks stalled. It does no I/O and reads no clock; `HostLink` is the
+thin part that talks to the store.
 """
 
 from __future__ import annotations
@@ -28,14 +33,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .host_plan import differences
+from .host_progress import HostProgress, Laggards, Stall, host_name
 
 log = logging.getLogger("slidedp.launcher")
 
 BEAT_S = 1.0  # how often a launcher raises its heartbeat and reads the others'
-
-
-def host_name(rank: int) -> str:
-    return f"host {rank} (node rank {rank})"
+LIVE_S = 3 * BEAT_S  # a host heard from this recently is alive: one silent longer is named silent, not stalled
 
 
 @dataclass(frozen=True)
@@ -45,14 +48,16 @@ class Ended:
     ok: bool
     seq: int  # its place among every host's ends: the first failure is the cause of the others
     text: str = ""
+    stalled: bool = False  # its own ranks stalled: the cause of the failures of the hosts that waited for them
 
     def encode(self) -> str:
-        return f"{'done' if self.ok else 'failed'} {self.seq} {self.text}".rstrip()
+        kind = "done" if self.ok else "stalled" if self.stalled else "failed"
+        return f"{kind} {self.seq} {self.text}".rstrip()
 
     @classmethod
     def decode(cls, raw: str) -> "Ended":
         kind, seq, *text = raw.split(" ", 2)
-        return cls(kind == "done", int(seq), text[0] if text else "")
+        return cls(kind == "done", int(seq), text[0] if text else "", kind == "stalled")
 
 
 @dataclass
@@ -60,9 +65,15 @@ class HostWatch:
     """Who of the other hosts is dead, from their heartbeats and ends: sans-IO, the time is passed in.
 
     A host is named when it failed (the first to fail, by its end's seq), when it has not joined
-    `timeout_s` after this launcher began watching, or when its heartbeat has not advanced for
-    `timeout_s` while the store answered. A host that ended well is never named. The store itself
-    not answering for `timeout_s` (or its connection broken) names host 0, whose launcher serves it."""
+    `timeout_s` after this launcher began watching, when its heartbeat has not advanced for
+    `timeout_s` while the store answered, or when its heartbeat beats on but its ranks have stayed
+    behind the others' in the collectives for `timeout_s` (a stall: host_progress.py). A host that
+    ended well is never named. The store itself not answering for `timeout_s` (or its connection
+    broken) names host 0, whose launcher serves it.
+
+    A host that failed while another host's ranks (or this host's) were behind its own is not named
+    at once: it may have failed waiting in a collective for them (the group's timeout is `timeout_s`
+    too). Their stall names them, or they catch up and it is named; either is known within `timeout_s`."""
 
     nnodes: int
     node_rank: int
@@ -74,22 +85,27 @@ class HostWatch:
     ended: dict[int, Ended] = field(default_factory=dict)
     answered: float = 0.0  # when the store last answered
     broken: str = ""  # the store's connection broke: the error (it is not retried)
+    laggards: Laggards = field(init=False)  # every host's ranks' progress through the collectives, this one's too
 
     def __post_init__(self) -> None:
         self.answered = max(self.answered, self.began)
+        self.laggards = Laggards(self.timeout_s)
 
     @property
     def others(self) -> list[int]:
         return [r for r in range(self.nnodes) if r != self.node_rank]
 
-    def saw(self, now: float, beats: dict[int, int], ended: dict[int, Ended]) -> None:
-        """What one round of reading the store gave: every other host's heartbeat (0: not joined yet)
-        and the ends written so far."""
+    def saw(self, now: float, beats: dict[int, int], ended: dict[int, Ended],
+            progress: dict[int, HostProgress] | None = None) -> None:
+        """What one round of reading the store gave: every other host's heartbeat (0: not joined yet),
+        the ends written so far, and the progress of every host that has published it (this one's too)."""
         self.answered = now
         for r, value in beats.items():
             if value and value != self.beats.get(r):
                 self.beats[r], self.changed[r] = value, now
         self.ended.update(ended)
+        if progress:
+            self.laggards.saw(now, progress)
 
     def lost(self, error: str) -> None:
         """The store's connection broke (the launcher serving it is gone): host 0 is named at once."""
@@ -99,11 +115,14 @@ class HostWatch:
         """The other host to blame for the job's failure, in words; None while every host is well.
         before: only a failure ended before this seq counts (this host failed with it: a later failure of
         another host is one this host caused)."""
-        failed = sorted((e.seq, r) for r, e in self.ended.items()
-                        if not e.ok and r != self.node_rank and (before is None or e.seq < before))
+        failed = sorted((e.seq, r) for r, e in self.ended.items()  # a stall is the cause, whenever it was told
+                        if not e.ok and r != self.node_rank and (e.stalled or before is None or e.seq < before))
         if failed:
             r = failed[0][1]
-            return f"{host_name(r)} failed: {self.ended[r].text}"
+            if self.ended[r].stalled:
+                return f"{host_name(r)} stalled: its {self.ended[r].text}"
+            if not self._waited_for(r):
+                return f"{host_name(r)} failed: {self.ended[r].text}"
         if self.node_rank != 0 and 0 not in self.ended:  # host 0 closes the store once it has ended
             if self.broken:
                 return f"{host_name(0)} is gone: its launcher's rendezvous at {self.rendezvous} broke off ({self.broken})"
@@ -120,7 +139,21 @@ class HostWatch:
                         f"{self.rendezvous}?")
             if last is not None and self.answered - last >= self.timeout_s:
                 return f"{host_name(r)} has not been heard from for {self.answered - last:.0f} s"
+            stall = self.laggards.stall(r, now)
+            if stall is not None and last is not None and self.answered - last < LIVE_S:
+                return stall.describe()
         return None
+
+    def stalled_here(self, now: float) -> Stall | None:
+        """This host's own ranks stalled: they have stayed behind another host's in the collectives, not
+        moving, for timeout_s (that host's ranks waited for them; it may have failed of it already)."""
+        return self.laggards.stall(self.node_rank, now)
+
+    def _waited_for(self, failed: int) -> bool:
+        """A host still running (or this one) is behind the `failed` host's ranks: it may have failed waiting
+        in a collective for that host's, which then is to blame once its stall is known."""
+        return any(self.laggards.behind(r, of=failed)
+                   for r in range(self.nnodes) if r != failed and (r == self.node_rank or r not in self.ended))
 
     def all_ended(self) -> bool:
         return all(r in self.ended for r in self.others)
@@ -157,6 +190,8 @@ class HostLink:
         self.lock = threading.Lock()
         self.watch = HostWatch(nnodes, node_rank, timeout_s, clock(), self.where)
         self.own: tuple[str, int | None, float] | None = None  # this host's failure: (text, seq, when)
+        # this host's ranks' progress, read at each beat once its workers run (set by the launcher)
+        self.progress_of: Callable[[], HostProgress | None] | None = None
         self._stop = threading.Event()
         try:
             self.store = dist.TCPStore(addr, port, nnodes, node_rank == 0, datetime.timedelta(seconds=timeout_s),
@@ -182,23 +217,35 @@ class HostLink:
         with self.lock:
             if self.watch.broken:
                 return
+            own = self.progress_of() if self.progress_of is not None else None
             try:
-                self.store.add(f"hb/{self.node_rank}", 1)
+                self.store.set(f"pr/{self.node_rank}", own.encode() if own else "")  # before the first beat: a
+                self.store.add(f"hb/{self.node_rank}", 1)  # host that has joined has a pr/<R> to read
                 beats = {r: self.store.add(f"hb/{r}", 0) for r in self.watch.others}
                 ended = {r: Ended.decode(self.store.get(f"end/{r}").decode())
                          for r in self.watch.others if r not in self.watch.ended and self.store.check([f"end/{r}"])}
+                joined = [r for r in self.watch.others if beats[r]]
+                raw = self.store.multi_get([f"pr/{r}" for r in joined]) if joined else []
             except Exception as e:  # noqa: BLE001 (DistNetworkError: broken; DistStoreError: timed out)
                 error = str(e).splitlines()[0] if str(e) else type(e).__name__
                 if not _timed_out(error):  # a broken connection: TCPStore does not reconnect
                     self.watch.lost(error)
                 return
-            self.watch.saw(self.clock(), beats, ended)
+            progress = {r: p for r, v in zip(joined, raw) if (p := HostProgress.decode(v.decode())) is not None}
+            if own is not None:
+                progress[self.node_rank] = own
+            self.watch.saw(self.clock(), beats, ended, progress)
 
     # ---- the launcher's questions ---------------------------------------------------------------
     def fault(self) -> str | None:
         """Another host to blame, in words, while this host has not failed itself."""
         with self.lock:
             return None if self.own else self.watch.fault(self.clock())
+
+    def stalled_here(self) -> Stall | None:
+        """This host's own ranks stalled behind another host's, while this host has not failed otherwise."""
+        with self.lock:
+            return None if self.own else self.watch.stalled_here(self.clock())
 
     def share_plan(self, plan: str) -> None:
         """Host 0: the plan every host carries out (host_plan.SharedPlan as JSON), for the others to take."""
@@ -245,9 +292,10 @@ class HostLink:
                 return values
             time.sleep(0.1)
 
-    def failed(self, text: str) -> None:
-        """This host failed: say so in `end/<R>` (the others name it at once), with its place among the ends."""
-        seq = self._end(False, text)
+    def failed(self, text: str, stalled: bool = False) -> None:
+        """This host failed: say so in `end/<R>` (the others name it at once), with its place among the ends.
+        stalled: its own ranks stalled (`text` names them), which the others name whatever its place."""
+        seq = self._end(False, text, stalled)
         self.own = (text, seq, self.clock())
 
     def explain(self, text: str) -> str:
@@ -277,13 +325,13 @@ class HostLink:
         self._stop.set()
         self.thread.join(5)
 
-    def _end(self, ok: bool, text: str) -> int | None:
+    def _end(self, ok: bool, text: str, stalled: bool = False) -> int | None:
         with self.lock:
             if self.watch.broken:
                 return None
             try:
                 seq = int(self.store.add("ends", 1))
-                self.store.set(f"end/{self.node_rank}", Ended(ok, seq, text.replace("\n", " ")).encode())
+                self.store.set(f"end/{self.node_rank}", Ended(ok, seq, text.replace("\n", " "), stalled).encode())
                 return seq
             except Exception as e:  # noqa: BLE001
                 error = str(e).splitlines()[0] if str(e) else type(e).__name__

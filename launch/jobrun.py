@@ -29,6 +29,7 @@ from slidedp.model.config import ModelConfig
 from slidedp.data import setup as data_setup
 from slidedp.data.packing import DocBatches
 from slidedp.data.serve import stage_serve_files
+from slidedp.rank_progress import RankProgress, progress_path, read_progress
 from slidedp.protocol import (CONTROL_CONTINUE, CONTROL_STOP, ROLE_LAUNCHER, Ack, Control, Fault, Hello, JobEnd,
                               JobStart)
 from slidedp.schedule import lr_at
@@ -41,6 +42,7 @@ from slidedp.transport import bind_router, connect_dealer, identity, recv_dealer
 
 from . import children
 from .admission import AdmissionFacts, CheckpointFacts, HostFacts, StoreFacts, admit
+from .host_progress import HostProgress, Stall
 from .host_room import job_part
 from .host_plan import SharedPlan, adopted, agreement, job_with_choices
 from .hosts import HostFault, HostLink
@@ -66,6 +68,14 @@ def worker_env() -> dict[str, str]:
 
 class JobFailed(RuntimeError):
     pass
+
+
+class RanksStalled(JobFailed):
+    """On several hosts: this host's ranks stalled outside a collective that another host's ranks wait in."""
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(f"this host's ranks stalled: {detail}")
+        self.detail = detail  # what the other hosts are told (they name this host with it)
 
 
 def cuda_device_count() -> int:
@@ -352,10 +362,31 @@ class JobRun:
         return call(self.store, kind, timeout_s=timeout_s, check=check, **args)
 
     def _check_hosts(self) -> None:
-        """On several hosts: fail at once, naming the host, when another host has failed or is lost."""
-        fault = self.hosts.fault() if self.hosts is not None else None
+        """On several hosts: fail at once, naming the host, when another host has failed, is lost or stalled;
+        or naming this host's ranks, when they stalled behind another host's."""
+        if self.hosts is None:
+            return
+        fault = self.hosts.fault()
         if fault:
             raise HostFault(fault)
+        stall = self.hosts.stalled_here()
+        if stall:
+            raise RanksStalled(self._stalled_ranks(stall))
+
+    def _ranks_progress(self) -> list[RankProgress]:
+        """This host's ranks' progress files (a rank that has not made its file yet has entered nothing)."""
+        rt = self.job.runtime
+        return [read_progress(progress_path(self.run_dir, rt.global_rank(r))) or RankProgress(0, 0, 0)
+                for r in range(self.world)]
+
+    def _host_progress(self) -> HostProgress:
+        return HostProgress.of_ranks(self._ranks_progress())
+
+    def _stalled_ranks(self, stall: Stall) -> str:
+        """The ranks of this host that have not entered the collective, in words."""
+        ranks = [r for r, p in enumerate(self._ranks_progress()) if p.entered < stall.collective]
+        who = ", ".join(f"{self.workers[r].name} (pid {self.workers[r].proc.pid})" for r in ranks) or "its ranks"
+        return f"{who} {'has' if len(ranks) == 1 else 'have'} not entered {stall.what()}"
 
     def hosts_ready(self, start: int) -> None:
         """On several hosts, the barrier before the workers start: every host ready, at the same step."""
@@ -390,6 +421,9 @@ class JobRun:
         device = job.runtime.device
         count = self.gpus  # counted for the admission, which refuses a CUDA job without a GPU
         dist_file = self.run_dir / f".dist-{os.getpid()}-{time.monotonic_ns()}"
+        if self.hosts is not None:  # an earlier run's counts would be taken for this one's
+            for rank in range(self.world):
+                progress_path(self.run_dir, job.runtime.global_rank(rank)).unlink(missing_ok=True)
         for rank in range(self.world):
             dev = f"cuda:{rank % count}" if device == "cuda" else "cpu"
             argv = [sys.executable, "-m", "slidedp.worker", "--rank", str(rank), "--job", str(self.run_dir / "job.resolved.toml"),
@@ -403,6 +437,8 @@ class JobRun:
                          "--kept-cpus", ",".join(map(str, kept))]
             self.workers.append(children.spawn(f"worker rank {rank}", argv, env=worker_env(),
                                                on_parent_death=signal.SIGKILL))
+        if self.hosts is not None:  # published beside the heartbeat from now on: a stall is named
+            self.hosts.progress_of = self._host_progress
 
     def _trained_tokens(self, step: int) -> int:
         if isinstance(self.batches, DocBatches):
@@ -592,13 +628,18 @@ def _save_npy_atomic(path: Path, array: np.ndarray) -> None:
 
 def host_failure(run: JobRun, e: Exception) -> str:
     """The failure in words. On several hosts it is first told to the other hosts; where it is this host's
-    own (not a HostFault, which names another host already) and another host failed first or is lost, that
-    host is named: a worker in a collective with a dead peer fails too (its workers are stopped first, so
-    nothing trains on while the hosts' heartbeats tell, within runtime.timeout_s)."""
+    own (not a HostFault, which names another host already) and another host failed first, is lost, or its
+    ranks stalled, that host is named: a worker in a collective with a dead or stalled peer fails too (its
+    workers are stopped first, so nothing trains on while the hosts' heartbeats tell, within
+    runtime.timeout_s). A host whose own ranks stalled says so, and the hosts that failed waiting for them
+    name it."""
     text = str(e)
     if run.hosts is None:
         return text
-    run.hosts.failed(text)
+    if isinstance(e, RanksStalled):  # the others name this host with it, whatever its place among the ends
+        run.hosts.failed(e.detail, stalled=True)
+    else:
+        run.hosts.failed(text)
     if isinstance(e, HostFault):
         return text
     children.stop(run.workers, timeout_s=5)

@@ -3,7 +3,8 @@
 SLIDEDP_HOLD_AT="<point>@<step>:<marker path>": the first time this process reaches `point` in step
 `step` or later, it writes the marker (JSON: its pid and what it is doing) and waits while the marker
 exists (at most 300 s), so a test can kill -9 it, or another process, at exactly that point, whatever
-the machine's speed. Unset (always, outside tests), a fault point costs one dictionary lookup.
+the machine's speed; or leave it held, a rank stuck in compute (the stall tests: "backward", before a
+layer's backward, outside any collective). Unset (always, outside tests), a fault point costs one dictionary lookup.
 """
 
 from __future__ import annotations

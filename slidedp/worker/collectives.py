@@ -7,6 +7,9 @@ padded to `world * shard` elements and callers slice the real range back out.
 NCCL runs when every rank has its own GPU. Ranks that share one GPU, or run on CPU, use
 gloo; gloo's CUDA support is partial, so a CUDA tensor crosses it through host memory
 (correct, slow: only for testing N ranks on one GPU).
+
+On several hosts every collective is counted in the rank's progress file (slidedp/rank_progress.py) as it
+enters and as it returns, so its launcher can tell the other hosts which collective its ranks have reached.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import datetime
 import torch
 import torch.distributed as dist
 
+from ..rank_progress import NO_PROGRESS, NoProgress, ProgressFile
 from ..store.layout import Shard
 
 # torch 2.13 renamed the tensor collectives and warns (FutureWarning) on every call of the old
@@ -27,9 +31,10 @@ reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.red
 class Group:
     """The job's process group as the routes use it."""
 
-    def __init__(self, rank: int, world: int, backend: str) -> None:
+    def __init__(self, rank: int, world: int, backend: str, progress: ProgressFile | NoProgress = NO_PROGRESS) -> None:
         self.rank, self.world, self.backend = rank, world, backend
         self.bounce = backend == "gloo"  # gloo: CUDA tensors go through host memory
+        self.progress = progress  # every collective below enters and leaves it (several hosts; else a no-op)
 
     def shard(self, numel: int) -> Shard:
         return Shard(numel, self.world, self.rank)
@@ -37,11 +42,14 @@ class Group:
     def all_gather(self, padded: torch.Tensor) -> None:
         """Each rank's shard `padded[r*size:(r+1)*size]` filled in, in place, on every rank."""
         size = padded.numel() // self.world
+        self.progress.enter()
         if not self.bounce:  # NCCL gathers in place
             all_gather_single(padded, padded[self.rank * size:(self.rank + 1) * size])
+            self.progress.leave()
             return
         host = padded.cpu() if padded.is_cuda else padded
         all_gather_single(host, host[self.rank * size:(self.rank + 1) * size].clone())
+        self.progress.leave()
         if host is not padded:
             padded.copy_(host)
 
@@ -50,30 +58,40 @@ class Group:
         size = padded.numel() // self.world
         if self.bounce and padded.is_cuda:
             out = torch.empty(size, dtype=padded.dtype)
-            reduce_scatter_single(out, padded.cpu())
+            host = padded.cpu()
+            self.progress.enter()
+            reduce_scatter_single(out, host)
+            self.progress.leave()
             return out.to(padded.device)
         out = torch.empty(size, dtype=padded.dtype, device=padded.device)
+        self.progress.enter()
         reduce_scatter_single(out, padded)
+        self.progress.leave()
         return out
 
     def all_reduce(self, tensor: torch.Tensor) -> None:
         if self.bounce and tensor.is_cuda:
             host = tensor.cpu()
+            self.progress.enter()
             dist.all_reduce(host)
+            self.progress.leave()
             tensor.copy_(host)
             return
+        self.progress.enter()
         dist.all_reduce(tensor)
+        self.progress.leave()
 
 
 def join(rank: int, world: int, device: torch.device, shared_device: bool, init_method: str,
-         timeout_s: float) -> Group:
+         timeout_s: float, progress: ProgressFile | NoProgress = NO_PROGRESS) -> Group:
     """Join the job's process group (NCCL for one GPU per rank, else gloo) at init_method (one host: a
     rendezvous file, file://...; several: tcp://host 0's address and port). A collective that waits longer
-    than timeout_s (runtime.timeout_s) for a rank fails instead of hanging."""
+    than timeout_s (runtime.timeout_s) for a rank fails instead of hanging. progress: where its collectives
+    are counted (several hosts)."""
     backend = "nccl" if device.type == "cuda" and not shared_device else "gloo"
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=timeout_s))
-    return Group(rank, world, backend)
+    return Group(rank, world, backend, progress)
 
 
 def rendezvous(runtime, dist_file: str) -> str:

@@ -184,6 +184,8 @@ class WorkerCore:
                 log.info("stopping before step %d (SIGTERM)", step)
                 return
             faults.hold("step", step)  # the message tests: the launcher reads garbage while the ranks wait here
+            if self.group is not None:
+                self.group.progress.at_step(step)
             self.launcher.stats(self.step(step))
             if self.between_steps(step):
                 return

@@ -31,6 +31,7 @@ from typing import Callable, Iterator, Protocol
 
 import torch
 
+from .. import faults
 from .activations import SavedInputs
 from ..clipping import Verdict
 from .collectives import Group
@@ -323,6 +324,7 @@ class Engine:
             # the whole layer's gradient (the backward computes it at once); it leaves chunk by chunk
             acc = torch.zeros(unit.numel, dtype=torch.float32, device=self.device)
             acc_views = self.math.prepare(layer, unit_tensors(acc, unit, strip=f"model.layers.{layer}."))
+            faults.hold("backward", step, layer=layer)  # the stall tests: a rank stuck in compute, outside collectives
             with self._span(f"backward layer {layer}", step, layer=layer):
                 for i in range(M):
                     grads_out[i] = self.math.layer_backward(layer, p, self.saved.get(layer, i), attns[i], grads_out[i],

@@ -27,6 +27,7 @@ from ..config import load_job
 from ..lifetime import skip_collection_at_exit
 from ..numa import device_cpus, format_cpulist, parse_cpulist
 from ..protocol import ROLE_WORKER, Hello
+from ..rank_progress import NO_PROGRESS, NoProgress, ProgressFile, progress_path
 from ..stepplan import StepPlan
 from ..stopflag import stop_on
 from ..store.host_rows import RANK_THREADS
@@ -101,12 +102,15 @@ def run(args: argparse.Namespace) -> int:
     link = WorkerLink(store, rings, rank, agg, job.runtime.timeout_s)
     link.stop = stop
     core = None
+    progress: ProgressFile | NoProgress = NO_PROGRESS
     try:
         group = None
         rt = job.runtime
+        if rt.nnodes > 1:  # the launcher tells the other hosts which collective this rank has reached
+            progress = ProgressFile(progress_path(Path(args.job).parent, rt.global_rank(rank)))
         if needs_group(plan, world) or rt.nnodes > 1:  # several hosts: one group of every host's ranks
             group = join(rt.global_rank(rank), rt.world, device, args.shared_device,
-                         rendezvous(rt, args.dist_file), rt.timeout_s)
+                         rendezvous(rt, args.dist_file), rt.timeout_s, progress)
         core = WorkerCore(job, plan, rank, world, device, store, rings, link, LauncherLink(job_sock), stop,
                           Path(args.job).parent, args.start, args.end, Path(args.tokens) if args.tokens else None, group,
                           Path(args.docs) if args.docs else None, Path(args.eval_docs) if args.eval_docs else None)
@@ -117,6 +121,7 @@ def run(args: argparse.Namespace) -> int:
             core.close()
         if dist.is_initialized():
             dist.destroy_process_group()
+        progress.close()  # the file stays: the launcher reads how far this rank came
         reg.unregister()
         agg.close(linger=2000)
         job_sock.close(linger=2000)

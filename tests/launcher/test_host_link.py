@@ -1,11 +1,13 @@
 """HostLink (launch/hosts.py) over a real TCPStore on loopback, two "launchers" in one process: the barrier
-before the workers, a failure told to the other host, and the ends. Every wait is bounded; none is measured."""
+before the workers, a failure told to the other host, the ends, and a stall named from the progress each
+publishes. Every wait is bounded; none is measured."""
 
 from __future__ import annotations
 
 import threading
 import time
 
+from slidedp.launch.host_progress import HostProgress
 from slidedp.launch.hosts import HostLink, StepsDiffer
 
 from pipeline.test_hosts import free_ports
@@ -82,3 +84,19 @@ def test_host_0_gone_is_named_by_host_1():
     assert one.explain("worker rank 0 (pid 9) exited with code 1 during step 2").startswith(
         "host 0 (node rank 0) is gone: ")
     one.close(ok=False)
+
+
+def test_progress_is_published_beside_the_heartbeat_and_a_stall_is_named_on_both_hosts():
+    """Host 1's ranks stay at collective 40 while host 0's wait in 41: host 0 names host 1, host 1 its own ranks."""
+    zero, one = links(timeout_s=3.0)
+    try:
+        zero.progress_of = lambda: HostProgress(41, True, 1)
+        one.progress_of = lambda: HostProgress(40, False, 1)
+        assert until(zero.fault).startswith("host 1 (node rank 1) stalled: its ranks have not entered collective 41 "
+                                            "(step 1), which the ranks of host 0 (node rank 0) have waited in for ")
+        stall = until(one.stalled_here)
+        assert (stall.host, stall.collective, stall.step, stall.ahead) == (1, 41, 1, (0,))
+        assert one.fault() is None  # host 1 blames nobody else
+    finally:
+        one.close(ok=True)
+        zero.close(ok=True)

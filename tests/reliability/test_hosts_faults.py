@@ -9,6 +9,11 @@ the machine's speed: host 0's ranks then wait in a collective for host 1's. Kill
   launcher, which serves the launchers' TCPStore: host 1 names host 0 when the store breaks off;
 - host 1's updater (kill -9): host 1's launcher names its updater and host 0's names host 1 and why.
 
+And a host that stalls with its launcher alive: host 1's rank holds before a layer's backward in step 1,
+outside any collective, and is left there. Host 0's ranks wait in the all-gather or reduce-scatter host 1's
+never enter; host 0's launcher names host 1 as stalled (from the ranks' progress, launch/host_progress.py),
+not its own ranks' timed-out collective, and host 1's launcher names its own stalled rank.
+
 runtime.timeout_s (15 s) only bounds the detection; nothing here measures how long it took. Each host's
 store is left torn or at a committed step, and no process is left behind. The launchers talk only through
 torch.distributed's TCPStore at the master port (the ranks through its process group at the next one).
@@ -17,6 +22,7 @@ torch.distributed's TCPStore at the master port (the ranks through its process g
 from __future__ import annotations
 
 import re
+import time
 from pathlib import Path
 
 import psutil
@@ -35,14 +41,15 @@ def folder(tmp_path_factory):
     return write_model_folder(tmp_path_factory.mktemp("model") / "qwen3", "qwen3", tied=False, seed=2)
 
 
-def start_hosts(tmp: Path, folder: Path, hosts: int, hold: dict[int, Path] | None = None
+def start_hosts(tmp: Path, folder: Path, hosts: int, hold: dict[int, Path] | None = None, point: str = "step"
                 ) -> tuple[list[RunningJob], list[str], list[Path]]:
-    """`hosts` launchers of one job; hold: node rank -> a marker at which that host's ranks hold in step 1."""
+    """`hosts` launchers of one job; hold: node rank -> a marker at which that host's ranks hold in step 1, at
+    the fault point `point` (slidedp/faults.py)."""
     port = free_ports()
     runs, stores, dirs = [], [], []
     for r in range(hosts):
         store, run_dir = unique_store(f"hf{r}"), tmp / f"host{r}"
-        env = {"SLIDEDP_HOLD_AT": f"step@1:{hold[r]}"} if hold and r in hold else None
+        env = {"SLIDEDP_HOLD_AT": f"{point}@1:{hold[r]}"} if hold and r in hold else None
         extra = ("--nnodes", "2", "--node-rank", str(r), "--master-addr", "127.0.0.1", "--master-port", str(port))
         runs.append(RunningJob.start(TINY, host_sets(folder, 1, 2, store, run_dir, tmp / "checkpoints", "checkpoint.every=0",
                                                        "checkpoint.final=false") + [TIMEOUT], tmp, store,
@@ -138,3 +145,34 @@ def test_a_host_that_never_joins_is_named(tmp_path, folder):
         check_stores(stores)
     finally:
         finish(runs, stores, [])
+
+
+def test_a_host_whose_ranks_stall_is_named_by_the_other_and_names_its_own_ranks(tmp_path, folder):
+    """Host 1's rank hangs in compute (held before a layer's backward in step 1, never let go): nobody's
+    launcher dies and host 1's heartbeat beats on. Host 0 names host 1 as stalled (its own rank's collective
+    timing out comes after it, if at all), and host 1 names its own rank, not host 0 which waited for it."""
+    marker = tmp_path / "held"
+    runs, stores, _ = start_hosts(tmp_path, folder, 2, hold={1: marker}, point="backward")
+    try:
+        held = wait_marker(runs[1], marker)
+        t0 = time.monotonic()
+        for run in runs:
+            run.note_pids()
+        other = failure(runs[0])
+        named = time.monotonic() - t0
+        assert re.match(r"host 1 \(node rank 1\) stalled: its (ranks|worker rank 0 \(pid \d+\)) (have|has) not entered "
+                        r"collective \d+ \(step 1\), which the ranks of host 0 \(node rank 0\) have waited in for \d+ s",
+                        other), runs[0].output[-4000:]
+        own = failure(runs[1])
+        assert re.match(rf"this host's ranks stalled: worker rank 0 \(pid {held['pid']}\) has not entered collective "
+                        r"\d+ \(step 1\), which the ranks of host 0 \(node rank 0\) have waited in for \d+ s$",
+                        own), runs[1].output[-4000:]
+        print(f"host 0 named host 1 {named:.1f} s after host 1's rank held (runtime.timeout_s = 15)")
+        assert runs[0].wait_exit(120) == 1, runs[0].output[-4000:]
+        assert runs[1].wait_exit(120) == 1, runs[1].output[-4000:]
+        marker.unlink(missing_ok=True)
+        pids = [p for run in runs for p in run.seen_pids]
+        assert wait_gone(pids, 30) == [], [psutil.Process(p).cmdline() for p in pids if psutil.pid_exists(p)]
+        check_stores(stores)
+    finally:
+        finish(runs, stores, [marker])
