@@ -432,7 +432,10 @@ class JobRun:
         probe = self.network
         if probe is None:
             return
-        add_to_run_record(self.run_dir, "network", probe.to_dict())
+        try:
+            add_to_run_record(self.run_dir, "network", probe.to_dict())
+        except OSError as e:  # the job trained; only the record of what the probe measured is lost
+            log.warning("could not add the network's measurement to %s: %s", self.run_dir / "run.json", e)
         if probe.fit is not None:
             record_network(probe.fit, probe.backend, probe.measured_at, probe.nnodes, probe.ranks)
 
