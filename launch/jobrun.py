@@ -34,6 +34,7 @@ from slidedp.protocol import (CONTROL_CONTINUE, CONTROL_STOP, ROLE_LAUNCHER, Ack
                               JobStart)
 from slidedp.schedule import lr_at
 from slidedp.stepplan import PLAN_FILE
+from slidedp.worker.netprobe import PROBE_FILE
 from slidedp.store import checkpoint as ckpt
 from slidedp.store.client import StoreRequestError, call
 from slidedp.store.ephemeral import creator_record, left_behind
@@ -46,9 +47,11 @@ from .host_progress import HostProgress, Stall
 from .host_room import job_part
 from .host_plan import SharedPlan, adopted, agreement, job_with_choices
 from .hosts import HostFault, HostLink
-from .planning import check_layers, document_load, record_training
+from .network import Probe, gpu_links_cap, read_probe
+from .network import words as network_words
+from .planning import check_layers, document_load, record_network, record_training
 from .preflight import cuda_probe
-from .rundir import RunDirInUse, check_run_dir, write_run_record
+from .rundir import RunDirInUse, add_to_run_record, check_run_dir, write_run_record
 from .schedule_note import schedule_note
 from .summary import summary
 from .progress import Progress
@@ -114,6 +117,7 @@ class JobRun:
         self._next_lock_check = 0.0
         self.gpus = 0  # CUDA devices the workers see (counted before the plan, for a CUDA job)
         self.hosts: HostLink | None = None  # on several hosts: the launchers' rendezvous and heartbeats
+        self.network: Probe | None = None  # on several hosts: what the ranks' probe measured of the network
         # GPU workers get cores of their own (an OpenMP updater thread that shares a core with a busy
         # worker stalls every parallel region of the fused AdamW); CPU workers compute on every
         # core, so nothing is set aside for them.
@@ -420,6 +424,7 @@ class JobRun:
         job = self.job
         device = job.runtime.device
         count = self.gpus  # counted for the admission, which refuses a CUDA job without a GPU
+        (self.run_dir / PROBE_FILE).unlink(missing_ok=True)  # an earlier run's probe is not this run's
         dist_file = self.run_dir / f".dist-{os.getpid()}-{time.monotonic_ns()}"
         if self.hosts is not None:  # an earlier run's counts would be taken for this one's
             for rank in range(self.world):
@@ -470,11 +475,35 @@ class JobRun:
                 last_activity = time.monotonic()
             self._report_completed(ledger, progress)
             committed = ledger.committed
+            self._read_network()
             self._check_hosts()
             self._check_children(committed)
             if time.monotonic() - last_activity > self.timeout * 3 and not any(w.alive() for w in self.workers):
                 raise JobFailed(f"the workers exited but step {committed} was never committed")
         return ledger.committed
+
+    def _read_network(self) -> None:
+        """On several hosts, once the ranks' probe has written its file: what it measured, logged beside what the
+        plan charged."""
+        if self.network is not None or self.job.runtime.nnodes == 1:
+            return
+        self.network = read_probe(self.run_dir, gpu_links_cap(self.plan, self.world))
+        if self.network is not None:
+            (log.info if self.network.fit else log.warning)("%s", network_words(self.network, self.plan))
+
+    def keep_network(self) -> None:
+        """At the end of a run on several hosts: what the probe measured, in the run's record and the host's cache
+        for the next plan here (learn.record_network)."""
+        self._read_network()  # a run too short for the loop to see it
+        probe = self.network
+        if probe is None:
+            return
+        try:
+            add_to_run_record(self.run_dir, "network", probe.to_dict())
+        except OSError as e:  # the job trained; only the record of what the probe measured is lost
+            log.warning("could not add the network's measurement to %s: %s", self.run_dir / "run.json", e)
+        if probe.fit is not None:
+            record_network(probe.fit, probe.backend, probe.measured_at, probe.nnodes, probe.ranks)
 
     def _take_messages(self, ledger: StepLedger) -> bool:
         """Everything the aggregator and the workers have sent so far; True if a step was committed."""
@@ -686,6 +715,7 @@ def run_job(job: JobConfig, job_path: Path, progress: Progress) -> int:
                     run.checkpoint(committed)
             # last: what the run teaches the planner matters less than the job's state
             record_training(run.plan, progress.update_busy_s, progress.device_side_s, reduce_busy_s=progress.reduce_busy_s)
+            run.keep_network()
         failed = False
         if run.stop_signal:  # stopped cleanly, but not finished: a script must not take it for done
             if run.hosts is not None:
@@ -703,6 +733,7 @@ def run_job(job: JobConfig, job_path: Path, progress: Progress) -> int:
         if run.hosts is not None:
             run.hosts.close(ok=not failed and not run.stop_signal)
         text = summary(progress.records, time.perf_counter() - t0, run.last_checkpoint,
-                       "stopped early" if run.stop_signal else "failed" if failed else "")
+                       "stopped early" if run.stop_signal else "failed" if failed else "",
+                       network=run.network.words() if run.network is not None else "")
         if text:
             print(text, file=progress.stream, flush=True)

@@ -2,7 +2,8 @@
 
 The planner's one entry is `slidedp.planner.job.plan_for` (deliveries, routes, the job file's [plan]
 values, the CPU plan; its measurements in a process of its own, so the launcher never holds a CUDA
-context on the workers' GPU); what a run teaches it is `slidedp.planner.learn.record_training`. Here
+context on the workers' GPU); what a run teaches it is `slidedp.planner.learn.record_training` (and, on
+several hosts, `record_network`). Here
 is what only the launcher can see: what the job's rows of documents cost attention (`document_load`),
 and `plan_job`, the call the launcher and the dry run make. Whether the host holds the bf16 shadow of a
 store the job creates is the admission's question (`host_room.shadow_fits`).
@@ -14,10 +15,10 @@ from slidedp.config import JobConfig
 from slidedp.section import ConfigError
 from slidedp.planner.calibration import Calibration
 from slidedp.planner.job import DeliveryError, JobPlan, StoreFacts, plan_for
-from slidedp.planner.learn import record_training
+from slidedp.planner.learn import record_network, record_training
 from slidedp.planner.workload import DocumentLoad, HostRoom
 
-__all__ = ["DeliveryError", "JobPlan", "check_layers", "document_load", "plan_job", "record_training"]
+__all__ = ["DeliveryError", "JobPlan", "check_layers", "document_load", "plan_job", "record_network", "record_training"]
 
 
 def check_layers(job: JobConfig, cfg) -> str:

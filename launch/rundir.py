@@ -2,7 +2,8 @@
 
 A run's directory has its metrics.jsonl (one record per step) and checkpoints, plus `run.json`:
 which store (by name and generation, a random number fixed at the store's creation) its steps
-trained. A job may use a directory that holds steps already when
+trained, and what the run measured beside its steps (on several hosts, "network": the network between
+hosts, as the ranks' probe timed it). A job may use a directory that holds steps already when
 
 - it resumes (`checkpoint.resume`): the resumed steps are appended again, the checkpoints are its own;
 - it continues the same store where the directory stopped (same generation, the store's committed
@@ -28,7 +29,7 @@ from slidedp.store import checkpoint as ckpt
 
 log = logging.getLogger("slidedp.launcher")
 RUN_RECORD = "run.json"
-_RUN_OUTPUTS = ("metrics.jsonl", "trace.json", "trace", "report", RUN_RECORD)
+_RUN_OUTPUTS = ("metrics.jsonl", "trace.json", "trace", "report", RUN_RECORD, "network.json")
 
 
 class RunDirInUse(RuntimeError):
@@ -138,4 +139,17 @@ def write_run_record(job: JobConfig, status: dict[str, Any]) -> None:
     path = job.run_dir / RUN_RECORD
     tmp = path.with_name(f".{RUN_RECORD}.tmp-{os.getpid()}")
     tmp.write_text(json.dumps({"store": job.store_name, "generation": status.get("generation")}, indent=1) + "\n")
+    os.replace(tmp, path)
+
+
+def add_to_run_record(run_dir: Path, key: str, value: Any) -> None:
+    """Add what the run measured (e.g. "network": the network between hosts) to its record."""
+    path = run_dir / RUN_RECORD
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        record = {}
+    record[key] = value
+    tmp = path.with_name(f".{RUN_RECORD}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(record, indent=1) + "\n")
     os.replace(tmp, path)

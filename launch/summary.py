@@ -22,8 +22,10 @@ def _rate(x: float) -> str:
     return f"{x / 1e6:.2f}M" if x >= 1e6 else f"{x / 1e3:.1f}k" if x >= 1e4 else f"{x:.0f}"
 
 
-def summary(records: list[dict[str, Any]], wall_s: float, checkpoint: Path | None, stopped: str = "") -> str:
-    """The summary of this run's records (as written to metrics.jsonl); `stopped` says why it ended early."""
+def summary(records: list[dict[str, Any]], wall_s: float, checkpoint: Path | None, stopped: str = "",
+            network: str = "") -> str:
+    """The summary of this run's records (as written to metrics.jsonl); `stopped` says why it ended early;
+    `network`: on several hosts, what the ranks measured of the network between hosts, in words."""
     if not records:
         return ""
     first, last = records[0], records[-1]
@@ -48,5 +50,7 @@ def summary(records: list[dict[str, Any]], wall_s: float, checkpoint: Path | Non
     beside = [(n, v) for n, v in beside if v]
     if beside:
         lines.append("           beside them: " + ", ".join(f"{n} {v:.3f} s" for n, v in beside))
+    if network:
+        lines.append(f"network    {network}")
     lines.append(f"checkpoint {checkpoint if checkpoint is not None else 'none written'}")
     return "\n".join(lines)

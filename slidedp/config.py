@@ -261,7 +261,8 @@ class RuntimeSection(Section):
     master_addr: str = ""  # host 0's address every host reaches it by (needed with nnodes > 1)
     master_port: int = 29500  # the rendezvous' port on host 0; the ranks' process group meets on the next one
     # the network between hosts, for the plan (docs/multi-host.md, "The step model"): Gb/s each way per host and
-    # the latency of one step of a ring; 0 = the planner's assumption (100 Gb/s, 20 us)
+    # the latency of one step of a ring; 0 = what runs on several hosts measured on this host, else the planner's
+    # assumption (100 Gb/s, 20 us)
     network_gbps: float = 0.0
     network_latency_us: float = 0.0
 

@@ -47,12 +47,15 @@ RETIRED_FIELDS = ("gpu_train_factors", "gpu_train_model_params")
 MODEL_SHARES = ("adamw_train_fraction", "adamw_train_fraction_low")
 
 # The network between hosts (several hosts: docs/multi-host.md, "The step model"): no host can measure it before
-# the hosts are together, so a plan assumes these until the job sets its own (runtime.network_gbps,
+# the hosts are together, so a plan assumes these until a run on several hosts has measured it (its ranks' probe,
+# worker/netprobe.py, kept by planner/netcache.py) or the job sets its own (runtime.network_gbps,
 # runtime.network_latency_us): 100 Gb/s, each way, per host, and 20 us per step of a ring, about what NCCL's
-# rings reach over a 100 GbE fabric's line rate and a hop's latency. Not kept by the cache: they are the job's.
+# rings reach over a 100 GbE fabric's line rate and a hop's latency. Not kept in the calibration's cache file:
+# the measured figures have a file of their own (netcache.py), the job's are the job's.
 DEFAULT_INTERNODE_GBPS = 12.5
 DEFAULT_INTERNODE_LATENCY_US = 20.0
-NETWORK_FIELDS = ("internode_gbps", "internode_latency_us", "internode_source")
+NETWORK_FIELDS = ("internode_gbps", "internode_latency_us", "internode_source", "internode_latency_source",
+                  "internode_at_least")
 
 # 0 = not measured yet: what training runs measure, the host's copy-in with every GPU at once, the
 # AdamW rate beside the copies (measured on CUDA only), and host memory (a cache file from before it);
@@ -60,7 +63,7 @@ NETWORK_FIELDS = ("internode_gbps", "internode_latency_us", "internode_source")
 _MAY_BE_ZERO = frozenset(LEARNED_FIELDS) | {"h2d_total_gbps", "adamw_beside_copies_params_per_s",
                                             "adamw_beside_copies_gpus", "host_read_gbps", "host_write_gbps",
                                             "host_copy_gbps", "embedding_rows_gbps", "internode_gbps",
-                                            "internode_latency_us"}
+                                            "internode_latency_us", "internode_at_least"}
 
 
 
@@ -122,11 +125,16 @@ class Calibration:
     embedding_rows_gather: str = ""
     # the network between hosts, for a job on several hosts: GB/s each way through one host's link (its ranks
     # share it), and the latency of one step of a ring over it. 0: not known (DEFAULT_INTERNODE_GBPS and
-    # _LATENCY_US assumed). internode_source says where a figure came from ("" assumed, "job": the job file's
-    # runtime.network_gbps / network_latency_us). Not kept by the cache (NETWORK_FIELDS).
+    # _LATENCY_US assumed). internode_source and internode_latency_source say where each figure came from ("":
+    # assumed, "job": the job file's runtime.network_gbps / network_latency_us, or the words of a measurement:
+    # "measured by the run of 2026-12-05", netcache.MeasuredNetwork.source); internode_at_least = 1: the
+    # measured rate was the GPU links' within the host, which bounded the collectives, so the network reached at
+    # least that. Not kept by the calibration's cache file (NETWORK_FIELDS).
     internode_gbps: float = 0.0
     internode_latency_us: float = 0.0
     internode_source: str = ""
+    internode_latency_source: str = ""
+    internode_at_least: int = 0
     # the GPU blocks measured at plan time for the job's shape (measure.py); kept in their own cache file
     blocks: MeasuredBlocks | None = None
 
@@ -158,22 +166,29 @@ class Calibration:
 
     @property
     def internode_rate_gbps(self) -> float:
-        """GB/s each way through one host's network link: the job's, else DEFAULT_INTERNODE_GBPS."""
+        """GB/s each way through one host's network link: measured or the job's, else DEFAULT_INTERNODE_GBPS."""
         return self.internode_gbps or DEFAULT_INTERNODE_GBPS
 
     @property
     def internode_latency_s(self) -> float:
-        """Seconds per step of a ring over the network between hosts: the job's, else DEFAULT_INTERNODE_LATENCY_US."""
+        """Seconds per step of a ring over the network between hosts: measured or the job's, else
+        DEFAULT_INTERNODE_LATENCY_US."""
         return (self.internode_latency_us or DEFAULT_INTERNODE_LATENCY_US) * 1e-6
 
     def network_words(self) -> str:
         """The network between hosts the plan charges, and where each figure came from."""
-        def said(value: float) -> str:
-            return "set by the job" if value and self.internode_source == "job" else "given" if value else "assumed"
+        def said(value: float, source: str) -> str:
+            if not value:
+                return "assumed"
+            return {"job": "set by the job", "": "given"}.get(source, source)
 
         rate = self.internode_rate_gbps
-        return (f"network between hosts: {rate:.1f} GB/s ({rate * 8:g} Gb/s) each way per host, {said(self.internode_gbps)}; "
-                f"latency {self.internode_latency_s * 1e6:g} us per ring step, {said(self.internode_latency_us)}")
+        least = "at least " if self.internode_gbps and self.internode_at_least else ""
+        return (f"network between hosts: {least}{rate:.1f} GB/s ({rate * 8:g} Gb/s) each way per host, "
+                f"{said(self.internode_gbps, self.internode_source)}"
+                + (" (the GPU links within the host bounded the collectives measured)" if least else "")
+                + f"; latency {self.internode_latency_s * 1e6:g} us per ring step, "
+                f"{said(self.internode_latency_us, self.internode_latency_source or self.internode_source)}")
 
     @property
     def embedding_rows_how(self) -> str:

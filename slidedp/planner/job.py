@@ -19,9 +19,10 @@ from slidedp import log
 from slidedp.config import ConfigError, JobConfig, model_config
 from slidedp.model.config import ModelConfigError, layers_for
 from slidedp.plan_section import AUTO, PlanSection
-from slidedp.planner import inputs
+from slidedp.planner import inputs, netcache
 from slidedp.planner.calibration import Calibration
 from slidedp.planner.costs import GiB
+from slidedp.planner.netcache import MeasuredNetwork
 from slidedp.planner.plan import device_work_sizes, make_plan
 from slidedp.planner.plan_record import Plan
 from slidedp.planner.workload import DocumentLoad, HostRoom, Workload
@@ -164,15 +165,26 @@ def host_routes(job: JobConfig) -> dict[str, tuple[str, ...]]:
     return {"param_route": ("sharded",), "grad_route": ("reduce_scatter",), "embedding": ("host",)}
 
 
-def network(job: JobConfig, calib: Calibration) -> Calibration:
-    """The calibration with the network between hosts the job gives (runtime.network_gbps in Gb/s,
-    runtime.network_latency_us), where it gives one; else the calibration's (the assumed defaults: no host can
-    measure the network before the hosts are together)."""
+def network(job: JobConfig, calib: Calibration, measured: MeasuredNetwork | None = None) -> Calibration:
+    """The calibration with the network between hosts the plan charges, each figure from the first that gives
+    it: the job (runtime.network_gbps in Gb/s, runtime.network_latency_us), what runs on this host measured
+    (`measured`: netcache.measured_network), else the calibration's (the assumed defaults)."""
     rt = job.runtime
-    if not (rt.network_gbps or rt.network_latency_us):
-        return calib
-    return replace(calib, internode_gbps=rt.network_gbps / 8 or calib.internode_gbps,
-                   internode_latency_us=rt.network_latency_us or calib.internode_latency_us, internode_source="job")
+    if measured is not None:
+        calib = replace(calib, internode_gbps=measured.gbps, internode_latency_us=measured.latency_us,
+                        internode_source=measured.source, internode_latency_source=measured.source,
+                        internode_at_least=int(measured.at_least))
+    if rt.network_gbps:
+        calib = replace(calib, internode_gbps=rt.network_gbps / 8, internode_source="job", internode_at_least=0)
+    if rt.network_latency_us:
+        calib = replace(calib, internode_latency_us=rt.network_latency_us, internode_latency_source="job")
+    return calib
+
+
+def host_network(job: JobConfig) -> MeasuredNetwork | None:
+    """What runs on this host measured of the network a CUDA job on several hosts crosses (NCCL's: a plan gives
+    every rank its own GPU), None for one host or where no run measured it."""
+    return netcache.measured_network("nccl") if job.runtime.nnodes > 1 else None
 
 
 def _cpu_plan(job: JobConfig, options: tuple[str, ...], store: StoreFacts, notes: tuple[str, ...]) -> JobPlan:
@@ -220,7 +232,7 @@ def plan_for(job: JobConfig, store_facts: StoreFacts = StoreFacts(), host_room: 
     nl, one = cfg.num_layers, rt.workers == 1 and rt.nnodes == 1
     layers = resolve_layers(job, cfg)
     # several hosts: this host's share of the batch over its own ranks, the routes over every host's (the network
-    # between them as the job gives it, or assumed: network())
+    # between them as the job gives it, as runs on this host measured it, or assumed: network())
     work = Workload(model=cfg, global_batch=t.global_batch // rt.nnodes, seq_len=t.seq_len, world=rt.workers,
                     nnodes=rt.nnodes,
                     micro_batch=p.chosen("micro_batch") or 0, compute_dtype=p.dtype, clip=t.max_grad_norm > 0,
@@ -235,13 +247,15 @@ def plan_for(job: JobConfig, store_facts: StoreFacts = StoreFacts(), host_room: 
     }
     if p.chosen("prefetch_depth"):  # the job's depth, planned with its buffers
         allowed["prefetch_depth"] = (p.prefetch_depth,)
+    measured = None  # the network as runs on this host measured it: for a plan of this host only
     if calibration is None:  # measured on this host: the calibration and the GPU blocks of every size the plan weighs
+        measured = host_network(job)
         calibration = inputs.measured_calibration(rt.workers, work.model.num_parameters(), measure={
             "model": cfg.to_dict(), "layers": layers, "seq_len": t.seq_len, "compute_dtype": p.dtype,
             "compiled": work.compiled, "compile_fallback": t.compile == "auto", "local_batch": work.local_batch,
             "sizes": device_work_sizes(work, budget, allowed),
             **({"documents": documents.to_dict()} if documents is not None else {})})
-    calibration = network(job, calibration)
+    calibration = network(job, calibration, measured)
     allowed.update(_routes(p, calibration))
     allowed.update(host_routes(job))
     plan = make_plan(work, budget, calibration, allowed, device_layers=0 if rt.nnodes > 1 else p.chosen("device_layers"))

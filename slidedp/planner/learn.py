@@ -4,7 +4,9 @@ After a CUDA run the launcher hands `record_training` the busy times the run mea
 AdamW rate (and, where the aggregator summed the ranks' gradients, that sum's rate) is kept with the
 host's calibration in its cache (cache.record_training), per model, and the next plan of the model
 charges it; the workers' GPU time against the plan's is reported, not kept (the next plan measures
-its GPU blocks).
+its GPU blocks). After a run on several hosts (CUDA or CPU) the launcher hands `record_network` what the
+ranks' probe measured of the network between hosts: kept per backend in the host's cache (netcache.py), the
+next plan on several hosts on this host charges it.
 """
 
 from __future__ import annotations
@@ -13,9 +15,10 @@ import statistics
 
 from slidedp import log
 from slidedp.jobrecord import sums_on_host
-from slidedp.planner import cache, costs
+from slidedp.planner import cache, costs, netcache
 from slidedp.planner.calibration import Calibration
 from slidedp.planner.job import JobPlan
+from slidedp.planner.netfit import NetworkFit
 from slidedp.planner.step_model import device_time_source
 
 _log = log.get("planner")
@@ -116,4 +119,20 @@ def record_training(run_plan: JobPlan, update_busy_s: list[float], device_side_s
     _log.info("the next plan of this model on this host%s charges the updaters %.2f G params/s, the median "
              "of the rates its last runs here measured (up to %d)", " with a host sum" if summed else "",
              kept.update_params_per_s(params, summed=summed) / 1e9, cache.RECENT_RUNS)
+    return kept
+
+
+def record_network(fit: NetworkFit, backend: str, measured_at: str, nnodes: int, ranks: int,
+                   cache_dir: str | None = None) -> netcache.MeasuredNetwork | None:
+    """After a run on several hosts: keep what its ranks measured of the network between hosts with this host's
+    last runs of the backend, for the next plan on several hosts here. CPU runs record too (under "gloo", which
+    no CUDA plan reads). Returns what the next plan charges, or None where the cache could not be written."""
+    try:
+        kept = netcache.record_network(fit, backend, measured_at, nnodes, ranks, cache_dir)
+    except OSError as e:  # the job trained; only what it taught the planner is lost
+        _log.warning("could not keep what this run measured of the network: %s", e)
+        return None
+    _log.info("the next plan on several hosts on this host (%s) charges the network between hosts %.3g Gb/s each "
+              "way per host%s and %.3g us per ring step (%s)", backend, kept.gbps * 8,
+              " at least" if kept.at_least else "", kept.latency_us, kept.source)
     return kept

@@ -39,6 +39,7 @@ from .device_state import DeviceHeld
 from .engine import Engine, units_of
 from .hosts import HostsLink, check_same_start, host_sums
 from .link import LauncherLink, WorkerLink
+from .netprobe import network_words, probe_network
 
 log = slog.get("worker")
 
@@ -154,6 +155,10 @@ class WorkerCore:
         if rt.nnodes > 1:
             assert group is not None
             check_same_start(group, start, rt.nnodes, rt.node_rank, rank, device)
+            # the network between hosts, timed before any training: the launcher reads local rank 0's file
+            doc = probe_network(group, device, rt.nnodes, run_dir if rank == 0 else None)
+            if rank == 0:
+                log.info("the network between hosts: %s (probe %.2f s)", network_words(doc), doc["probe_s"])
             link = HostsLink(link, group, device, rank)  # type: ignore[assignment]
         self.engine = Engine(cfg, store.layout, store.flat("master"), device, dtype, link,
                              lambda slot, numel: rings.slot(rank, slot, numel), t.global_batch * t.seq_len, plan,

@@ -10,14 +10,21 @@ logged loss and gradient norm the one host's (clipping at 0.5 crosses its thresh
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import socket
+import stat
 import subprocess
 import sys
 
 import pytest
 import torch
 
+from slidedp.config import load_job
+from slidedp.planner import REFERENCE_CALIBRATION
+from slidedp.planner.job import network
+from slidedp.planner.netcache import measured_network, network_file
 from slidedp.store import checkpoint as ckpt
 from slidedp.store.part import StorePart
 from slidedp.store.store import STATE_KINDS, HostStore
@@ -182,6 +189,31 @@ def check_hosts(one_host, stores, runs, checkpoints, hosts: int, workers: int) -
 def test_two_hosts_train_and_checkpoint_what_one_host_does(one_host, two_hosts):
     stores, runs, checkpoints, _ = two_hosts
     check_hosts(one_host, stores, runs, checkpoints, 2, 2)
+
+
+def test_the_ranks_measure_the_network_and_the_host_keeps_it_for_the_next_plan(two_hosts):
+    """Each host's local rank 0 wrote the probe's file before training; its launcher put the fit in the run's record
+    and this machine's cache (the suite's SLIDEDP_CACHE_DIR), under Gloo's figures, which a plan on several hosts
+    then charges. Loopback is not a network: the figures are Gloo's copies through host memory on this machine."""
+    _, runs, _, _ = two_hosts
+    for run in runs:
+        probe = json.loads((run / "network.json").read_text())
+        assert stat.S_IMODE((run / "network.json").stat().st_mode) == 0o600
+        assert (probe["backend"], probe["nnodes"], probe["ranks"]) == ("gloo", 2, 4), probe
+        kept = json.loads((run / "run.json").read_text())["network"]
+        for key in ("gbps", "latency_us"):
+            assert math.isfinite(kept[key]) and kept[key] > 0, kept
+        assert not kept["at_least"] and kept["measured_at"] == probe["measured_at"]
+        print(f"{run.name}: {kept['gbps']:.2f} GB/s, {kept['latency_us']:.0f} us per ring step, "
+              f"probe {kept['probe_s']:.2f} s")
+    cached = json.loads(network_file().read_text())["backends"]["gloo"]
+    assert {(r["nnodes"], r["ranks"]) for r in cached} >= {(2, 4)}
+    measured = measured_network("gloo")
+    assert measured is not None and measured.gbps > 0 and measured.latency_us > 0
+    job = load_job(TINY, ['runtime.device="cuda"', "runtime.workers=2", "runtime.nnodes=2", 'runtime.master_addr="h0"'])
+    calib = network(job, REFERENCE_CALIBRATION, measured)
+    assert (calib.internode_gbps, calib.internode_latency_us) == (measured.gbps, measured.latency_us)
+    assert f"each way per host, {measured.source}; latency" in calib.network_words()
 
 
 def test_three_hosts_train_and_checkpoint_what_one_host_does(tmp_path, one_host):
