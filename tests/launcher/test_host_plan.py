@@ -120,6 +120,7 @@ def test_host_0_failing_before_its_plan_is_named_while_host_1_waits_for_it():
         zero.failed("the store needs 80.0 GiB of /dev/shm; 12.0 GiB are free")
         with pytest.raises(HostFault, match=r"^host 0 \(node rank 0\) failed: the store needs 80.0 GiB of /dev/shm"):
             one.host0_plan(lambda: None)
+        one.failed("host 0 (node rank 0) failed: ...")  # as its launcher would: host 0 then closes the store at once
     finally:
         one.close(ok=False)
         zero.close(ok=False)
