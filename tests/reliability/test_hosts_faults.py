@@ -147,6 +147,7 @@ def test_a_host_that_never_joins_is_named(tmp_path, folder):
         finish(runs, stores, [])
 
 
+@pytest.mark.slow  # 30 s: the default suite names a stall over a real TCPStore (test_host_link.py)
 def test_a_host_whose_ranks_stall_is_named_by_the_other_and_names_its_own_ranks(tmp_path, folder):
     """Host 1's rank hangs in compute (held before a layer's backward in step 1, never let go): nobody's
     launcher dies and host 1's heartbeat beats on. Host 0 names host 1 as stalled (its own rank's collective
