@@ -19,13 +19,13 @@ def links(timeout_s: float = 20.0) -> tuple[HostLink, HostLink]:
     return zero, HostLink(2, 1, "127.0.0.1", port, timeout_s)
 
 
-def both_ready(a: HostLink, b: HostLink, steps: tuple[int, int]) -> list:
+def on_both(a: HostLink, b: HostLink, fn) -> list:
+    """fn(i, link) on both links at once, each from its thread: what each returned, or what it raised."""
     out: list = [None, None]
 
     def run(i: int, link: HostLink) -> None:
         try:
-            link.ready(steps[i], lambda: None)
-            out[i] = "ready"
+            out[i] = fn(i, link)
         except Exception as e:  # noqa: BLE001
             out[i] = e
 
@@ -35,6 +35,10 @@ def both_ready(a: HostLink, b: HostLink, steps: tuple[int, int]) -> list:
     for t in threads:
         t.join(60)
     return out
+
+
+def both_ready(a: HostLink, b: HostLink, steps: tuple[int, int]) -> list:
+    return on_both(a, b, lambda i, link: link.ready(steps[i], lambda: None) or "ready")
 
 
 def until(predicate, timeout: float = 30.0):

@@ -4,7 +4,6 @@ calibration and choices and carries out host 0's step; the ready barrier names e
 from __future__ import annotations
 
 import dataclasses
-import threading
 
 import pytest
 
@@ -15,7 +14,7 @@ from slidedp.planner import REFERENCE_CALIBRATION, PlanError, plan_for
 from slidedp.planner.measure import LayerTime, LossTime, MeasuredBlocks
 from slidedp.stepplan import StepPlan
 
-from launcher.test_host_link import links
+from launcher.test_host_link import links, on_both
 from pipeline.harness import TINY
 
 LINKS = dataclasses.replace(REFERENCE_CALIBRATION, bus_gpus=4, allreduce_gbps=240.0, h2d_total_gbps=220.0)
@@ -79,23 +78,6 @@ def test_differences_name_each_setting_with_both_values():
         "plan.micro_batch 4 (host 0: 2)"]
 
 
-def both(a, b, fn):
-    out: list = [None, None]
-
-    def run(i, link):
-        try:
-            out[i] = fn(i, link)
-        except Exception as e:  # noqa: BLE001
-            out[i] = e
-
-    threads = [threading.Thread(target=run, args=(i, link)) for i, link in enumerate((a, b))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    return out
-
-
 def test_host_1_takes_host_0s_plan_and_a_job_that_differs_is_refused_at_the_barrier():
     zero, one = links()
     try:
@@ -103,7 +85,7 @@ def test_host_1_takes_host_0s_plan_and_a_job_that_differs_is_refused_at_the_barr
         assert SharedPlan.from_json(one.host0_plan(lambda: None)).step == StepPlan(micro_batch=3)
         same = {"train": {"lr": 1e-3}, "layout": "abc", "data": {"position": 0}, "workers": 2, "plan": {"micro_batch": 3}}
         apart = {**same, "train": {"lr": 2e-3}}
-        out = both(zero, one, lambda i, link: link.ready(3, lambda: None, (same, apart)[i]) or "ready")
+        out = on_both(zero, one, lambda i, link: link.ready(3, lambda: None, (same, apart)[i]) or "ready")
         for e in out:
             assert isinstance(e, JobsDiffer), out
             assert str(e) == ("host 1 (node rank 1)'s job differs from host 0's: train.lr 0.002 (host 0: 0.001). Every "

@@ -86,6 +86,17 @@ def finish(runs: list[RunningJob], stores: list[str], markers: list[Path]) -> No
         drop_store(s)
 
 
+def both_failed_and_left_nothing(runs, stores, marker) -> None:
+    """Both launchers exit with status 1 once the held rank is let go, no process of either is left, and every
+    store is torn or at a committed step."""
+    for run in runs:
+        assert run.wait_exit(120) == 1, run.output[-4000:]
+    marker.unlink(missing_ok=True)
+    pids = [p for run in runs for p in run.seen_pids]
+    assert wait_gone(pids, 30) == [], [psutil.Process(p).cmdline() for p in pids if psutil.pid_exists(p)]
+    check_stores(stores)
+
+
 # host 0's launcher (which serves the rendezvous) under -m slow: the suite's time
 @pytest.mark.parametrize("victim", [1, pytest.param(0, marks=pytest.mark.slow)])
 def test_a_killed_launcher_is_named_by_the_other_host(tmp_path, folder, victim):
@@ -123,12 +134,7 @@ def test_a_killed_updater_is_named_by_its_host_and_its_host_by_the_other(tmp_pat
         assert re.match(want, own), runs[1].output[-4000:]
         other = failure(runs[0])
         assert re.match(r"host 1 \(node rank 1\) failed: " + want, other), runs[0].output[-4000:]
-        assert runs[1].wait_exit(120) == 1, runs[1].output[-4000:]
-        assert runs[0].wait_exit(120) == 1, runs[0].output[-4000:]
-        marker.unlink(missing_ok=True)
-        pids = [p for run in runs for p in run.seen_pids]
-        assert wait_gone(pids, 30) == [], [psutil.Process(p).cmdline() for p in pids if psutil.pid_exists(p)]
-        check_stores(stores)
+        both_failed_and_left_nothing(runs, stores, marker)
     finally:
         finish(runs, stores, [marker])
 
@@ -169,11 +175,6 @@ def test_a_host_whose_ranks_stall_is_named_by_the_other_and_names_its_own_ranks(
                         r"\d+ \(step 1\), which the ranks of host 0 \(node rank 0\) have waited in for \d+ s$",
                         own), runs[1].output[-4000:]
         print(f"host 0 named host 1 {named:.1f} s after host 1's rank held (runtime.timeout_s = 15)")
-        assert runs[0].wait_exit(120) == 1, runs[0].output[-4000:]
-        assert runs[1].wait_exit(120) == 1, runs[1].output[-4000:]
-        marker.unlink(missing_ok=True)
-        pids = [p for run in runs for p in run.seen_pids]
-        assert wait_gone(pids, 30) == [], [psutil.Process(p).cmdline() for p in pids if psutil.pid_exists(p)]
-        check_stores(stores)
+        both_failed_and_left_nothing(runs, stores, marker)
     finally:
         finish(runs, stores, [marker])
