@@ -16,6 +16,9 @@
 #   qwen3-moe-b8   a Qwen3-MoE shape of 5.8 B parameters (64 experts, top-8, 16 layers of Qwen3-30B-A3B's size;
 #                  benchmarks/make_hf_model.py), 8 x 2,048: slidedp, hf, hf_liger (apply_liger_kernel_to_qwen3_moe)
 #   qwen3-moe-b32  the same at 32 x 2,048
+#                  hf_liger: liger-kernel 0.8.5's fused MoE kernels autotune 32-40 Triton configurations each on
+#                  the first step (likely why it made no step in 220 s on 2026-12-04); LIGER_FUSED_MOE_AUTOTUNE=0 pins one.
+#                  All on the GPU this model needs more than an 80 GB card (out of memory at AdamW's state on an H100).
 # Each PART writes OUT/PART.json (+ .md, .png), merged from its systems' runs in OUT/parts/ (one harness
 # command per system: a fresh process each, under TIMEOUT).
 #   bash benchmarks/sessions/layer_paths.sh OUT [PART ...]
