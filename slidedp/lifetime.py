@@ -44,8 +44,9 @@ def end_process(code: int) -> NoReturn:
     """End this process now with `code`, skipping the interpreter's teardown (atexit handlers, module
     clean-up, C++ static destructors); for a process whose main has closed everything it owns. Torch's C++
     state torn down at exit can abort a process whose work is done: a two-rank Gloo worker after its last
-    committed step, SIGABRT ("terminate called without an active exception", no Python frame left), about
-    once in 25 CPU runs, and the launcher then fails the job. Logs and stdio are flushed first."""
+    committed step, SIGABRT ("terminate called without an active exception", no Python frame left), and the
+    launcher then fails the job. Logs and stdio are flushed first; the interpreter's exit-time collection
+    (skip_collection_at_exit) is skipped with the rest."""
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         try:

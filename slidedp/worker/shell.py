@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import sys
 import time
 from pathlib import Path
 
@@ -24,7 +23,7 @@ import zmq
 
 from .. import log as slog
 from ..config import load_job
-from ..lifetime import skip_collection_at_exit
+from ..lifetime import end_process
 from ..numa import device_cpus, format_cpulist, parse_cpulist
 from ..protocol import ROLE_WORKER, Hello
 from ..rank_progress import NO_PROGRESS, NoProgress, ProgressFile, progress_path
@@ -156,9 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:
         log.exception("rank %d failed: %s", args.rank, e)
         return 1
-    finally:
-        skip_collection_at_exit()
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    end_process(main())  # as `python -m slidedp.worker` ends (__main__.py)
