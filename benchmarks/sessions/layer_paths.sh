@@ -17,8 +17,9 @@
 #                  benchmarks/make_hf_model.py), 8 x 2,048: slidedp, hf, hf_liger (apply_liger_kernel_to_qwen3_moe)
 #   qwen3-moe-b32  the same at 32 x 2,048
 #                  hf_liger: liger-kernel 0.8.5's fused MoE kernels autotune 32-40 Triton configurations each on
-#                  the first step (likely why it made no step in 220 s on 2026-12-04); LIGER_FUSED_MOE_AUTOTUNE=0 pins one.
-#                  All on the GPU this model needs more than an 80 GB card (out of memory at AdamW's state on an H100).
+#                  the first step (likely why it made no step in 220 s on 2026-12-04); LIGER_FUSED_MOE_AUTOTUNE=0 pins one,
+#                  and then it runs on an H200 (89 GiB at 8 x 2,048, 101 at 32 x 2,048). All on the GPU this model needs
+#                  more than an 80 GB card (out of memory at AdamW's state on an H100).
 # Each PART writes OUT/PART.json (+ .md, .png), merged from its systems' runs in OUT/parts/ (one harness
 # command per system: a fresh process each, under TIMEOUT).
 #   bash benchmarks/sessions/layer_paths.sh OUT [PART ...]
