@@ -70,6 +70,10 @@ METRICS: dict[str, MetricField] = {
     "device_peak_bytes": MetricField(int, "peak GPU memory allocated by one rank (0 on CPU)", True, "max"),
     "device_reserved_peak_bytes": MetricField(int, "peak GPU memory the caching allocator reserved for one rank, what "
                                                 "memory.device_budget_gib caps (0 on CPU)", True, "max"),
+    "device_alloc_retries": MetricField(int, "times the GPU's caching allocator reached memory.device_budget_gib in "
+                                             "the step and freed its cache to retry, most of one rank: each "
+                                             "synchronizes the device, so no copy overlaps compute across it (0 on "
+                                             "CPU)", True, "max"),
     "planned_device_bytes": MetricField(int, "the plan's GPU memory peak per rank, CUDA context included; null on CPU "
                                           "(no plan)", True),
     "update_busy_s": MetricField(float, "updater busy time of the step's chunks, summed over processes"),

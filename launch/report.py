@@ -133,6 +133,10 @@ def summary(records: list[dict[str, Any]]) -> list[str]:
         gpu += f", plan {peak['planned_device_bytes'] / 2**30:.2f} with the CUDA context)" if peak["planned_device_bytes"] else ")"
     lines.append(f"memory       {gpu}, host private peak {peak['host_rss_bytes'] / 2**30:.2f} GiB, "
                  f"shared (store + rings) {peak['shm_bytes'] / 2**30:.2f} GiB")
+    retries = _median(rs, "device_alloc_retries")
+    if retries:
+        lines.append(f"             the caching allocator reached the budget {retries:.0f} time(s) a step (median): "
+                     "each freed its cache and synchronized the device")
     return lines
 
 

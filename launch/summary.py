@@ -50,6 +50,11 @@ def summary(records: list[dict[str, Any]], wall_s: float, checkpoint: Path | Non
     beside = [(n, v) for n, v in beside if v]
     if beside:
         lines.append("           beside them: " + ", ".join(f"{n} {v:.3f} s" for n, v in beside))
+    retries = _median(steady, "device_alloc_retries")
+    if retries:
+        lines.append(f"memory     the GPU's caching allocator reached memory.device_budget_gib {retries:.0f} time(s) a step "
+                     "(median, one rank): each time it freed its cache, which synchronizes the device, so no copy "
+                     "overlapped compute across it; a larger budget, or a plan that fits in less, avoids it")
     if network:
         lines.append(f"network    {network}")
     lines.append(f"checkpoint {checkpoint if checkpoint is not None else 'none written'}")

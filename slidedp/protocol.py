@@ -301,7 +301,7 @@ class Fault(Message):
     text: str
 
 
-@message(17, "iqddddddqqqdq")
+@message(17, "iqddddddqqqdqq")
 class WorkerStats(Message):
     """Worker -> launcher after each step: where its time went."""
     rank: int
@@ -317,6 +317,9 @@ class WorkerStats(Message):
     device_reserved_peak_bytes: int  # what the caching allocator held at its peak (the budget caps this)
     write_back_s: float = 0.0  # inside step_s: device-held units written back to the store (a checkpoint, the end)
     d2h_bytes: int = 0  # gradients written into host memory (h2d_bytes: parameters read from it)
+    # times the caching allocator reached the memory cap and freed its cached blocks to retry: each one
+    # synchronizes the device, so no copy overlaps compute across it
+    device_alloc_retries: int = 0
 
 
 @message(18, "iqdq")

@@ -59,6 +59,14 @@ def profiled(fn, trace_path: Path, device: torch.device):
     return out
 
 
+def alloc_retries(device: torch.device) -> int:
+    """The caching allocator's retries so far: times a cudaMalloc met the memory cap, so the allocator
+    freed its cached blocks (synchronizing the device) and tried again. 0 off CUDA."""
+    if device.type != "cuda":
+        return 0
+    return int(torch.cuda.memory_stats(device).get("num_alloc_retries", 0))
+
+
 def needs_group(plan: StepPlan, world: int) -> bool:
     """Whether the ranks talk among themselves: device-held units (their gradients are all-reduced)
     or a sharded route."""
@@ -204,6 +212,7 @@ class WorkerCore:
         link.waits = dict.fromkeys(link.waits, 0.0)
         link.step = step
         h2d0, d2h0 = engine.delivery.h2d_bytes, engine.grads.d2h_bytes
+        retries0 = alloc_retries(device)
         batch, mbs = self.batches.batch(step), self.plan.micro_batch
         if isinstance(batch, SftBatch):  # rows of documents: masks, positions, the global trained count
             run_step = lambda: feed.run_step(engine, batch, step, self.global_rank, self.global_world,  # noqa: E731
@@ -243,7 +252,7 @@ class WorkerCore:
         w = link.waits
         return WorkerStats(self.rank, step, time.perf_counter() - t0, times.forward_s, times.backward_s, w["version"],
                            w["slot"], w["loss"], engine.delivery.h2d_bytes - h2d0, peak, reserved, write_back_s,
-                           engine.grads.d2h_bytes - d2h0)
+                           engine.grads.d2h_bytes - d2h0, alloc_retries(device) - retries0)
 
     def between_steps(self, step: int) -> bool:
         """The launcher may hold us for a checkpoint after `step`, or tell us to stop: True to stop."""

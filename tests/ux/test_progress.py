@@ -46,7 +46,7 @@ def run_progress(tmp_path, stream, steps: int = 3, log_every: int = 1, skipped_s
         nan = s == skipped_step
         p.step(s, done(s, float("nan") if nan else 2.5 - s, int(nan)),
                {0: stats(0, s), 1: stats(1, s, forward_s=0.3, h2d_bytes=500, device_peak_bytes=7000,
-                                         device_reserved_peak_bytes=8000)}, 1e-3)
+                                         device_reserved_peak_bytes=8000, device_alloc_retries=3)}, 1e-3)
     p.end()
     return [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
 
@@ -71,7 +71,7 @@ def test_records_combine_the_ranks(tmp_path):
     r = records[1]
     assert (r["step"], r["loss"], r["grad_norm"], r["lr"], r["skipped"], r["tokens"]) == (1, 1.5, 1.25, 1e-3, False, 1024)
     assert (r["forward_s"], r["backward_s"], r["h2d_bytes"], r["device_peak_bytes"]) == (0.3, 0.25, 1500, 7000)
-    assert (r["device_reserved_peak_bytes"], r["planned_device_bytes"]) == (8000, None)
+    assert (r["device_reserved_peak_bytes"], r["planned_device_bytes"], r["device_alloc_retries"]) == (8000, None, 3)
     assert (r["wait_version_s"], r["wait_slot_s"], r["wait_loss_s"]) == (0.01, 0.02, 0.03)
     assert (r["update_busy_s"], r["reduce_busy_s"], r["predicted_step_s"], r["ranks"]) == (0.3, 0.1, 0.4, 2)
     assert r["tokens_per_s"] == pytest.approx(1024 / r["step_s"])

@@ -102,6 +102,16 @@ def test_summary_sets_the_gpu_peak_beside_the_reserved_memory_and_the_plan(tmp_p
             "1.00 GiB, shared (store + rings) 12.00 GiB") in text
 
 
+def test_summary_says_how_often_the_allocator_reached_the_budget(tmp_path):
+    records = [record(s, 2.0, device_alloc_retries=r) for s, r in enumerate((9, 3, 0, 4))]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    text = "\n".join(report.report(tmp_path, plots=False)[0])
+    assert ("the caching allocator reached the budget 3 time(s) a step (median): each freed its cache and "
+            "synchronized the device") in text  # the first step (start-up) left out: median of 3, 0, 4
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r | {"device_alloc_retries": 0}) + "\n" for r in records))
+    assert "allocator" not in "\n".join(report.report(tmp_path, plots=False)[0])
+
+
 def test_a_run_of_an_older_version_reads_its_gpu_named_memory_fields(tmp_path):
     """metrics.jsonl of a run from before "device" replaced "gpu" in the field names (old_names.RENAMED)."""
     old = []
