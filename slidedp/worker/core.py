@@ -262,8 +262,9 @@ class WorkerCore:
                               self.orders)
 
     def close(self) -> None:
-        """Stopped early: leave the store at the last completed step."""
+        """Stopped early: leave the store at the last completed step. Then the gradient announcer ends."""
         if self.held and self.done_steps < self.end:
             for h in self.held.values():
                 h.write_back(self.done_steps, release=True)
         self.tracer.close()
+        self.engine.grads.close()

@@ -19,12 +19,12 @@ ranks; `reduce_scatter` sums on the devices and each rank copies out its 1/N onl
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
+from .announcer import Announce, Announcer, Copy
 from .collectives import Group
 from ..store.layout import Chunk, Unit
 from ..tracing import NULL
@@ -162,26 +162,17 @@ class _UnitShards:
         return out
 
 
-@dataclass
-class _PendingGrad:
-    chunk: Chunk
-    slot: int
-    sq: torch.Tensor
-    event: torch.cuda.Event | None
-    buf: torch.Tensor
-
-
 class GradOut:
     """Copies a chunk's fp32 gradient (or, reduce-scattered, this rank's shard of the ranks' sum)
     from the device into a host slot; reports it once it has landed."""
 
-    def __init__(self, device: torch.device, slot_view: Callable[[int, int], torch.Tensor],
+    def __init__(self, device: torch.device, slot_view: Callable[[int, int], torch.Tensor], announce: Announce,
                  group: Group | None = None) -> None:
         self.device = device
         self.cuda = device.type == "cuda"
         self.slot_view = slot_view
         self.group = group  # set: the reduce_scatter route
-        self.pending: list[_PendingGrad] = []
+        self.announcer = Announcer(announce)  # each copy announced as it lands (announcer.py)
         self.d2h_bytes = 0  # gradients written into host memory
         self.tracer = NULL
         if self.cuda:
@@ -203,9 +194,10 @@ class GradOut:
             part, dst = self._payload(chunk, grad, slot)
             dst.copy_(part)
             self.d2h_bytes += part.numel() * part.element_size()
-            self.pending.append(_PendingGrad(chunk, slot, torch.dot(part, part), None, grad))
+            self.announcer.put(Copy(chunk, slot, step, torch.dot(part, part), None, grad))
             self.tracer.event(f"grad chunk {chunk.id}", "d2h", step, t0, time.time(), chunk=chunk.id, slot=slot)
             return
+        self.announcer.check()
         ready = torch.cuda.Event()
         ready.record(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream), torch.autograd.profiler.record_function(f"d2h:chunk{chunk.id}"):
@@ -216,21 +208,18 @@ class GradOut:
                 dst.copy_(part, non_blocking=True)
                 self.d2h_bytes += part.numel() * part.element_size()
                 sq_host = sq.to("cpu", non_blocking=True)
-            done = torch.cuda.Event()
+            done = torch.cuda.Event(blocking=True)  # the announcer sleeps on it rather than spin
             done.record(self.stream)
         grad.record_stream(self.stream)
-        self.pending.append(_PendingGrad(chunk, slot, sq_host, done, part))
+        self.announcer.put(Copy(chunk, slot, step, sq_host, done, part))
 
-    def landed(self, block: bool = False) -> Iterator[tuple[Chunk, int, float]]:
-        """(chunk, slot, squared norm) of each gradient in host memory, in issue order, as it lands: with
-        block, waiting for each in turn, so that the caller announces each as soon as it is in (the
-        updaters start on it) rather than all of them once the last is."""
-        while self.pending:
-            p = self.pending[0]
-            if p.event is not None:
-                if block:
-                    p.event.synchronize()
-                elif not p.event.query():
-                    return
-            self.pending.pop(0)
-            yield p.chunk, p.slot, float(p.sq)
+    def check(self) -> None:
+        """Raise the announcer's failure, if it had one."""
+        self.announcer.check()
+
+    def wait_announced(self) -> None:
+        """Until every gradient sent so far has landed and been announced."""
+        self.announcer.wait()
+
+    def close(self) -> None:
+        self.announcer.close()

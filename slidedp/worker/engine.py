@@ -93,7 +93,7 @@ class Engine:
         self.held = held or {}  # unit name -> its device-held state ("layer.0".., "embed", "head" when untied)
         self.rows_from_host = rows_from_host
         self.delivery = ParamDelivery(self.source, device, dtype, link.wait_ready, param_group)
-        self.grads = GradOut(device, slot_view, grad_group)  # groups set: the sharded routes
+        self.grads = GradOut(device, slot_view, link.grad_landed, grad_group)  # groups set: the sharded routes
         self.scale = 1.0 / global_tokens  # loss = sum of token losses / global token count
         self._resident: dict[int, torch.Tensor] = {}
         self._host_rows: HostRows | None = None  # made at the first batch of a host-held embedding
@@ -193,14 +193,10 @@ class Engine:
         return [self._host_rows.rows(ids[i], None if ids_dev is None else ids_dev[i]) for i in range(ids.shape[0])]
 
     def _send(self, chunk: Chunk, grad: torch.Tensor, step: int) -> None:
-        for landed in self.grads.landed():
-            self.link.grad_landed(*landed, step)
-        # while waiting for a slot, keep announcing gradients that land: their credits are the free slots
-        self.grads.send(chunk, grad, self.link.acquire_slot(lambda: self._flush(step, block=False)), step)
+        # the announcer tells the aggregator of each gradient that lands (their credits are the free slots);
+        # a wait for a slot stops if it failed
+        self.grads.send(chunk, grad, self.link.acquire_slot(self.grads.check), step)
 
-    def _flush(self, step: int, block: bool) -> None:
-        for landed in self.grads.landed(block=block):
-            self.link.grad_landed(*landed, step)
 
     # ---- the step --------------------------------------------------------------------------
     def micro_attention(self, M: int, m: int, T: int, positions: torch.Tensor | None = None,
@@ -334,7 +330,6 @@ class Engine:
             del p, acc_views
             if f"layer.{layer}" in self.held:  # reduced, reported and updated on the device after backward
                 held_grads[f"layer.{layer}"] = acc
-                self._flush(step, block=False)  # no send to announce the host's gradients that land meanwhile
             else:  # a layer cut into chunks: the updaters start on the first while the later ones copy out
                 self._send_rows(unit, acc, step)
             del acc
@@ -356,17 +351,14 @@ class Engine:
         self._report_held(held_grads, step)
         self.link.norms_reported(step)
         self._update_held(held_grads, step)
-        self._flush(step, block=True)
         times.backward_s = time.perf_counter() - t1
         return times
 
     def _report_held(self, grads: dict[str, torch.Tensor], step: int) -> None:
         """Reduce the device-held units' gradients among ranks and report their norms; then every host
         gradient's has been reported too."""
-        # the norms below wait for the held layers' backward: announce each host gradient as it lands
-        # first, or the updaters start the last fetched layers only after that backward, and the next
-        # forward waits for them
-        self._flush(step, block=True)
+        # every host gradient announced first: on several hosts the rank's norm is the sum of what it announced
+        self.grads.wait_announced()
         for name, g in grads.items():
             sq = self.held[name].reduce(g)  # of the summed gradient: every rank has it; rank 0 reports it
             first = self.units[name].chunks[0]

@@ -33,8 +33,11 @@ class WorkerStopped(RuntimeError):
 class WorkerLink:
     """The engine's view of the rest of the system: versions, slots, gradient announcements, loss agreement."""
 
-    def __init__(self, store: HostStore, rings: GradRings, rank: int, agg: zmq.Socket, timeout_s: float) -> None:
+    def __init__(self, store: HostStore, rings: GradRings, rank: int, agg: zmq.Socket, timeout_s: float,
+                 grads: zmq.Socket | None = None) -> None:
         self.store, self.rings, self.rank, self.agg = store, rings, rank, agg
+        # the announcer's thread sends each landed gradient's Grad on a socket of its own (announcer.py)
+        self.grads = grads if grads is not None else agg
         self.timeout_s = timeout_s
         self.free_slots = list(range(rings.slots))
         self.go: dict[int, Go] = {}
@@ -98,7 +101,8 @@ class WorkerLink:
         return self.free_slots.pop(0)
 
     def grad_landed(self, chunk: Chunk, slot: int, sqnorm: float, step: int) -> None:
-        send(self.agg, Grad(self.rank, chunk.id, step, slot, sqnorm))
+        """Called from the announcer's thread only: its own socket."""
+        send(self.grads, Grad(self.rank, chunk.id, step, slot, sqnorm))
 
     def device_grad(self, chunk: Chunk, sqnorm: float, step: int) -> None:
         send(self.agg, Grad(self.rank, chunk.id, step, SLOT_DEVICE, sqnorm))

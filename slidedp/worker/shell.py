@@ -98,7 +98,8 @@ def run(args: argparse.Namespace) -> int:
     job_sock = connect_dealer(ctx, store_name, "job", identity("w", rank))
     send(agg, Hello(ROLE_WORKER, rank, world, os.getpid()))
     send(job_sock, Hello(ROLE_WORKER, rank, world, os.getpid()))
-    link = WorkerLink(store, rings, rank, agg, job.runtime.timeout_s)
+    grads = connect_dealer(ctx, store_name, "agg", identity("g", rank))  # the gradient announcer's (announcer.py)
+    link = WorkerLink(store, rings, rank, agg, job.runtime.timeout_s, grads)
     link.stop = stop
     core = None
     progress: ProgressFile | NoProgress = NO_PROGRESS
@@ -123,6 +124,7 @@ def run(args: argparse.Namespace) -> int:
         progress.close()  # the file stays: the launcher reads how far this rank came
         reg.unregister()
         agg.close(linger=2000)
+        grads.close(linger=2000)
         job_sock.close(linger=2000)
         ctx.term()
         rings.close()

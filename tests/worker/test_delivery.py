@@ -60,36 +60,3 @@ def test_a_plan_delivering_bf16_is_refused_on_a_store_without_the_shadow(stores)
     with pytest.raises(RuntimeError, match=rf"store {store.name!r} was created without one: create it with "
                                            r"store.shadow_bf16 = true"):
         check_delivery(StepPlan(delivery="bf16"), store)
-
-
-class _CopyDone:
-    """Stands in for a gradient copy's CUDA event: done once synchronized (or from the start)."""
-
-    def __init__(self, log: list[str], name: str, done: bool = False) -> None:
-        self.log, self.name, self.done = log, name, done
-
-    def query(self) -> bool:
-        return self.done
-
-    def synchronize(self) -> None:
-        self.log.append(f"wait {self.name}")
-        self.done = True
-
-
-def test_a_blocking_flush_reports_each_gradient_as_it_lands_not_once_the_last_has():
-    """The step's end waits for the gradient copies still in flight: each is handed to the caller (who
-    announces it to the updaters) as soon as its own copy is done, in issue order, before the wait for
-    the next; a non-blocking look stops at the first copy still in flight."""
-    from slidedp.store.layout import Chunk
-    from slidedp.worker.delivery import GradOut, _PendingGrad
-
-    log: list[str] = []
-    out = GradOut.__new__(GradOut)  # its copies are the events below: no device, no slots
-    chunks = [Chunk(id=i, kind="layer", layer=i, offset=i * 4, numel=4, members=()) for i in range(3)]
-    out.pending = [_PendingGrad(c, 10 + c.id, torch.tensor(float(c.id)), _CopyDone(log, f"chunk {c.id}", done=c.id == 0),
-                                torch.zeros(4)) for c in chunks]
-    assert [(c.id, slot, sq) for c, slot, sq in out.landed()] == [(0, 10, 0.0)]  # chunk 1 is still in flight
-    for c, slot, sq in out.landed(block=True):
-        log.append(f"announce chunk {c.id} (slot {slot}, sq {sq:g})")
-    assert log == ["wait chunk 1", "announce chunk 1 (slot 11, sq 1)", "wait chunk 2", "announce chunk 2 (slot 12, sq 2)"]
-    assert out.pending == []
