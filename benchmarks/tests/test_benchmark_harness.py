@@ -95,6 +95,7 @@ def test_cpu_smoke_run_prints_one_table_and_writes_json_markdown_and_plot(tmp_pa
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow  # 29 s on 2 cores: the one-rank smoke runs by default
 def test_cpu_smoke_with_two_ranks_runs_fsdp2_under_torchrun_and_slidedp_with_both_routes(tmp_path):
     out = tmp_path / "two.json"
     cmd = [sys.executable, "-m", "benchmarks.run", "--device", "cpu", "--gpus", "2", "--shape", "tiny", "--batch", "4",
@@ -444,6 +445,7 @@ def test_a_refused_slidedp_run_is_a_row_that_says_why(tmp_path, monkeypatch):
                             "130.4 GiB of host memory but the host has 123.5 GiB")
 
 
+@pytest.mark.slow  # 21 s of a real run stopped by its timeout
 def test_a_slidedp_run_stopped_by_the_timeout_keeps_the_steps_it_committed(tmp_path, monkeypatch, capsys):
     """The harness stops a launcher that outlives --timeout; the steps already committed (past the
     warm-up) still give the row its figures, and the status says both."""

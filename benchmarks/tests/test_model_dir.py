@@ -51,6 +51,7 @@ def test_make_hf_model_writes_a_folder_slidedp_reads(tmp_path, capsys):
     assert qwen.layer_types[:4] == ["linear_attention"] * 3 + ["full_attention"]
 
 
+@pytest.mark.slow  # 19 s; tests/data/test_family_equivalence.py holds SlideDP to transformers on folders by default
 def test_slidedp_and_transformers_train_the_same_folder(tiny_qwen3_5, tmp_path):
     """python -m benchmarks.run --model-dir: SlideDP reads the folder (model.source = "hf"), hf loads it, both on
     tokens of its vocabulary; the rows are named by the folder. (About 35 s on two slow cores.)"""

@@ -164,7 +164,7 @@ def test_deeper_prefetch_on_the_sharded_routes_matches_reference(tmp_path, monke
 
 @pytest.mark.parametrize("workers,shape,embedding,routes", [
     (1, "tiny-llama", "device", ("replicated", "host")),
-    (2, "tiny", "host", ("sharded", "reduce_scatter")),
+    pytest.param(2, "tiny", "host", ("sharded", "reduce_scatter"), marks=pytest.mark.slow),  # -m slow: time
 ])
 def test_held_layers_carry_over_to_the_next_job(tmp_path, workers, shape, embedding, routes):
     """Device-held layers live on the workers for a job: the first job writes them (master and AdamW

@@ -32,7 +32,8 @@ CUT = 2 * EXPERT + 64
 # (ranks, micro-batches per rank, clipping, more job file values)
 CASES = [
     pytest.param(2, 1, 0.0, (), marks=pytest.mark.slow),  # the aggregator sums the ranks' chunks (-m slow: time)
-    (2, 2, 0.0, ('plan.grad_route="reduce_scatter"', 'plan.param_route="sharded"', "plan.device_layers=1")),
+    pytest.param(2, 2, 0.0, ('plan.grad_route="reduce_scatter"', 'plan.param_route="sharded"', "plan.device_layers=1"),
+                 marks=pytest.mark.slow),  # the sharded routes over cut layers (-m slow: 23 s)
     (1, 2, 0.5, ()),  # clipping that acts: speculated, corrected and deferred chunks
 ]
 

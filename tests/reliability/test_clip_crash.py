@@ -46,7 +46,7 @@ def uninterrupted(tmp_path_factory):
     return tmp / "run"
 
 
-@pytest.mark.parametrize("victim", ["updater_member", "aggregator"])
+@pytest.mark.parametrize("victim", [pytest.param("updater_member", marks=pytest.mark.slow), "aggregator"])  # slow: time
 def test_kill_during_a_correction_is_torn_then_resumes_exactly(tmp_path, victim, uninterrupted):
     store = unique_store(f"clipcr-{victim[:3]}")
     run_dir, marker = tmp_path / "run", tmp_path / "held"

@@ -97,8 +97,9 @@ def both_failed_and_left_nothing(runs, stores, marker) -> None:
     check_stores(stores)
 
 
-# host 0's launcher (which serves the rendezvous) under -m slow: the suite's time
-@pytest.mark.parametrize("victim", [1, pytest.param(0, marks=pytest.mark.slow)])
+# under -m slow: the suite's time (25 s each); a killed updater is named across hosts by default
+@pytest.mark.slow
+@pytest.mark.parametrize("victim", [1, 0])
 def test_a_killed_launcher_is_named_by_the_other_host(tmp_path, folder, victim):
     """Host 1's launcher; or host 0's, which serves the launchers' store: host 1 names it when the store breaks."""
     marker, survivor = tmp_path / "held", 1 - victim
