@@ -3,7 +3,8 @@
 The first `offload_layers` layers' inputs go to host memory: on CUDA, the forward copies each
 input out on a D2H stream as soon as it exists (overlapping the layer that reads it), and the
 backward copies a layer's inputs back on an H2D stream one layer ahead of the compute that
-needs them; one event per copy direction and layer orders the streams. The host buffer is
+needs them (into buffers from the compute stream's cache: copy_buffers.py); one event per copy
+direction and layer orders the streams. The host buffer is
 allocated once, page-locked with cudaHostRegister (not pin_memory=True: PyTorch's pinned
 allocator rounds every size up to a power of two, up to twice the host memory for a buffer
 this large) and reused every step. The other layers' inputs stay on the device. On CPU the
@@ -18,6 +19,7 @@ import weakref
 
 import torch
 
+from .copy_buffers import drop_unread, empty_for_copy
 from ..store.hostmem import Registration
 from ..tracing import NULL
 
@@ -103,9 +105,9 @@ class SavedInputs:
             self._back[layer] = (src.clone(), None)
             self.tracer.event(f"reload layer {layer}", "h2d act", self.step, t0, time.time(), bytes=src.nbytes)
             return
+        out = empty_for_copy(src.shape, src.dtype, self.device, self.h2d)
         with torch.cuda.stream(self.h2d), torch.autograd.profiler.record_function(f"h2d:act{layer}"):
             self.h2d.wait_event(self._out[layer])  # the copy-out has landed
-            out = torch.empty(src.shape, dtype=src.dtype, device=self.device)
             with self.tracer.device_span(f"reload layer {layer}", "h2d act", self.step, self.h2d, bytes=src.nbytes):
                 out.copy_(src, non_blocking=True)
             event = torch.cuda.Event()
@@ -120,19 +122,24 @@ class SavedInputs:
         out, event = self._back[layer]
         if event is not None:
             stream = torch.cuda.current_stream(self.device)
-            stream.wait_event(event)
-            out.record_stream(stream)  # allocated on the H2D stream, freed after the compute's use
+            stream.wait_event(event)  # allocated on the compute stream (copy_buffers.py): waiting is all it needs
             self._back[layer] = (out, None)
         return out[i]
 
     def release(self, layer: int) -> None:
         """Backward is done with `layer`: free its device copies."""
         self._kept.pop(layer, None)
-        self._back.pop(layer, None)
+        self._drop(layer)
 
     def clear(self) -> None:
         self._kept.clear()
-        self._back.clear()
+        for layer in list(self._back):
+            self._drop(layer)
+
+    def _drop(self, layer: int) -> None:
+        if layer in self._back:
+            _, event = self._back.pop(layer)
+            drop_unread(event, self.device)  # a reload no get() waited for (a skipped step)
 
 
 def _unregister(pin: Registration, host: torch.Tensor) -> None:

@@ -8,6 +8,7 @@ device's cast rounds it, so a bf16 compute sees the same bits either way. Gradie
 accumulated in fp32 on the device and leave it in fp32.
 On CUDA, H2D runs on its own copy stream (as many units ahead of compute as the engine
 prefetches: the step plan's prefetch_depth) and D2H on another; every buffer has one event.
+Parameter buffers come from the compute stream's cache (copy_buffers.py).
 On CPU the same calls are plain (zero-copy when the compute dtype is fp32).
 
 Routes. `replicated`: every rank copies the whole unit in. `sharded`: each rank copies
@@ -26,6 +27,7 @@ import torch.nn.functional as F
 
 from .announcer import Announce, Announcer, Copy
 from .collectives import Group
+from .copy_buffers import drop_unread, empty_for_copy
 from ..store.layout import Chunk, Unit
 from ..tracing import NULL
 
@@ -82,9 +84,10 @@ class ParamDelivery:
             self._inflight[key] = (out, None)
             self.tracer.event(f"fetch {unit.name}", "h2d", step, t0, time.time(), bytes=nbytes)
             return
+        out = empty_for_copy(size, self.dtype, self.device, self.stream)
+        assembled = cut.empty_output(out, self.stream) if cut is not None else None
         with torch.cuda.stream(self.stream), torch.autograd.profiler.record_function(f"h2d:{unit.name}"), \
                 self.tracer.device_span(f"h2d {unit.name}", "h2d", step, self.stream, bytes=nbytes):
-            out = torch.empty(size, dtype=self.dtype, device=self.device)
             for lo, hi, at in pieces:
                 src = self.source[lo:hi]
                 if src.dtype == self.dtype:  # fp32 compute, or the bf16 shadow: straight into the buffer
@@ -97,8 +100,10 @@ class ParamDelivery:
                         staging[:k].copy_(src[a:a + k], non_blocking=True)
                         out[at + a:at + a + k].copy_(staging[:k])
             if cut is not None:
-                self.group.all_gather(out)  # type: ignore[union-attr]
-                out = cut.assemble(out)
+                gathered = out
+                self.group.all_gather(gathered)  # type: ignore[union-attr]
+                out = cut.assemble(gathered, assembled)
+                gathered.record_stream(self.stream)  # a buffer of the compute stream's cache that this stream still reads
             event = torch.cuda.Event()
             event.record(self.stream)
         self._inflight[key] = (out, event)
@@ -116,18 +121,18 @@ class ParamDelivery:
         return list(self._inflight)
 
     def discard(self, step: int) -> None:
-        """Drop the step's copies that will not be fetched (a skipped step). Their buffers were made
-        on the copy stream, so that stream reuses them only after the copies end."""
+        """Drop the step's copies that will not be fetched (a skipped step), once the compute stream
+        is ordered after them (it reuses their memory)."""
         for key in [k for k in self._inflight if k[1] == step]:
-            del self._inflight[key]
+            _, event = self._inflight.pop(key)
+            drop_unread(event, self.device)
 
     def fetch(self, unit: Unit, step: int) -> torch.Tensor:
         """The unit's flat parameters on the device (compute dtype), waited for on the compute stream."""
         self._issue(unit, step)
         out, event = self._inflight.pop((unit.name, step))
-        if event is not None:
+        if event is not None:  # allocated on the compute stream (copy_buffers.py): waiting is all it needs
             torch.cuda.current_stream(self.device).wait_event(event)
-            out.record_stream(torch.cuda.current_stream(self.device))
         return out
 
 
@@ -150,11 +155,19 @@ class _UnitShards:
         return [(c.offset + sh.start, c.offset + sh.end, base + a)
                 for c, sh, a in zip(self.unit.chunks, self.shards, self.at)]
 
-    def assemble(self, gathered: torch.Tensor) -> torch.Tensor:
-        """The unit's flat parameters from the gathered buffer (a view of it where the unit is one chunk)."""
+    def empty_output(self, gathered: torch.Tensor, copy_stream: torch.cuda.Stream) -> torch.Tensor | None:
+        """assemble's output for a unit of several chunks, allocated as the gathered buffer is."""
+        if len(self.shards) == 1:
+            return None
+        return empty_for_copy(self.unit.numel, gathered.dtype, gathered.device, copy_stream)
+
+    def assemble(self, gathered: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The unit's flat parameters from the gathered buffer (a view of it where the unit is one chunk),
+        into `out` where given."""
         if len(self.shards) == 1:
             return gathered[:self.unit.numel]
-        out = torch.empty(self.unit.numel, dtype=gathered.dtype, device=gathered.device)
+        if out is None:
+            out = torch.empty(self.unit.numel, dtype=gathered.dtype, device=gathered.device)
         rows = gathered.view(self.world, self.segment)
         for c, sh, a in zip(self.unit.chunks, self.shards, self.at):
             start = c.offset - self.unit.offset
