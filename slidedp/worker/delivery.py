@@ -103,7 +103,8 @@ class ParamDelivery:
                 gathered = out
                 self.group.all_gather(gathered)  # type: ignore[union-attr]
                 out = cut.assemble(gathered, assembled)
-                gathered.record_stream(self.stream)  # a buffer of the compute stream's cache that this stream still reads
+                if assembled is not None:  # gathered is freed now, while this stream still reads it
+                    gathered.record_stream(self.stream)
             event = torch.cuda.Event()
             event.record(self.stream)
         self._inflight[key] = (out, event)
