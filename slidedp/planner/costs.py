@@ -27,6 +27,7 @@ from slidedp.store import layout as store_layout
 # --------------------------------------------------------------------------------------
 # parameters
 
+@functools.lru_cache(maxsize=64)  # the planner asks it for every candidate
 def layer_params(model: ModelConfig) -> int:
     """Parameters of one decoder layer (the mean where layers differ, as in hybrid models)."""
     return sum(map(model.layer_numel, range(model.num_layers))) // model.num_layers

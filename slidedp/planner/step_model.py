@@ -356,37 +356,47 @@ def _period(tasks: tuple[_Task, ...], depth: int, updaters: int, clip: bool, cli
     # that is needed first (daemons/updater/core.py: the oldest step, then forward order)
     deferred = clip and clips and not corrected
     needed = {g: i for i, t in reversed(list(enumerate(tasks))) for g in t.gate}
+    # the tasks' fields read once (this loop is most of a plan's time): the arithmetic is the same as
+    # with max(), which keeps the first of equal values
+    rows = [(t.clip_gated, t.gate, t.h2d_s, t.device_s, t.d2h_s, t.jobs) for t in tasks]
     for _ in range(_STEPS):
         released: list[tuple[_Job, float]] = []
         released_last = 0.0  # the latest of released's times, kept as they come (a held unit waits for it)
         grads_end = 0.0  # the GPU's last gradient: device-held units' norms count in the global norm
-        for t in tasks:
-            if t.clip_gated:
-                grads_end = max(grads_end, device_free)
-            gate = t.gate
-            ready = (done.get(gate[0], 0.0) if len(gate) == 1 else max([done.get(g, 0.0) for g in gate])) if gate else 0.0
-            # depth + 1 slots: this copy may start once the fetch `depth` back has begun computing
-            slot = fetch_starts[-depth] if len(fetch_starts) >= depth else 0.0
-            h2d_end = max(h2d_free, ready, slot) + t.h2d_s
-            if t.h2d_s > 0:
+        for clip_gated, gate, h2d_s, device_s, d2h_s, jobs in rows:
+            if clip_gated and device_free > grads_end:
+                grads_end = device_free
+            # the copy starts once the gate's updates are done, the copy stream is free, and (depth + 1
+            # slots) the fetch `depth` back has begun computing
+            begin = h2d_free
+            for g in gate:
+                ready = done.get(g, 0.0)
+                if ready > begin:
+                    begin = ready
+            if len(fetch_starts) >= depth and fetch_starts[-depth] > begin:
+                begin = fetch_starts[-depth]
+            h2d_end = begin + h2d_s
+            if h2d_s > 0:
                 h2d_free = h2d_end
-            start = max(device_free, h2d_end)
-            if t.clip_gated and clip and released:
-                start = max(start, released_last)
-            if t.h2d_s > 0:
+            start = h2d_end if h2d_end > device_free else device_free
+            if clip_gated and clip and released and released_last > start:
+                start = released_last
+            if h2d_s > 0:
                 fetch_starts.append(start)
-            device_free = start + t.device_s
+            device_free = start + device_s
             out = device_free
-            if t.d2h_s > 0:
-                d2h_free = max(d2h_free, device_free) + t.d2h_s
+            if d2h_s > 0:
+                d2h_free = (d2h_free if d2h_free > device_free else device_free) + d2h_s
                 out = d2h_free
-            for j in t.jobs:
+            for j in jobs:
                 if j.reduce_s > 0:
-                    reduce_free = max(reduce_free, out) + j.reduce_s
-                    released.append((j, reduce_free))
+                    reduce_free = (reduce_free if reduce_free > out else out) + j.reduce_s
+                    at = reduce_free
                 else:
-                    released.append((j, out))
-                released_last = max(released_last, released[-1][1])
+                    at = out
+                released.append((j, at))
+                if at > released_last:
+                    released_last = at
         norm = max(released_last, grads_end or device_free)
         norm_known = norm if deferred else 0.0
         # every update of a clipped step waits for the norm; otherwise each may run once its gradient is in
@@ -406,21 +416,29 @@ def _serve(released: list[tuple[_Job, float]], servers: list[float], floor: floa
     as the updater does: whenever one is free, the most urgent (lowest `urgency`) of the jobs whose
     gradient is in by then and not before `floor`, else the next to come in. Returns job -> its end."""
     coming = sorted(range(len(released)), key=lambda i: released[i][1])
+    arrivals = [released[i][1] for i in coming]
+    last = len(coming)
     waiting: list[tuple[int, int]] = []  # (urgency, index) of the released jobs not yet run
+    # (free at, index): the earliest free updater first, the lowest index among equals (as min() picks)
+    free = [(t, s) for s, t in enumerate(servers)]
+    heapq.heapify(free)
     done: dict[str, float] = {}
     nxt = 0
-    while nxt < len(coming) or waiting:
-        s = min(range(len(servers)), key=servers.__getitem__)
-        now = max(servers[s], floor)
-        if not waiting:
-            now = max(now, released[coming[nxt]][1])
-        while nxt < len(coming) and released[coming[nxt]][1] <= now:
+    while nxt < last or waiting:
+        at, s = heapq.heappop(free)
+        now = at if at > floor else floor
+        if not waiting and arrivals[nxt] > now:
+            now = arrivals[nxt]
+        while nxt < last and arrivals[nxt] <= now:
             i = coming[nxt]
             heapq.heappush(waiting, (urgency(released[i][0]), i))
             nxt += 1
         job = released[heapq.heappop(waiting)[1]][0]
-        servers[s] = now + job.update_s
-        done[job.name] = servers[s]
+        end = now + job.update_s
+        heapq.heappush(free, (end, s))
+        done[job.name] = end
+    for at, s in free:
+        servers[s] = at
     return done
 
 

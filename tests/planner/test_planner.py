@@ -4,6 +4,7 @@ and the CPU calibration with its JSON cache. Synthetic calibrations; no GPU, no 
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import json
 import math
 import random
@@ -198,6 +199,41 @@ def test_the_updaters_queue_runs_the_most_urgent_released_update():
     # two updaters, and a floor at 10: all in by then, most urgent first, two at a time
     done = step_model._serve(released, [0.0, 0.5], 10.0, lambda j: urgency[j.name])
     assert done == {"embedding": 11.0, "layer 0": 11.0, "layer 1": 12.0, "layer 2": 12.0, "layer 3": 13.0}
+
+
+def _serve_by_scanning(released, servers, floor, urgency):
+    """The updaters' queue as first written: each time, scan for the earliest free updater (min() keeps the
+    lowest index among equals). step_model._serve keeps them in a heap and must give the same schedule."""
+    coming = sorted(range(len(released)), key=lambda i: released[i][1])
+    waiting, done, nxt = [], {}, 0
+    while nxt < len(coming) or waiting:
+        s = min(range(len(servers)), key=servers.__getitem__)
+        now = max(servers[s], floor)
+        if not waiting:
+            now = max(now, released[coming[nxt]][1])
+        while nxt < len(coming) and released[coming[nxt]][1] <= now:
+            heapq.heappush(waiting, (urgency(released[coming[nxt]][0]), coming[nxt]))
+            nxt += 1
+        job = released[heapq.heappop(waiting)[1]][0]
+        servers[s] = now + job.update_s
+        done[job.name] = servers[s]
+    return done
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_the_updaters_heap_schedules_as_scanning_for_the_free_one(seed):
+    """Random releases (ties included: times and lengths on a coarse grid), 1-6 updaters with some already
+    busy, a floor or none: the same end for every job, bit for bit, and the updaters left equally busy."""
+    rng = random.Random(seed)
+    jobs = [step_model._Job(f"job {i}", 0.0, rng.choice((0.5, 1.0, 1.5))) for i in range(rng.randint(1, 60))]
+    released = [(j, rng.randint(0, 20) * 0.25) for j in jobs]
+    urgency = {j.name: rng.randint(0, 10) for j in jobs}
+    servers = [rng.choice((0.0, 0.0, 1.0, 2.5)) for _ in range(rng.randint(1, 6))]
+    floor = rng.choice((0.0, 3.0))
+    ours, theirs = list(servers), list(servers)
+    got = step_model._serve(released, ours, floor, lambda j: urgency[j.name])
+    assert got == _serve_by_scanning(released, theirs, floor, lambda j: urgency[j.name])
+    assert ours == theirs
 
 
 def test_toy_prediction_untied_embedding_rows_on_host():
