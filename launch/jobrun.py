@@ -34,7 +34,7 @@ from slidedp.protocol import (CONTROL_CONTINUE, CONTROL_STOP, ROLE_LAUNCHER, Ack
                               JobStart)
 from slidedp.schedule import lr_at
 from slidedp.stepplan import PLAN_FILE
-from slidedp.worker.netprobe import PROBE_FILE
+from slidedp.planner.netfit import PROBE_FILE
 from slidedp.store import checkpoint as ckpt
 from slidedp.store.client import StoreRequestError, call
 from slidedp.store.ephemeral import creator_record, left_behind

@@ -1,6 +1,6 @@
 """The launcher's side of the ranks' network probe: what they timed, fitted, said beside what the plan charged.
 
-On several hosts local rank 0 writes worker/netprobe.PROBE_FILE in the run directory before training (JSON, never
+On several hosts local rank 0 writes planner/netfit.PROBE_FILE in the run directory before training (JSON, never
 pickle). The launcher removes any earlier run's file before it spawns the workers, reads the new one once it is
 there (`read_probe`), fits it again with the GPU links this host's calibration measured (with several GPUs a host
 the step model caps a collective by them: a rate at that cap is the network's "at least"), logs it beside the
@@ -17,8 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from slidedp.planner.job import JobPlan
-from slidedp.planner.netfit import NetworkFit, NetworkFitError, Timing, network_fit
-from slidedp.worker.netprobe import PROBE_FILE, SCHEMA
+from slidedp.planner.netfit import PROBE_FILE, PROBE_SCHEMA, NetworkFit, NetworkFitError, Timing, network_fit
 
 
 @dataclass(frozen=True)
@@ -71,8 +70,8 @@ def read_probe(run_dir: Path, cap_gbps: float = 0.0) -> Probe | None:
     except (OSError, ValueError) as e:
         return Probe(None, f"{path} is unreadable: {e}", "", 0, 0, "", 0.0)
     try:
-        if doc["schema"] != SCHEMA:
-            raise ValueError(f"schema {doc['schema']!r}, not {SCHEMA}")
+        if doc["schema"] != PROBE_SCHEMA:
+            raise ValueError(f"schema {doc['schema']!r}, not {PROBE_SCHEMA}")
         timings = [Timing(str(t["kind"]), int(t["nbytes"]), float(t["seconds"])) for t in doc["timings"]]
         head = (str(doc["backend"]), int(doc["nnodes"]), int(doc["ranks"]), str(doc["measured_at"]),
                 float(doc["probe_s"]))

@@ -19,6 +19,10 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
+# the file local rank 0 writes the timings and the fit to in the run directory (worker/netprobe.py), which
+# the launcher reads (launch/network.py); here, away from torch, so that the launcher never imports it
+PROBE_FILE = "network.json"
+PROBE_SCHEMA = 1
 # a fitted rate within this fraction of the GPU links' is taken as bounded by them
 AT_CAP = 0.9
 # a ring step's latency the fit reports at least: a negative or zero intercept is the timings' noise (no network's

@@ -23,11 +23,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..planner.netfit import NetworkFitError, Timing, network_fit
+from ..planner.netfit import PROBE_FILE, PROBE_SCHEMA, NetworkFitError, Timing, network_fit
 from .collectives import Group
 
-PROBE_FILE = "network.json"
-SCHEMA = 1
 KINDS = ("all_gather", "reduce_scatter")
 # chunk sizes (bytes): on GPUs from a latency-bound 1 MiB to 64 MiB (5 ms at 100 Gb/s), where the rate shows;
 # on CPU (Gloo through host memory, tests on loopback) small enough that the whole probe stays well under 1 s
@@ -81,7 +79,7 @@ def probe_doc(timings: list[Timing], ranks: int, nnodes: int, backend: str, prob
     """What PROBE_FILE holds: the timings, where and when, and the fit (uncapped: the launcher knows the GPU
     links' rate, and fits again with it) or why there is none."""
     doc: dict[str, Any] = {
-        "schema": SCHEMA, "measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "schema": PROBE_SCHEMA, "measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "nnodes": nnodes, "ranks": ranks, "backend": backend, "probe_s": probe_s,
         "timings": [{"kind": t.kind, "nbytes": t.nbytes, "seconds": t.seconds} for t in timings]}
     try:
