@@ -68,8 +68,10 @@ def daemon_argv(role: str, store: str, extra: list[str] | None = None) -> list[s
     return [sys.executable, "-m", f"slidedp.daemons.{role}", "--store", store] + (extra or [])
 
 
-def ensure_daemons(store: str, updaters: int, updater_threads: int, timeout_s: float, reserve_cpus: int = 0) -> list[Child]:
-    """Start each daemon that no one runs for the store yet (the embedded default); return what we started."""
+def start_daemons(store: str, updaters: int, updater_threads: int, timeout_s: float,
+                  reserve_cpus: int = 0) -> list[Child]:
+    """Start each daemon that no one runs for the store yet (the embedded default), without waiting for them
+    to come up (`await_daemons`); return what we started."""
     started: list[Child] = []
     extra = {"updater": ["--processes", str(updaters), "--threads", str(updater_threads),
                          "--reserve-cpus", str(reserve_cpus)],
@@ -80,6 +82,12 @@ def ensure_daemons(store: str, updaters: int, updater_threads: int, timeout_s: f
                      daemonlock.holder_pid(store, role))
         else:  # all missing daemons start at once: their imports overlap
             started.append(spawn(f"slidedp-{role}", daemon_argv(role, store, extra.get(role))))
+    return started
+
+
+def await_daemons(started: list[Child], store: str, timeout_s: float) -> None:
+    """Wait until each started daemon serves the store (holds its role's lock); stop them all and raise
+    where one exits or is not up within timeout_s."""
     deadline = time.monotonic() + timeout_s
     for child in started:
         role = child.name.removeprefix("slidedp-")
@@ -92,4 +100,3 @@ def ensure_daemons(store: str, updaters: int, updater_threads: int, timeout_s: f
                 raise RuntimeError(f"{child.name} for store {store} did not come up within {timeout_s:.0f} s")
             time.sleep(0.05)
         log.info("started %s for store %s (pid %d)", child.name, store, child.proc.pid)
-    return started

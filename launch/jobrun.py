@@ -132,10 +132,13 @@ class JobRun:
         job = self.job
         self.run_dir.mkdir(parents=True, exist_ok=True)
         cfg = model_config(job)
+        # the daemons start (seconds of imports each) while the launcher checks the model's layers and reads
+        # the data; a refusal stops them (teardown) before any store is made
+        self.daemons = children.start_daemons(self.store, job.runtime.updaters, job.runtime.updater_threads,
+                                              self.timeout, reserve_cpus=self.reserved_cpus)
         check_layers(job, cfg)  # a model transformers' layers cannot run is refused before anything is made
         self._open_data(cfg.vocab_size)
-        self.daemons = children.ensure_daemons(self.store, job.runtime.updaters, job.runtime.updater_threads, self.timeout,
-                                               reserve_cpus=self.reserved_cpus)
+        children.await_daemons(self.daemons, self.store, self.timeout)
         started = {c.name.removeprefix("slidedp-") for c in self.daemons}
         self.external = {r: daemonlock.holder_pid(self.store, r) for r in daemonlock.ROLES if r not in started}
         status = self._call("status", self.timeout)

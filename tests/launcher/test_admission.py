@@ -240,7 +240,7 @@ def test_the_dry_run_and_the_launcher_reach_the_same_admission(tmp_path, monkeyp
     monkeypatch.setattr(jobrun, "shm_free_bytes", lambda: 32 * GiB)
     monkeypatch.setattr(dryrun, "admit", recorder("dry run", stop=False))
     monkeypatch.setattr(jobrun, "admit", recorder("launcher", stop=True))
-    monkeypatch.setattr(jobrun.children, "ensure_daemons", lambda *a, **k: [])
+    monkeypatch.setattr(jobrun.children, "start_daemons", lambda *a, **k: [])
     try:
         st = HostStore.create(store, TINY_LAYOUT, {"source": "random:tiny"})
         st.manifest.set_committed_step(3)
