@@ -7,4 +7,7 @@ if [ "$(id -u)" = 0 ] || [ "${CI:-}" = true ]; then
   bash scripts/install-systemd-tools.sh   # systemd-analyze, for the unit-file tests
 fi
 .venv/bin/ruff check .   # errors only: pyproject.toml [tool.ruff]
+# the suite starts hundreds of processes (launchers, daemons, workers), each importing SlideDP: where the
+# environment forbids bytecode caches, each would compile its sources again (__pycache__ is git-ignored)
+unset PYTHONDONTWRITEBYTECODE
 exec .venv/bin/python -m pytest -q "$@"
