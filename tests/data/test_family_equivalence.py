@@ -4,7 +4,8 @@ loss masks, clipping crossing its threshold, fp32 on CPU, real processes; losses
 final weights to float32 rounding: within 1e-5 of a float64 run of the reference, or within twice the
 distance of transformers' own float32 run from it where a family's numbers are more sensitive than that. The checkpoint loads in transformers and generates.
 
-The default suite runs each family once (but five of the MoE families; Qwen3-MoE runs with its auxiliary loss), the (ranks, micro-batches) pairs spread
+The default suite runs each family once (but five of the MoE families, Mistral and OLMo 2; Qwen3-MoE runs with
+its auxiliary loss), the (ranks, micro-batches) pairs spread
 over the families; the full grid (N in 1..3, M in 1..2, each family) runs with -m slow. The MoE families whose
 transformers class adds the routers' auxiliary loss run again with it on (config.json output_router_logits,
 coefficient 0.5): its statistics summed over micro-batches and ranks before the backward, the logged loss the
@@ -34,7 +35,9 @@ PAIRS = [(1, 2), (2, 1), (3, 2), (2, 2), (3, 1), (1, 1)]
 # transformers in the default suite (tests/model/test_generic.py), like every family's. So do Llama's and Qwen3's,
 # which SlideDP's own layers run: a launched Qwen3 is held to transformers by tests/data/test_equivalence.py, a
 # launched Llama's checkpoint by tests/data/test_serve_and_eval.py.
-SLOW_ONLY = ("llama", "qwen3", "qwen3_moe", "olmoe", "qwen3_5_moe", "glm4_moe", "deepseek_v3")
+# Mistral's sliding window and OLMo 2's post-norms wait too: gemma3 and gpt-oss launch sliding windows, and
+# the engine step of every family is checked in the default suite.
+SLOW_ONLY = ("llama", "qwen3", "qwen3_moe", "olmoe", "qwen3_5_moe", "glm4_moe", "deepseek_v3", "mistral", "olmo2")
 # Gemma 4 on one rank by default: its 3 ranks took 79 s of the suite in CI (2 cores); the grid runs them with -m slow
 OWN_PAIR = {"gemma4": (1, 1)}
 FAST = [(f, *OWN_PAIR.get(f, PAIRS[i % len(PAIRS)])) for i, f in enumerate(FAMILIES) if f not in SLOW_ONLY]

@@ -26,10 +26,13 @@ STEPS = 5
 # clipping on and off, tied (Qwen3) and untied (Llama) embeddings.
 # The last column: the embedding (and an untied head) held by the workers ("device", all-reduced
 # among ranks, AdamW in the worker) or on the host; and layers kept from forward to backward.
+# The default suite runs four of the nine (with ROUTE_CASES: every rank count 1-4, micro-batch count 1, 2
+# and 4, each shape, embedding and clipping); the rest wait for -m slow (the suite's time on 2 cores).
+SLOW_CASES = [(1, 1, 0.5, "tiny", "host"), (1, 4, 0.5, "tiny-llama", "host"), (2, 1, 0.0, "tiny", "host"),
+              (3, 1, 0.5, "tiny-llama", "device"), (3, 2, 0.0, "tiny", "device")]
 CASES = [
-    (1, 1, 0.5, "tiny", "host"), (1, 2, 0.0, "tiny-llama", "device"), (1, 4, 0.5, "tiny-llama", "host"),
-    (2, 1, 0.0, "tiny", "host"), (2, 2, 0.5, "tiny", "device"), (2, 4, 0.0, "tiny-llama", "host"),
-    (3, 1, 0.5, "tiny-llama", "device"), (3, 2, 0.0, "tiny", "device"), (3, 4, 0.5, "tiny", "host"),
+    (1, 2, 0.0, "tiny-llama", "device"), (2, 2, 0.5, "tiny", "device"), (2, 4, 0.0, "tiny-llama", "host"),
+    (3, 4, 0.5, "tiny", "host"),
 ]
 
 # The sharded routes (gloo among CPU ranks): parameters all-gathered, gradients reduce-scattered,
@@ -38,16 +41,18 @@ CASES = [
 # the first layers' saved inputs held in host memory.
 TILED = ("plan.seq_tile_tokens=24", "plan.offload_layers=1")
 ROUTE_CASES = [
-    (2, 2, 0.5, "tiny", "host", "sharded", "reduce_scatter", ()),
+    # both sharded routes with clipping (-m slow: the suite's time; the tiled and the held-layer cases below clip on them)
+    pytest.param(2, 2, 0.5, "tiny", "host", "sharded", "reduce_scatter", (), marks=pytest.mark.slow),
     (3, 1, 0.0, "tiny-llama", "device", "sharded", "host", ()),
     (3, 2, 0.0, "tiny-llama", "host", "replicated", "reduce_scatter", ()),  # shards updated in the ranks' slots
     (3, 1, 0.5, "tiny", "host", "sharded", "reduce_scatter", TILED),
     (4, 1, 0.0, "tiny-llama", "host", "sharded", "reduce_scatter", ()),  # four ranks, as on a 4-GPU host
     (2, 2, 0.5, "tiny-llama", "device", "replicated", "host", TILED),
     # the first layers held by the workers with their AdamW state (updated there, all-reduced among
-    # ranks): one of two with clipping, both of two (every layer) beside a device embedding, and
+    # ranks): one of two with clipping (-m slow: the suite's time; test_held_layers_carry_over_to_the_next_job
+    # holds one with clipping on one rank), both of two (every layer) beside a device embedding, and
     # beside the sharded routes
-    (1, 2, 0.5, "tiny", "host", "replicated", "host", ("plan.device_layers=1",)),
+    pytest.param(1, 2, 0.5, "tiny", "host", "replicated", "host", ("plan.device_layers=1",), marks=pytest.mark.slow),
     (2, 2, 0.0, "tiny-llama", "device", "replicated", "host", ("plan.device_layers=2",)),
     (3, 1, 0.5, "tiny", "host", "sharded", "reduce_scatter", ("plan.device_layers=1",)),
 ]
@@ -97,7 +102,8 @@ def launched(tmp_path_factory, monkeypatch, workers: int, micro: int, clip: floa
 
 
 @pytest.mark.parametrize("workers,micro,clip,shape,embedding,param_route,grad_route,extra",
-                         [c + ("replicated", "host", ()) for c in CASES] + ROUTE_CASES)
+                         [c + ("replicated", "host", ()) for c in CASES] + ROUTE_CASES
+                         + [pytest.param(*c, "replicated", "host", (), marks=pytest.mark.slow) for c in SLOW_CASES])
 def test_matches_reference(tmp_path_factory, monkeypatch, workers, micro, clip, shape, embedding, param_route,
                            grad_route, extra):
     proc, run_dir, sets, store = launched(tmp_path_factory, monkeypatch, workers, micro, clip, shape, embedding,
@@ -140,7 +146,7 @@ def assert_matches_reference(run_dir, sets: list[str], bound: float = ROUNDING) 
 
 
 @pytest.mark.parametrize("workers,extra", [
-    (2, ("plan.prefetch_depth=3",)),
+    pytest.param(2, ("plan.prefetch_depth=3",), marks=pytest.mark.slow),  # -m slow: the suite's time
     (2, ("plan.prefetch_depth=2", "plan.device_layers=2")),
 ])
 def test_deeper_prefetch_on_the_sharded_routes_matches_reference(tmp_path, monkeypatch, workers, extra):

@@ -216,6 +216,7 @@ def test_the_ranks_measure_the_network_and_the_host_keeps_it_for_the_next_plan(t
     assert f"each way per host, {measured.source}; latency" in calib.network_words()
 
 
+@pytest.mark.slow  # 22-31 s on CI's 2 cores; two hosts check the exchange by default
 def test_three_hosts_train_and_checkpoint_what_one_host_does(tmp_path, one_host):
     stores, runs = launch_hosts(tmp_path, one_host[0], 3, 1, tmp_path / "checkpoints")
     try:
