@@ -185,12 +185,26 @@ def test_packed_step_on_cuda_in_bf16(folders, family):
         assert err <= max(0.1, 2 * theirs), (n, err, theirs)
 
 
-def test_compiled_layers_give_the_same_step(folders, monkeypatch):
+@pytest.mark.parametrize("backend", [
+    "aot_eager",
+    # inductor's C++ code for the CPU: 21-37 s of compiling on CI's 2 cores (-m slow); on a GPU it emits Triton
+    pytest.param("inductor", marks=pytest.mark.slow),
+])
+def test_compiled_layers_give_the_same_step(folders, monkeypatch, backend):
     """train.compile: each structure's layer through torch.compile (attention eager, outside the graph)
-    gives the eager step's numbers, and a second micro-batch of other documents reuses the compiled code."""
+    gives the eager step's numbers, and a second micro-batch of other documents reuses the compiled code.
+    By default through dynamo and AOT autograd (`aot_eager`: the graphs, their breaks around the attention,
+    the guards) without inductor's code generation; with it under -m slow."""
+    import functools
+
     import torch._dynamo
 
-    monkeypatch.setattr(torch._dynamo.config, "cache_size_limit", 64)
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend=backend))
+    with torch._dynamo.config.patch(cache_size_limit=64):
+        _compiled_step_is_the_eager_one(folders, monkeypatch)
+
+
+def _compiled_step_is_the_eager_one(folders, monkeypatch) -> None:
     batch = packed_batch(512, seed=7)
     want_loss, want = engine_step(folders["gemma3"], batch)
     monkeypatch.setitem(globals(), "math_for",
