@@ -3,6 +3,7 @@ the layers cut into chunks the store's layout chooses, and what `--plan` says wh
 
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 
 from slidedp.model.config import named_shape
@@ -18,6 +19,12 @@ GiB = 1 << 30
 def _work(model, **kw) -> Workload:
     args = dict(global_batch=8, seq_len=4096, world=1, micro_batch=1, clip=False, compiled=True, layers="transformers")
     return Workload(model, **dict(args, **kw))
+
+
+@functools.cache
+def _big_plan():
+    """Qwen3-30B-A3B's plan at 120 GiB, the micro-batch the planner's (its search is seconds of the suite)."""
+    return make_plan(_work(qwen3_30b_a3b(), micro_batch=0), 120 * GiB, REFERENCE_CALIBRATION)
 
 
 def test_gpu_time_scales_with_active_parameters_and_the_host_with_all_of_them():
@@ -46,7 +53,7 @@ def test_the_plan_cuts_a_big_moe_model_into_chunks_and_leaves_a_dense_one_whole(
     big, dense = qwen3_30b_a3b(), named_shape("qwen3-4b")
     cut = default_layer_chunk_numel(big)
     assert _work(big).layer_cut == cut > 0 and _work(dense, layers="native").layer_cut == 0
-    plan = make_plan(_work(big, global_batch=8, micro_batch=0), 120 * GiB, REFERENCE_CALIBRATION)
+    plan = _big_plan()
     assert plan.step.layer_chunk_numel == cut == make_layout(big).layer_chunk_numel
     assert plan.step.chunk_rows == cut // big.hidden_size  # the head's blocks no larger than a layer chunk
     text = plan.describe()
@@ -63,8 +70,8 @@ def test_the_cut_overlaps_the_last_layers_update_with_its_copies_out():
     """The tail after the last backward: with whole layers the last layer's gradient leaves, then is updated;
     cut, the updaters start on its first chunk while the later ones copy out. Never slower."""
     big = qwen3_30b_a3b()
-    work = _work(big, world=2, clip=False)
-    plan = make_plan(work, 120 * GiB, REFERENCE_CALIBRATION).step
+    plan = _big_plan().step
+    work = _work(big, micro_batch=plan.micro_batch)
     cut = predict_step(work, plan, REFERENCE_CALIBRATION)[2]
     whole = predict_step(work, replace(plan, layer_chunk_numel=0, chunk_rows=costs.default_chunk_rows(big)),
                          REFERENCE_CALIBRATION)[2]
@@ -73,7 +80,7 @@ def test_the_cut_overlaps_the_last_layers_update_with_its_copies_out():
 
 
 def test_a_host_bound_moe_plan_says_what_bounds_it_and_what_would_help():
-    text = make_plan(_work(qwen3_30b_a3b(), micro_batch=0), 120 * GiB, REFERENCE_CALIBRATION).describe()
+    text = _big_plan().describe()
     assert "the host bounds the step: the updaters' AdamW takes" in text
     assert "this Mixture-of-Experts model's GPU work is that of its active parameters" in text
     assert "more updater cores or memory bandwidth" in text
