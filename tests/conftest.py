@@ -31,6 +31,15 @@ def _sigterm_unwinds_the_test():
     yield
 
 
+@pytest.fixture(scope="session")
+def family_folders(tmp_path_factory):
+    """Each family's tiny folder (tests/families.py, seed 4) for the launched tests, written once per session
+    on first use: test_layer_chunks reads gpt-oss's run of test_family_equivalence (family_run)."""
+    from families import FamilyFolders
+
+    return FamilyFolders(tmp_path_factory.mktemp("families"), seed=4)
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

@@ -144,6 +144,21 @@ def write_family_folder(folder: Path, family: str, seed: int = 0, tied: bool | N
     return folder
 
 
+class FamilyFolders(dict):
+    """family -> its folder under `root` (write_family_folder, `seed`), written on first use: a module that
+    launches a few families does not write all of them, and modules given one map share its folders."""
+
+    def __init__(self, root: Path, seed: int, router_aux: float | None = None) -> None:
+        """router_aux: each config.json set to add the routers' auxiliary loss at this coefficient (with_router_aux)."""
+        super().__init__()
+        self.root, self.seed, self.router_aux = Path(root), seed, router_aux
+
+    def __missing__(self, family: str) -> Path:
+        folder = write_family_folder(self.root / family, family, seed=self.seed)
+        self[family] = folder if self.router_aux is None else with_router_aux(folder, self.router_aux)
+        return self[family]
+
+
 def with_router_aux(folder: Path, coef: float) -> Path:
     """The folder's config.json set to add the routers' auxiliary loss at `coef` (transformers' default 0.001
     would hide its gradient under float32 rounding in a test)."""
