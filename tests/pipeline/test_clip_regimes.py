@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from .harness import TINY, checkpoint_state, checkpoint_weights, launch, metrics, rel_err, unique_store
-from .test_equivalence import STEPS, assert_matches_reference, job_sets, reference
+from .test_equivalence import STEPS, assert_matches_reference, job_sets, launched, reference
 
 # reference norms, steps 0-4 (with the clipping each threshold causes): tiny 1.049 1.053 0.923 1.135 0.953,
 # tiny-llama 0.905 0.943 1.031 1.294 1.080
@@ -29,7 +29,7 @@ CROSSES = {"tiny": [True, True, False, True, False], "tiny-llama": [False, False
 
 # (workers, micro-batches per rank, regime, shape, param_route, grad_route, embedding)
 DEFAULT = [
-    (1, 2, "never", "tiny", "replicated", "host", "host"),
+    (1, 2, "never", "tiny-llama", "replicated", "host", "device"),  # its run without clipping: test_matches_reference's
     (2, 1, "crossing", "tiny-llama", "sharded", "reduce_scatter", "host"),
     (3, 4, "always", "tiny", "replicated", "host", "device"),
 ]
@@ -49,7 +49,8 @@ def _run(tmp_path, name: str, workers, micro, clip, shape, param_route, grad_rou
     return run_dir, sets
 
 
-def check_regime(tmp_path, workers, micro, regime, shape, param_route, grad_route, embedding) -> None:
+def check_regime(tmp_path, tmp_path_factory, monkeypatch, workers, micro, regime, shape, param_route, grad_route,
+                 embedding) -> None:
     clip = THRESHOLDS[regime][shape]
     run_dir, sets = _run(tmp_path, "run", workers, micro, clip, shape, param_route, grad_route, embedding)
     # Weights and moments relative per tensor: the engine sums micro-batches and ranks in another order
@@ -78,7 +79,10 @@ def check_regime(tmp_path, workers, micro, regime, shape, param_route, grad_rout
         assert m["corrected_chunks"] == (m["speculated_chunks"] if m["clipped"] else 0), m
         assert (m["correction_s"] > 0) == (m["clipped"] and m["speculated"]), m
     if regime == "never":  # every speculative update kept: bit for bit the run without clipping
-        off_dir, _ = _run(tmp_path, "off", workers, micro, 0.0, shape, param_route, grad_route, embedding)
+        # the same job without clipping, launched once a session (test_matches_reference checks it too)
+        proc, off_dir, _, _ = launched(tmp_path_factory, monkeypatch, workers, micro, 0.0, shape, embedding, param_route,
+                                       grad_route)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
         off = off_dir / "checkpoints" / f"step-{STEPS:08d}"
         for mine, theirs in ((checkpoint_weights(final), checkpoint_weights(off)), (state, checkpoint_state(off))):
             assert mine.keys() == theirs.keys()
@@ -88,11 +92,15 @@ def check_regime(tmp_path, workers, micro, regime, shape, param_route, grad_rout
 
 
 @pytest.mark.parametrize("workers,micro,regime,shape,param_route,grad_route,embedding", DEFAULT)
-def test_clipping_regime(tmp_path, workers, micro, regime, shape, param_route, grad_route, embedding):
-    check_regime(tmp_path, workers, micro, regime, shape, param_route, grad_route, embedding)
+def test_clipping_regime(tmp_path, tmp_path_factory, monkeypatch, workers, micro, regime, shape, param_route, grad_route,
+                         embedding):
+    check_regime(tmp_path, tmp_path_factory, monkeypatch, workers, micro, regime, shape, param_route, grad_route,
+                 embedding)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("workers,micro,regime,shape,param_route,grad_route,embedding", GRID)
-def test_clipping_regime_grid(tmp_path, workers, micro, regime, shape, param_route, grad_route, embedding):
-    check_regime(tmp_path, workers, micro, regime, shape, param_route, grad_route, embedding)
+def test_clipping_regime_grid(tmp_path, tmp_path_factory, monkeypatch, workers, micro, regime, shape, param_route,
+                              grad_route, embedding):
+    check_regime(tmp_path, tmp_path_factory, monkeypatch, workers, micro, regime, shape, param_route, grad_route,
+                 embedding)
