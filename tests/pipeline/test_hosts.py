@@ -256,6 +256,7 @@ def test_a_resume_on_several_hosts_is_bit_identical_and_on_one_host_too(tmp_path
         drop_store(store)
 
 
+@pytest.mark.slow  # 10 s on 2 cores; the links' refusal itself: tests/launcher/test_host_link.py
 def test_hosts_at_different_steps_are_refused_naming_them(tmp_path, one_host, two_hosts):
     """Host 0's store trained to step 3 beside a fresh store for host 1: the launchers stop before any worker
     starts, naming each host's step (launch/hosts.py; the ranks would check it again); neither store moves."""
