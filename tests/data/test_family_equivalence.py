@@ -4,8 +4,8 @@ loss masks, clipping crossing its threshold, fp32 on CPU, real processes; losses
 final weights to float32 rounding: within 1e-5 of a float64 run of the reference, or within twice the
 distance of transformers' own float32 run from it where a family's numbers are more sensitive than that. The checkpoint loads in transformers and generates.
 
-The default suite runs each family once (but five of the MoE families, Mistral and OLMo 2; Qwen3-MoE runs with
-its auxiliary loss), the (ranks, micro-batches) pairs spread
+The default suite runs each family once (but five of the MoE families, Mistral, OLMo 2, Gemma 3 and Phi-3;
+Qwen3-MoE runs with its auxiliary loss), the (ranks, micro-batches) pairs spread
 over the families; the full grid (N in 1..3, M in 1..2, each family) runs with -m slow. The MoE families whose
 transformers class adds the routers' auxiliary loss run again with it on (config.json output_router_logits,
 coefficient 0.5): its statistics summed over micro-batches and ranks before the backward, the logged loss the
@@ -39,13 +39,15 @@ transformers = pytest.importorskip("transformers")
 # transformers in the default suite (tests/model/test_generic.py), like every family's. So do Llama's and Qwen3's,
 # which SlideDP's own layers run: a launched Qwen3 is held to transformers by tests/data/test_equivalence.py, a
 # launched Llama's checkpoint by tests/data/test_serve_and_eval.py.
-# Mistral's sliding window and OLMo 2's post-norms wait too: gemma3 and gpt-oss launch sliding windows, and
-# the engine step of every family is checked in the default suite.
-SLOW_ONLY = ("llama", "qwen3", "qwen3_moe", "olmoe", "qwen3_5_moe", "glm4_moe", "deepseek_v3", "mistral", "olmo2")
-# The (ranks, micro-batches) pair each other family launches with by default, spread over 1 x 1, 1 x 2, 2 x 2
-# and 3 x 1 (the grid, every pair, with -m slow): Gemma 4 on one rank (its 3 ranks took 79 s of the suite in CI,
-# 2 cores), gpt-oss on 1 x 2, which test_layer_chunks reads too (family_run)
-FAST_PAIRS = {"qwen3_5": (1, 2), "gemma3": (2, 2), "gemma4": (1, 1), "phi3": (1, 1), "gpt_oss": (1, 2), "mixtral": (3, 1)}
+# Mistral's sliding window, OLMo 2's post-norms, Gemma 3's scaled embedding and softcaps and Phi-3's fused
+# projections wait too: gpt-oss and Gemma 4 launch sliding windows, Gemma 4 a scaled embedding, and the engine
+# step of every family, the part of a launched job that is the family's own, is checked in the default suite.
+SLOW_ONLY = ("llama", "qwen3", "qwen3_moe", "olmoe", "qwen3_5_moe", "glm4_moe", "deepseek_v3", "mistral", "olmo2",
+             "gemma3", "phi3")
+# The (ranks, micro-batches) pair each other family launches with by default, spread over 1 x 1, 1 x 2 and
+# 3 x 1 (Qwen3-MoE's with the auxiliary loss: 2 x 2; the grid, every pair, with -m slow): Gemma 4 on one rank
+# (its 3 ranks took 79 s of the suite in CI, 2 cores), gpt-oss on 1 x 2, which test_layer_chunks reads too
+FAST_PAIRS = {"qwen3_5": (1, 2), "gemma4": (1, 1), "gpt_oss": (1, 2), "mixtral": (3, 1)}
 FAST = [(f, *FAST_PAIRS[f]) for f in FAMILIES if f not in SLOW_ONLY]
 SLOW = [(f, n, m) for f in FAMILIES for n in (1, 2, 3) for m in (1, 2) if (f, n, m) not in FAST]
 AUX_FAST = [("qwen3_moe", 2, 2)]
