@@ -26,7 +26,9 @@ install() {
     "$VPY" -m uv pip install -q --python "$VPY" $UV_COMPILE "${sources[@]}" "$@" && return
     echo "setup: uv could not install; pip instead" >&2
   fi
-  "$VPY" -m pip install -q --disable-pip-version-check $COMPILE "$@" 2>&1 | grep -v "^WARNING: Location" || true
+  # pip's own status (pipefail), not grep's: a failed install stops here, naming what it was asked for
+  "$VPY" -m pip install -q --disable-pip-version-check $COMPILE "$@" 2>&1 | { grep -v "^WARNING: Location" || true; } \
+    || { echo "setup: pip could not install $*" >&2; exit 1; }
 }
 TORCH=()
 if ! "$VPY" -c "import torch" 2>/dev/null; then
@@ -35,7 +37,8 @@ if ! "$VPY" -c "import torch" 2>/dev/null; then
 fi
 echo "setup: installing slidedp and its test extras"
 install "${TORCH[@]}" -e ".[test,report]"
-"$VPY" -c "import slidedp, torch, zmq, posix_ipc, transformers; print('setup: ok (torch', torch.__version__ + ')')"
+"$VPY" -c "import slidedp, torch, zmq, posix_ipc, transformers; print('setup: ok (torch', torch.__version__ + ')')" \
+  || { echo "setup: .venv lacks a package (named above); re-run with SLIDEDP_SETUP_PIP=1 to see pip's errors" >&2; exit 1; }
 if git rev-parse --is-inside-work-tree >/dev/null 2>&1; then
   git config core.hooksPath .githooks   # .githooks/commit-msg: subjects of at most 72 characters
 fi
