@@ -15,6 +15,8 @@ initialisation takes seconds there) and written with `save_pretrained` (safetens
                Qwen3-30B-A3B's layer (hidden 2,048, 32 heads of 128, 4 kv heads, experts of 768, top-8) with 64
                experts and 16 layers, so that transformers' own run fits one H200 beside it; the folder keeps one
                tensor per expert, as transformers saves it
+  qwen3-moe-4.5b  the same layers, 12 of them (4.5 B parameters): transformers' own run with everything on the GPU
+               fits an 80 GB card (H100) at 8 x 2,048 sequences a forward
   tiny-gemma3, tiny-qwen3.5   the same families at hidden 64, 4 layers, vocabulary 512 (CPU tests)
 """
 
@@ -48,6 +50,15 @@ _GEMMA3_ROPE = {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_t
 # Qwen3.5: rotary on a quarter of each head's dimensions, theta 1e7 (text positions: the 3 M-RoPE sections agree)
 _QWEN3_5_ROPE = {"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25}
 
+# Qwen3-30B-A3B's layer with 64 experts (the MoE shapes differ only in their number of layers)
+_QWEN3_MOE_LAYERS = dict(
+    vocab_size=151_936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+    num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=64,
+    num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+    output_router_logits=False, hidden_act="silu", rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+    rms_norm_eps=1e-6, tie_word_embeddings=False, max_position_embeddings=32_768, attention_dropout=0.0,
+    attention_bias=False)
+
 CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "gemma3-4b": ("gemma3_text", dict(
         vocab_size=262_208, hidden_size=2560, intermediate_size=10_240, num_hidden_layers=34,
@@ -62,13 +73,8 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
         linear_value_head_dim=128, linear_num_key_heads=16, linear_num_value_heads=32,
         rope_parameters=_QWEN3_5_ROPE, rms_norm_eps=1e-6, tie_word_embeddings=True,
         max_position_embeddings=262_144, attention_dropout=0.0, attention_bias=False)),
-    "qwen3-moe-5.8b": ("qwen3_moe", dict(
-        vocab_size=151_936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
-        num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=64,
-        num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
-        output_router_logits=False, hidden_act="silu", rope_parameters={"rope_type": "default", "rope_theta": 1e6},
-        rms_norm_eps=1e-6, tie_word_embeddings=False, max_position_embeddings=32_768, attention_dropout=0.0,
-        attention_bias=False)),
+    "qwen3-moe-5.8b": ("qwen3_moe", dict(_QWEN3_MOE_LAYERS, num_hidden_layers=16)),
+    "qwen3-moe-4.5b": ("qwen3_moe", dict(_QWEN3_MOE_LAYERS, num_hidden_layers=12)),
     "tiny-gemma3": ("gemma3_text", dict(
         vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, hidden_activation="gelu_pytorch_tanh", sliding_window=16,

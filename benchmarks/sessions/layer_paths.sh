@@ -16,6 +16,9 @@
 #   qwen3-moe-b8   a Qwen3-MoE shape of 5.8 B parameters (64 experts, top-8, 16 layers of Qwen3-30B-A3B's size;
 #                  benchmarks/make_hf_model.py), 8 x 2,048: slidedp, hf, hf_liger (apply_liger_kernel_to_qwen3_moe)
 #   qwen3-moe-b32  the same at 32 x 2,048
+#   qwen3-moe-4.5b-b8, qwen3-moe-4.5b-b32   the same layers, 12 of them (4.5 B), for an 80 GB card (H100), where
+#                  transformers with everything on the GPU does not fit the 5.8 B shape; at 32 x 2,048 the
+#                  transformers peers take 4 micro-batches of 8 (--micro-batch 8: one of 32 would not fit)
 #                  hf_liger: liger-kernel 0.8.5's fused MoE kernels autotune 32-40 Triton configurations each on
 #                  the first step (likely why it made no step in 220 s on 2026-12-04); LIGER_FUSED_MOE_AUTOTUNE=0 pins one,
 #                  and then it runs on an H200 (89 GiB at 8 x 2,048, 101 at 32 x 2,048). All on the GPU this model needs
@@ -69,8 +72,13 @@ for part in "${parts[@]}"; do
       folder "$part" && table "$part" 8 slidedp,hf,hf_liger --model-dir "$models/$part" ;;
     qwen3-moe-b8 | qwen3-moe-b32)
       folder qwen3-moe-5.8b && table "$part" "${part#qwen3-moe-b}" slidedp,hf,hf_liger --model-dir "$models/qwen3-moe-5.8b" ;;
+    qwen3-moe-4.5b-b8)
+      folder qwen3-moe-4.5b && table "$part" 8 slidedp,hf,hf_liger --model-dir "$models/qwen3-moe-4.5b" ;;
+    qwen3-moe-4.5b-b32)
+      folder qwen3-moe-4.5b && table "$part" 32 slidedp,hf,hf_liger --model-dir "$models/qwen3-moe-4.5b" --micro-batch 8 ;;
     *)
-      echo "unknown PART $part (qwen3-4b-b8, qwen3-4b-b32, gemma3-4b, qwen3.5-4b, qwen3-moe-b8, qwen3-moe-b32)" >&2
+      echo "unknown PART $part (qwen3-4b-b8, qwen3-4b-b32, gemma3-4b, qwen3.5-4b, qwen3-moe-b8, qwen3-moe-b32," \
+        "qwen3-moe-4.5b-b8, qwen3-moe-4.5b-b32)" >&2
       exit 2 ;;
   esac
 done

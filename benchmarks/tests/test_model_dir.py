@@ -49,6 +49,12 @@ def test_make_hf_model_writes_a_folder_slidedp_reads(tmp_path, capsys):
     qwen = make_hf_model.make_config("qwen3.5-4b", vocab=1024)
     assert qwen.model_type == "qwen3_5_text" and qwen.vocab_size == 1024
     assert qwen.layer_types[:4] == ["linear_attention"] * 3 + ["full_attention"]
+    # the 80 GB card's MoE shape is the H200's with 12 layers instead of 16: 4.47 B parameters against 5.76 B
+    big, small = make_hf_model.make_config("qwen3-moe-5.8b").to_dict(), make_hf_model.make_config("qwen3-moe-4.5b").to_dict()
+    assert {k for k in big if big[k] != small.get(k)} == {"num_hidden_layers"}
+    assert (big["num_hidden_layers"], small["num_hidden_layers"], small["num_local_experts"],
+            small["num_experts_per_tok"]) == (
+        16, 12, 64, 8)
 
 
 @pytest.mark.slow  # 19 s; tests/data/test_family_equivalence.py holds SlideDP to transformers on folders by default
@@ -127,17 +133,23 @@ def test_liger_is_asked_for_the_kernels_each_family_has(monkeypatch):
         hf_liger.liger_patch("qwen3_5_text")
 
 
-def test_the_layer_paths_session_runs_each_system_in_its_own_command(tmp_path):
+def _layer_paths(tmp_path: Path, *parts: str) -> list[str]:
+    """Every command sessions/layer_paths.sh OUT PART... runs, with a fake python3 that records them (and
+    writes an empty table); models in tmp_path/m."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "python3").write_text(FAKE_PYTHON)
     (bin_dir / "python3").chmod(0o755)
     calls = tmp_path / "calls"
     env = {**os.environ, "PATH": f"{bin_dir}:/usr/bin:/bin", "FAKE_CALLS": str(calls), "MODELS": str(tmp_path / "m")}
-    done = subprocess.run(["bash", str(ROOT / "benchmarks/sessions/layer_paths.sh"), str(tmp_path / "out")],
+    done = subprocess.run(["bash", str(ROOT / "benchmarks/sessions/layer_paths.sh"), str(tmp_path / "out"), *parts],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
-    lines = calls.read_text().splitlines()
+    return calls.read_text().splitlines()
+
+
+def test_the_layer_paths_session_runs_each_system_in_its_own_command(tmp_path):
+    lines = _layer_paths(tmp_path)
     runs = [line for line in lines if line.startswith("-m benchmarks.run --batch")]
     assert [(r.split("--systems ")[1].split()[0], r.split("--batch ")[1].split()[0]) for r in runs] == [
         ("slidedp", "8"), ("slidedp_transformers", "8"), ("slidedp", "32"), ("slidedp_transformers", "32"),
@@ -152,3 +164,19 @@ def test_the_layer_paths_session_runs_each_system_in_its_own_command(tmp_path):
     merges = [line.split("--out ")[1] for line in lines if line.startswith("-m benchmarks.run --merge")]
     assert merges == [str(tmp_path / "out" / f"{p}.json") for p in ("qwen3-4b-b8", "qwen3-4b-b32", "gemma3-4b",
                                                                     "qwen3.5-4b")]
+
+
+def test_the_80_gb_moe_parts_give_transformers_micro_batches_of_8_at_32_rows(tmp_path):
+    """qwen3-moe-4.5b-b8 / -b32: the 12-layer folder made once; at 32 x 2,048 the peers take --micro-batch 8 (one
+    forward of 32 rows does not fit an 80 GB card beside AdamW's state), SlideDP keeps the plan's micro-batch."""
+    lines = _layer_paths(tmp_path, "qwen3-moe-4.5b-b8", "qwen3-moe-4.5b-b32")
+    folder = tmp_path / "m" / "qwen3-moe-4.5b"
+    # each part makes the folder where it lacks config.json (the fake python3 writes none)
+    assert [line for line in lines if "make_hf_model" in line] == [f"-m benchmarks.make_hf_model qwen3-moe-4.5b {folder}"] * 2
+    runs = [line for line in lines if line.startswith("-m benchmarks.run --batch")]
+    assert [(r.split("--systems ")[1].split()[0], r.split("--batch ")[1].split()[0], r.endswith("--micro-batch 8"))
+            for r in runs] == [("slidedp", "8", False), ("hf", "8", False), ("hf_liger", "8", False),
+                               ("slidedp", "32", True), ("hf", "32", True), ("hf_liger", "32", True)]
+    assert all(f"--model-dir {folder}" in r for r in runs)
+    merges = [line.split("--out ")[1] for line in lines if line.startswith("-m benchmarks.run --merge")]
+    assert merges == [str(tmp_path / "out" / f"qwen3-moe-4.5b-b{n}.json") for n in (8, 32)]
