@@ -15,9 +15,7 @@ cross-entropy plus coef x aux, as transformers takes it over the global batch.
 from __future__ import annotations
 
 import functools
-import subprocess
 from collections.abc import Callable
-from pathlib import Path
 
 import pytest
 import torch
@@ -30,7 +28,7 @@ from slidedp.schedule import lr_at
 from data.common import hf_reference
 from data.test_equivalence import STEPS, job_sets
 from families import AUX_FAMILIES, FAMILIES, FamilyFolders, write_family_folder
-from pipeline.harness import TINY, checkpoint_weights, launch, metrics, rel_err, store_segments, unique_store
+from pipeline.harness import TINY, Launched, checkpoint_weights, launch_once, metrics, rel_err, store_segments
 
 transformers = pytest.importorskip("transformers")
 
@@ -83,24 +81,15 @@ def close(got: float, truth: float, fp32: Callable[[], float], factor: float = 2
     return abs(got - truth) <= 1e-5 * abs(truth) or abs(got - truth) <= factor * abs(fp32() - truth)
 
 
-_runs: dict = {}
-
-
-def family_run(tmp_path_factory, folder, workers: int, micro: int) -> tuple[subprocess.CompletedProcess, Path,
-                                                                            list[str], str]:
+def family_run(tmp_path_factory, folder, workers: int, micro: int) -> Launched:
     """(proc, run_dir, sets, store) of the family's job (packed chat rows, clipping at 0.5, three steps) on
     these ranks and micro-batches, launched once per session: test_layer_chunks compares gpt-oss's run,
     its layers cut by the layout's rule, with the same job on whole layers."""
-    key = (str(folder), workers, micro)
-    if key not in _runs:
-        cwd = tmp_path_factory.mktemp("fam")
-        store, run_dir = unique_store("fam"), cwd / "run"
-        # a step of lr 3e-3 moves these tiny weights by a tenth of their size, after which fp32's rounding
-        # (ours or transformers') shows at 1e-4; 5e-4 keeps three steps better conditioned
-        sets = [s for s in job_sets(folder, workers, micro, "packed", 0.5, store, run_dir)
-                if not s.startswith("train.lr")] + ["train.lr=5e-4"]
-        _runs[key] = (launch(TINY, *sets, cwd=cwd), run_dir, sets, store)
-    return _runs[key]
+    # a step of lr 3e-3 moves these tiny weights by a tenth of their size, after which fp32's rounding
+    # (ours or transformers') shows at 1e-4; 5e-4 keeps three steps better conditioned
+    return launch_once(("family", str(folder), workers, micro), tmp_path_factory, lambda store, run_dir: [
+        s for s in job_sets(folder, workers, micro, "packed", 0.5, store, run_dir) if not s.startswith("train.lr")]
+        + ["train.lr=5e-4"])
 
 
 # A gradient norm after an update amplifies the update's float32 rounding by the model's conditioning, and a

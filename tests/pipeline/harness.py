@@ -8,6 +8,7 @@ import subprocess
 import sys
 import uuid
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -48,12 +49,30 @@ def attached_job_record(store: str, world: int, clip: bool, max_grad_norm: float
     return job
 
 
-def launch(job: Path, *sets: str, cwd: Path, timeout: float = 240, extra: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+def launch(job: Path, *sets: str, cwd: Path, timeout: float = 240, extra: tuple[str, ...] = (),
+           env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     argv = [sys.executable, "-m", "slidedp.launch.cli", str(job), *extra]
     for s in sets:
         argv += ["--set", s]
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
     return subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+Launched = tuple[subprocess.CompletedProcess, Path, list[str], str]
+_launched: dict[tuple, Launched] = {}
+
+
+def launch_once(key: tuple, tmp_path_factory, sets_for: Callable[[str, Path], list[str]],
+                env: dict[str, str] | None = None) -> Launched:
+    """(proc, run_dir, sets, store) of the tiny job whose `sets_for(store, run_dir)` values `key` names,
+    launched the first time a test of this session asks for it: tests that read one run in different ways
+    (another test's twin, a shared-memory check) share its launch instead of paying for their own."""
+    if key not in _launched:
+        cwd = tmp_path_factory.mktemp("run")
+        store, run_dir = unique_store("once"), cwd / "run"
+        sets = sets_for(store, run_dir)
+        _launched[key] = (launch(TINY, *sets, cwd=cwd, env=env), run_dir, sets, store)
+    return _launched[key]
 
 
 def metrics(run_dir: Path) -> list[dict]:

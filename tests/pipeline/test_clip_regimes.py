@@ -49,7 +49,7 @@ def _run(tmp_path, name: str, workers, micro, clip, shape, param_route, grad_rou
     return run_dir, sets
 
 
-def check_regime(tmp_path, tmp_path_factory, monkeypatch, workers, micro, regime, shape, param_route, grad_route,
+def check_regime(tmp_path, tmp_path_factory, workers, micro, regime, shape, param_route, grad_route,
                  embedding) -> None:
     clip = THRESHOLDS[regime][shape]
     run_dir, sets = _run(tmp_path, "run", workers, micro, clip, shape, param_route, grad_route, embedding)
@@ -80,7 +80,7 @@ def check_regime(tmp_path, tmp_path_factory, monkeypatch, workers, micro, regime
         assert (m["correction_s"] > 0) == (m["clipped"] and m["speculated"]), m
     if regime == "never":  # every speculative update kept: bit for bit the run without clipping
         # the same job without clipping, launched once a session (test_matches_reference checks it too)
-        proc, off_dir, _, _ = launched(tmp_path_factory, monkeypatch, workers, micro, 0.0, shape, embedding, param_route,
+        proc, off_dir, _, _ = launched(tmp_path_factory, workers, micro, 0.0, shape, embedding, param_route,
                                        grad_route)
         assert proc.returncode == 0, proc.stdout + proc.stderr
         off = off_dir / "checkpoints" / f"step-{STEPS:08d}"
@@ -92,15 +92,15 @@ def check_regime(tmp_path, tmp_path_factory, monkeypatch, workers, micro, regime
 
 
 @pytest.mark.parametrize("workers,micro,regime,shape,param_route,grad_route,embedding", DEFAULT)
-def test_clipping_regime(tmp_path, tmp_path_factory, monkeypatch, workers, micro, regime, shape, param_route, grad_route,
+def test_clipping_regime(tmp_path, tmp_path_factory, workers, micro, regime, shape, param_route, grad_route,
                          embedding):
-    check_regime(tmp_path, tmp_path_factory, monkeypatch, workers, micro, regime, shape, param_route, grad_route,
+    check_regime(tmp_path, tmp_path_factory, workers, micro, regime, shape, param_route, grad_route,
                  embedding)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("workers,micro,regime,shape,param_route,grad_route,embedding", GRID)
-def test_clipping_regime_grid(tmp_path, tmp_path_factory, monkeypatch, workers, micro, regime, shape, param_route,
+def test_clipping_regime_grid(tmp_path, tmp_path_factory, workers, micro, regime, shape, param_route,
                               grad_route, embedding):
-    check_regime(tmp_path, tmp_path_factory, monkeypatch, workers, micro, regime, shape, param_route, grad_route,
+    check_regime(tmp_path, tmp_path_factory, workers, micro, regime, shape, param_route, grad_route,
                  embedding)

@@ -17,7 +17,7 @@ from slidedp.model.config import named_shape
 from slidedp.model.init import init_params
 from slidedp.reference import initial_params, train_reference
 
-from .harness import TINY, checkpoint_weights, launch, metrics, rel_err, store_segments, unique_store
+from .harness import TINY, Launched, checkpoint_weights, launch, launch_once, metrics, rel_err, store_segments, unique_store
 
 GLOBAL_BATCH = 12
 STEPS = 5
@@ -81,30 +81,23 @@ def reference(sets: list[str]):
     return _reference_cache[key]
 
 
-_launched: dict = {}
-
-
-def launched(tmp_path_factory, monkeypatch, workers: int, micro: int, clip: float, shape: str, embedding: str = "host",
-             param_route: str = "replicated", grad_route: str = "host", extra: tuple[str, ...] = ()):
+def launched(tmp_path_factory, workers: int, micro: int, clip: float, shape: str, embedding: str = "host",
+             param_route: str = "replicated", grad_route: str = "host", extra: tuple[str, ...] = ()) -> Launched:
     """(proc, run_dir, sets, store) of the job of these values, launched once per session with INFO logs (the
     workers' start-up lines name their routes): the shared-memory test reads the 4-rank run that
     test_matches_reference checks, whichever of them runs first."""
-    key = (workers, micro, clip, shape, embedding, param_route, grad_route, tuple(extra))
-    if key not in _launched:
-        monkeypatch.setenv("SLIDEDP_LOG_LEVEL", "INFO")
-        cwd = tmp_path_factory.mktemp("eq")
-        store, run_dir = unique_store("eq"), cwd / "run"
-        sets = job_sets(workers, micro, clip, shape, store, run_dir, embedding, param_route, grad_route) + list(extra)
-        _launched[key] = (launch(TINY, *sets, cwd=cwd), run_dir, sets, store)
-    return _launched[key]
+    return launch_once(("eq", workers, micro, clip, shape, embedding, param_route, grad_route, tuple(extra)),
+                       tmp_path_factory, lambda store, run_dir: job_sets(workers, micro, clip, shape, store, run_dir,
+                                                                         embedding, param_route, grad_route) + list(extra),
+                       env={"SLIDEDP_LOG_LEVEL": "INFO"})
 
 
 @pytest.mark.parametrize("workers,micro,clip,shape,embedding,param_route,grad_route,extra",
                          [c + ("replicated", "host", ()) for c in CASES] + ROUTE_CASES
                          + [pytest.param(*c, "replicated", "host", (), marks=pytest.mark.slow) for c in SLOW_CASES])
-def test_matches_reference(tmp_path_factory, monkeypatch, workers, micro, clip, shape, embedding, param_route,
+def test_matches_reference(tmp_path_factory, workers, micro, clip, shape, embedding, param_route,
                            grad_route, extra):
-    proc, run_dir, sets, store = launched(tmp_path_factory, monkeypatch, workers, micro, clip, shape, embedding,
+    proc, run_dir, sets, store = launched(tmp_path_factory, workers, micro, clip, shape, embedding,
                                           param_route, grad_route, extra)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for rank in range(workers):  # each rank says which routes it runs
@@ -201,7 +194,7 @@ def test_held_layers_carry_over_to_the_next_job(tmp_path, workers, shape, embedd
         unlink_store(store)
 
 
-def test_shared_memory_is_one_copy_whatever_the_ranks(tmp_path_factory, monkeypatch):
+def test_shared_memory_is_one_copy_whatever_the_ranks(tmp_path_factory):
     """One copy of the state for any number of ranks, and on the reduce-scattered route each rank's
     gradient slots hold its shard: 4 ranks take the shared memory of 1, but for the shards' padding
     (a chunk of n elements cut in 4 shards of ceil(n / 4): at most 3 elements per slot). The 4-rank
@@ -210,7 +203,7 @@ def test_shared_memory_is_one_copy_whatever_the_ranks(tmp_path_factory, monkeypa
 
     shm = {}
     for workers in (1, 4):
-        proc, run_dir, _, _ = launched(tmp_path_factory, monkeypatch, workers, 1, 0.0, "tiny-llama", "host", "sharded",
+        proc, run_dir, _, _ = launched(tmp_path_factory, workers, 1, 0.0, "tiny-llama", "host", "sharded",
                                        "reduce_scatter")
         assert proc.returncode == 0, proc.stdout + proc.stderr
         got = {m["shm_bytes"] for m in metrics(run_dir)}
