@@ -17,7 +17,8 @@ from slidedp.model.config import named_shape
 from slidedp.model.init import init_params
 from slidedp.reference import initial_params, train_reference
 
-from .harness import TINY, Launched, checkpoint_weights, launch, launch_once, metrics, rel_err, store_segments, unique_store
+from .harness import (TINY, Launched, checkpoint_weights, launch, launch_once, metrics, rel_err, store_segments,
+                      unique_store)
 
 GLOBAL_BATCH = 12
 STEPS = 5
@@ -86,10 +87,11 @@ def launched(tmp_path_factory, workers: int, micro: int, clip: float, shape: str
     """(proc, run_dir, sets, store) of the job of these values, launched once per session with INFO logs (the
     workers' start-up lines name their routes): the shared-memory test reads the 4-rank run that
     test_matches_reference checks, whichever of them runs first."""
-    return launch_once(("eq", workers, micro, clip, shape, embedding, param_route, grad_route, tuple(extra)),
-                       tmp_path_factory, lambda store, run_dir: job_sets(workers, micro, clip, shape, store, run_dir,
-                                                                         embedding, param_route, grad_route) + list(extra),
-                       env={"SLIDEDP_LOG_LEVEL": "INFO"})
+    def sets_for(store: str, run_dir) -> list[str]:
+        return job_sets(workers, micro, clip, shape, store, run_dir, embedding, param_route, grad_route) + list(extra)
+
+    key = ("eq", workers, micro, clip, shape, embedding, param_route, grad_route, tuple(extra))
+    return launch_once(key, tmp_path_factory, sets_for, env={"SLIDEDP_LOG_LEVEL": "INFO"})
 
 
 @pytest.mark.parametrize("workers,micro,clip,shape,embedding,param_route,grad_route,extra",
