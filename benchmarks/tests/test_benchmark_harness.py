@@ -695,18 +695,23 @@ exit 0
 '''
 
 
-def _headline(tmp_path: Path, part: str, **env: str) -> tuple[subprocess.CompletedProcess, str, list[str]]:
-    """sessions/headline.sh PART with a fake python3 that records each command (and writes an empty table):
-    its result, every command, and the harness runs among them."""
+def run_session(tmp_path: Path, script: str, *args: str, **env: str) -> tuple[subprocess.CompletedProcess, str]:
+    """benchmarks/sessions/SCRIPT OUT ARGS... with a fake python3 that records each command (and writes an
+    empty table): its result and every command it ran, one a line."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "python3").write_text(FAKE_PYTHON)
     (bin_dir / "python3").chmod(0o755)
     calls = tmp_path / "calls"
     full = {**os.environ, "PATH": f"{bin_dir}:/usr/bin:/bin", "FAKE_CALLS": str(calls), **env}
-    done = subprocess.run(["bash", str(ROOT / "benchmarks/sessions/headline.sh"), str(tmp_path / "out"), part],
+    done = subprocess.run(["bash", str(ROOT / "benchmarks/sessions" / script), str(tmp_path / "out"), *args],
                           cwd=ROOT, env=full, capture_output=True, text=True, timeout=60)
-    text = calls.read_text() if calls.exists() else ""
+    return done, calls.read_text() if calls.exists() else ""
+
+
+def _headline(tmp_path: Path, part: str, **env: str) -> tuple[subprocess.CompletedProcess, str, list[str]]:
+    """sessions/headline.sh PART (run_session): its result, every command, and the harness runs among them."""
+    done, text = run_session(tmp_path, "headline.sh", part, **env)
     return done, text, [line for line in text.splitlines() if line.startswith("-m benchmarks.run --shape")]
 
 

@@ -5,7 +5,6 @@ sessions/layer_paths.sh's commands."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -19,7 +18,7 @@ if str(ROOT) not in sys.path:
 from benchmarks import make_hf_model  # noqa: E402
 from benchmarks import run as bench  # noqa: E402
 from benchmarks.peers import common, hf_liger, slidedp_run  # noqa: E402
-from benchmarks.tests.test_benchmark_harness import FAKE_PYTHON  # noqa: E402
+from benchmarks.tests.test_benchmark_harness import run_session  # noqa: E402
 from slidedp.model.hf import read_config  # noqa: E402
 
 
@@ -53,8 +52,7 @@ def test_make_hf_model_writes_a_folder_slidedp_reads(tmp_path, capsys):
     big, small = make_hf_model.make_config("qwen3-moe-5.8b").to_dict(), make_hf_model.make_config("qwen3-moe-4.5b").to_dict()
     assert {k for k in big if big[k] != small.get(k)} == {"num_hidden_layers"}
     assert (big["num_hidden_layers"], small["num_hidden_layers"], small["num_local_experts"],
-            small["num_experts_per_tok"]) == (
-        16, 12, 64, 8)
+            small["num_experts_per_tok"]) == (16, 12, 64, 8)
 
 
 @pytest.mark.slow  # 19 s; tests/data/test_family_equivalence.py holds SlideDP to transformers on folders by default
@@ -134,18 +132,10 @@ def test_liger_is_asked_for_the_kernels_each_family_has(monkeypatch):
 
 
 def _layer_paths(tmp_path: Path, *parts: str) -> list[str]:
-    """Every command sessions/layer_paths.sh OUT PART... runs, with a fake python3 that records them (and
-    writes an empty table); models in tmp_path/m."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "python3").write_text(FAKE_PYTHON)
-    (bin_dir / "python3").chmod(0o755)
-    calls = tmp_path / "calls"
-    env = {**os.environ, "PATH": f"{bin_dir}:/usr/bin:/bin", "FAKE_CALLS": str(calls), "MODELS": str(tmp_path / "m")}
-    done = subprocess.run(["bash", str(ROOT / "benchmarks/sessions/layer_paths.sh"), str(tmp_path / "out"), *parts],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    """Every command sessions/layer_paths.sh OUT PART... runs (run_session's fake python3); models in tmp_path/m."""
+    done, text = run_session(tmp_path, "layer_paths.sh", *parts, MODELS=str(tmp_path / "m"))
     assert done.returncode == 0, done.stderr
-    return calls.read_text().splitlines()
+    return text.splitlines()
 
 
 def test_the_layer_paths_session_runs_each_system_in_its_own_command(tmp_path):
