@@ -85,11 +85,13 @@ def family_run(tmp_path_factory, folder, workers: int, micro: int) -> Launched:
     """(proc, run_dir, sets, store) of the family's job (packed chat rows, clipping at 0.5, three steps) on
     these ranks and micro-batches, launched once per session: test_layer_chunks compares gpt-oss's run,
     its layers cut by the layout's rule, with the same job on whole layers."""
-    # a step of lr 3e-3 moves these tiny weights by a tenth of their size, after which fp32's rounding
-    # (ours or transformers') shows at 1e-4; 5e-4 keeps three steps better conditioned
-    return launch_once(("family", str(folder), workers, micro), tmp_path_factory, lambda store, run_dir: [
-        s for s in job_sets(folder, workers, micro, "packed", 0.5, store, run_dir) if not s.startswith("train.lr")]
-        + ["train.lr=5e-4"])
+    def sets_for(store: str, run_dir) -> list[str]:
+        # a step of lr 3e-3 moves these tiny weights by a tenth of their size, after which fp32's rounding
+        # (ours or transformers') shows at 1e-4; 5e-4 keeps three steps better conditioned
+        sets = job_sets(folder, workers, micro, "packed", 0.5, store, run_dir)
+        return [s for s in sets if not s.startswith("train.lr")] + ["train.lr=5e-4"]
+
+    return launch_once(("family", str(folder), workers, micro), tmp_path_factory, sets_for)
 
 
 # A gradient norm after an update amplifies the update's float32 rounding by the model's conditioning, and a
